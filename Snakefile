@@ -1,0 +1,20 @@
+# snakellm: raw text shards -> jsonl chunks -> Megatron .bin/.idx -> checkpoints
+# -> .nemo / Hugging Face -> fine-tunes -> evaluation and a report.
+# See README.md; the graph and layout are described in docs there.
+
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+
+
+rule all:
+    input:
+        get_all_targets(),
+    default_target: True

@@ -1,0 +1,38 @@
+# download (http sources) and chunk: sources -> data/jsonl/{source}/{chunk}.jsonl
+
+
+rule download:
+    output:
+        manifest="data/raw/{source}/{chunk}.manifest.json",
+    params:
+        dest=get_raw_dir,
+        urls=get_download_urls,
+        options=get_download_options,
+    log:
+        "logs/download/{source}/{chunk}.log",
+    resources:
+        downloads=1,
+    shell:
+        "snakellm download --dest {params.dest} --manifest {output.manifest} "
+        "--source {wildcards.source} --chunk {wildcards.chunk} {params.options} "
+        "{params.urls:q} 2> {log}"
+
+
+rule chunk:
+    input:
+        get_chunk_input,
+    output:
+        jsonl="data/jsonl/{source}/{chunk}.jsonl",
+        stats="data/jsonl/{source}/{chunk}.stats.json",
+        rejected="data/jsonl/{source}/{chunk}.rejected.jsonl",
+    params:
+        format=get_source_format,
+        key=get_source_key,
+    log:
+        "logs/chunk/{source}/{chunk}.log",
+    benchmark:
+        "benchmarks/chunk/{source}/{chunk}.tsv"
+    shell:
+        "snakellm chunk {input:q} --output {output.jsonl} --stats {output.stats} "
+        "--rejected {output.rejected} --format {params.format} --key {params.key:q} "
+        "--source {wildcards.source} --chunk {wildcards.chunk} 2> {log}"

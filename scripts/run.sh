@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: the whole default workflow on the shipped corpus, on CPU.
+# Extra arguments go to snakemake (e.g. a target, -n, --forceall).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+export PATH="$PWD/.venv/bin:$PATH"
+exec snakemake --profile profiles/default "$@"

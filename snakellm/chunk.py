@@ -1,0 +1,275 @@
+"""``snakellm chunk``: stream a chunk's shards into one validated jsonl file.
+
+Every input line ends up in exactly one place: the chunk's ``.jsonl`` (one JSON
+document per line, text under the configured key) or its ``.rejected.jsonl``
+(shard, line number, reason and the raw content). ``.stats.json`` counts both.
+The job verifies its own output before publishing it: the written files are
+re-counted and accepted + rejected must equal the lines read, or it fails.
+All three outputs appear atomically, the stats file last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+import orjson
+
+from .atomic import atomic_group
+from .readers import open_shard
+from .progress import progress
+
+FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks")
+REASONS = (
+    "blank_line",
+    "invalid_utf8",
+    "invalid_unicode",
+    "invalid_json",
+    "not_object",
+    "missing_key",
+    "not_string",
+    "empty_text",
+)
+
+
+class VerificationError(RuntimeError):
+    pass
+
+
+def _classify_bad_json(line: bytes) -> str:
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return "invalid_utf8"
+    try:
+        json.loads(s)  # accepts lone surrogate escapes that orjson refuses
+        return "invalid_unicode"
+    except ValueError:
+        return "invalid_json"
+
+
+def _text_documents(path: str, fmt: str) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw bytes) of the documents of a plain-text shard."""
+    with open_shard(path) as fh:
+        data = fh.read()
+    if fmt == "text":
+        yield 1, data
+        return
+    # text-blocks: documents separated by one or more blank lines
+    block: list[bytes] = []
+    start = 1
+    for i, line in enumerate(data.splitlines(keepends=True), start=1):
+        if line.strip():
+            if not block:
+                start = i
+            block.append(line)
+        elif block:
+            yield start, b"".join(block)
+            block = []
+    if block:
+        yield start, b"".join(block)
+
+
+def _count_lines(path: Path) -> int:
+    n = 0
+    last = b"\n"
+    with open(path, "rb") as fh:
+        while buf := fh.read(1 << 24):
+            n += buf.count(b"\n")
+            last = buf[-1:]
+    return n + (last != b"\n")
+
+
+def build_chunk(
+    shards: list[str],
+    out: str,
+    *,
+    fmt: str,
+    key: str = "text",
+    rejected: str | None = None,
+    stats: str | None = None,
+    source: str = "",
+    chunk: str = "",
+    show_progress: bool = True,
+) -> dict:
+    """Concatenate and validate ``shards`` into ``out``; return the stats dict."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    out_p = Path(out)
+    rej_p = Path(rejected) if rejected else out_p.with_name(out_p.name.removesuffix(".jsonl") + ".rejected.jsonl")
+    stats_p = Path(stats) if stats else out_p.with_name(out_p.name.removesuffix(".jsonl") + ".stats.json")
+    for s in shards:
+        if not os.path.isfile(s):
+            raise FileNotFoundError(f"shard not found: {s}")
+
+    reasons: Counter[str] = Counter()
+    per_shard = []
+    lines_read = docs = bytes_in = bytes_out = 0
+    t0 = time.perf_counter()
+    total_size = sum(os.path.getsize(s) for s in shards)
+    dumps, loads, JSONDecodeError = orjson.dumps, orjson.loads, orjson.JSONDecodeError
+
+    with atomic_group(out_p, rej_p, stats_p) as (tmp_out, tmp_rej, tmp_stats):
+        with open(tmp_out, "wb", buffering=1 << 22) as fo, open(tmp_rej, "wb") as fr, progress(
+            total=total_size, unit="B", unit_scale=True, desc=f"chunk {source}/{chunk}", enabled=show_progress
+        ) as bar:
+
+            def reject(shard: str, lineno: int, reason: str, raw: bytes) -> None:
+                reasons[reason] += 1
+                fr.write(
+                    dumps(
+                        {
+                            "shard": shard,
+                            "line": lineno,
+                            "reason": reason,
+                            "content": raw.decode("utf-8", "backslashreplace"),
+                        }
+                    )
+                    + b"\n"
+                )
+
+            for shard in shards:
+                s_lines = s_docs = 0
+                s_rej_before = sum(reasons.values())
+                if fmt.startswith("jsonl"):
+                    with open_shard(shard, fmt) as fh:
+                        for lineno, line in enumerate(fh, start=1):
+                            s_lines += 1
+                            bytes_in += len(line)
+                            body = line.rstrip(b"\r\n")
+                            if not body.strip():
+                                reject(shard, lineno, "blank_line", body)
+                                continue
+                            try:
+                                obj = loads(body)
+                            except JSONDecodeError:
+                                reject(shard, lineno, _classify_bad_json(body), body)
+                                continue
+                            if type(obj) is not dict:
+                                reject(shard, lineno, "not_object", body)
+                                continue
+                            text = obj.get(key)
+                            if text is None and key not in obj:
+                                reject(shard, lineno, "missing_key", body)
+                            elif type(text) is not str:
+                                reject(shard, lineno, "not_string", body)
+                            elif not text.strip():
+                                reject(shard, lineno, "empty_text", body)
+                            else:
+                                fo.write(body)
+                                fo.write(b"\n")
+                                bytes_out += len(body) + 1
+                                s_docs += 1
+                else:
+                    for lineno, raw in _text_documents(shard, fmt):
+                        s_lines += 1
+                        bytes_in += len(raw)
+                        try:
+                            text = raw.decode("utf-8")
+                        except UnicodeDecodeError:
+                            reject(shard, lineno, "invalid_utf8", raw)
+                            continue
+                        if not text.strip():
+                            reject(shard, lineno, "empty_text", raw)
+                            continue
+                        rec = dumps({key: text}) + b"\n"
+                        fo.write(rec)
+                        bytes_out += len(rec)
+                        s_docs += 1
+                lines_read += s_lines
+                docs += s_docs
+                per_shard.append(
+                    {
+                        "shard": shard,
+                        "lines": s_lines,
+                        "documents": s_docs,
+                        "rejected": sum(reasons.values()) - s_rej_before,
+                    }
+                )
+                bar.update(os.path.getsize(shard))
+
+        # Verification: what is on disk must account for every line read.
+        written = _count_lines(tmp_out)
+        quarantined = _count_lines(tmp_rej)
+        n_rej = sum(reasons.values())
+        if written != docs or quarantined != n_rej or docs + n_rej != lines_read:
+            raise VerificationError(
+                f"chunk {out}: read {lines_read} lines but wrote {written} documents "
+                f"(counted {docs}) and {quarantined} rejected (counted {n_rej})"
+            )
+        seconds = time.perf_counter() - t0
+        result = {
+            "source": source,
+            "chunk": chunk,
+            "format": fmt,
+            "key": key,
+            "shards": len(shards),
+            "lines_read": lines_read,
+            "documents": docs,
+            "rejected": n_rej,
+            "rejected_by_reason": {r: reasons[r] for r in REASONS if reasons[r]},
+            "bytes_in_compressed": total_size,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "seconds": round(seconds, 3),
+            "mb_per_s": round(bytes_in / 1e6 / seconds, 1) if seconds > 0 else None,
+            "per_shard": per_shard,
+        }
+        tmp_stats.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _read_manifest(path: str) -> list[str]:
+    with open(path) as fh:
+        man = json.load(fh)
+    base = Path(path).parent
+    return [str(base / s["path"]) if not os.path.isabs(s["path"]) else s["path"] for s in man["shards"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="snakellm chunk",
+        description="Concatenate a chunk's shards (zstd, gzip or plain) into one validated jsonl file, "
+        "quarantining bad lines with their shard, line number and reason.",
+    )
+    p.add_argument("shards", nargs="*", help="shard files in chunk order")
+    p.add_argument("--manifest", action="append", default=[], help="download manifest(s) listing the shards")
+    p.add_argument("-o", "--output", required=True, help="the chunk's .jsonl")
+    p.add_argument("--rejected", help="default: {output stem}.rejected.jsonl")
+    p.add_argument("--stats", help="default: {output stem}.stats.json")
+    p.add_argument("--format", default="jsonl", choices=FORMATS, help="shard format (default jsonl)")
+    p.add_argument("--key", default="text", help="JSON key holding the document text (default text)")
+    p.add_argument("--source", default="", help="source name, recorded in the stats")
+    p.add_argument("--chunk", default="", help="chunk name, recorded in the stats")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    shards = list(a.shards)
+    for m in a.manifest:
+        shards.extend(_read_manifest(m))
+    if not shards:
+        p.error("no shards given (positional files or --manifest)")
+    try:
+        st = build_chunk(
+            shards, a.output, fmt=a.format, key=a.key, rejected=a.rejected, stats=a.stats,
+            source=a.source, chunk=a.chunk, show_progress=not a.no_progress,
+        )
+    except (FileNotFoundError, ValueError, VerificationError) as e:
+        print(f"snakellm chunk: error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"{a.output}: {st['documents']} documents, {st['rejected']} rejected "
+        f"{st['rejected_by_reason'] or ''} from {st['lines_read']} lines in {st['shards']} shards, "
+        f"{st['bytes_in'] / 1e6:.1f} MB at {st['mb_per_s']} MB/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""``snakellm <step> ...``: one command per workflow step.
+
+Each step is a module with its own ``main(argv)`` (and ``--help``), so the same
+step runs from a rule, by hand, under ``srun`` or inside a container, and also
+as ``python -m snakellm.<module>``. Modules are imported lazily: ``snakellm
+chunk`` must not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# step name -> (module, one-line summary)
+STEPS: dict[str, tuple[str, str]] = {
+    "download": ("snakellm.download", "fetch a chunk's http shards with retries, resume and a sha256 manifest"),
+    "chunk": ("snakellm.chunk", "stream a chunk's shards into one validated jsonl (+ rejected lines, stats)"),
+    "train-tokenizer": ("snakellm.train_tokenizer", "train a SentencePiece tokenizer on a sample of the chunks"),
+    "tokenize": ("snakellm.tokenize", "tokenize a chunk into Megatron .bin/.idx (MMIDIDX)"),
+    "blend": ("snakellm.blend", "write Megatron's data_prefix blend for a tokenizer"),
+    "train": ("snakellm.train", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
+    "plan": ("snakellm.plan_cli", "print the chunk plan of the configured sources"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, STEPS))
+    lines = [
+        "usage: snakellm <step> [options]   (snakellm <step> --help for a step's options)",
+        "",
+        "A Snakemake build system for LLM data and training; these are its steps:",
+        "",
+    ]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in STEPS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(__version__)
+        return 0
+    step = argv.pop(0)
+    if step not in STEPS:
+        print(f"snakellm: unknown step {step!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(STEPS[step][0])
+    return int(module.main(argv) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
