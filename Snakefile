@@ -12,6 +12,8 @@ configfile: "config/config.yaml"
 
 include: "rules/common.smk"
 include: "rules/data.smk"
+include: "rules/tokenize.smk"
+include: "rules/train.smk"
 
 
 rule all:

@@ -83,9 +83,23 @@ def get_all_chunk_targets():
     return [p for s, chunks in PLAN.items() for c in chunks for p in chunk_outputs(s, c)]
 
 
+# ---------------------------------------------------------------- tokenize stage (rules/tokenize.smk)
+
+
+def get_tokenize_targets():
+    return []
+
+
+# ---------------------------------------------------------------- train stage (rules/train.smk)
+
+
+def get_train_targets():
+    return []
+
+
 # ---------------------------------------------------------------- targets
 
 
 def get_all_targets():
     """What `snakemake` with no target builds: every stage of the default graph."""
-    return get_all_chunk_targets()
+    return get_all_chunk_targets() + get_tokenize_targets() + get_train_targets()

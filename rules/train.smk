@@ -1,0 +1,1 @@
+# pretrain: blend -> runs/{run}/checkpoints
