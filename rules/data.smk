@@ -36,3 +36,9 @@ rule chunk:
         "snakellm chunk {input:q} --output {output.jsonl} --stats {output.stats} "
         "--rejected {output.rejected} --format {params.format} --key {params.key:q} "
         "--source {wildcards.source} --chunk {wildcards.chunk} 2> {log}"
+
+
+rule data:
+    """Every chunk of every source: `snakemake data` stops after the data stage."""
+    input:
+        get_all_chunk_targets(),

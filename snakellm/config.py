@@ -60,8 +60,11 @@ def _describe(err: jsonschema.ValidationError) -> str:
         return f"config key {where}: {err.instance!r} is not one of {', '.join(map(str, err.validator_value))}"
     if err.validator == "type":
         return f"config key {where}: {err.instance!r} is not of type {err.validator_value}"
-    if err.validator == "propertyNames":
-        return f"config key {where}: bad name {err.instance!r}: {err.message}"
+    if "propertyNames" in err.absolute_schema_path:
+        return (
+            f"config key {where}: bad name {err.instance!r} "
+            "(names use letters, digits, '_', '.', '-' and start with a letter or digit)"
+        )
     return f"config key {where}: {err.message}"
 
 

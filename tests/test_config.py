@@ -1,0 +1,78 @@
+"""Config validation: defaults filled in, and errors that name the key before any job runs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, small_config
+from snakellm import config as cfgmod
+
+SCHEMA = cfgmod.load_schema(REPO / "config" / "schema.yaml")
+BASE = {"sources": {"web": {"kind": "local", "path": "x/*.jsonl", "format": "jsonl", "shards_per_chunk": 2}}}
+
+
+def _validate(cfg):
+    return cfgmod.validate(copy.deepcopy(cfg), SCHEMA)
+
+
+def test_defaults_are_filled():
+    cfg = _validate(BASE)
+    src = cfg["sources"]["web"]
+    assert src["key"] == "text" and src["weight"] == 1.0
+    assert cfg["download"]["retries"] >= 1 and cfg["download"]["concurrency"] >= 1
+
+
+def test_embedded_default_config_is_valid():
+    cfgmod.load(REPO / "config" / "config.yaml", REPO / "config" / "schema.yaml")
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c: c["sources"]["web"].update(shard_per_chunk=3), "sources.web: unknown key 'shard_per_chunk'"),
+        (lambda c: c.update(sourcs={}), "<top level>: unknown key 'sourcs'"),
+        (lambda c: c["sources"]["web"].update(shards_per_chunk="many"), "sources.web.shards_per_chunk: 'many' is not of type integer"),
+        (lambda c: c["sources"]["web"].update(shards_per_chunk=0), "sources.web.shards_per_chunk"),
+        (lambda c: c["sources"]["web"].update(format="parquet"), "sources.web.format: 'parquet' is not one of"),
+        (lambda c: c["sources"]["web"].update(kind="s3"), "sources.web.kind"),
+        (lambda c: c["sources"]["web"].pop("path"), "'path' is a required property"),
+        (lambda c: c["sources"]["web"].update(weight=-1), "sources.web.weight"),
+        (lambda c: c["sources"].update({"bad name!": c["sources"]["web"]}), "bad name 'bad name!'"),
+        (lambda c: c.update(download={"retries": "3"}), "download.retries: '3' is not of type integer"),
+    ],
+)
+def test_errors_name_the_key(mutate, message):
+    cfg = copy.deepcopy(BASE)
+    mutate(cfg)
+    with pytest.raises(cfgmod.ConfigError) as e:
+        _validate(cfg)
+    assert message in str(e.value)
+
+
+def test_http_source_needs_url_or_urls():
+    cfg = {"sources": {"sp": {"kind": "http", "format": "jsonl.zst", "shards_per_chunk": 800}}}
+    with pytest.raises(cfgmod.ConfigError, match="sources.sp"):
+        _validate(cfg)
+    cfg["sources"]["sp"]["url"] = "https://h/chunk{1..10}/example_train_{0..5999}.jsonl.zst"
+    _validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c: c["sources"]["wikitext"].update(shards_per_chunk="six"), "sources.wikitext.shards_per_chunk"),
+        (lambda c: c["sources"]["botchan"].update(colour="red"), "unknown key 'colour'"),
+        (lambda c: c["sources"]["botchan"].update(path="resources/corpus/missing/*.jsonl"), "sources.botchan: no shards found"),
+    ],
+)
+def test_snakemake_refuses_a_bad_config_before_any_job(workspace, mutate, message):
+    cfg = small_config(workspace.root)
+    mutate(cfg)
+    workspace.write_config(cfg)
+    proc = workspace.run("data", check=False)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+    assert not (workspace.root / "data").exists()  # nothing ran

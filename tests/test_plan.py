@@ -1,0 +1,57 @@
+"""Chunk planning: brace templates, natural order, and appending only touching the last chunk."""
+
+import pytest
+
+from snakellm import plan
+
+
+def test_expand_braces_slimpajama_layout():
+    urls = plan.expand_braces("https://h/train/chunk{1..10}/example_train_{0..5999}.jsonl.zst")
+    assert len(urls) == 60_000
+    assert urls[0] == "https://h/train/chunk1/example_train_0.jsonl.zst"
+    assert urls[-1] == "https://h/train/chunk10/example_train_5999.jsonl.zst"
+
+
+def test_expand_braces_lists_padding_and_steps():
+    assert plan.expand_braces("a{x,y}b") == ["axb", "ayb"]
+    assert plan.expand_braces("s{00..02}") == ["s00", "s01", "s02"]
+    assert plan.expand_braces("{0..6..3}") == ["0", "3", "6"]
+    assert plan.expand_braces("plain") == ["plain"]
+    with pytest.raises(ValueError, match="bad brace group"):
+        plan.expand_braces("x{nope}")
+
+
+def test_natural_order_puts_2_before_10():
+    names = ["c10/e_1", "c2/e_10", "c2/e_2", "c1/e_0"]
+    assert plan.natural_sorted(names) == ["c1/e_0", "c2/e_2", "c2/e_10", "c10/e_1"]
+
+
+def test_slimpajama_plan_is_75_chunks_and_appending_touches_only_the_last():
+    spec = {"kind": "http", "url": "https://h/chunk{1..10}/example_train_{0..5999}.jsonl.zst", "shards_per_chunk": 800}
+    before = plan.plan_source(spec)
+    assert len(before) == 75  # 60,000 / 800
+    assert sum(map(len, before.values())) == 60_000
+    assert list(before)[0] == "chunk-00000" and list(before)[-1] == "chunk-00074"
+    spec2 = dict(spec, urls=["https://h/chunk10/example_train_6000.jsonl.zst"])
+    after = plan.plan_source(spec2)
+    changed = [c for c in after if after[c] != before.get(c)]
+    assert changed == ["chunk-00075"]  # 60,001 shards: a new last chunk, nothing else moves
+
+
+def test_local_plan_sorted_and_relative(tmp_path):
+    for i in [0, 1, 2, 10, 11]:
+        (tmp_path / "d").mkdir(exist_ok=True)
+        (tmp_path / "d" / f"s_{i}.jsonl").write_text("{}\n")
+    chunks = plan.plan_source({"kind": "local", "path": "d/*.jsonl", "shards_per_chunk": 2}, base=tmp_path)
+    assert chunks == {
+        "chunk-00000": ["d/s_0.jsonl", "d/s_1.jsonl"],
+        "chunk-00001": ["d/s_2.jsonl", "d/s_10.jsonl"],
+        "chunk-00002": ["d/s_11.jsonl"],
+    }
+
+
+def test_url_to_relpath_is_stable_and_safe():
+    assert plan.url_to_relpath("https://h:8080/a/b.zst") == "h_8080/a/b.zst"
+    assert plan.url_to_relpath("http://h/a/b?x=1").startswith("h/a/b.")
+    with pytest.raises(ValueError):
+        plan.url_to_relpath("http://h/../../etc/passwd")
