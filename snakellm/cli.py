@@ -20,6 +20,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "blend": ("snakellm.blend", "write Megatron's data_prefix blend for a tokenizer"),
     "train": ("snakellm.train", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
     "plan": ("snakellm.plan_cli", "print the chunk plan of the configured sources"),
+    "launch": ("snakellm.launch", "print the srun/torchrun/container command line the pretrain rule runs"),
 }
 
 
