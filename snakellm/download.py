@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import email.utils
 import fcntl
 import hashlib
@@ -141,7 +142,7 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     if when is None:
         return None
     if when.tzinfo is None:  # RFC 9110 dates are GMT; be lenient with servers that omit it
-        when = when.replace(tzinfo=__import__("datetime").timezone.utc)
+        when = when.replace(tzinfo=datetime.timezone.utc)
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
@@ -239,11 +240,14 @@ class _Progress:
         self._lock = threading.Lock()
         self._n_shards = n_shards
         self._done = 0
+        self._tty = sys.stderr.isatty()
+        self._shown: float | None = None
 
     def add_total(self, n: int) -> None:
+        # no refresh here: in a log file tqdm only prints every 30 s, and
+        # an explicit refresh per shard would print a line per shard
         with self._lock:
             self._bar.total = (self._bar.total or 0) + n
-            self._bar.refresh()
 
     def update(self, n: int) -> None:
         with self._lock:
@@ -255,8 +259,16 @@ class _Progress:
             self._bar.set_postfix_str(f"{self._done}/{self._n_shards} shards", refresh=False)
 
     def write(self, msg: str) -> None:
+        """A retry/failure message: above the bar in a terminal, a plain line in a log file."""
         with self._lock:
-            self._bar.write(msg, file=sys.stderr)
+            if self._tty:
+                self._bar.write(msg, file=sys.stderr)
+            else:
+                # tqdm leaves its last line open ("\r<bar>"): start a fresh one after it
+                shown = getattr(self._bar, "last_print_t", None)
+                fresh = "\n" if shown is not None and shown != self._shown else ""
+                self._shown = shown
+                print(fresh + msg, file=sys.stderr, flush=True)
 
 
 def _content_range(value: str | None) -> tuple[int, int, int | None] | None:
@@ -285,13 +297,18 @@ def fetch_shard(
     final.parent.mkdir(parents=True, exist_ok=True)
     part = _part_path(final)
     fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
-    with os.fdopen(fd, "r+b") as fh:
+    # Unbuffered: every byte received is in the page cache at once, so even a
+    # killed process leaves a .part holding all of it for the next run to resume.
+    with os.fdopen(fd, "r+b", buffering=0) as fh:
         # Two processes appending to one .part would splice garbage into it.
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ShardError(url, f"{part} is being written by another process") from None
-        if final.exists():  # the other process finished while we waited for nothing
+        if final.exists():  # another process finished it between our check and our open
+            with contextlib.suppress(OSError):
+                if os.fstat(fh.fileno()).st_size == 0 and os.stat(part).st_ino == os.fstat(fh.fileno()).st_ino:
+                    part.unlink()  # the empty .part our open() just created
             return _reuse_complete(url, final)
         return _fetch_locked(url, final, part, fh, opts, bar, stop, log)
 
@@ -313,7 +330,9 @@ class _Part:
 
     def append(self, buf: bytes) -> None:
         try:
-            self.fh.write(buf)
+            view = memoryview(buf)
+            while view:  # a raw write may be short
+                view = view[self.fh.write(view) :]
         except OSError as e:  # disk full, quota: not a network problem, retrying will not help
             raise ShardError(self.url, f"cannot write {_part_path(self.final)}: {e}") from None
         self.hasher.update(buf)
@@ -555,7 +574,11 @@ def download_chunk(
 
         def job(i: int) -> None:
             try:
-                results[i] = fetch_shard(urls[i], paths[i], opts, bar, stop, bar.write)
+                results[i] = r = fetch_shard(urls[i], paths[i], opts, bar, stop, bar.write)
+                if r.reused:
+                    bar.add_total(r.size)
+                    bar.update(r.size)
+                    bar.shard_done()
             except ShardError as e:
                 errors.append(e)
                 bar.write(f"failed: {e}")
@@ -570,8 +593,10 @@ def download_chunk(
             for f in [pool.submit(job, i) for i in range(len(urls))]:
                 f.result()
         except BaseException:
-            stop.set()  # workers leave within one read timeout; .part files stay for resume
-            pool.shutdown(wait=True, cancel_futures=True)
+            # Ctrl-C: workers leave at their next read (or read timeout); do not
+            # wait for them here. Their .part files stay for the next run.
+            stop.set()
+            pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown(wait=True)
     seconds = time.perf_counter() - t0
@@ -673,8 +698,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"snakellm download: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("snakellm download: interrupted; partial files kept for the next run", file=sys.stderr)
-        return 130
+        print("snakellm download: interrupted; partial files kept for the next run", file=sys.stderr, flush=True)
+        # Do not wait up to --timeout for worker threads blocked in a read. Exiting
+        # now is as safe as SIGKILL: a .part always holds a prefix of the body,
+        # and the next run hashes it from disk before resuming.
+        os._exit(130)
     s = man["_stats"]
     print(
         f"{a.manifest}: {len(man['shards'])} shards, {man['size'] / 1e6:.1f} MB "

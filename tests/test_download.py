@@ -171,6 +171,18 @@ def test_read_timeout_mid_body_resumes_with_range(run, srv):
     run.assert_complete(SHARDS[:1])
 
 
+def test_resume_follows_redirects_with_the_range(run, srv):
+    # mirrors and CDNs redirect; the Range must survive the redirect
+    srv.inject(SHARDS[0], {"drop_after": 5000}, {"status": 302, "headers": {"Location": "/mirror/" + SHARDS[0]}})
+    (srv.root / "mirror" / "chunk1").mkdir(parents=True)
+    shutil.copy(srv.root / SHARDS[0], srv.root / "mirror" / SHARDS[0])
+    rc, err = run(SHARDS[:1])
+    assert rc == 0, err
+    assert [(r.range, r.status) for r in srv.seen(SHARDS[0])] == [(None, 200), ("bytes=5000-", 302)]
+    assert [(r.range, r.status) for r in srv.seen("mirror/" + SHARDS[0])] == [("bytes=5000-", 206)]
+    run.assert_complete(SHARDS[:1])  # stored under the original URL's path
+
+
 def test_200_answer_to_a_range_request_restarts_from_zero(run, srv):
     srv.inject(SHARDS[0], {"drop_after": 7000}, {"ignore_range": True})
     rc, err = run(SHARDS[:1])
@@ -214,6 +226,28 @@ def test_failed_run_keeps_the_part_and_the_next_run_resumes_it(run, srv):
     (only,) = srv.seen()
     assert (only.path, only.range, only.status, only.body_bytes) == ("/" + SHARDS[5], "bytes=6000-", 206, size - 6000)
     run.assert_complete(SHARDS)
+
+
+def test_killed_process_leaves_no_final_file_and_the_next_run_resumes(run, srv):
+    # SIGKILL mid-body (a preempted Slurm job, an OOM kill): nothing may look complete
+    srv.inject(SHARDS[1], {"stall_after": 3000, "stall_s": 10})
+    argv = [str(Path(sys.executable).parent / "snakellm"), "download", "--dest", str(run.dest), "--manifest",
+            str(run.manifest), "--no-progress", *[srv.url(r) for r in SHARDS[:2]]]
+    proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    part = Path(str(run.local(SHARDS[1])) + ".part")
+    deadline = time.monotonic() + 20
+    while not (part.exists() and part.stat().st_size == 3000 and run.local(SHARDS[0]).exists()):
+        assert time.monotonic() < deadline and proc.poll() is None, "download did not reach the stall"
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    assert not run.local(SHARDS[1]).exists() and not run.manifest.exists()
+    srv.clear()
+    rc, err = run(SHARDS[:2])
+    assert rc == 0, err
+    (only,) = srv.seen()
+    assert (only.path, only.range, only.status) == ("/" + SHARDS[1], "bytes=3000-", 206)
+    run.assert_complete(SHARDS[:2])
 
 
 def test_part_of_a_file_that_changed_on_the_server_restarts(run, srv):
