@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Concatenate a chunk's shards (zstd, gzip or plain) into one validated jsonl file, "
         "quarantining bad lines with their shard, line number and reason.",
     )
-    p.add_argument("shards", nargs="*", help="shard files in chunk order")
+    p.add_argument("shards", nargs="*", help="shard files in chunk order (a *.manifest.json stands for the shards it lists)")
     p.add_argument("--manifest", action="append", default=[], help="download manifest(s) listing the shards")
     p.add_argument("-o", "--output", required=True, help="the chunk's .jsonl")
     p.add_argument("--rejected", help="default: {output stem}.rejected.jsonl")
@@ -249,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", default="", help="chunk name, recorded in the stats")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
-    shards = list(a.shards)
+    # The chunk rule passes its input as is: for an http source that is the
+    # download manifest, which stands for the shards it lists.
+    shards: list[str] = []
+    for s in a.shards:
+        shards.extend(_read_manifest(s) if s.endswith(".manifest.json") else [s])
     for m in a.manifest:
         shards.extend(_read_manifest(m))
     if not shards:
