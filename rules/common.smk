@@ -97,6 +97,18 @@ def get_train_targets():
     return []
 
 
+# ---------------------------------------------------------------- launch (snakellm/launch.py)
+
+
+def get_launch_prefix(wildcards, resources):
+    """`srun ...` (Slurm profile, mpi="srun"), `torchrun ...` (tasks > 1) or "" in front of a
+    training command, plus the configured container. Taking `resources` keeps it out of
+    Snakemake's params rerun trigger: changing profile or node count retrains nothing."""
+    from snakellm.launch import launch_prefix
+
+    return launch_prefix(resources, config.get("container"))
+
+
 # ---------------------------------------------------------------- targets
 
 
