@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from httpserver import ShardServer
-from snakellm import download
+from snakellm import chunk, download
 from snakellm.chunk import _read_manifest
 from snakellm.plan import url_to_relpath
 
@@ -91,6 +91,16 @@ def test_downloads_every_shard_with_manifest_and_checksums(run, srv):
     man = json.loads(run.manifest.read_text())
     assert all(not Path(s["path"]).is_absolute() and s["path"].startswith("shards/") for s in man["shards"])
     assert (man["source"], man["chunk"]) == ("web", "chunk-00000")
+
+
+def test_snakellm_chunk_reads_the_manifest(run, srv, tmp_path):
+    # the contract with the chunk step: the manifest stands for its shards, in order
+    assert run(SHARDS)[0] == 0
+    out = tmp_path / "c.jsonl"
+    assert chunk.main([str(run.manifest), "-o", str(out), "--format", "jsonl.zst", "--no-progress"]) == 0
+    stats = json.loads(out.with_name("c.stats.json").read_text())
+    assert [Path(s["shard"]) for s in stats["per_shard"]] == [run.local(r) for r in SHARDS]
+    assert stats["documents"] > 0 and stats["rejected"] == 0
 
 
 def test_complete_shards_are_never_fetched_again(run, srv):

@@ -100,6 +100,17 @@ def test_http_source_downloads_chunks_and_a_rerun_fetches_nothing(ws, srv):
     assert ws.changed(before) == set()
     assert srv.seen() == [], "a rerun sent requests"
 
+    # re-planning (4 shards per chunk instead of 6) reruns the jobs but fetches nothing:
+    # shards live by URL, not by chunk
+    cfg = ws.read_config()
+    cfg["sources"]["web"]["shards_per_chunk"] = 4
+    ws.write_config(cfg)
+    ws.run(*[f"data/jsonl/web/chunk-0000{i}.jsonl" for i in range(4)])
+    assert srv.seen() == [], "re-planning chunks downloaded shards again"
+    mans = [json.loads(ws.path(f"data/raw/web/chunk-0000{i}.manifest.json").read_text()) for i in range(4)]
+    assert [len(m["shards"]) for m in mans] == [4, 4, 4, 4]
+    assert sum(json.loads(ws.path(f"data/jsonl/web/chunk-0000{i}.stats.json").read_text())["documents"] for i in range(4)) == 62
+
 
 def test_failed_shard_fails_its_job_naming_the_url_and_the_retry_fetches_only_it(ws, srv):
     missing = CHUNKS["chunk-00000"][2]
