@@ -55,3 +55,14 @@ def test_url_to_relpath_is_stable_and_safe():
     assert plan.url_to_relpath("http://h/a/b?x=1").startswith("h/a/b.")
     with pytest.raises(ValueError):
         plan.url_to_relpath("http://h/../../etc/passwd")
+
+
+def test_plan_cli_prints_the_default_plan(capsys, monkeypatch):
+    from conftest import REPO
+    from snakellm import plan_cli
+
+    monkeypatch.chdir(REPO)
+    assert plan_cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "wikitext: 16 shards -> 3 chunks of <= 6" in out
+    assert "botchan: 1 shards -> 1 chunks" in out
