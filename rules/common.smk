@@ -27,6 +27,15 @@ def _plan_all():
         if not chunks:
             where = spec.get("path") or spec.get("url") or spec.get("urls")
             raise WorkflowError(f"invalid config: config key sources.{name}: no shards found for {where!r}")
+        # Snakemake runs a job as `bash -c "<command>"`, and Linux caps one argument at
+        # 128 KiB: a chunk's shard list must fit on its command line with room to spare.
+        longest = max(sum(len(s) + 3 for s in shards) for shards in chunks.values())
+        if longest > 110_000:
+            raise WorkflowError(
+                f"invalid config: config key sources.{name}.shards_per_chunk: "
+                f"{spec['shards_per_chunk']} shards make a {longest // 1024} KiB command line "
+                f"(the limit is 128 KiB); use fewer shards per chunk"
+            )
         plans[name] = chunks
     return plans
 
@@ -85,9 +94,137 @@ def get_all_chunk_targets():
 
 # ---------------------------------------------------------------- tokenize stage (rules/tokenize.smk)
 
+TOKENIZERS = config["tokenizers"]  # {name: spec}
+TOKENIZE_THREADS = config["tokenize"]["threads"]
+TOKENIZE_DEFAULT = config["tokenize"].get("tokenizers", list(TOKENIZERS))
+TRAINED_TOKENIZERS = [n for n, t in TOKENIZERS.items() if t["kind"] == "sentencepiece" and "model_file" not in t]
+
+
+def _check_tokenizers():
+    for name in TOKENIZE_DEFAULT:
+        if name not in TOKENIZERS:
+            raise WorkflowError(
+                f"invalid config: config key tokenize.tokenizers: unknown tokenizer {name!r} "
+                f"(configured: {', '.join(TOKENIZERS) or 'none'})"
+            )
+    for name, t in TOKENIZERS.items():
+        if "train" in t and name not in TRAINED_TOKENIZERS:
+            raise WorkflowError(
+                f"invalid config: config key tokenizers.{name}.train: only a sentencepiece tokenizer "
+                "without model_file is trained"
+            )
+        for s in t.get("train", {}).get("sample", {}).get("sources", []):
+            if s not in SOURCES:
+                raise WorkflowError(f"invalid config: config key tokenizers.{name}.train.sample.sources: unknown source {s!r}")
+
+
+_check_tokenizers()
+
+
+wildcard_constraints:
+    tokenizer="|".join(map(__import__("re").escape, TOKENIZERS)) or "(?!)",
+
+
+def tokens_prefix(tokenizer, source, chunk):
+    return f"data/tokens/{tokenizer}/{source}/{chunk}_text_document"
+
+
+def get_tokenizer_files(wildcards):
+    """The files a tokenizer is loaded from (a trained one: the train_tokenizer outputs)."""
+    t = TOKENIZERS[wildcards.tokenizer]
+    if t["kind"] == "gpt2-bpe":
+        return [t["vocab_file"], t["merges_file"]]
+    if t["kind"] == "huggingface":
+        return [t["tokenizer_file"]]
+    return [t.get("model_file") or f"tokenizers/{wildcards.tokenizer}/tokenizer.model"]
+
+
+def get_tokenizer_options(wildcards):
+    """`snakellm tokenize` tokenizer flags: only this tokenizer's entry, so editing another reruns nothing."""
+    name = wildcards.tokenizer
+    t = TOKENIZERS[name]
+    files = get_tokenizer_files(wildcards)
+    opts = ["--kind", t["kind"], "--name", name]
+    if t["kind"] == "gpt2-bpe":
+        opts += ["--vocab-file", files[0], "--merges-file", files[1]]
+    elif t["kind"] == "huggingface":
+        opts += ["--tokenizer-file", files[0]] + (["--add-special-tokens"] if t.get("add_special_tokens") else [])
+    else:
+        opts += ["--model-file", files[0]]
+    if "eod" in t:
+        opts += ["--eod", t["eod"]]
+    if "vocab_size" in t:
+        opts += ["--vocab-size", str(t["vocab_size"])]
+    return shlex.join(opts)
+
+
+def _train_sample(tokenizer):
+    """(source, chunk jsonl) sampled to train `tokenizer`: the first `chunks` chunks of each sampled source."""
+    sample = TOKENIZERS[tokenizer]["train"]["sample"]
+    n = sample["chunks"]
+    pairs = []
+    for s in sample.get("sources") or list(SOURCES):
+        chunks = sorted(PLAN[s])
+        pairs += [(s, f"data/jsonl/{s}/{c}.jsonl") for c in (chunks[:n] if n else chunks)]
+    return pairs
+
+
+def get_train_tokenizer_input(wildcards):
+    return [f for _, f in _train_sample(wildcards.tokenizer)]
+
+
+def get_train_tokenizer_keys(wildcards):
+    """One --key per sampled chunk, in input order (sources may keep their text under different keys)."""
+    return shlex.join(a for s, _ in _train_sample(wildcards.tokenizer) for a in ("--key", SOURCES[s]["key"]))
+
+
+def get_train_tokenizer_options(wildcards):
+    """The training settings as flags: any change retrains (and re-tokenizes with) this tokenizer only."""
+    t = TOKENIZERS[wildcards.tokenizer]
+    tr = t["train"]
+    opts = [
+        "--vocab-size", str(t["vocab_size"]), "--model-type", tr["model_type"],
+        "--character-coverage", str(tr["character_coverage"]), "--max-sentence-length", str(tr["max_sentence_length"]),
+        "--max-bytes", str(tr["sample"]["max_bytes"]), "--seed", str(tr["sample"]["seed"]), "--threads", str(tr["threads"]),
+    ]
+    opts += ["--byte-fallback"] if tr["byte_fallback"] else []
+    for sym in tr["user_defined_symbols"]:
+        opts += ["--user-defined-symbol", sym]
+    for k, v in sorted(tr["options"].items()):
+        opts += ["--option", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
+    return shlex.join(opts)
+
+
+def get_train_tokenizer_threads(wildcards):
+    return TOKENIZERS[wildcards.tokenizer]["train"]["threads"]
+
+
+def get_blend_stats(wildcards):
+    return [f"{tokens_prefix(wildcards.tokenizer, s, c)}.stats.json" for s, chunks in PLAN.items() for c in chunks]
+
+
+def get_blend_data(wildcards):
+    return [
+        f"{tokens_prefix(wildcards.tokenizer, s, c)}{ext}" for s, chunks in PLAN.items() for c in chunks for ext in (".bin", ".idx")
+    ]
+
+
+def get_blend_weights(wildcards):
+    return " ".join(f"--weight {s}={spec['weight']}" for s, spec in SOURCES.items())
+
+
+def get_blend(tokenizer):
+    """The blend a trainer reads (data_prefix, vocab size, EOD id): data/tokens/{tokenizer}/blend.json."""
+    return f"data/tokens/{tokenizer}/blend.json"
+
 
 def get_tokenize_targets():
-    return []
+    return [
+        p
+        for name in TOKENIZE_DEFAULT
+        for p in [get_blend(name), f"data/tokens/{name}/blend.txt"]
+        + [f"{tokens_prefix(name, s, c)}{ext}" for s, chunks in PLAN.items() for c in chunks for ext in (".bin", ".idx", ".stats.json")]
+    ]
 
 
 # ---------------------------------------------------------------- train stage (rules/train.smk)

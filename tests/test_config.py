@@ -76,3 +76,13 @@ def test_snakemake_refuses_a_bad_config_before_any_job(workspace, mutate, messag
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
     assert not (workspace.root / "data").exists()  # nothing ran
+
+
+def test_a_chunk_too_long_for_one_command_line_is_a_config_error(workspace):
+    url = "https://huggingface.co/datasets/cerebras/SlimPajama-627B/resolve/main/train/chunk{1..10}/example_train_{0..5999}.jsonl.zst"
+    workspace.write_config({"sources": {"sp": {"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": 2000}}})
+    proc = workspace.run("-n", "data", check=False)
+    assert proc.returncode != 0
+    assert "sources.sp.shards_per_chunk: 2000 shards make a" in proc.stdout + proc.stderr
+    workspace.write_config({"sources": {"sp": {"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": 800}}})
+    assert "download" in workspace.run("-n", "data").stdout
