@@ -1,1 +1,59 @@
 # train_tokenizer, tokenize, blend: chunks -> data/tokens/{tokenizer}/...
+# Paths and flags come from get_* functions in common.smk; the work is in snakellm.
+
+
+rule train_tokenizer:
+    input:
+        get_train_tokenizer_input,
+    output:
+        model="tokenizers/{tokenizer}/tokenizer.model",
+        vocab="tokenizers/{tokenizer}/tokenizer.vocab",
+        stats="tokenizers/{tokenizer}/tokenizer.stats.json",
+    params:
+        key_flags=get_train_tokenizer_keys,
+        options=get_train_tokenizer_options,
+    wildcard_constraints:
+        tokenizer="|".join(map(__import__("re").escape, TRAINED_TOKENIZERS)) or "(?!)",
+    threads: get_train_tokenizer_threads
+    log:
+        "logs/train_tokenizer/{tokenizer}.log",
+    benchmark:
+        "benchmarks/train_tokenizer/{tokenizer}.tsv"
+    shell:
+        "snakellm train-tokenizer {input:q} {params.key_flags} --model {output.model} --vocab {output.vocab} "
+        "--stats {output.stats} {params.options} 2> {log}"
+
+
+rule tokenize:
+    input:
+        jsonl="data/jsonl/{source}/{chunk}.jsonl",
+        tokenizer=get_tokenizer_files,
+    output:
+        multiext("data/tokens/{tokenizer}/{source}/{chunk}_text_document", ".bin", ".idx", ".stats.json"),
+    params:
+        prefix=subpath(output[0], strip_suffix=".bin"),
+        tokenizer=get_tokenizer_options,
+        key=get_source_key,
+    threads: TOKENIZE_THREADS
+    log:
+        "logs/tokenize/{tokenizer}/{source}/{chunk}.log",
+    benchmark:
+        "benchmarks/tokenize/{tokenizer}/{source}/{chunk}.tsv"
+    shell:
+        "snakellm tokenize {input.jsonl} {params.prefix} --key {params.key:q} --threads {threads} "
+        "--source {wildcards.source} --chunk {wildcards.chunk} {params.tokenizer} 2> {log}"
+
+
+rule blend:
+    input:
+        stats=get_blend_stats,
+        data=get_blend_data,
+    output:
+        json="data/tokens/{tokenizer}/blend.json",
+        txt="data/tokens/{tokenizer}/blend.txt",
+    params:
+        weights=get_blend_weights,
+    log:
+        "logs/blend/{tokenizer}.log",
+    shell:
+        "snakellm blend {input.stats:q} --output {output.json} --text {output.txt} {params.weights} 2> {log}"
