@@ -65,8 +65,8 @@ def read_batches(path: str, key: str, batch_bytes: int) -> Iterator[Batch]:
     size = 0
     with open(path, "rb", buffering=1 << 22) as fh:
         for lineno, line in enumerate(fh, start=1):
-            if len(line) < 3 and not line.strip():
-                continue  # a blank line is no document
+            if line.isspace():
+                continue  # a blank line is no document (stops at the first non-space byte)
             try:
                 obj = loads(line)
             except JSONDecodeError as e:
