@@ -134,8 +134,11 @@ SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=500
 # finished jobs stay visible to squeue/scontrol for 5 minutes
 MinJobAge=300
-# jobs may be requeued (scontrol requeue, node failure); the batch script starts again
+# jobs may be requeued (scontrol requeue, node failure); the batch script starts again.
+# A requeued job waits cred_expire seconds before it may start again (default 120 s);
+# 15 s keeps the requeue tests short and is still ample for step launches on one node.
 JobRequeue=1
+AuthInfo=cred_expire=15
 KillWait=30
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30
