@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-mb", type=float, default=1.0, help="MB of json per encoded batch (default 1)")
     p.add_argument("--source", default="", help="source name, recorded in the stats")
     p.add_argument("--chunk", default="", help="chunk name, recorded in the stats")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     tokmod.add_arguments(p)
     a = p.parse_args(argv)
     try:

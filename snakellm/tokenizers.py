@@ -184,6 +184,7 @@ class GPT2BPE(Tokenizer):
         elif backend == "tiktoken":
             raise TokenizerError(f"{merges_file}: merge order differs from the vocab's id order; tiktoken cannot encode it")
         else:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallel across our worker threads instead
             from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
             tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
@@ -361,7 +362,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--vocab-size", type=int, help="the configured vocab size: a tokenizer of another size is an error")
     g.add_argument("--add-special-tokens", action="store_true", help="huggingface: apply the post-processor's special tokens")
-    g.add_argument("--backend", default="auto", choices=("auto", "tiktoken", "tokenizers"), help=argparse.SUPPRESS)
+    g.add_argument(
+        "--backend", default="auto", choices=("auto", "tiktoken", "tokenizers"),
+        help="gpt2-bpe encoder (default auto: tiktoken when the merges allow it, else tokenizers)",
+    )
 
 
 def from_args(a: argparse.Namespace) -> Tokenizer:
