@@ -87,16 +87,18 @@ def read_batches(path: str, key: str, batch_bytes: int) -> Iterator[Batch]:
 def encode_batch(tok: tokmod.Tokenizer, batch: Batch, dtype: np.dtype, source: str) -> Encoded:
     """Encode one batch into a single array with EODs (runs in a worker thread)."""
     ids = tok.encode_batch(batch.texts)
-    eod = np.array([tok.eod_id], dtype=np.int64)
+    # keep the encoder's own dtype (tiktoken uint32, sentencepiece int32) through the concatenation
+    wide = ids[0].dtype if ids and isinstance(ids[0], np.ndarray) else np.dtype(np.int64)
+    eod = np.array([tok.eod_id], dtype=wide)
     parts = []
     lengths = np.zeros(len(ids), dtype=np.int64)
     for i, a in enumerate(ids):
         n = len(a)
         if n:  # preprocess_data.py: an empty document gets no EOD
-            parts.append(a if isinstance(a, np.ndarray) else np.asarray(a, dtype=np.int64))
+            parts.append(a if isinstance(a, np.ndarray) else np.asarray(a, dtype=wide))
             parts.append(eod)
             lengths[i] = n + 1
-    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=wide)
     if flat.size:
         hi, lo = int(flat.max()), int(flat.min())
         if hi >= tok.vocab_size or lo < 0:
