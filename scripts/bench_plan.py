@@ -4,6 +4,7 @@
 Two cases, each a real `snakemake` on a temp working directory:
   http  - `url: http://127.0.0.1:9/chunk{1..10}/example_train_{0..5999}.jsonl.zst`, nothing fetched: dry-run only
   local - 60,000 real (tiny) .jsonl.zst files: dry-run, the real build, then a no-op rerun
+The config has the GPT-2 tokenizer, so the graph is download/chunk/tokenize/blend.
 Prints jobs per rule (about 75 per stage at 800 shards a chunk), wall time and peak
 memory of each snakemake call next to the bar (20 s) and the references measured on
 this machine before (one job per shard: 86 s and 1.7 GB dry-run; a per-chunk
@@ -67,6 +68,16 @@ def job_counts(out: str) -> dict[str, int]:
     return counts
 
 
+def bench_config(source: dict) -> str:
+    """One source plus the GPT-2 tokenizer: the whole data graph (download/chunk/tokenize/blend)."""
+    tok = REPO / "resources" / "tokenizers" / "gpt2"
+    return yaml.safe_dump({
+        "sources": {"sp": source},
+        "tokenizers": {"gpt2": {"kind": "gpt2-bpe", "vocab_file": str(tok / "vocab.json"),
+                                "merges_file": str(tok / "merges.txt"), "vocab_size": 50257}},
+    })
+
+
 def make_local_shards(root: Path, n: int) -> None:
     blob = zstandard.ZstdCompressor().compress(b'{"text": "a tiny real shard"}\n')
     per_dir = -(-n // 10)
@@ -99,9 +110,9 @@ def main() -> None:
         http = base / "http"
         http.mkdir(exist_ok=True)
         url = f"http://127.0.0.1:9/chunk{{1..{n_dirs}}}/example_train_{{0..{per_dir - 1}}}.jsonl.zst"
-        (http / "config.yaml").write_text(yaml.safe_dump(
-            {"sources": {"sp": {"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": a.per_chunk}}}))
-        s, mb, out = snakemake(http, "-n", "data")
+        (http / "config.yaml").write_text(bench_config(
+            {"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": a.per_chunk}))
+        s, mb, out = snakemake(http, "-n")
         print(f"http source  jobs: {job_counts(out)}")
         line("http: snakemake -n", s, mb, "per-shard reference 86 s / 1.7 GB")
 
@@ -110,15 +121,15 @@ def main() -> None:
         t = time.perf_counter()
         make_local_shards(local / "shards", a.shards)
         print(f"local source: wrote {a.shards} shard files in {time.perf_counter() - t:.1f} s")
-        (local / "config.yaml").write_text(yaml.safe_dump({"sources": {"sp": {
+        (local / "config.yaml").write_text(bench_config({
             "kind": "local", "path": "shards/chunk*/example_train_*.jsonl.zst", "format": "jsonl.zst",
-            "shards_per_chunk": a.per_chunk}}}))
-        s, mb, out = snakemake(local, "-n", "data")
+            "shards_per_chunk": a.per_chunk}))
+        s, mb, out = snakemake(local, "-n")
         print(f"local source jobs: {job_counts(out)}")
         line("local: snakemake -n", s, mb, "per-chunk prototype 16.6 s")
-        s, mb, out = snakemake(local, "data")
-        print(f"  (real build of {job_counts(out).get('chunk')} chunk jobs: {s:.1f} s)")
-        s, mb, out = snakemake(local, "data")
+        s, mb, out = snakemake(local)
+        print(f"  (real build of {job_counts(out)}: {s:.1f} s)")
+        s, mb, out = snakemake(local)
         assert "Nothing to be done" in out, out[-2000:]
         line("local: no-op rerun", s, mb, "per-chunk prototype 15.9 s")
 
