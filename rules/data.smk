@@ -28,6 +28,7 @@ rule chunk:
     params:
         format=get_source_format,
         key=get_source_key,
+    threads: 2
     log:
         "logs/chunk/{source}/{chunk}.log",
     benchmark:
@@ -35,7 +36,7 @@ rule chunk:
     shell:
         "snakellm chunk {input:q} --output {output.jsonl} --stats {output.stats} "
         "--rejected {output.rejected} --format {params.format} --key {params.key:q} "
-        "--source {wildcards.source} --chunk {wildcards.chunk} 2> {log}"
+        "--source {wildcards.source} --chunk {wildcards.chunk} --threads {threads} 2> {log}"
 
 
 rule data:

@@ -5,7 +5,7 @@ Builds real-text .jsonl.zst shards (the shipped WikiText-2 and Botchan documents
 repeated in shuffled order to --mb megabytes), then in the same run times
   1. `zstd -dc SHARDS > /dev/null`              (decompression alone, the floor)
      `zstd -dc SHARDS > file`                    (decompression + writing the same bytes)
-  2. `snakellm chunk SHARDS -o out.jsonl`        (decompress + validate every line + write + verify)
+  2. `snakellm chunk SHARDS -o out.jsonl --threads 1|2` (decompress + validate every line + write + verify)
 and prints both in MB/s of decompressed input.
 
 usage: .venv/bin/python scripts/bench_chunk.py [--mb 200] [--shards 16]
@@ -76,16 +76,20 @@ def main() -> None:
         zf = time.perf_counter() - t
         (tmp / "zstd-out.jsonl").unlink()
 
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "snakellm.chunk", *shards, "-o", str(tmp / "out.jsonl"),
-                        "--format", "jsonl.zst", "--no-progress"], check=True, stderr=subprocess.DEVNULL)
-        ck = time.perf_counter() - t
-        st = json.loads((tmp / "out.stats.json").read_text())
-        assert st["documents"] + st["rejected"] == st["lines_read"] and st["bytes_in"] == total
+        results = []
+        for threads in (1, 2):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "snakellm.chunk", *shards, "-o", str(tmp / "out.jsonl"),
+                            "--format", "jsonl.zst", "--threads", str(threads), "--no-progress"],
+                           check=True, stderr=subprocess.DEVNULL)
+            results.append((threads, time.perf_counter() - t))
+            st = json.loads((tmp / "out.stats.json").read_text())
+            assert st["documents"] + st["rejected"] == st["lines_read"] and st["bytes_in"] == total
         print(f"  zstd -dc > /dev/null  {total / 1e6 / zs:8.1f} MB/s  ({zs:.2f} s)")
         print(f"  zstd -dc > file       {total / 1e6 / zf:8.1f} MB/s  ({zf:.2f} s)")
-        print(f"  snakellm chunk        {total / 1e6 / ck:8.1f} MB/s  ({ck:.2f} s, {st['documents']} documents validated, "
-              f"{ck / zs:.1f}x zstd's time)")
+        for threads, ck in results:
+            print(f"  snakellm chunk -t{threads}    {total / 1e6 / ck:8.1f} MB/s  ({ck:.2f} s, {st['documents']} documents "
+                  f"validated, {ck / zs:.1f}x zstd's time)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -161,3 +161,21 @@ def test_cli_help_mentions_quarantine():
     assert out.returncode == 0 and "quarantin" in out.stdout
     top = subprocess.run([sys.executable, "-m", "snakellm.cli", "--help"], capture_output=True, text=True)
     assert "chunk" in top.stdout and "download" in top.stdout
+
+
+def test_parallel_workers_write_byte_identical_outputs(tmp_path):
+    cctx = zstandard.ZstdCompressor()
+    shards = []
+    for i in range(5):
+        p = tmp_path / f"s{i}.jsonl.zst"
+        docs = [{"text": f"shard {i} doc {j}"} for j in range(50)]
+        p.write_bytes(cctx.compress(_jsonl(docs) + b"bad line %d\n" % i + b'{"text": ""}\n'))
+        shards.append(str(p))
+    seq = chunkmod.build_chunk(shards, str(tmp_path / "a" / "c.jsonl"), fmt="jsonl.zst", show_progress=False)
+    par = chunkmod.build_chunk(shards, str(tmp_path / "b" / "c.jsonl"), fmt="jsonl.zst", workers=2, show_progress=False)
+    for name in ("c.jsonl", "c.rejected.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    for key in ("lines_read", "documents", "rejected", "rejected_by_reason", "bytes_in", "bytes_out", "per_shard"):
+        assert seq[key] == par[key]
+    assert par["documents"] == 250 and par["rejected_by_reason"] == {"invalid_json": 5, "empty_text": 5}
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["c.jsonl", "c.rejected.jsonl", "c.stats.json"]
