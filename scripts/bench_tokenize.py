@@ -18,7 +18,8 @@ are given for it: the step (read + parse + encode + write + verify, from its
 stats) and the whole process (adds interpreter start, imports and tokenizer
 loading: a fixed cost, about half a second). The best of the repeats is
 reported (the least disturbed), the median next to it; ratios are taken against
-the best raw figure of either thread count.
+the best raw figure of either thread count. Tokens per CPU-second (raw 1 thread
+versus the whole snakellm process) show the overhead even on a busy machine.
 
 Usage: python scripts/bench_tokenize.py [--mb 50] [--threads 2] [--repeats 3]
 """
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -81,16 +83,21 @@ def build_corpus(path: Path, mb: float, seed: int = 0) -> tuple[list[str], int]:
     return texts, size
 
 
-def run_step(args: list[str], prefix: Path) -> tuple[float, float, int]:
-    """(process seconds, step seconds, tokens) of one `snakellm tokenize` process."""
-    t0 = time.perf_counter()
+def cpu_seconds(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def run_step(args: list[str], prefix: Path) -> tuple[float, float, float, int]:
+    """(process seconds, step seconds, process CPU seconds, tokens) of one `snakellm tokenize` process."""
+    t0, c0 = time.perf_counter(), cpu_seconds(resource.RUSAGE_CHILDREN)
     subprocess.run(
         [sys.executable, "-m", "snakellm.tokenize", *args, str(prefix), "--no-progress"],
         check=True, cwd=REPO, stderr=subprocess.DEVNULL,
     )
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds(resource.RUSAGE_CHILDREN) - c0
     st = json.loads(Path(str(prefix) + ".stats.json").read_text())
-    return wall, st["seconds"], st["tokens"]
+    return wall, st["seconds"], cpu, st["tokens"]
 
 
 def best_median(xs: list[float]) -> str:
@@ -100,20 +107,24 @@ def best_median(xs: list[float]) -> str:
 def bench(name, raw_fns: dict, step_args: list[str], corpus: Path, out: Path, repeats: int, docs: int) -> dict:
     rates: dict[str, list[float]] = {k: [] for k in raw_fns}
     rates["step"], rates["process"] = [], []
+    cpu: dict[str, list[float]] = {"raw1": [], "process": []}  # tokens per CPU-second
     n_raw = None
     for r in range(repeats):
         for label, fn in raw_fns.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds(resource.RUSAGE_SELF)
             n = fn()
             rates[label].append(n / (time.perf_counter() - t0))
+            if label in cpu:
+                cpu[label].append(n / (cpu_seconds(resource.RUSAGE_SELF) - c0))
             n_raw = n
-        wall, step, tokens = run_step([str(corpus), *step_args], out / f"{name}_text_document")
+        wall, step, cpu_s, tokens = run_step([str(corpus), *step_args], out / f"{name}_text_document")
         if tokens != n_raw + docs:  # same ids count as the raw encoder, plus one EOD per document
             raise SystemExit(f"{name}: snakellm wrote {tokens} tokens, raw encoder {n_raw} + {docs} EOD")
         rates["step"].append(tokens / step)
         rates["process"].append(tokens / wall)
+        cpu["process"].append(tokens / cpu_s)
         print(f"  [{name} repeat {r + 1}/{repeats}: load {load()}]", file=sys.stderr)
-    return {"rates": rates, "tokens": n_raw}
+    return {"rates": rates, "cpu": cpu, "tokens": n_raw}
 
 
 def main() -> int:
@@ -181,6 +192,11 @@ def main() -> int:
         print(f"  raw encoder, {n} threads                 {best_median(rates['rawN'])}")
         print(f"  snakellm tokenize, {n} threads (step)    {best_median(rates['step'])}  = {step / raw:.0%} of the best raw figure")
         print(f"  snakellm tokenize, {n} threads (process) {best_median(rates['process'])}  = {max(rates['process']) / raw:.0%} (adds start, imports, tokenizer load)")
+        c = r["cpu"]
+        print(
+            f"  CPU cost (load-independent): raw 1 thread {max(c['raw1']) / 1e6:.2f}M tokens per CPU-second, "
+            f"snakellm process {max(c['process']) / 1e6:.2f}M = {max(c['process']) / max(c['raw1']):.0%}"
+        )
         print(f"  Megatron tools/preprocess_data.py      {megatron} (design.md, same machines; not run here)")
         for label, ok in bars(step, raw):
             print(f"  bar: {label}: {'PASS' if ok else 'FAIL'}")
