@@ -229,9 +229,85 @@ def get_tokenize_targets():
 
 # ---------------------------------------------------------------- train stage (rules/train.smk)
 
+from types import SimpleNamespace
+
+from snakellm import models as modelsmod
+
+RUNS = config.get("runs", {})  # {name: {tokenizer, model, train, parallel}}
+
+
+def _resolve_runs():
+    resolved = {}
+    for name, run in RUNS.items():
+        if run["tokenizer"] not in TOKENIZERS:
+            raise WorkflowError(
+                f"invalid config: config key runs.{name}.tokenizer: unknown tokenizer {run['tokenizer']!r} "
+                f"(configured: {', '.join(TOKENIZERS) or 'none'})"
+            )
+        model = dict(run["model"])
+        try:
+            m = modelsmod.resolve(model.pop("preset", None), model)
+            modelsmod.check_parallel(m, run["parallel"]["tp"], run["parallel"]["pp"])
+        except modelsmod.ModelConfigError as e:
+            raise WorkflowError(f"invalid config: config key runs.{name}.model: {e}") from None
+        resolved[name] = m
+    return resolved
+
+
+RUN_MODELS = _resolve_runs()  # {run: complete architecture dict}
+TRAIN_RETRIES = max([r["train"]["retries"] for r in RUNS.values()] or [0])
+
+
+wildcard_constraints:
+    run="|".join(map(__import__("re").escape, RUNS)) or "(?!)",
+
+
+def get_train_blend(wildcards):
+    return get_blend(RUNS[wildcards.run]["tokenizer"])
+
+
+def get_train_data(wildcards):
+    """The token files the run's blend lists (the blend rule's own inputs)."""
+    return get_blend_data(SimpleNamespace(tokenizer=RUNS[wildcards.run]["tokenizer"]))
+
+
+def _flag(name, value):
+    opt = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return opt if value else f"--no-{name.replace('_', '-')}"
+    return f"{opt} {shlex.quote(str(value))}"
+
+
+_TRAIN_FLAGS = (
+    "steps", "micro_batch_size", "global_batch_size", "lr", "min_lr", "warmup_steps", "decay_steps", "lr_decay_style",
+    "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed", "split", "precision", "save_interval",
+    "keep_last", "eval_interval", "eval_iters", "log_interval", "max_time", "resume", "on_config_change",
+)
+
+
+def get_train_args(wildcards):
+    """Every `snakellm train` setting of the run, spelled out and fully resolved (the preset expanded).
+
+    This string is the rule's params, so the run reruns exactly when one of its own
+    settings changes; whether old checkpoints are resumed is then decided by
+    `snakellm train` from the settings stored with them.
+    """
+    run = RUNS[wildcards.run]
+    t, p = run["train"], run["parallel"]
+    flags = [_flag(k, v) for k, v in RUN_MODELS[wildcards.run].items()]
+    flags += [_flag(k, t[k]) for k in _TRAIN_FLAGS if t.get(k) is not None]
+    flags += [_flag("tp", p["tp"]), _flag("pp", p["pp"]), _flag("loss", p["loss"]), _flag("compile", p["compile"])]
+    if p.get("num_workers") is not None:
+        flags.append(_flag("num_workers", p["num_workers"]))
+    return " ".join(flags)
+
+
+def get_train_threads(wildcards):
+    return RUNS[wildcards.run]["parallel"]["threads"]
+
 
 def get_train_targets():
-    return []
+    return [f"runs/{run}/train_summary.json" for run in RUNS]
 
 
 # ---------------------------------------------------------------- launch (snakellm/launch.py)

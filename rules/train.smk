@@ -1,1 +1,31 @@
-# pretrain: blend -> runs/{run}/checkpoints
+# pretrain: data/tokens/{tokenizer}/blend.json -> runs/{run}/ (checkpoints, metrics, summary)
+#
+# The checkpoint directory is deliberately not an output: Snakemake deletes a
+# job's outputs before it runs and after it fails, and a retry, a Slurm requeue
+# or a rerun after a settings change must find the checkpoints to resume from
+# (or to move aside, see `snakellm train --on-config-change`). The declared
+# outputs are written atomically once the run reached its last step.
+# Exit status 75 means "stopped cleanly with a checkpoint" (SIGTERM/SIGUSR1 or
+# train.max_time); with train.retries > 0 Snakemake starts the next attempt,
+# which resumes.
+
+
+rule pretrain:
+    input:
+        blend=get_train_blend,
+        data=get_train_data,
+    output:
+        summary="runs/{run}/train_summary.json",
+        metrics="runs/{run}/metrics.jsonl",
+    params:
+        launch=get_launch_prefix,
+        args=get_train_args,
+    threads: get_train_threads
+    retries: TRAIN_RETRIES
+    log:
+        "logs/pretrain/{run}.log",
+    benchmark:
+        "benchmarks/pretrain/{run}.tsv"
+    shell:
+        "{params.launch} snakellm train --blend {input.blend} --run-dir runs/{wildcards.run} "
+        "--run-name {wildcards.run} --threads {threads} {params.args} 2> {log}"

@@ -1,0 +1,205 @@
+"""Checkpoint directories as Megatron-LM writes them, published atomically.
+
+Layout under ``runs/{run}/checkpoints/``::
+
+    iter_0000100/                       megatron.core.dist_checkpointing (torch_dist):
+        __0_0.distcp ... .metadata      model, optimizer, scheduler, RNG, iteration
+        common.pt metadata.json
+    latest_checkpointed_iteration.txt   "100"
+    run_config.json                     snakellm: the run's settings and their fingerprint
+    best.json                           snakellm: iteration and validation loss of the best checkpoint
+    metrics.live.jsonl                  snakellm: per-step metrics up to the latest step (for resume)
+
+A checkpoint is written to ``.iter_0000100.partial/`` and renamed into place
+only when every rank has finished (dist_checkpointing writes ``metadata.json``
+last), then the tracker file is replaced atomically. A job killed at any
+moment therefore leaves either the previous checkpoint as latest or the new
+one complete; a ``.partial`` directory is garbage from a killed save and is
+removed by the next save.
+
+Everything here except :func:`save`/:func:`load` is plain Python: the resume
+decision is taken before torch is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from .atomic import write_json, write_text
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RUN_CONFIG = "run_config.json"
+BEST = "best.json"
+LIVE_METRICS = "metrics.live.jsonl"
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / "metadata.json").is_file() and (path / "common.pt").is_file()
+
+
+def list_iterations(ckpt_dir: str | os.PathLike) -> list[int]:
+    """Iterations of the complete checkpoint directories, ascending."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    its = []
+    for p in d.iterdir():
+        m = _ITER_RE.match(p.name)
+        if m and p.is_dir() and is_complete(p):
+            its.append(int(m.group(1)))
+    return sorted(its)
+
+
+def latest_iteration(ckpt_dir: str | os.PathLike) -> int | None:
+    """The iteration named by the tracker file, verified; None if there is no checkpoint at all.
+
+    Inconsistent states are errors, never a silent fresh start: a tracker that
+    names a missing or incomplete directory, or complete iteration directories
+    without a tracker.
+    """
+    d = Path(ckpt_dir)
+    tracker = d / TRACKER
+    if not tracker.is_file():
+        its = list_iterations(d)
+        if its:
+            raise CheckpointError(
+                f"{d} holds checkpoints ({', '.join(iter_name(i) for i in its[-3:])}) but no {TRACKER}; "
+                f"write the iteration to resume from into it, or move the directory away to start fresh"
+            )
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
+    it = int(text)
+    path = d / iter_name(it)
+    if not path.is_dir():
+        raise CheckpointError(f"{tracker} names iteration {it} but {path} is missing")
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is incomplete (no metadata.json/common.pt): the checkpoint is damaged")
+    return it
+
+
+def read_run_config(ckpt_dir: str | os.PathLike) -> dict | None:
+    p = Path(ckpt_dir) / RUN_CONFIG
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{p}: not valid JSON: {e}") from None
+
+
+def write_run_config(ckpt_dir: str | os.PathLike, fingerprint: str, config: dict) -> None:
+    write_json(Path(ckpt_dir) / RUN_CONFIG, {"fingerprint": fingerprint, "config": config})
+
+
+def has_anything(ckpt_dir: str | os.PathLike) -> bool:
+    d = Path(ckpt_dir)
+    return d.is_dir() and any(d.iterdir())
+
+
+def archive(ckpt_dir: str | os.PathLike) -> Path:
+    """Move a checkpoint directory aside (never delete): ``checkpoints`` -> ``checkpoints.old-<UTC time>``."""
+    d = Path(ckpt_dir)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = d.with_name(f"{d.name}.old-{stamp}")
+    n = 1
+    while dest.exists():
+        dest = d.with_name(f"{d.name}.old-{stamp}-{n}")
+        n += 1
+    os.rename(d, dest)
+    return dest
+
+
+def read_best(ckpt_dir: str | os.PathLike) -> dict | None:
+    p = Path(ckpt_dir) / BEST
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def prune(ckpt_dir: str | os.PathLike, keep_last: int, keep: set[int] = frozenset()) -> list[int]:
+    """Delete complete checkpoints except the newest ``keep_last`` and those in ``keep``; return the deleted."""
+    d = Path(ckpt_dir)
+    its = list_iterations(d)
+    latest = latest_iteration(d)
+    protected = set(its[-keep_last:]) if keep_last > 0 else set()
+    protected |= set(keep)
+    if latest is not None:
+        protected.add(latest)
+    gone = [i for i in its if i not in protected]
+    for i in gone:
+        shutil.rmtree(d / iter_name(i), ignore_errors=True)
+    return gone
+
+
+def truncate_live_metrics(ckpt_dir: str | os.PathLike, iteration: int) -> None:
+    """Keep the live metrics of steps <= ``iteration`` (the steps after the checkpoint run again)."""
+    p = Path(ckpt_dir) / LIVE_METRICS
+    if not p.is_file():
+        return
+    keep = []
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        if rec.get("step", 0) <= iteration:
+            keep.append(line)
+    write_text(p, "".join(l + "\n" for l in keep))
+
+
+# --------------------------------------------------------------- save / load (torch)
+
+
+def save(ckpt_dir: str | os.PathLike, iteration: int, sharded_state_dict: dict, *, rank: int, barrier) -> Path:
+    """Collective: write ``iter_{N:07d}`` through a ``.partial`` directory and point the tracker at it."""
+    from megatron.core import dist_checkpointing
+
+    d = Path(ckpt_dir)
+    final = d / iter_name(iteration)
+    partial = d / f".{iter_name(iteration)}.partial"
+    if rank == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        for stale in d.glob(".iter_*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+        partial.mkdir()
+    barrier()
+    dist_checkpointing.save(sharded_state_dict, str(partial))
+    barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        write_text(d / TRACKER, f"{iteration}\n")
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    barrier()
+    return final
+
+
+def load(ckpt_dir: str | os.PathLike, iteration: int, sharded_state_dict: dict) -> dict:
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(sharded_state_dict, str(Path(ckpt_dir) / iter_name(iteration)))
+
+
+def load_common(ckpt_dir: str | os.PathLike, iteration: int) -> dict:
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(Path(ckpt_dir) / iter_name(iteration)))

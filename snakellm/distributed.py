@@ -1,0 +1,157 @@
+"""Who am I in a distributed job: rank mapping from torchrun, srun or OpenMPI.
+
+``snakellm train`` is one command that must work alone, under ``torchrun``,
+under ``srun`` (Slurm strips nothing we need from the job step's environment
+here: the step itself sets ``SLURM_PROCID`` and friends) and under ``mpirun``.
+This module reads the launcher's variables without importing torch, so the
+batch/parallelism checks can run before anything heavy starts.
+
+Precedence: torchrun's ``RANK``/``WORLD_SIZE`` (also what a user sets by hand),
+then Slurm's ``SLURM_PROCID``/``SLURM_NTASKS`` (only inside a job *step*, i.e.
+when ``SLURM_STEP_ID`` is set, so that a batch script's own environment is not
+mistaken for a multi-task launch), then OpenMPI's ``OMPI_COMM_WORLD_*``.
+``MASTER_ADDR`` defaults to the first host of ``SLURM_JOB_NODELIST`` (or
+``SLURM_STEP_NODELIST``), ``MASTER_PORT`` to a port derived from the job id.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "single", "torchrun", "srun", "mpirun"
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+class LaunchError(RuntimeError):
+    """The environment describes an impossible launch (e.g. rank >= world size)."""
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def _split_top_level(s: str) -> list[str]:
+    """Split a Slurm hostlist on commas that are not inside brackets."""
+    parts, depth, cur = [], 0, []
+    for ch in s:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if cur:
+        parts.append("".join(cur))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_ranges(spec: str) -> list[str]:
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        if "-" in item:
+            lo, hi = item.split("-", 1)
+            width = len(lo)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise LaunchError(f"bad range {item!r} in Slurm hostlist")
+            out += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+        elif item.isdigit():
+            out.append(item)
+        else:
+            raise LaunchError(f"bad range {item!r} in Slurm hostlist")
+    return out
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand Slurm hostlist syntax: ``node[01-04,07],gpu-a[1-2]-ib`` -> every host, in order.
+
+    Handles zero padding, several bracket groups in one name (a cartesian
+    product, as ``scontrol show hostnames`` does) and plain comma lists.
+    """
+    hosts: list[str] = []
+    for part in _split_top_level(hostlist):
+        names = [""]
+        for m in re.finditer(r"([^\[]+)|\[([^\]]*)\]", part):
+            if m.group(1) is not None:
+                names = [n + m.group(1) for n in names]
+            else:
+                names = [n + r for n in names for r in _expand_ranges(m.group(2))]
+        if "[" in part and part.count("[") != part.count("]"):
+            raise LaunchError(f"unbalanced brackets in Slurm hostlist {hostlist!r}")
+        hosts += names
+    return hosts
+
+
+def _default_port(env: Mapping[str, str]) -> int:
+    # Different jobs on a shared node must not collide; the same job's tasks must agree.
+    job = env.get("SLURM_JOB_ID", "")
+    return 20000 + (int(job) % 20000 if job.isdigit() else 9500)
+
+
+def detect(env: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank, world size, local rank and the rendezvous address from the environment."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun"
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
+        launcher = "srun"
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        # SLURM_TASKS_PER_NODE looks like "4(x2)" or "4,3"; the step's own count is simpler
+        local_world = _int(env, "SLURM_STEP_TASKS_PER_NODE") if env.get("SLURM_STEP_TASKS_PER_NODE", "").isdigit() else 0
+        if not local_world:
+            m = re.match(r"(\d+)", env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
+            local_world = int(m.group(1)) if m else 1
+    elif "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        launcher = "mpirun"
+        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") if "OMPI_COMM_WORLD_LOCAL_SIZE" in env else 1
+    else:
+        launcher, rank, world, local, local_world = "single", 0, 1, 0, 1
+
+    if world < 1 or not 0 <= rank < world:
+        raise LaunchError(f"{launcher}: rank {rank} is outside world size {world}")
+    if not 0 <= local < max(local_world, 1):
+        raise LaunchError(f"{launcher}: local rank {local} is outside local world size {local_world}")
+
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        addr = expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1"
+    port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else _default_port(env)
+    return DistEnv(rank, world, local, local_world, addr, port, launcher)
+
+
+def export(d: DistEnv) -> None:
+    """Put the torch.distributed ``env://`` variables in place for whatever launcher we came from."""
+    os.environ["RANK"] = str(d.rank)
+    os.environ["WORLD_SIZE"] = str(d.world_size)
+    os.environ["LOCAL_RANK"] = str(d.local_rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(d.local_world_size)
+    os.environ["MASTER_ADDR"] = d.master_addr
+    os.environ["MASTER_PORT"] = str(d.master_port)
