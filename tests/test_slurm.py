@@ -19,12 +19,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+import zstandard
 
 from conftest import BIN, REPO, SNAKEFILE, Workspace, age, env_with_venv
 
@@ -101,10 +103,20 @@ class SlurmWorkspace(Workspace):
             p = subprocess.Popen(cmd, cwd=self.root, env=e, stdout=log, stderr=subprocess.STDOUT, text=True)
             p.log_path = Path(log.name)
             return p
-        proc = subprocess.run(cmd, cwd=self.root, env=e, capture_output=True, text=True, timeout=timeout)
+        try:
+            proc = subprocess.run(cmd, cwd=self.root, env=e, capture_output=True, text=True, timeout=timeout)
+        finally:
+            self.cancel_leftovers()
         if check and proc.returncode != 0:
             raise AssertionError(f"snakemake failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
         return proc
+
+    def cancel_leftovers(self) -> None:
+        """scancel this workspace's jobs still queued or running (a killed snakemake leaves them behind)."""
+        out = subprocess.run(["squeue", "-h", "-o", "%A %Z"], capture_output=True, text=True).stdout
+        ids = [jid for jid, wd in (line.split(" ", 1) for line in out.splitlines() if " " in line) if Path(wd) == self.root]
+        if ids:
+            subprocess.run(["scancel", *ids], capture_output=True)
 
     def slurm_jobs(self) -> dict[str, tuple[str, str]]:
         """Slurm job id -> (rule, wildcards), from the plugin's log files logs/slurm/rule_<rule>/<wildcards>/<id>.log."""
@@ -124,7 +136,9 @@ def default_config(root: Path, steps: int = 20) -> dict:
     shutil.copytree(REPO / "resources", root / "resources")
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     for run in cfg["runs"].values():
-        run["train"].update(steps=steps, save_interval=10, eval_interval=10, eval_iters=1, log_interval=5, warmup_steps=2)
+        # split: no test share, so that no chunk of the small corpus gets an empty split
+        run["train"].update(steps=steps, save_interval=10, eval_interval=10, eval_iters=1, log_interval=5, warmup_steps=2,
+                            split="90,10,0")
     return cfg
 
 
@@ -143,6 +157,78 @@ def test_cluster_is_up_and_a_second_bring_up_is_a_no_op(slurm_cluster):
     subprocess.run(["sacct", "-n", "-X", "--starttime", "now-1minutes"], check=True, capture_output=True)
     out = subprocess.run(["sinfo", "-h", "-o", "%G"], capture_output=True, text=True, check=True).stdout
     assert "gpu:2" in out
+
+
+# ---------------------------------------------------------------- the default workflow through sbatch
+
+STEPS = 20
+SRUN_LINE = "srun --nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 --kill-on-bad-exit=1 snakellm train "
+
+
+@pytest.fixture(scope="module")
+def built(slurm_cluster, tmp_path_factory):
+    """The default workflow (config/config.yaml, a 20-step run) built once through the Slurm profile."""
+    ws = SlurmWorkspace(tmp_path_factory.mktemp("slurm-default"))
+    ws.write_config(default_config(ws.root, steps=STEPS))
+    t0 = time.monotonic()
+    proc = ws.slurm()
+    TIMINGS["default workflow via sbatch"] = time.monotonic() - t0
+    return ws, proc
+
+
+def test_default_workflow_runs_through_sbatch_to_the_trained_checkpoint(built):
+    ws, proc = built
+    jobs = ws.slurm_jobs()
+    rules = sorted(rule for rule, _ in jobs.values())
+    # every job of the default graph was its own sbatch job (only `all` runs locally)
+    assert rules.count("chunk") == 4 and rules.count("pretrain") == 1, rules
+    assert {"train_tokenizer", "tokenize", "blend"} <= set(rules), rules
+    assert rules.count("tokenize") == 8, rules  # 4 chunks x 2 tokenizers
+
+    summary = json.loads(ws.path("runs/tiny/train_summary.json").read_text())
+    assert summary["status"] == "completed" and summary["iteration"] == STEPS
+    assert summary["world_size"] == 2  # two ranks, started by the rule's srun
+    assert ws.path(f"runs/tiny/checkpoints/iter_{STEPS:07d}").is_dir()
+    assert ws.path("runs/tiny/checkpoints/latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS)
+
+    (pretrain_id,) = [jid for jid, (rule, _) in jobs.items() if rule == "pretrain"]
+    records = {r["JobID"]: r for r in sacct(pretrain_id)}
+    job, step = records[pretrain_id], records[f"{pretrain_id}.0"]
+    assert job["State"] == "COMPLETED", records
+    assert "gres/gpu=2" in job["AllocTRES"], job  # the gpu=2 request, served by the fake GRES
+    assert step["NTasks"] == "2" and step["State"] == "COMPLETED", step  # one srun step, 2 tasks
+    assert SRUN_LINE in ws.slurm_log(pretrain_id)  # the generated command, as the job ran it
+
+
+def test_a_second_run_submits_nothing(built):
+    ws, _ = built
+    before = ws.slurm_jobs()
+    proc = ws.slurm()
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+    assert ws.slurm_jobs() == before
+
+
+def test_changing_one_shard_resubmits_only_the_stale_jobs(built):
+    ws, _ = built
+    age(ws.root, 60, "data", "runs", "tokenizers")
+    before = set(ws.slurm_jobs())
+    # one more document in a shard of wikitext chunk-00001 (a bare touch is no change to
+    # Snakemake 9, which compares the checksums of small inputs whose mtime moved)
+    shard = ws.path("resources/corpus/wikitext/chunk1/example_train_7.jsonl.zst")
+    text = zstandard.ZstdDecompressor().decompressobj().decompress(shard.read_bytes())
+    shard.write_bytes(zstandard.ZstdCompressor().compress(text + b'{"text": "One more document."}\n'))
+    t0 = time.monotonic()
+    ws.slurm()
+    TIMINGS["one shard changed"] = time.monotonic() - t0
+    new = sorted(v for k, v in ws.slurm_jobs().items() if k not in before)
+    assert new == [
+        ("blend", "gpt2"),
+        ("blend", "spm2k"),
+        ("chunk", "wikitext_chunk-00001"),
+        ("pretrain", "tiny"),
+        ("tokenize", "gpt2_wikitext_chunk-00001"),
+        ("tokenize", "spm2k_wikitext_chunk-00001"),
+    ]
 
 
 # ---------------------------------------------------------------- failures: retried as the profile says
@@ -180,3 +266,106 @@ def test_a_failed_job_is_resubmitted_as_the_profile_says(slurm_cluster, tmp_path
     assert len(other) == 1  # the healthy chunk ran once
     assert ws.path("data/jsonl/web/chunk-00001.jsonl").stat().st_size > 0
     assert "Trying to restart job" in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- training: requeue and time limit resume
+
+
+def wait_for(what: str, cond, timeout: float = 300, proc=None):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        value = cond()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"snakemake ended ({proc.returncode}) while waiting for {what}:\n{proc.log_path.read_text()}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def pause_ranks(job_id: str) -> list[int]:
+    """SIGSTOP the training ranks (every process of the job's srun step 0): progress stops,
+    the job's wall clock does not, and Slurm sends SIGCONT before its SIGTERM."""
+    out = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True).stdout
+    pids = [int(f[0]) for f in (line.split() for line in out.splitlines()[1:]) if len(f) >= 3 and f[2] == "0"]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def test_training_job_requeued_and_then_stopped_by_its_time_limit_resumes_each_time(built):
+    """`scontrol requeue` restarts the same Slurm job, which resumes from the run's latest
+    checkpoint; then the job's time limit stops it (TIMEOUT, SIGTERM: checkpoint, exit 75), the
+    profile resubmits it, and the new job resumes again and finishes. The ranks are paused
+    (SIGSTOP) right after a checkpoint each time, so that the requeue and the time limit fall
+    mid-training however fast this machine trains; Slurm itself continues them to deliver its
+    SIGTERM."""
+    ws, _ = built
+    steps = 40
+    cfg = ws.read_config()
+    cfg["runs"]["resume"] = {
+        "tokenizer": "spm2k",
+        "model": {"preset": "tiny"},
+        "train": dict(cfg["runs"]["tiny"]["train"], steps=steps, save_interval=5, eval_interval=20, retries=2),
+        "parallel": {"threads": 1},
+    }
+    ws.write_config(cfg)
+    ckpts = ws.path("runs/resume/checkpoints")
+    train_log = ws.path("logs/pretrain/resume.log")
+    latest = lambda: int((ckpts / "latest_checkpointed_iteration.txt").read_text()) if (ckpts / "latest_checkpointed_iteration.txt").exists() else 0
+    t0 = time.monotonic()
+    proc = ws.slurm("runs/resume/train_summary.json", background=True)
+    try:
+        job = wait_for("the pretrain job", lambda: next((j for j, (r, wc) in ws.slurm_jobs().items() if r == "pretrain" and wc == "resume"), None), proc=proc)
+        first = wait_for("a first checkpoint", latest, proc=proc)
+        assert first < steps
+        pause_ranks(job)
+        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
+        wait_for("the requeued job to resume", lambda: train_log.exists() and "resumed from" in train_log.read_text(), proc=proc)
+        pause_ranks(job)
+        assert latest() < steps
+        # elapsed is under a minute here: the limit falls at 1 min, enforced within Slurm's 30 s check
+        subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], check=True, capture_output=True)
+        assert proc.wait(timeout=600) == 0, proc.log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        ws.cancel_leftovers()
+    TIMINGS["requeue + time limit"] = time.monotonic() - t0
+    out = proc.log_path.read_text()
+
+    # the same Slurm job ran twice (REQUEUED, then TIMEOUT), then the profile's retry completed
+    history = [r["State"] for r in sacct(job, duplicates=True) if r["JobID"] == job]
+    assert history == ["REQUEUED", "TIMEOUT"], history
+    jobs = sorted((j for j, (r, wc) in ws.slurm_jobs().items() if r == "pretrain" and wc == "resume"), key=int)
+    assert len(jobs) == 2 and jobs[0] == job, jobs
+    assert [r["State"] for r in sacct(jobs[1]) if r["JobID"] == jobs[1]] == ["COMPLETED"]
+    assert "Trying to restart job" in out
+
+    # each start resumed from a checkpoint, never from scratch: the requeued incarnation (its
+    # rule log, shown by the profile's show-failed-logs when the time limit stopped it) ...
+    assert "DUE TO TIME LIMIT" in ws.slurm_log(job)
+    resumed = [int(m) for m in re.findall(r"resumed from \S+ \(iteration (\d+)", out)]
+    assert resumed and resumed[0] >= first, out[-5000:]
+    # ... and the resubmitted job
+    final = [int(m) for m in re.findall(r"resumed from \S+ \(iteration (\d+)", train_log.read_text())]
+    assert final and final[0] >= resumed[0], train_log.read_text()[-3000:]
+    summary = json.loads(ws.path("runs/resume/train_summary.json").read_text())
+    assert summary["iteration"] == steps and summary["world_size"] == 2
+    metrics = [json.loads(line) for line in ws.path("runs/resume/metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, steps + 1))  # one record per step, no restart from 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_timings(request):
+    yield
+    if TIMINGS:
+        lines = [f"  {k:<32} {v:6.1f} s" for k, v in TIMINGS.items()]
+        if SLURM_DIR.is_dir():  # also kept for whoever reads the CI machine afterwards
+            (SLURM_DIR / "test-timings.json").write_text(json.dumps(TIMINGS, indent=1) + "\n")
+        tr = request.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.write_line("\nSlurm test timings:\n" + "\n".join(lines))
