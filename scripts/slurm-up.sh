@@ -88,7 +88,9 @@ install -d -o slurm -g slurm -m 0755 "$BASE/state" "$BASE/log" "$BASE/run"
 install -d -o munge -g munge -m 0755 /run/munge "$BASE/munge"   # munged refuses dirs it does not own
 for i in $(seq 0 $(( FAKE_GPUS - 1 ))); do   # no iterations when FAKE_GPUS=0
   dev=$BASE/dev/nvidia$i
-  [ -e "$dev" ] || mknod -m 0666 "$dev" c 1 3 2>/dev/null || touch "$dev"   # /dev/null's major:minor
+  # a character device with /dev/null's major:minor, so Slurm sets CUDA_VISIBLE_DEVICES; where mknod
+  # is not allowed (some containers) a plain file still makes the GPUs schedulable
+  [ -c "$dev" ] || { rm -f "$dev"; mknod -m 0666 "$dev" c 1 3 2>/dev/null || touch "$dev"; }
 done
 
 # ------------------------------------------------------------------ 3. configuration

@@ -65,7 +65,10 @@ def slurm_cluster():
         pytest.skip("Slurm is not installed and there is no apt-get to install it (scripts/slurm-up.sh needs Debian/Ubuntu)")
     was_up = subprocess.run(["scontrol", "ping"], capture_output=True, text=True).stdout.count("UP") > 0 if shutil.which("scontrol") else False
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm-up.sh")], capture_output=True, text=True, timeout=900)
+    env = dict(os.environ)
+    if (os.cpu_count() or 1) < 2:  # pretrain runs 2 ranks of 1 CPU each
+        env.setdefault("SLURM_CPUS", "2")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm-up.sh")], capture_output=True, text=True, timeout=900, env=env)
     TIMINGS["slurm-up (cold)" if not was_up else "slurm-up (warm)"] = time.monotonic() - t0
     assert proc.returncode == 0, f"scripts/slurm-up.sh failed:\n{proc.stdout}\n{proc.stderr}"
     facts = dict(line.split("=", 1) for line in proc.stdout.split() if "=" in line)
