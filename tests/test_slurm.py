@@ -362,6 +362,26 @@ def test_training_job_requeued_and_then_stopped_by_its_time_limit_resumes_each_t
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, steps + 1))  # one record per step, no restart from 0
 
 
+# ---------------------------------------------------------------- the same rule, locally
+
+
+def test_the_same_rule_runs_locally_without_retraining_and_under_torchrun(built):
+    """The local profile finds the Slurm-built runs up to date (the launch prefix is computed
+    from resources, which Snakemake leaves out of its params rerun trigger), and the same
+    pretrain rule with `--set-resources pretrain:tasks=2` starts its ranks with torchrun."""
+    ws, _ = built
+    assert ws.nothing_to_do()
+    cfg = ws.read_config()
+    cfg["runs"]["local"] = {"tokenizer": "spm2k", "model": {"preset": "tiny"},
+                            "train": dict(cfg["runs"]["tiny"]["train"], steps=4, save_interval=2)}
+    ws.write_config(cfg)
+    proc = ws.run("runs/local/train_summary.json", "--set-resources", "pretrain:tasks=2", "-p")
+    assert "torchrun --standalone --nnodes=1 --nproc-per-node=2 --no-python snakellm train " in proc.stdout + proc.stderr
+    summary = json.loads(ws.path("runs/local/train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["iteration"] == 4
+    assert "world 2 (torchrun)" in ws.path("logs/pretrain/local.log").read_text()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def report_timings(request):
     yield
