@@ -206,4 +206,6 @@ def micro_batches(dataset, start_iter: int, end_iter: int, *, gbs: int, mbs: int
     return iter(torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         persistent_workers=False, prefetch_factor=4 if num_workers else None,
+        # its own generator: worker seeding must not draw from the global RNG (exact resume)
+        generator=torch.Generator().manual_seed(0),
     ))

@@ -169,10 +169,26 @@ def describe(cfg: dict[str, Any], vocab: int) -> str:
 # ----------------------------------------------------------------- the build (torch from here on)
 
 
-def _sdpa_attention_class():
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+
+
+def _sdpa_attention_class(backend: str = "auto"):
+    import contextlib
+
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if backend == "auto":
+        kernel = contextlib.nullcontext
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+        def kernel():
+            return sdpa_kernel([chosen])
 
     class SDPAttention(DotProductAttention):
         """megatron-core's core attention, computed by ``scaled_dot_product_attention``.
@@ -192,10 +208,10 @@ def _sdpa_attention_class():
             if p > 0 and not self.config.sequence_parallel:
                 from megatron.core import tensor_parallel
 
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                         scale=self.softmax_scale, enable_gqa=groups > 1)
+                rng = tensor_parallel.get_cuda_rng_tracker().fork()
             else:
+                rng = contextlib.nullcontext()
+            with rng, kernel():
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                      scale=self.softmax_scale, enable_gqa=groups > 1)
             s, b = out.size(2), out.size(0)
@@ -229,7 +245,8 @@ def _cross_entropy(logits, labels):
 
 
 def build_model(cfg: dict[str, Any], vocab: int, *, tp: int = 1, device: str = "cpu", bf16: bool = False,
-                fused_loss: str = "auto", compile_layers: bool = False, use_te: bool | None = None):
+                fused_loss: str = "auto", compile_layers: bool = False, use_te: bool | None = None,
+                attention_backend: str = "auto"):
     """Build a megatron-core GPTModel (model-parallel state must be initialised).
 
     ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (compiled
@@ -284,7 +301,7 @@ def build_model(cfg: dict[str, Any], vocab: int, *, tp: int = 1, device: str = "
         spec = get_gpt_layer_with_transformer_engine_spec(normalization=cfg["normalization"])
     else:
         spec = get_gpt_layer_local_spec(normalization=cfg["normalization"])
-        spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+        spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class(attention_backend)
 
     if fused_loss == "auto":
         fused_loss = "compiled" if (cuda and tp == 1) else ("eager" if tp == 1 else "megatron")
@@ -316,6 +333,10 @@ def build_model(cfg: dict[str, Any], vocab: int, *, tp: int = 1, device: str = "
         position_embedding_type="learned_absolute" if cfg["position_embedding"] == "learned" else "rope",
         rotary_base=cfg["rotary_base"],
     )
+    if bf16:
+        # what Megatron-LM's Float16Module does: every parameter in bf16, norms included
+        # (torch's LayerNorm/RMSNorm are created in fp32 whatever params_dtype says)
+        model.bfloat16()
     if cuda:
         model.cuda(torch.cuda.current_device())
     if compile_layers:

@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-workers", type=int, default=None, help="data loader workers (default: 2 on GPU, 0 on CPU)")
     s.add_argument("--loss", dest="loss_impl", default="auto", choices=("auto", "compiled", "eager", "megatron"),
                    help="cross-entropy: compiled (fused, GPU default), eager, or megatron's vocab-parallel one (TP>1)")
+    s.add_argument("--attention-backend", default="auto", choices=models.ATTENTION_BACKENDS,
+                   help="scaled_dot_product_attention kernel (auto: torch's choice)")
     s.add_argument("--compile", dest="compile_layers", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile each transformer layer")
     s.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: from the GPU name)")
@@ -169,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True)
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    o.add_argument("--no-checkpoints", dest="checkpoints", action="store_false",
+                   help="save no checkpoints at all (benchmarks only: nothing to resume from)")
+    o.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="torch.profiler over steps A..B; the kernel table goes to RUN_DIR/profile.txt")
     return p
 
 
@@ -455,7 +461,8 @@ def train(plan: Plan) -> int:
             tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
         module, tcfg = models.build_model(plan.model, plan.vocab, tp=a.tp, device=str(device), bf16=bf16,
-                                          fused_loss=a.loss_impl, compile_layers=a.compile_layers)
+                                          fused_loss=a.loss_impl, compile_layers=a.compile_layers,
+                                          attention_backend=a.attention_backend)
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=cuda and plan.dp > 1, use_distributed_optimizer=False,
         )
@@ -465,6 +472,10 @@ def train(plan: Plan) -> int:
                                   eps=a.adam_eps, clip_grad=a.clip_grad)
         sched = CosineSchedule(a.lr, a.min_lr, a.warmup_steps, plan.decay_steps, a.lr_decay_style)
         nparams = models.param_count(plan.model, plan.vocab)
+        if a.tp == 1:  # the formula behind MFU, checked against the model megatron-core built
+            built = sum(p.numel() for p in module.parameters())
+            if built != nparams:
+                _log(f"warning: the model has {built} parameters, the MFU formula counts {nparams}", rank0)
         flops_tok = models.flops_per_token(plan.model, plan.vocab)
         peak = a.peak_tflops
         if peak is None and cuda:
@@ -583,7 +594,6 @@ def train(plan: Plan) -> int:
         pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []  # (step, lr, loss, grad norm)
         window_t0, window_steps = time.time(), 0
         tokens_per_step = gbs * seq
-        last_saved = start_it if action == "resume" else None
         last_losses: list[float] = []
         overlap = ddp_cfg.overlap_grad_reduce
 
@@ -642,8 +652,12 @@ def train(plan: Plan) -> int:
                 _log(f"stopping before the first step ({reason})", rank0)
                 status = EXIT_STOPPED
             it = start_it
+            prof_range = _parse_range(a.profile_steps)
+            prof = None
             while status == EXIT_OK and it < a.steps:
                 it += 1
+                if prof_range and it == prof_range[0]:
+                    prof = _start_profiler(torch, cuda)
                 lr = sched.lr(it)
                 model.zero_grad_buffer()
                 total = torch.zeros((), device=device)
@@ -659,9 +673,12 @@ def train(plan: Plan) -> int:
                 pending.append((it, lr, total / plan.num_micro, norm))
                 window_steps += 1
                 bar.update(1)
+                if prof is not None and it == prof_range[1]:
+                    _stop_profiler(prof, torch, cuda, plan.run_dir / "profile.txt", rank0, it - prof_range[0] + 1)
+                    prof = None
 
                 val: dict[int, float] = {}
-                do_save = it % a.save_interval == 0 or it == a.steps
+                do_save = a.checkpoints and (it % a.save_interval == 0 or it == a.steps)
                 if a.eval_iters and (it % a.eval_interval == 0 or do_save):
                     flush()  # keep evaluation out of the throughput window
                     last_val = evaluate()
@@ -677,22 +694,25 @@ def train(plan: Plan) -> int:
                     if last_losses:
                         bar.set_postfix(loss=f"{last_losses[-1]:.4f}", refresh=False)
                 reason = stop_requested(it) if it < a.steps else None
-                if do_save or reason:
+                if do_save or (reason and a.checkpoints):
                     flush()
                     save(it, val.get(it))
-                    last_saved = it
                     window_t0 = time.time()
                 if reason:
-                    _log(f"stopped at iteration {it} ({reason}); checkpoint saved; rerun to resume "
-                         f"(exit status {EXIT_STOPPED})", rank0)
+                    _log(f"stopped at iteration {it} ({reason}); "
+                         + ("checkpoint saved; rerun to resume" if a.checkpoints else "--no-checkpoints: nothing saved")
+                         + f" (exit status {EXIT_STOPPED})", rank0)
                     status = EXIT_STOPPED
             flush()
         if tb is not None:
             tb.close()
 
+        digests = _replica_digests(torch, module, parallel_state)
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
         if status == EXIT_OK:
             if rank0:
-                _finish(plan, a, fp, best, nparams, flops_tok, time.time() - t_start, precision)
+                _finish(plan, a, fp, best, nparams, flops_tok, time.time() - t_start, precision, digests)
             barrier()
         return status
     finally:
@@ -715,7 +735,46 @@ def _merge_metrics(live: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _finish(plan: Plan, a, fp: str, best, nparams: int, flops_tok: float, wall: float, precision: str) -> None:
+def _parse_range(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+):(\d+)", text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < int(m.group(1)):
+        raise PlanError(f"--profile-steps {text!r}: expected A:B with 1 <= A <= B")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _start_profiler(torch, cuda: bool):
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    prof = torch.profiler.profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _stop_profiler(prof, torch, cuda: bool, path: Path, rank0: bool, steps: int) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+    prof.__exit__(None, None, None)
+    if rank0:
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90)
+        write_text(path, f"torch.profiler over {steps} steps, sorted by {key}\n{table}\n")
+        print(table, file=sys.stderr, flush=True)
+
+
+def _replica_digests(torch, module, parallel_state) -> list[str]:
+    """sha256 of this rank's weights, gathered over its data-parallel group (all must be equal)."""
+    h = hashlib.sha256()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    out: list = [None] * parallel_state.get_data_parallel_world_size()
+    torch.distributed.all_gather_object(out, h.hexdigest()[:16], group=parallel_state.get_data_parallel_group())
+    return out
+
+
+def _finish(plan: Plan, a, fp: str, best, nparams: int, flops_tok: float, wall: float, precision: str,
+            digests: list[str]) -> None:
     recs = _merge_metrics(plan.ckpt_dir / ckpt.LIVE_METRICS)
     write_text(plan.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
     train_recs = [r for r in recs if "loss" in r]
@@ -726,7 +785,7 @@ def _finish(plan: Plan, a, fp: str, best, nparams: int, flops_tok: float, wall: 
         "run": plan.run_name,
         "status": "completed",
         "iteration": a.steps,
-        "checkpoint": str(plan.ckpt_dir / ckpt.iter_name(a.steps)),
+        "checkpoint": str(plan.ckpt_dir / ckpt.iter_name(a.steps)) if a.checkpoints else None,
         "checkpoint_dir": str(plan.ckpt_dir),
         "best": best,
         "fingerprint": fp,
@@ -745,6 +804,7 @@ def _finish(plan: Plan, a, fp: str, best, nparams: int, flops_tok: float, wall: 
         "flops_per_token": flops_tok,
         "last_session_wall_s": round(wall, 3),
         "blend": plan.blend.path,
+        "replica_weight_digests": digests,
     }
     write_json(plan.run_dir / "train_summary.json", summary)
 
