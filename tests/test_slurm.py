@@ -139,9 +139,7 @@ def default_config(root: Path, steps: int = 20) -> dict:
     shutil.copytree(REPO / "resources", root / "resources")
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     for run in cfg["runs"].values():
-        # split: no test share, so that no chunk of the small corpus gets an empty split
-        run["train"].update(steps=steps, save_interval=10, eval_interval=10, eval_iters=1, log_interval=5, warmup_steps=2,
-                            split="90,10,0")
+        run["train"].update(steps=steps, save_interval=10, eval_interval=10, eval_iters=1, log_interval=5, warmup_steps=2)
     return cfg
 
 
