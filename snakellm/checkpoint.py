@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 import time
@@ -164,9 +165,29 @@ def truncate_live_metrics(ckpt_dir: str | os.PathLike, iteration: int) -> None:
 # --------------------------------------------------------------- save / load (torch)
 
 
+def _in_process_results_queue() -> None:
+    """Keep dist_checkpointing from starting a multiprocessing Manager.
+
+    Its file writer (0.16.1, strategies/filesystem_async.py) hands the results of
+    its forked writer processes back through a queue owned by a ``spawn``
+    Manager: a server process that re-imports ``__main__`` and, when the trainer
+    is SIGKILLed, lives on as an orphan holding the job's stderr. Our saves are
+    synchronous, so the results arrive in this very process: a plain queue does
+    the same job, with no extra process.
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        return
+    if getattr(fa, "_results_queue", False) is None:
+        fa._results_queue = queue.Queue()
+
+
 def save(ckpt_dir: str | os.PathLike, iteration: int, sharded_state_dict: dict, *, rank: int, barrier) -> Path:
     """Collective: write ``iter_{N:07d}`` through a ``.partial`` directory and point the tracker at it."""
     from megatron.core import dist_checkpointing
+
+    _in_process_results_queue()
 
     d = Path(ckpt_dir)
     final = d / iter_name(iteration)

@@ -474,6 +474,7 @@ def train(plan: Plan) -> int:
         nparams = models.param_count(plan.model, plan.vocab)
         if a.tp == 1:  # the formula behind MFU, checked against the model megatron-core built
             built = sum(p.numel() for p in module.parameters())
+            plan.extra["model_parameters"] = built
             if built != nparams:
                 _log(f"warning: the model has {built} parameters, the MFU formula counts {nparams}", rank0)
         flops_tok = models.flops_per_token(plan.model, plan.vocab)
@@ -791,6 +792,7 @@ def _finish(plan: Plan, a, fp: str, best, nparams: int, flops_tok: float, wall: 
         "fingerprint": fp,
         "model": plan.model,
         "params": nparams,
+        "model_parameters": plan.extra.get("model_parameters"),
         "padded_vocab_size": plan.vocab,
         "precision": precision,
         "global_batch_size": a.global_batch_size,
