@@ -311,7 +311,12 @@ def test_default_tiny_settings_learn(synth):
     assert len(vals) == t["steps"] // t["eval_interval"] and vals[-1] < vals[0] - 0.5
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(recs[-1])
     assert s["model_parameters"] == s["params"]  # the MFU formula's N is the model's real parameter count
-    assert (synth / "runs/default/checkpoints" / f"iter_{t['steps']:07d}").is_dir()
+    ckpts = synth / "runs/default/checkpoints"
+    assert (ckpts / f"iter_{t['steps']:07d}").is_dir()
+    best = json.loads((ckpts / "best.json").read_text())  # kept besides the last K
+    assert best == s["best"] and (ckpts / f"iter_{best['iteration']:07d}").is_dir()
+    assert best["val_loss"] == min(vals[i] for i, r in enumerate([r for r in recs if "val_loss" in r])
+                                   if r["step"] % t["save_interval"] == 0)
     assert list((synth / "runs/default/tensorboard").glob("events.out.tfevents.*"))
 
 
