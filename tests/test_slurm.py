@@ -284,26 +284,39 @@ def wait_for(what: str, cond, timeout: float = 300, proc=None):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def pause_ranks(job_id: str) -> list[int]:
-    """SIGSTOP the training ranks (every process of the job's srun step 0): progress stops,
-    the job's wall clock does not, and Slurm sends SIGCONT before its SIGTERM."""
+def signal_ranks(job_id: str, sig: int) -> list[int]:
+    """Send ``sig`` to every process of the job's srun steps (the ranks), not to its batch step."""
     out = subprocess.run(["scontrol", "listpids", job_id], capture_output=True, text=True).stdout
-    pids = [int(f[0]) for f in (line.split() for line in out.splitlines()[1:]) if len(f) >= 3 and f[2] == "0"]
+    pids = [int(f[0]) for f in (line.split() for line in out.splitlines()[1:]) if len(f) >= 3 and f[2].isdigit()]
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGSTOP)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
     return pids
 
 
-def test_training_job_requeued_and_then_stopped_by_its_time_limit_resumes_each_time(built):
-    """`scontrol requeue` restarts the same Slurm job, which resumes from the run's latest
-    checkpoint; then the job's time limit stops it (TIMEOUT, SIGTERM: checkpoint, exit 75), the
-    profile resubmits it, and the new job resumes again and finishes. The ranks are paused
-    (SIGSTOP) right after a checkpoint each time, so that the requeue and the time limit fall
-    mid-training however fast this machine trains; Slurm itself continues them to deliver its
-    SIGTERM."""
+def pause_ranks(job_id: str) -> list[int]:
+    """SIGSTOP the ranks: progress stops, the job's wall clock does not; Slurm sends SIGCONT
+    with its own SIGTERM (time limit, requeue)."""
+    pids = signal_ranks(job_id, signal.SIGSTOP)
+    assert pids, f"no running ranks in job {job_id}"
+    return pids
+
+
+def test_training_job_requeued_signalled_and_stopped_by_its_time_limit_resumes_each_time(built):
+    """One training job, interrupted three ways, never starts over:
+
+    1. `scontrol requeue`: the same Slurm job starts again and resumes from the latest checkpoint;
+    2. SIGUSR1 to the job's step, which is what the profile's `--signal=USR1@300` sends before
+       the time limit: the ranks save a checkpoint at the current step and exit 75, and the
+       next start resumes from exactly that step;
+    3. the time limit itself (TIMEOUT): the profile resubmits the job, which resumes again and
+       finishes.
+
+    The ranks are paused (SIGSTOP) right after a checkpoint before 1 and 3, so that the
+    requeue and the time limit fall mid-training however fast this machine trains; Slurm
+    sends SIGCONT with its SIGTERM."""
     ws, _ = built
     steps = 40
     cfg = ws.read_config()
@@ -316,48 +329,74 @@ def test_training_job_requeued_and_then_stopped_by_its_time_limit_resumes_each_t
     ws.write_config(cfg)
     ckpts = ws.path("runs/resume/checkpoints")
     train_log = ws.path("logs/pretrain/resume.log")
-    latest = lambda: int((ckpts / "latest_checkpointed_iteration.txt").read_text()) if (ckpts / "latest_checkpointed_iteration.txt").exists() else 0
+    resumed_at = re.compile(r"resumed from \S+ \(iteration (\d+)")
+
+    def latest() -> int:
+        p = ckpts / "latest_checkpointed_iteration.txt"
+        return int(p.read_text()) if p.exists() else 0
+
+    def pretrain_jobs() -> list[str]:
+        return sorted((j for j, (r, wc) in ws.slurm_jobs().items() if r == "pretrain" and wc == "resume"), key=int)
+
+    def log_text() -> str:
+        return train_log.read_text() if train_log.exists() else ""
+
     t0 = time.monotonic()
     proc = ws.slurm("runs/resume/train_summary.json", background=True)
     try:
-        job = wait_for("the pretrain job", lambda: next((j for j, (r, wc) in ws.slurm_jobs().items() if r == "pretrain" and wc == "resume"), None), proc=proc)
+        job = wait_for("the pretrain job", lambda: pretrain_jobs()[:1], proc=proc)[0]
+        # 1. requeue
         first = wait_for("a first checkpoint", latest, proc=proc)
         assert first < steps
         pause_ranks(job)
         subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
-        wait_for("the requeued job to resume", lambda: train_log.exists() and "resumed from" in train_log.read_text(), proc=proc)
+        resumed = int(wait_for("the requeued job to resume", lambda: resumed_at.search(log_text()), proc=proc).group(1))
+        # 2. SIGUSR1 to the ranks, as --signal=USR1@N does: queued while they are paused, then handled
         pause_ranks(job)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True, capture_output=True)
+        signal_ranks(job, signal.SIGCONT)
+        m = wait_for("the ranks to stop on SIGUSR1",
+                     lambda: re.search(r"stopped at iteration (\d+)|stopping before the first step", log_text()), proc=proc)
+        stop = int(m.group(1)) if m.group(1) else resumed
+        assert stop < steps
+        # the next start (in the same allocation or a resubmitted job: a fresh log) resumes from that step
+        wait_for(f"a resume from iteration {stop}",
+                 lambda: (t := log_text()) and f"(iteration {stop}," in t and resumed_at.search(t)
+                 and "stopped at" not in t and "stopping before" not in t, proc=proc)
+        # 3. the time limit
+        current = pretrain_jobs()[-1]
+        pause_ranks(current)
         assert latest() < steps
-        # elapsed is under a minute here: the limit falls at 1 min, enforced within Slurm's 30 s check
-        subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], check=True, capture_output=True)
+        # the limit falls at 1 min of the job's latest start, enforced within Slurm's 30 s check
+        subprocess.run(["scontrol", "update", f"JobId={current}", "TimeLimit=1"], check=True, capture_output=True)
         assert proc.wait(timeout=600) == 0, proc.log_path.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
         ws.cancel_leftovers()
-    TIMINGS["requeue + time limit"] = time.monotonic() - t0
+    TIMINGS["requeue + SIGUSR1 + time limit"] = time.monotonic() - t0
     out = proc.log_path.read_text()
+    everything = out + "".join(ws.slurm_log(j) for j in pretrain_jobs()) + log_text()
 
-    # the same Slurm job ran twice (REQUEUED, then TIMEOUT), then the profile's retry completed
-    history = [r["State"] for r in sacct(job, duplicates=True) if r["JobID"] == job]
-    assert history == ["REQUEUED", "TIMEOUT"], history
-    jobs = sorted((j for j, (r, wc) in ws.slurm_jobs().items() if r == "pretrain" and wc == "resume"), key=int)
-    assert len(jobs) == 2 and jobs[0] == job, jobs
-    assert [r["State"] for r in sacct(jobs[1]) if r["JobID"] == jobs[1]] == ["COMPLETED"]
-    assert "Trying to restart job" in out
+    # the requeued job kept its id; the time limit ended a job; the profile's retry completed the run
+    assert [r["State"] for r in sacct(job, duplicates=True) if r["JobID"] == job][0] == "REQUEUED"
+    jobs = pretrain_jobs()
+    states = {j: [r["State"] for r in sacct(j, duplicates=True) if r["JobID"] == j] for j in jobs}
+    assert "TIMEOUT" in states[current] and states[jobs[-1]][-1] == "COMPLETED", states
+    assert jobs[-1] != current and "Trying to restart job" in out, states  # resubmitted after the TIMEOUT
+    assert "DUE TO TIME LIMIT" in ws.slurm_log(current)
 
-    # each start resumed from a checkpoint, never from scratch: the requeued incarnation (its
-    # rule log, shown by the profile's show-failed-logs when the time limit stopped it) ...
-    assert "DUE TO TIME LIMIT" in ws.slurm_log(job)
-    resumed = [int(m) for m in re.findall(r"resumed from \S+ \(iteration (\d+)", out)]
-    assert resumed and resumed[0] >= first, out[-5000:]
-    # ... and the resubmitted job
-    final = [int(m) for m in re.findall(r"resumed from \S+ \(iteration (\d+)", train_log.read_text())]
-    assert final and final[0] >= resumed[0], train_log.read_text()[-3000:]
+    # every start after the first resumed, never from scratch: after the requeue from >= the
+    # first checkpoint, after SIGUSR1 from exactly the step it stopped at, after the time limit
+    # from at least that
+    resumes = [int(m) for m in resumed_at.findall(everything)]
+    assert resumes and min(resumes) >= first and resumed >= first, everything[-5000:]
+    assert stop in resumes, (stop, resumes)
+    assert [int(m) for m in resumed_at.findall(log_text())][0] >= stop  # the final job
     summary = json.loads(ws.path("runs/resume/train_summary.json").read_text())
     assert summary["iteration"] == steps and summary["world_size"] == 2
     metrics = [json.loads(line) for line in ws.path("runs/resume/metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, steps + 1))  # one record per step, no restart from 0
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, steps + 1))  # one record per step
 
 
 # ---------------------------------------------------------------- the same rule, locally
