@@ -108,11 +108,6 @@ def write_run_config(ckpt_dir: str | os.PathLike, fingerprint: str, config: dict
     write_json(Path(ckpt_dir) / RUN_CONFIG, {"fingerprint": fingerprint, "config": config})
 
 
-def has_anything(ckpt_dir: str | os.PathLike) -> bool:
-    d = Path(ckpt_dir)
-    return d.is_dir() and any(d.iterdir())
-
-
 def archive(ckpt_dir: str | os.PathLike) -> Path:
     """Move a checkpoint directory aside (never delete): ``checkpoints`` -> ``checkpoints.old-<UTC time>``."""
     d = Path(ckpt_dir)

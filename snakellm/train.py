@@ -281,13 +281,13 @@ def decide_resume(plan: Plan, cfg: dict, fp: str) -> tuple[str, int | None, str]
     a = plan.args
     latest = ckpt.latest_iteration(plan.ckpt_dir)
     if a.resume == "never":
-        if ckpt.has_anything(plan.ckpt_dir):
-            return "archive", None, "--resume never"
-        return "fresh", None, "--resume never"
+        return ("archive" if ckpt.list_iterations(plan.ckpt_dir) else "fresh"), None, "--resume never"
     if latest is None:
         if a.resume == "require":
             raise PlanError(f"--resume require: no checkpoint to resume from in {plan.ckpt_dir}")
-        return ("archive" if ckpt.has_anything(plan.ckpt_dir) else "fresh"), None, "no checkpoint yet"
+        # nothing saved yet (a run stopped before its first checkpoint): its run_config.json and
+        # live metrics are simply rewritten
+        return "fresh", None, "no checkpoint yet"
     stored = ckpt.read_run_config(plan.ckpt_dir)
     problems = []
     if stored is None:
