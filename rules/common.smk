@@ -255,7 +255,8 @@ def _resolve_runs():
 
 
 RUN_MODELS = _resolve_runs()  # {run: complete architecture dict}
-TRAIN_RETRIES = max([r["train"]["retries"] for r in RUNS.values()] or [0])
+# None leaves the profile's `retries` in force (a rule-level 0 would override it)
+TRAIN_RETRIES = max((r["train"]["retries"] for r in RUNS.values() if r["train"]["retries"] is not None), default=None)
 
 
 wildcard_constraints:

@@ -6,7 +6,7 @@
 # (or to move aside, see `snakellm train --on-config-change`). The declared
 # outputs are written atomically once the run reached its last step.
 # Exit status 75 means "stopped cleanly with a checkpoint" (SIGTERM/SIGUSR1 or
-# train.max_time); with train.retries > 0 Snakemake starts the next attempt,
+# train.max_time); with retries (train.retries, else the profile's) Snakemake starts the next attempt,
 # which resumes.
 
 
