@@ -8,7 +8,6 @@ distributed job shows one.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from typing import Iterator
 
@@ -16,10 +15,13 @@ from tqdm import tqdm
 
 
 def is_rank0() -> bool:
-    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
-        if var in os.environ:
-            return os.environ[var] == "0"
-    return True
+    """Rank 0 by the same launcher rules as training (torchrun, srun step, OpenMPI)."""
+    from .distributed import LaunchError, detect
+
+    try:
+        return detect().is_rank0
+    except LaunchError:  # an impossible launch is reported by the step itself; show the bar
+        return True
 
 
 @contextlib.contextmanager
