@@ -7,8 +7,8 @@ import shlex
 
 from snakemake.exceptions import WorkflowError
 
-from snakellm import config as cfgmod
-from snakellm import plan as planmod
+from snakellm.config import validate as cfgmod
+from snakellm.data import planning as planmod
 
 
 try:
@@ -231,7 +231,7 @@ def get_tokenize_targets():
 
 from types import SimpleNamespace
 
-from snakellm import models as modelsmod
+from snakellm.models import architecture as modelsmod
 
 RUNS = config.get("runs", {})  # {name: {tokenizer, model, train, parallel}}
 
@@ -318,7 +318,7 @@ def get_launch_prefix(wildcards, resources):
     """`srun ...` (Slurm profile, mpi="srun"), `torchrun ...` (tasks > 1) or "" in front of a
     training command, plus the configured container. Taking `resources` keeps it out of
     Snakemake's params rerun trigger: changing profile or node count retrains nothing."""
-    from snakellm.launch import launch_prefix
+    from snakellm.launch.prefix import launch_prefix
 
     return launch_prefix(resources, config.get("container"))
 

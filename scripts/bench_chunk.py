@@ -79,7 +79,7 @@ def main() -> None:
         results = []
         for threads in (1, 2):
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "snakellm.chunk", *shards, "-o", str(tmp / "out.jsonl"),
+            subprocess.run([sys.executable, "-m", "snakellm.data.chunk", *shards, "-o", str(tmp / "out.jsonl"),
                             "--format", "jsonl.zst", "--threads", str(threads), "--no-progress"],
                            check=True, stderr=subprocess.DEVNULL)
             results.append((threads, time.perf_counter() - t))

@@ -42,7 +42,7 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from snakellm.readers import open_shard  # noqa: E402
+from snakellm.io.readers import open_shard  # noqa: E402
 
 GPT2 = REPO / "resources" / "tokenizers" / "gpt2"
 BARS = {"gpt2_abs": 2.0e6, "gpt2_rel": 0.70, "spm_rel": 0.80}
@@ -92,7 +92,7 @@ def run_step(args: list[str], prefix: Path) -> tuple[float, float, float, int]:
     """(process seconds, step seconds, process CPU seconds, tokens) of one `snakellm tokenize` process."""
     t0, c0 = time.perf_counter(), cpu_seconds(resource.RUSAGE_CHILDREN)
     subprocess.run(
-        [sys.executable, "-m", "snakellm.tokenize", *args, str(prefix), "--no-progress"],
+        [sys.executable, "-m", "snakellm.tokenize.encode", *args, str(prefix), "--no-progress"],
         check=True, cwd=REPO, stderr=subprocess.DEVNULL,
     )
     wall, cpu = time.perf_counter() - t0, cpu_seconds(resource.RUSAGE_CHILDREN) - c0
@@ -144,7 +144,7 @@ def main() -> int:
     print(f"corpus: {corpus} {size / 1e6:.1f} MB of text, {os.path.getsize(corpus) / 1e6:.1f} MB jsonl, {len(texts):,} documents")
 
     # ------------------------------------------------------------------ GPT-2 BPE
-    from snakellm import tokenizers as T
+    from snakellm.tokenize import encoders as T
 
     gpt2 = T.load("gpt2-bpe", vocab_file=str(GPT2 / "vocab.json"), merges_file=str(GPT2 / "merges.txt"))
     enc = gpt2._enc  # the same tiktoken Encoding (ranks from vocab.json + merges.txt) the step uses
@@ -161,7 +161,7 @@ def main() -> int:
     # ------------------------------------------------------------------ SentencePiece 32k BPE
     import sentencepiece as spm
 
-    from snakellm.train_tokenizer import train
+    from snakellm.tokenize.sentencepiece_trainer import train
 
     sample = work / "sample.jsonl"
     with open(sample, "wb") as fh:

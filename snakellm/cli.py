@@ -13,14 +13,14 @@ import sys
 
 # step name -> (module, one-line summary)
 STEPS: dict[str, tuple[str, str]] = {
-    "download": ("snakellm.download", "fetch a chunk's http shards with retries, resume and a sha256 manifest"),
-    "chunk": ("snakellm.chunk", "stream a chunk's shards into one validated jsonl (+ rejected lines, stats)"),
-    "train-tokenizer": ("snakellm.train_tokenizer", "train a SentencePiece tokenizer on a sample of the chunks"),
-    "tokenize": ("snakellm.tokenize", "tokenize a chunk into Megatron .bin/.idx (MMIDIDX)"),
-    "blend": ("snakellm.blend", "write Megatron's data_prefix blend for a tokenizer"),
-    "train": ("snakellm.train", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
-    "plan": ("snakellm.plan_cli", "print the chunk plan of the configured sources"),
-    "launch": ("snakellm.launch", "print the srun/torchrun/container command line the pretrain rule runs"),
+    "download": ("snakellm.data.download", "fetch a chunk's http shards with retries, resume and a sha256 manifest"),
+    "chunk": ("snakellm.data.chunk", "stream a chunk's shards into one validated jsonl (+ rejected lines, stats)"),
+    "train-tokenizer": ("snakellm.tokenize.sentencepiece_trainer", "train a SentencePiece tokenizer on a sample of the chunks"),
+    "tokenize": ("snakellm.tokenize.encode", "tokenize a chunk into Megatron .bin/.idx (MMIDIDX)"),
+    "blend": ("snakellm.tokenize.blend", "write Megatron's data_prefix blend for a tokenizer"),
+    "train": ("snakellm.train.cli", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
+    "plan": ("snakellm.data.plan_cli", "print the chunk plan of the configured sources"),
+    "launch": ("snakellm.launch.prefix", "print the srun/torchrun/container command line the pretrain rule runs"),
 }
 
 

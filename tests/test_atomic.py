@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from snakellm import atomic
+from snakellm.io import atomic as atomic
 
 
 def test_outputs_get_umask_permissions_not_0600(tmp_path):

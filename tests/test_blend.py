@@ -14,10 +14,10 @@ import warnings
 import numpy as np
 import pytest
 
-from snakellm import tokenizers as T
-from snakellm.blend import BlendError, build_blend, main
-from snakellm.tokenize import tokenize_file
-from snakellm.train_tokenizer import train
+from snakellm.tokenize import encoders as T
+from snakellm.tokenize.blend import BlendError, build_blend, main
+from snakellm.tokenize.encode import tokenize_file
+from snakellm.tokenize.sentencepiece_trainer import train
 from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, corpus, write_jsonl
 
 with warnings.catch_warnings():

@@ -13,7 +13,7 @@ import time
 import pytest
 import zstandard
 
-from snakellm import chunk as chunkmod
+from snakellm.data import chunk as chunkmod
 
 GOOD = [{"text": "first document"}, {"text": "second one", "meta": {"x": 1}}]
 
@@ -140,7 +140,7 @@ def test_killed_job_leaves_no_output_that_looks_complete(tmp_path):
         shards.append(str(p))
     out = tmp_path / "out" / "c.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "snakellm.chunk", *shards, "-o", str(out), "--format", "jsonl.zst", "--no-progress"],
+        [sys.executable, "-m", "snakellm.data.chunk", *shards, "-o", str(out), "--format", "jsonl.zst", "--no-progress"],
         stderr=subprocess.PIPE,
     )
     # wait until it is writing (a temp file exists), then kill it hard

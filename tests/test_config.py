@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, small_config
-from snakellm import config as cfgmod
+from snakellm.config import validate as cfgmod
 
 SCHEMA = cfgmod.load_schema(REPO / "config" / "schema.yaml")
 BASE = {"sources": {"web": {"kind": "local", "path": "x/*.jsonl", "format": "jsonl", "shards_per_chunk": 2}}}

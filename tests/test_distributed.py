@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from snakellm.distributed import LaunchError, detect, expand_hostlist
+from snakellm.launch.distributed import LaunchError, detect, expand_hostlist
 
 from conftest import env_with_venv
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from httpserver import ShardServer
-from snakellm import chunk, download
-from snakellm.chunk import _read_manifest
-from snakellm.plan import url_to_relpath
+from snakellm.data import chunk, download
+from snakellm.data.chunk import _read_manifest
+from snakellm.data.planning import url_to_relpath
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "resources" / "corpus" / "wikitext"

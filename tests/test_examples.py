@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from snakellm import config as cfgmod
+from snakellm.config import validate as cfgmod
 
 EXAMPLES = sorted((REPO / "config" / "examples").glob("*.yaml"))
 SCHEMA = cfgmod.load_schema(REPO / "config" / "schema.yaml")

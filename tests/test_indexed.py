@@ -12,8 +12,8 @@ import warnings
 import numpy as np
 import pytest
 
-from snakellm import indexed
-from snakellm.indexed import IndexedFormatError, IndexedReader, IndexedWriter, optimal_dtype
+from snakellm.tokenize import indexed as indexed
+from snakellm.tokenize.indexed import IndexedFormatError, IndexedReader, IndexedWriter, optimal_dtype
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

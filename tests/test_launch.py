@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from conftest import BIN
-from snakellm.launch import Container, LaunchConfigError, geometry, launch_args, launch_prefix, resolve_mounts
+from snakellm.launch.prefix import Container, LaunchConfigError, geometry, launch_args, launch_prefix, resolve_mounts
 
 WD = "/lustre/proj/snakellm"
 PYXIS = {"runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:24.05-py3", "mounts": ["/lustre/datasets", "data:/workspace/data:ro"]}

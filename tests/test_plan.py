@@ -2,7 +2,7 @@
 
 import pytest
 
-from snakellm import plan
+from snakellm.data import planning as plan
 
 
 def test_expand_braces_slimpajama_layout():
@@ -59,7 +59,7 @@ def test_url_to_relpath_is_stable_and_safe():
 
 def test_plan_cli_prints_the_default_plan(capsys, monkeypatch):
     from conftest import REPO
-    from snakellm import plan_cli
+    from snakellm.data import plan_cli as plan_cli
 
     monkeypatch.chdir(REPO)
     assert plan_cli.main([]) == 0

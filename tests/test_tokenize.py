@@ -21,9 +21,9 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from snakellm import tokenizers as T
-from snakellm.tokenize import TokenizeError, main, tokenize_file
-from snakellm.train_tokenizer import train
+from snakellm.tokenize import encoders as T
+from snakellm.tokenize.encode import TokenizeError, main, tokenize_file
+from snakellm.tokenize.sentencepiece_trainer import train
 from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, REPO, corpus, openai_gpt2, write_jsonl
 
 with warnings.catch_warnings():
@@ -198,7 +198,7 @@ def test_peak_memory_does_not_grow_with_the_chunk(tmp_path):
     for mb in (3, 30):
         src = write_jsonl(tmp_path / f"{mb}.jsonl", docs * max(1, round(mb * 1e6 / one)))
         code = (
-            "import sys; from snakellm.tokenize import main; "
+            "import sys; from snakellm.tokenize.encode import main; "
             f"rc = main({[str(src), str(tmp_path / f'o{mb}'), '--no-progress', '--threads', '2', *GPT2_ARGS]!r}); "
             # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (pytest)
             "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]); sys.exit(rc)"

@@ -18,8 +18,8 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from snakellm import tokenizers as T
-from snakellm.train_tokenizer import TrainError, sample_sentences, train, vocab_text
+from snakellm.tokenize import encoders as T
+from snakellm.tokenize.sentencepiece_trainer import TrainError, sample_sentences, train, vocab_text
 from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, OpenAIGPT2, all_documents, corpus, openai_gpt2, write_jsonl
 
 EXTRA = [

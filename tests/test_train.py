@@ -211,7 +211,7 @@ def test_changed_settings_fail_clearly_or_archive_the_old_checkpoints(synth):
 
 
 def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkeypatch):
-    from snakellm.train import main
+    from snakellm.train.cli import main
 
     monkeypatch.chdir(synth)  # the blend's token paths are relative to the working directory
     blend = "data/tokens/synth/blend.json"
@@ -256,7 +256,7 @@ def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkey
     ],
 )
 def test_batch_and_parallelism_mismatches_name_the_numbers(synth, monkeypatch, capsys, env, extra, expected):
-    from snakellm.train import main
+    from snakellm.train.cli import main
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID",
                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
@@ -276,7 +276,7 @@ def test_a_real_launch_reports_a_mismatch_with_exit_status_2_before_importing_to
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "global batch size 6 is not divisible by micro batch size 4 x data-parallel size 2" in proc.stderr
-    probe = ("import sys; from snakellm.train import main; rc = main(sys.argv[1:]); "
+    probe = ("import sys; from snakellm.train.cli import main; rc = main(sys.argv[1:]); "
              "print(rc, 'torch' in sys.modules, 'megatron' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe, *train_cmd("never", "--steps", "4", "--global-batch-size", "6")[2:]],
                          cwd=synth, env=env, capture_output=True, text=True, timeout=120).stdout

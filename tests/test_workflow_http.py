@@ -18,7 +18,7 @@ import zstandard
 
 from conftest import REPO
 from httpserver import ShardServer
-from snakellm.plan import url_to_relpath
+from snakellm.data.planning import url_to_relpath
 
 pytestmark = pytest.mark.slow
 

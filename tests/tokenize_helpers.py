@@ -16,7 +16,7 @@ from pathlib import Path
 import orjson
 import regex
 
-from snakellm.readers import open_shard
+from snakellm.io.readers import open_shard
 
 REPO = Path(__file__).resolve().parent.parent
 GPT2_VOCAB = REPO / "resources" / "tokenizers" / "gpt2" / "vocab.json"

@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from .atomic import atomic_group
-from .tokenizers import megatron_args, nemo_tokenizer
+from snakellm.io.atomic import atomic_group
+from snakellm.tokenize.encoders import megatron_args, nemo_tokenizer
 
 _SAME = ("kind", "vocab_size", "eod_id", "sha256")
 

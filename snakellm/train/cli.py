@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint as ckpt
-from . import distributed as distmod
-from . import models
-from .atomic import write_json, write_text
-from .data import DataError, check_splits, read_blend
+from snakellm.train import checkpoint as ckpt
+from snakellm.launch import distributed as distmod
+from snakellm.models import architecture as models
+from snakellm.io.atomic import write_json, write_text
+from snakellm.train.dataset import DataError, check_splits, read_blend
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
 
@@ -407,10 +407,10 @@ def train(plan: Plan) -> int:
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from . import data as datamod
-    from .optim import MixedPrecisionAdamW
-    from .progress import progress
-    from .schedule import CosineSchedule
+    from snakellm.train import dataset as datamod
+    from snakellm.train.optim import MixedPrecisionAdamW
+    from snakellm.io.progress import progress
+    from snakellm.train.schedule import CosineSchedule
 
     if cuda:
         # one GPU per rank: all of the node's GPUs visible (pick by local rank) or just one

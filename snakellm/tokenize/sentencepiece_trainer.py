@@ -26,7 +26,7 @@ from typing import Iterator
 
 import orjson
 
-from .atomic import atomic_group
+from snakellm.io.atomic import atomic_group
 
 MODEL_TYPES = ("bpe", "unigram", "char", "word")
 

@@ -31,7 +31,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .atomic import write_json, write_text
+from snakellm.io.atomic import write_json, write_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.json"

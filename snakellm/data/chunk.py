@@ -24,9 +24,9 @@ from typing import BinaryIO, Iterator
 
 import orjson
 
-from .atomic import atomic_group
-from .readers import open_shard
-from .progress import progress
+from snakellm.io.atomic import atomic_group
+from snakellm.io.readers import open_shard
+from snakellm.io.progress import progress
 
 FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks")
 REASONS = (

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 def is_rank0() -> bool:
     """Rank 0 by the same launcher rules as training (torchrun, srun step, OpenMPI)."""
-    from .distributed import LaunchError, detect
+    from snakellm.launch.distributed import LaunchError, detect
 
     try:
         return detect().is_rank0

@@ -35,10 +35,10 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import orjson
 
-from . import tokenizers as tokmod
-from .atomic import atomic_group
-from .indexed import IndexedWriter, dtype_name, optimal_dtype, prefix_paths, read_index
-from .progress import progress
+from snakellm.tokenize import encoders as tokmod
+from snakellm.io.atomic import atomic_group
+from snakellm.tokenize.indexed import IndexedWriter, dtype_name, optimal_dtype, prefix_paths, read_index
+from snakellm.io.progress import progress
 
 
 class TokenizeError(ValueError):

@@ -56,10 +56,10 @@ from urllib.error import HTTPError, URLError
 from urllib.parse import urlsplit
 from urllib.request import Request, urlopen
 
-from . import __version__
-from .atomic import write_json
-from .plan import url_to_relpath
-from .progress import progress
+from snakellm import __version__
+from snakellm.io.atomic import write_json
+from snakellm.data.planning import url_to_relpath
+from snakellm.io.progress import progress
 
 BLOCK = 1 << 18  # 256 KiB per read: few syscalls, fine-grained progress and resume points
 USER_AGENT = f"snakellm/{__version__} (+download)"

@@ -12,10 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from . import config as cfgmod
-from . import plan
+from snakellm.config import validate as cfgmod
+from snakellm.data import planning as plan
 
-SCHEMA = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
+SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
