@@ -119,3 +119,22 @@ def small_config(root: Path) -> dict:
 @pytest.fixture
 def workspace(tmp_path: Path) -> Workspace:
     return Workspace(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def default_workflow(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    """The embedded default config (config/config.yaml) built once per test session.
+
+    A private copy of resources/ and the default config in a temp directory,
+    built to its default target (every stage of the default graph, the tiny
+    run included: a few minutes on 2 cores). Tests that need a pretrained
+    model, exported artifacts or a report of the default workflow share it;
+    they may build further targets with ``ws.run(target)`` but must not
+    modify what is there.
+    """
+    root = tmp_path_factory.mktemp("default-workflow")
+    shutil.copytree(REPO / "resources", root / "resources")
+    shutil.copy(REPO / "config" / "config.yaml", root / "config.yaml")
+    ws = Workspace(root)
+    ws.run(timeout=1800)
+    return ws
