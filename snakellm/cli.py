@@ -19,6 +19,10 @@ STEPS: dict[str, tuple[str, str]] = {
     "tokenize": ("snakellm.tokenize.encode", "tokenize a chunk into Megatron .bin/.idx (MMIDIDX)"),
     "blend": ("snakellm.tokenize.blend", "write Megatron's data_prefix blend for a tokenizer"),
     "train": ("snakellm.train.cli", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
+    "prepare-sft": ("snakellm.finetune.sft_data", "SQuAD json / jsonl -> {input, output} train/validation/test splits"),
+    "finetune": ("snakellm.finetune.cli", "LoRA, full SFT or p-tuning of a pretrained run (answer-only loss, resumable)"),
+    "evaluate": ("snakellm.eval.evaluate", "greedy generation on a test split: exact_string_match, SQuAD EM/F1, loss"),
+    "lora": ("snakellm.finetune.adapters_cli", "merge a LoRA adapter into its base, or write it in Hugging Face PEFT format"),
     "plan": ("snakellm.data.plan_cli", "print the chunk plan of the configured sources"),
     "launch": ("snakellm.launch.prefix", "print the srun/torchrun/container command line the pretrain rule runs"),
 }

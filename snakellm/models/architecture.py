@@ -211,8 +211,11 @@ def _sdpa_attention_class(backend: str = "auto"):
                 rng = tensor_parallel.get_cuda_rng_tracker().fork()
             else:
                 rng = contextlib.nullcontext()
+            # a mask is only ever passed for packed fine-tuning sequences (megatron's convention:
+            # True = masked out; causal and block-diagonal); pretraining passes None
+            mask = None if attention_mask is None else ~attention_mask
             with rng, kernel():
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
                                                      scale=self.softmax_scale, enable_gqa=groups > 1)
             s, b = out.size(2), out.size(0)
             return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
