@@ -51,7 +51,7 @@ def to_peft(tensors: dict[str, torch.Tensor], arch: dict, lora: dict) -> tuple[d
     modules: list[str] = []
 
     def put(module: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+        out[f"base_model.model.{module}.lora_A.weight"] = a.clone().contiguous()  # q/k/v share A: own copies
         out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
         modules.append(module)
 
