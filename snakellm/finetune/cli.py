@@ -403,9 +403,11 @@ def finetune(a: argparse.Namespace) -> int:
                 ckpt.prune(ckpt_dir, a.keep_last, {state["best"]["iteration"]} if state["best"] else set())
             torch.distributed.barrier()
 
+        # MFU by pretraining's formula (6 N + 12 L h s per token, N = the model's parameters), so that
+        # the figures of the methods and of pretraining compare as tokens/s do; frozen weights in fact
+        # skip their weight gradients (about a third less work), which "mfu_adapter" counts
         flops_tok = models.flops_per_token(arch, vocab)
-        if a.method != "full":  # frozen weights need no weight gradient: forward + input-gradient only
-            flops_tok = flops_tok * 2 / 3 + 6.0 * trainable
+        flops_adapter = flops_tok * 2 / 3 + 6.0 * trainable if a.method != "full" else flops_tok
         peak = None
         if rt.cuda:
             name = torch.cuda.get_device_name(rt.device)
@@ -446,6 +448,7 @@ def finetune(a: argparse.Namespace) -> int:
                                        "tokens_per_s": toks / dt, "answer_tokens": int(ntok.item())}
                 if peak:
                     rec["mfu"] = toks / dt * flops_tok / (peak * 1e12 * rt.world_size)
+                    rec["mfu_adapter"] = toks / dt * flops_adapter / (peak * 1e12 * rt.world_size)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss is not finite at step {it}")
                 val = None

@@ -1,0 +1,19 @@
+# evaluate: greedy generation on a fine-tune's test split, for the base model and the tuned one side by side
+# -> runs/{run}/eval/{ft}/{base,tuned}/metrics.json + predictions.jsonl
+
+
+rule evaluate_finetune:
+    input:
+        unpack(get_evaluate_input),
+    output:
+        metrics="runs/{run}/eval/{ft}/{which}/metrics.json",
+        predictions="runs/{run}/eval/{ft}/{which}/predictions.jsonl",
+    params:
+        args=get_evaluate_args,
+        out=subpath(output.metrics, parent=True),
+    threads: get_finetune_threads
+    log:
+        "logs/evaluate/{run}/{ft}/{which}.log",
+    shell:
+        "snakellm evaluate --blend {input.blend} --test {input.test} --out-dir {params.out} --threads {threads} "
+        "{params.args} 2> {log}"
