@@ -27,12 +27,27 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-GPT2 = {"kind": "gpt2-bpe", "name": "gpt2", "vocab_size": 50257, "eod_id": 50256, "eod_token": "<|endoftext|>",
-        "files": {"vocab_file": str(REPO / "resources/tokenizers/gpt2/vocab.json"),
-                  "merges_file": str(REPO / "resources/tokenizers/gpt2/merges.txt")}}
+GPT2 = {
+    "kind": "gpt2-bpe",
+    "name": "gpt2",
+    "vocab_size": 50257,
+    "eod_id": 50256,
+    "eod_token": "<|endoftext|>",
+    "files": {
+        "vocab_file": str(REPO / "resources/tokenizers/gpt2/vocab.json"),
+        "merges_file": str(REPO / "resources/tokenizers/gpt2/merges.txt"),
+    },
+}
 METHODS = {
     "lora": ["--method", "lora", "--lora-rank", "32", "--lora-targets", "linear_qkv"],
-    "lora-all": ["--method", "lora", "--lora-rank", "32", "--lora-targets", "linear_qkv,linear_proj,linear_fc1,linear_fc2"],
+    "lora-all": [
+        "--method",
+        "lora",
+        "--lora-rank",
+        "32",
+        "--lora-targets",
+        "linear_qkv,linear_proj,linear_fc1,linear_fc2",
+    ],
     "full": ["--method", "full"],
 }
 
@@ -71,7 +86,7 @@ def make_data(root: Path, n: int) -> tuple[Path, Path]:
     recs = []
     for i in range(n):  # a different window of the book each, far longer than the sequence (truncated: left)
         start = (i * 997) % max(1, len(long) - 20000)
-        recs.append({"input": long[start:start + 16000], "output": "the answer is " + str(i)})
+        recs.append({"input": long[start : start + 16000], "output": "the answer is " + str(i)})
     for split in ("train", "validation"):
         (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return blend, d
@@ -79,12 +94,42 @@ def make_data(root: Path, n: int) -> tuple[Path, Path]:
 
 def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> dict:
     odir = out / name
-    cmd = [sys.executable, "-m", "snakellm.cli", "finetune", "--base", str(base), "--blend", str(blend),
-           "--data-dir", str(data), "--out-dir", str(odir), *METHODS[name], "--steps", str(a.steps),
-           "--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.global_batch_size),
-           "--max-seq-length", str(a.seq_length), "--truncation-method", "left", "--pad-to-max",
-           "--eval-interval", str(a.steps + 1), "--eval-examples", "1", "--no-checkpoints", "--no-progress",
-           "--device", a.device, "--lr", "1e-4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakellm.cli",
+        "finetune",
+        "--base",
+        str(base),
+        "--blend",
+        str(blend),
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(odir),
+        *METHODS[name],
+        "--steps",
+        str(a.steps),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--global-batch-size",
+        str(a.global_batch_size),
+        "--max-seq-length",
+        str(a.seq_length),
+        "--truncation-method",
+        "left",
+        "--pad-to-max",
+        "--eval-interval",
+        str(a.steps + 1),
+        "--eval-examples",
+        "1",
+        "--no-checkpoints",
+        "--no-progress",
+        "--device",
+        a.device,
+        "--lr",
+        "1e-4",
+    ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
@@ -95,8 +140,13 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> 
     steady = [r for r in recs if r["step"] > a.warmup_steps and "tokens_per_s" in r] or recs
     tps = statistics.median(r["tokens_per_s"] for r in steady)
     summary = json.loads((odir / "finetune_summary.json").read_text())
-    res = {"method": name, "tokens_per_s": round(tps), "wall_s": round(time.time() - t0, 1),
-           "trainable_parameters": summary["trainable_parameters"], "total_parameters": summary["total_parameters"]}
+    res = {
+        "method": name,
+        "tokens_per_s": round(tps),
+        "wall_s": round(time.time() - t0, 1),
+        "trainable_parameters": summary["trainable_parameters"],
+        "total_parameters": summary["total_parameters"],
+    }
     if steady[0].get("mfu") is not None:
         res["mfu"] = round(statistics.median(r["mfu"] for r in steady), 4)
         res["mfu_adapter"] = round(statistics.median(r["mfu_adapter"] for r in steady), 4)
@@ -110,11 +160,39 @@ def run_pretrain(a, root: Path) -> dict:
 
     blend = make_tokens(root / "pretrain", a.steps * a.global_batch_size * (a.seq_length + 1) * 2)
     run_dir = root / "runs" / "pretrain"
-    cmd = [sys.executable, "-m", "snakellm.cli", "train", "--blend", str(blend), "--run-dir", str(run_dir),
-           "--preset", a.preset, "--seq-length", str(a.seq_length), "--steps", str(a.steps), "--global-batch-size",
-           str(a.global_batch_size), "--micro-batch-size", str(a.micro_batch_size), "--log-interval", "1",
-           "--eval-iters", "0", "--no-checkpoints", "--no-tensorboard", "--no-progress", "--split", "100,0,0",
-           "--device", a.device, "--resume", "never"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakellm.cli",
+        "train",
+        "--blend",
+        str(blend),
+        "--run-dir",
+        str(run_dir),
+        "--preset",
+        a.preset,
+        "--seq-length",
+        str(a.seq_length),
+        "--steps",
+        str(a.steps),
+        "--global-batch-size",
+        str(a.global_batch_size),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--no-checkpoints",
+        "--no-tensorboard",
+        "--no-progress",
+        "--split",
+        "100,0,0",
+        "--device",
+        a.device,
+        "--resume",
+        "never",
+    ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
     if proc.returncode != 0:
@@ -129,8 +207,9 @@ def run_pretrain(a, root: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--methods", default="lora,full", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--seq-length", type=int, default=2048)
@@ -139,7 +218,9 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=32)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--pretrain", action="store_true", help="also snakellm train (scripts/bench_train_gpu.py) on the same model")
+    p.add_argument(
+        "--pretrain", action="store_true", help="also snakellm train (scripts/bench_train_gpu.py) on the same model"
+    )
     p.add_argument("--workdir", default="/tmp/snakellm-bench-ft")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--timeout", type=float, default=400)

@@ -19,15 +19,30 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import BIN, REPO, Workspace, env_with_venv
 
 pytestmark = pytest.mark.slow
 
 SQUAD = REPO / "resources" / "squad" / "squad-dev-subset.json"
-COMMON = ["--steps", "80", "--micro-batch-size", "8", "--global-batch-size", "8", "--lr", "1e-2",
-          "--lr-decay-style", "constant", "--eval-interval", "20", "--threads", "2", "--no-progress",
-          "--truncation-method", "left"]
+COMMON = [
+    "--steps",
+    "80",
+    "--micro-batch-size",
+    "8",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-2",
+    "--lr-decay-style",
+    "constant",
+    "--eval-interval",
+    "20",
+    "--threads",
+    "2",
+    "--no-progress",
+    "--truncation-method",
+    "left",
+]
 METHOD_ARGS = {
     "lora": ["--lora-rank", "16", "--lora-targets", "linear_qkv,linear_proj,linear_fc1,linear_fc2"],
     "full": ["--lr", "3e-3"],
@@ -49,45 +64,97 @@ def sft(default_workflow: Workspace, tmp_path_factory: pytest.TempPathFactory) -
     """8 trained questions, 16 held out for validation, 16 for test; inside the default workflow's directory."""
     root = default_workflow.root
     d = tmp_path_factory.mktemp("sft")
-    _run("prepare-sft", str(SQUAD), str(d / "q8"), "--template", "Question: {question} Answer:", "--limit", "40",
-         "--split", "8,16,16", cwd=root)
+    _run(
+        "prepare-sft",
+        str(SQUAD),
+        str(d / "q8"),
+        "--template",
+        "Question: {question} Answer:",
+        "--limit",
+        "40",
+        "--split",
+        "8,16,16",
+        cwd=root,
+    )
     return d
 
 
 def _evaluate(root: Path, test: Path, out: Path, *extra: str) -> dict:
-    _run("evaluate", "--base", "runs/tiny", "--blend", "data/tokens/spm2k/blend.json", "--test", str(test),
-         "--out-dir", str(out), "--tokens-to-generate", "16", "--threads", "2", "--truncation-method", "left", *extra,
-         cwd=root)
+    _run(
+        "evaluate",
+        "--base",
+        "runs/tiny",
+        "--blend",
+        "data/tokens/spm2k/blend.json",
+        "--test",
+        str(test),
+        "--out-dir",
+        str(out),
+        "--tokens-to-generate",
+        "16",
+        "--threads",
+        "2",
+        "--truncation-method",
+        "left",
+        *extra,
+        cwd=root,
+    )
     return json.loads((out / "metrics.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def base_scores(default_workflow: Workspace, sft: Path) -> dict:
     root = default_workflow.root
-    return {"train": _evaluate(root, sft / "q8" / "train.jsonl", sft / "base-train"),
-            "validation": _evaluate(root, sft / "q8" / "validation.jsonl", sft / "base-valid")}
+    return {
+        "train": _evaluate(root, sft / "q8" / "train.jsonl", sft / "base-train"),
+        "validation": _evaluate(root, sft / "q8" / "validation.jsonl", sft / "base-valid"),
+    }
 
 
 @pytest.mark.parametrize("method", ["lora", "full", "ptuning"])
 def test_method_learns(default_workflow: Workspace, sft: Path, base_scores: dict, method: str) -> None:
     root = default_workflow.root
     out = sft / f"ft-{method}"
-    _run("finetune", "--base", "runs/tiny", "--blend", "data/tokens/spm2k/blend.json", "--data-dir", str(sft / "q8"),
-         "--out-dir", str(out), "--method", method, *COMMON, *METHOD_ARGS[method], cwd=root)
+    _run(
+        "finetune",
+        "--base",
+        "runs/tiny",
+        "--blend",
+        "data/tokens/spm2k/blend.json",
+        "--data-dir",
+        str(sft / "q8"),
+        "--out-dir",
+        str(out),
+        "--method",
+        method,
+        *COMMON,
+        *METHOD_ARGS[method],
+        cwd=root,
+    )
     summary = json.loads((out / "finetune_summary.json").read_text())
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = recs[0]["loss"], sum(r["loss"] for r in recs[-5:]) / 5
     assert len(recs) == 80 and summary["steps_run"] == 80
     # the base model's own answer-only loss on these questions is where training starts
     assert first == pytest.approx(base_scores["train"]["answer_only_loss"], rel=0.02)
-    artifact = {"lora": ["--adapter", str(out / "adapter")], "ptuning": ["--prompt", str(out / "prompt")],
-                "full": []}[method]
+    artifact = {"lora": ["--adapter", str(out / "adapter")], "ptuning": ["--prompt", str(out / "prompt")], "full": []}[
+        method
+    ]
     base = ["--base", str(out / "model")] if method == "full" else []
     trained = _evaluate(root, sft / "q8" / "train.jsonl", sft / f"{method}-train", *artifact, *base)
     held_out = _evaluate(root, sft / "q8" / "validation.jsonl", sft / f"{method}-valid", *artifact, *base)
     best = summary["best"]
-    print(method, {"first_loss": first, "last_loss": last, "best": best, "trained": trained, "held_out": held_out,
-                   "base": base_scores})
+    print(
+        method,
+        {
+            "first_loss": first,
+            "last_loss": last,
+            "best": best,
+            "trained": trained,
+            "held_out": held_out,
+            "base": base_scores,
+        },
+    )
     assert base_scores["train"]["exact_string_match"] == 0.0
     if method in ("lora", "full"):
         assert last < 0.1 * first  # memorised: the answer-only loss falls by an order of magnitude
@@ -101,23 +168,58 @@ def test_method_learns(default_workflow: Workspace, sft: Path, base_scores: dict
 
 
 def _losses(path: Path) -> dict[int, tuple]:
-    return {r["step"]: (r["loss"], r.get("val_loss"), r["grad_norm"])
-            for r in map(json.loads, path.read_text().splitlines())}
+    return {
+        r["step"]: (r["loss"], r.get("val_loss"), r["grad_norm"])
+        for r in map(json.loads, path.read_text().splitlines())
+    }
 
 
 def test_exact_resume_after_sigkill(default_workflow: Workspace, sft: Path) -> None:
     """A LoRA run SIGKILLed after a checkpoint resumes bit for bit: the same losses as an uninterrupted run."""
     root = default_workflow.root
-    args = ["--base", "runs/tiny", "--blend", "data/tokens/spm2k/blend.json", "--data-dir", str(sft / "q8"),
-            "--method", "lora", "--lora-rank", "4", "--lora-dropout", "0.1", "--lora-targets", "linear_qkv,linear_fc2",
-            "--steps", "12", "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2",
-            "--eval-interval", "3", "--keep-last", "2", "--threads", "2", "--no-progress"]
+    args = [
+        "--base",
+        "runs/tiny",
+        "--blend",
+        "data/tokens/spm2k/blend.json",
+        "--data-dir",
+        str(sft / "q8"),
+        "--method",
+        "lora",
+        "--lora-rank",
+        "4",
+        "--lora-dropout",
+        "0.1",
+        "--lora-targets",
+        "linear_qkv,linear_fc2",
+        "--steps",
+        "12",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--lr",
+        "1e-2",
+        "--eval-interval",
+        "3",
+        "--keep-last",
+        "2",
+        "--threads",
+        "2",
+        "--no-progress",
+    ]
     _run("finetune", *args, "--out-dir", str(sft / "whole"), cwd=root)
     env = env_with_venv()
     env["OMP_NUM_THREADS"] = "2"
     killed = sft / "killed"
-    proc = subprocess.Popen([str(BIN / "snakellm"), "finetune", *args, "--out-dir", str(killed)], cwd=root, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "snakellm"), "finetune", *args, "--out-dir", str(killed)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     tracker = killed / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
@@ -154,7 +256,12 @@ def test_workflow_base_and_tuned(default_workflow: Workspace) -> None:
     ev = root / "runs" / "tiny" / "eval" / "tiny-lora"
     base, tuned = (json.loads((ev / w / "metrics.json").read_text()) for w in ("base", "tuned"))
     for m in (base, tuned):
-        assert m["examples"] == 16 and set(m) >= {"exact_string_match", "squad_exact_match", "squad_f1", "answer_only_loss"}
+        assert m["examples"] == 16 and set(m) >= {
+            "exact_string_match",
+            "squad_exact_match",
+            "squad_f1",
+            "answer_only_loss",
+        }
     assert tuned["answer_only_loss"] < base["answer_only_loss"]
     preds = [json.loads(line) for line in (ev / "tuned" / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 16 and all(set(p) >= {"input", "pred", "label"} for p in preds)

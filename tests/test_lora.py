@@ -40,12 +40,12 @@ def _logits(gpt, tokens):
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -> None:
+    from hf_reference import to_hf
     from peft import PeftModel
     from safetensors.torch import save_file
 
     from snakellm.finetune.lora import TARGETS, LoRAAdapters, LoRAConfig, full_tensors, load_full_tensors, merge
     from snakellm.finetune.peft_export import write_peft
-    from tests.hf_reference import to_hf
 
     gpt, arch = _model(style)
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -92,9 +92,16 @@ def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -
     merge(gpt, ad)
     assert torch.allclose(_logits(gpt, tokens), tuned, atol=2e-5)
     changed = {k for k, v in gpt.state_dict().items() if torch.is_tensor(v) and not torch.equal(v, base_weights[k])}
-    assert changed == {f"decoder.layers.{i}.{s}.{t}.weight" for i in range(arch["num_layers"])
-                       for s, t in (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
-                                    ("mlp", "linear_fc1"), ("mlp", "linear_fc2"))}
+    assert changed == {
+        f"decoder.layers.{i}.{s}.{t}.weight"
+        for i in range(arch["num_layers"])
+        for s, t in (
+            ("self_attention", "linear_qkv"),
+            ("self_attention", "linear_proj"),
+            ("mlp", "linear_fc1"),
+            ("mlp", "linear_fc2"),
+        )
+    }
 
 
 def test_lora_options_checked_and_layer_selection(rt) -> None:
@@ -106,8 +113,10 @@ def test_lora_options_checked_and_layer_selection(rt) -> None:
         LoRAConfig(column_init="orthogonal")
     gpt, arch = _model("gpt2")
     ad = LoRAAdapters(gpt, LoRAConfig(rank=2, targets=("linear_qkv", "linear_fc2"), layers=(2,)))
-    assert sorted(n for n, _ in ad.named_adapters()) == ["decoder.layers.1.mlp.linear_fc2",
-                                                         "decoder.layers.1.self_attention.linear_qkv"]
+    assert sorted(n for n, _ in ad.named_adapters()) == [
+        "decoder.layers.1.mlp.linear_fc2",
+        "decoder.layers.1.self_attention.linear_qkv",
+    ]
     ad.remove()
     with pytest.raises(ValueError, match="layers 1..2"):
         LoRAAdapters(gpt, LoRAConfig(layers=(3,)))

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--base", required=True, help="pretrained run (or a full fine-tune's model/ directory)")
-    p.add_argument("--blend", required=True, help="blend.json naming the tokenizer")
+    p.add_argument("--blend", default=None, help="a blend.json whose tokenizer to use (default: the run's own)")
     p.add_argument("--test", required=True, help="test split jsonl ({input, output[, answers]})")
     p.add_argument("--out-dir", required=True, help="directory for metrics.json and predictions.jsonl")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory (finetune's adapter/)")
@@ -72,8 +72,13 @@ def attach_artifacts(rt, gpt, arch: dict, adapter: str | None, prompt: str | Non
         from snakellm.finetune.ptuning import PTuning, PTuningConfig
 
         conf = json.loads((Path(prompt) / "prompt_config.json").read_text())
-        pt = PTuning(gpt, PTuningConfig(**conf["ptuning"]), arch["hidden_size"], gpt.embedding.word_embeddings.weight.dtype,
-                     gpt.embedding.word_embeddings.weight.device)
+        pt = PTuning(
+            gpt,
+            PTuningConfig(**conf["ptuning"]),
+            arch["hidden_size"],
+            gpt.embedding.word_embeddings.weight.dtype,
+            gpt.embedding.word_embeddings.weight.device,
+        )
         table = load_file(str(Path(prompt) / "virtual_tokens.safetensors"))["prompt_table"]
         pt.table = table.to(device=rt.device, dtype=torch.float32)
         return pt.cfg.virtual_tokens, conf, pt
@@ -90,17 +95,24 @@ def evaluate(a: argparse.Namespace) -> dict:
     torch = rt.torch
     try:
         bf16 = (a.precision == "bf16") or (a.precision == "auto" and rt.cuda)
-        gpt, _, arch, vocab, ck = runtime.load_base(rt, a.base, bf16=bf16, seq_length=a.max_seq_length)
+        gpt, _, arch, vocab, ck, tok_info = runtime.load_base(rt, a.base, bf16=bf16, seq_length=a.max_seq_length)
         seq = a.max_seq_length or arch["seq_length"]
-        tok = runtime.load_tokenizer(a.blend)
+        tok = runtime.load_tokenizer(a.blend, fallback=tok_info)
         virtual, conf, _extra = attach_artifacts(rt, gpt, arch, a.adapter, a.prompt)
         ex_cfg = (conf or {}).get("examples") or {}
         template = ex_cfg.get("template", a.template)
-        enc = ds.Encoder(tok, seq + 1, template, ex_cfg.get("add_bos", a.add_bos), ex_cfg.get("add_eos", a.add_eos),
-                         ex_cfg.get("truncation_method", a.truncation_method), reserved=virtual)
+        enc = ds.Encoder(
+            tok,
+            seq + 1,
+            template,
+            ex_cfg.get("add_bos", a.add_bos),
+            ex_cfg.get("add_eos", a.add_eos),
+            ex_cfg.get("truncation_method", a.truncation_method),
+            reserved=virtual,
+        )
         records = ds.read_jsonl(a.test)
         if a.limit:
-            records = records[:a.limit]
+            records = records[: a.limit]
         exs = enc.encode_all(records)
         for e in exs:
             e.context = [int(tok.eod_id)] * virtual + e.context
@@ -115,19 +127,28 @@ def evaluate(a: argparse.Namespace) -> dict:
             def __call__(self, tokens, pos, mask):
                 return self.m(tokens, pos, mask, runtime_gather_output=True)
 
-        gen = greedy(_Gathered(gpt), [e.context for e in exs], max_new_tokens=a.tokens_to_generate, eos_id=tok.eod_id,
-                     pad_id=tok.eod_id, max_length=seq, batch_size=a.batch_size, device=rt.device)
+        gen = greedy(
+            _Gathered(gpt),
+            [e.context for e in exs],
+            max_new_tokens=a.tokens_to_generate,
+            eos_id=tok.eod_id,
+            pad_id=tok.eod_id,
+            max_length=seq,
+            batch_size=a.batch_size,
+            device=rt.device,
+        )
         eos = [] if not ex_cfg.get("add_eos", a.add_eos) else [tok.eod_id]
-        preds = [tok.decode(g[:a.tokens_to_generate]) for g in gen]
-        labels = [tok.decode(e.answer[:len(e.answer) - len(eos)] if eos and e.answer[-1:] == eos else e.answer)
-                  for e in exs]
+        preds = [tok.decode(g[: a.tokens_to_generate]) for g in gen]
+        labels = [
+            tok.decode(e.answer[: len(e.answer) - len(eos)] if eos and e.answer[-1:] == eos else e.answer) for e in exs
+        ]
         golds = [r.get("answers") or [r["output"]] for r in records]
         # answer-only loss, teacher forced
         tot = torch.zeros(2, dtype=torch.float64)
         gpt.eval()
         with torch.no_grad():
             for k in range(0, len(exs), a.batch_size):
-                b = ds.collate(exs[k:k + a.batch_size], tok.eod_id, True)
+                b = ds.collate(exs[k : k + a.batch_size], tok.eod_id, True)
                 b = {kk: v.to(rt.device) for kk, v in b.items()}
                 per_tok = gpt(b["tokens"], b["position_ids"], None, labels=b["labels"])
                 m = b["loss_mask"]
@@ -135,7 +156,8 @@ def evaluate(a: argparse.Namespace) -> dict:
         metrics = {
             "model": a.label or ("lora" if a.adapter else "ptuning" if a.prompt else "base"),
             "checkpoint": str(ck),
-            "adapter": a.adapter, "prompt": a.prompt,
+            "adapter": a.adapter,
+            "prompt": a.prompt,
             "examples": len(exs),
             "exact_string_match": exact_string_match(preds, labels),
             **squad_scores(preds, golds),
@@ -146,9 +168,14 @@ def evaluate(a: argparse.Namespace) -> dict:
         if rt.rank == 0:
             out = Path(a.out_dir)
             with atomic_group(out / "predictions.jsonl", out / "metrics.json") as (p_tmp, m_tmp):
-                p_tmp.write_text("".join(json.dumps({"input": r["input"], "pred": p, "label": lab, "answers": g},
-                                                    ensure_ascii=False) + "\n"
-                                         for r, p, lab, g in zip(records, preds, labels, golds)), encoding="utf-8")
+                p_tmp.write_text(
+                    "".join(
+                        json.dumps({"input": r["input"], "pred": p, "label": lab, "answers": g}, ensure_ascii=False)
+                        + "\n"
+                        for r, p, lab, g in zip(records, preds, labels, golds, strict=False)
+                    ),
+                    encoding="utf-8",
+                )
                 m_tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         return metrics
     finally:
@@ -165,9 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     except (SFTFormatError, BaseModelError, FileNotFoundError) as e:
         print(f"snakellm evaluate: error: {e}", file=sys.stderr)
         return 2
-    print(f"snakellm evaluate: {m['model']}: exact_string_match {m['exact_string_match']:.4f}, SQuAD EM "
-          f"{m['squad_exact_match']:.4f} F1 {m['squad_f1']:.4f}, answer-only loss {m['answer_only_loss']:.4f} "
-          f"({m['examples']} examples)", file=sys.stderr)
+    print(
+        f"snakellm evaluate: {m['model']}: exact_string_match {m['exact_string_match']:.4f}, SQuAD EM "
+        f"{m['squad_exact_match']:.4f} F1 {m['squad_f1']:.4f}, answer-only loss {m['answer_only_loss']:.4f} "
+        f"({m['examples']} examples)",
+        file=sys.stderr,
+    )
     return 0
 
 

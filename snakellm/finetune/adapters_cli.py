@@ -23,17 +23,20 @@ def merge(base: str, adapter: str, out: str, device: str = "auto", tp: int = 1) 
 
     rt = runtime.start(device, tp)
     try:
-        gpt, _, arch, vocab, _ = runtime.load_base(rt, base)
+        gpt, _, arch, vocab, _, tok_info = runtime.load_base(rt, base)
         _, conf, ad = attach_artifacts(rt, gpt, arch, adapter, None)
         merge_into(gpt, ad)
-        return save_model(gpt, Path(out), arch, vocab, conf.get("tokenizer", {}), rt)
+        return save_model(gpt, Path(out), arch, vocab, conf.get("tokenizer") or tok_info, rt)
     finally:
         runtime.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="snakellm lora", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="snakellm lora",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="fold an adapter into its base: a model-only checkpoint directory")
     m.add_argument("--base", required=True, help="the adapter's base run (or checkpoint dir)")

@@ -30,21 +30,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
-import os
-import random
-import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from snakellm.io.atomic import write_json, write_text
 from snakellm.train import checkpoint as ckpt
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
 METHODS = ("lora", "full", "ptuning")
-_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "B200": 2250.0}
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,10 +47,18 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seq-length", type=int, default=None, help="tokens per example (default: the model's)")
     g.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=False, help="BOS before the context")
     g.add_argument("--add-eos", action=argparse.BooleanOptionalAction, default=True, help="EOD after the answer")
-    g.add_argument("--answer-only-loss", action=argparse.BooleanOptionalAction, default=True,
-                   help="loss on the answer tokens only (the prompt is masked)")
-    g.add_argument("--truncation-method", default="right", choices=("left", "right"),
-                   help="too long a context loses tokens from its end (right, NeMo's default) or its start (left)")
+    g.add_argument(
+        "--answer-only-loss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="loss on the answer tokens only (the prompt is masked)",
+    )
+    g.add_argument(
+        "--truncation-method",
+        default="right",
+        choices=("left", "right"),
+        help="too long a context loses tokens from its end (right, NeMo's default) or its start (left)",
+    )
 
 
 def add_method_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,9 +66,14 @@ def add_method_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-rank", type=int, default=32, help="adapter_dim")
     g.add_argument("--lora-alpha", type=float, default=None, help="scale = alpha / rank (default alpha = rank)")
     g.add_argument("--lora-dropout", type=float, default=0.0, help="adapter_dropout")
-    g.add_argument("--lora-targets", default="linear_qkv",
-                   help="comma list of linear_qkv, linear_proj, linear_fc1, linear_fc2 (target_modules)")
-    g.add_argument("--lora-layers", default=None, help="comma list of 1-based layer numbers (layer_selection; default all)")
+    g.add_argument(
+        "--lora-targets",
+        default="linear_qkv",
+        help="comma list of linear_qkv, linear_proj, linear_fc1, linear_fc2 (target_modules)",
+    )
+    g.add_argument(
+        "--lora-layers", default=None, help="comma list of 1-based layer numbers (layer_selection; default all)"
+    )
     g.add_argument("--lora-column-init", default="xavier", choices=("xavier", "normal", "kaiming", "zero"))
     g.add_argument("--lora-row-init", default="zero", choices=("xavier", "normal", "kaiming", "zero"))
     g = p.add_argument_group("p-tuning")
@@ -84,14 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--base", required=True, help="pretrained run dir, its checkpoints/ or an iter_NNNNNNN/ dir")
-    p.add_argument("--blend", required=True, help="the base run's blend.json (its tokenizer block)")
+    p.add_argument(
+        "--blend",
+        default=None,
+        help="a blend.json whose tokenizer to use (default: the one recorded with the base run)",
+    )
     p.add_argument("--data-dir", required=True, help="directory with train.jsonl and validation.jsonl")
     p.add_argument("--out-dir", required=True, help="output directory (runs/RUN/finetune/TASK)")
     p.add_argument("--method", required=True, choices=METHODS)
     add_method_arguments(p)
     add_data_arguments(p)
-    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=False,
-                   help="pack several examples into each sequence (block-diagonal attention, positions restart)")
+    p.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pack several examples into each sequence (block-diagonal attention, positions restart)",
+    )
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, required=True)
     t.add_argument("--micro-batch-size", type=int, default=4)
@@ -109,8 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("validation, checkpoints, stopping")
     c.add_argument("--eval-interval", type=int, default=50, help="validation loss every N steps (and a checkpoint)")
     c.add_argument("--eval-examples", type=int, default=0, help="validation examples per evaluation (0: all)")
-    c.add_argument("--patience", type=int, default=0, help="stop after this many evaluations without improvement (0: never)")
+    c.add_argument(
+        "--patience", type=int, default=0, help="stop after this many evaluations without improvement (0: never)"
+    )
     c.add_argument("--min-delta", type=float, default=0.001, help="improvement that resets the patience")
+    c.add_argument("--select", default="best", choices=("best", "last"),
+                   help="which checkpoint the artifacts come from: the best validation loss (NeMo's default) or the last")
     c.add_argument("--keep-last", type=int, default=1, help="newest checkpoints kept (the best is always kept)")
     c.add_argument("--max-time", type=float, default=None, help="seconds; then checkpoint and exit 75")
     s = p.add_argument_group("parallelism")
@@ -128,23 +147,6 @@ def _log(msg: str, rank0: bool = True) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-class _Stop:
-    def __init__(self) -> None:
-        self.reason: str | None = None
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame) -> None:
-        if self.reason is None:
-            self.reason = signal.Signals(signum).name
-        else:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -155,12 +157,20 @@ def method_config(a: argparse.Namespace):
 
     if a.method == "lora":
         layers = tuple(int(x) for x in a.lora_layers.split(",")) if a.lora_layers else None
-        return LoRAConfig(rank=a.lora_rank, alpha=a.lora_alpha, dropout=a.lora_dropout,
-                          targets=tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()), layers=layers,
-                          column_init=a.lora_column_init, row_init=a.lora_row_init, seed=a.seed)
+        return LoRAConfig(
+            rank=a.lora_rank,
+            alpha=a.lora_alpha,
+            dropout=a.lora_dropout,
+            targets=tuple(t.strip() for t in a.lora_targets.split(",") if t.strip()),
+            layers=layers,
+            column_init=a.lora_column_init,
+            row_init=a.lora_row_init,
+            seed=a.seed,
+        )
     if a.method == "ptuning":
-        return PTuningConfig(virtual_tokens=a.virtual_tokens, encoder=a.prompt_encoder, hidden=a.prompt_encoder_hidden,
-                             seed=a.seed)
+        return PTuningConfig(
+            virtual_tokens=a.virtual_tokens, encoder=a.prompt_encoder, hidden=a.prompt_encoder_hidden, seed=a.seed
+        )
     return None
 
 
@@ -195,8 +205,10 @@ def trainable_sharded_state(method: str, ft, extra) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     tp_rank, dp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
-    return {f"ptuning.{n}": ShardedTensor.from_rank_offsets(f"ptuning.{n}", p, replica_id=(0, tp_rank, dp_rank))
-            for n, p in extra.encoder.named_parameters()}
+    return {
+        f"ptuning.{n}": ShardedTensor.from_rank_offsets(f"ptuning.{n}", p, replica_id=(0, tp_rank, dp_rank))
+        for n, p in extra.encoder.named_parameters()
+    }
 
 
 def finetune(a: argparse.Namespace) -> int:
@@ -211,27 +223,39 @@ def finetune(a: argparse.Namespace) -> int:
         if not f.is_file():
             raise ds.SFTFormatError(f"{f}: not found (run snakellm prepare-sft)")
     if a.global_batch_size % a.micro_batch_size:
-        raise ds.SFTFormatError(f"global batch {a.global_batch_size} is not a multiple of micro batch {a.micro_batch_size}")
+        raise ds.SFTFormatError(
+            f"global batch {a.global_batch_size} is not a multiple of micro batch {a.micro_batch_size}"
+        )
 
     rt = runtime.start(a.device, a.tp, a.threads, a.seed)
     torch = rt.torch
     rank0 = rt.rank == 0
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from snakellm.io.progress import progress
     from snakellm.models import architecture as models
+    from snakellm.models import counts
+    from snakellm.train.metrics import MetricsLogger, merge_metrics, peak_tflops_of
     from snakellm.train.optim import MixedPrecisionAdamW
+    from snakellm.train.rng import rng_states, set_rng_states
     from snakellm.train.schedule import CosineSchedule
+    from snakellm.train.signals import StopPolicy
+    from snakellm.train.trainer import EXIT_OK as T_OK
+    from snakellm.train.trainer import Intervals, Trainer
+    from snakellm.train.validator import EarlyStopping, Validator
 
     try:
         precision = a.precision if a.precision != "auto" else ("bf16" if rt.cuda else "fp32")
         bf16 = precision == "bf16"
-        gpt, tcfg, arch, vocab, base_ckpt = runtime.load_base(rt, a.base, bf16=bf16, seq_length=a.max_seq_length)
+        gpt, tcfg, arch, vocab, base_ckpt, tok_info = runtime.load_base(
+            rt, a.base, bf16=bf16, seq_length=a.max_seq_length
+        )
         seq = a.max_seq_length or arch["seq_length"]
-        tok = runtime.load_tokenizer(a.blend)
+        if a.blend:
+            tok_info = json.loads(Path(a.blend).read_text()).get("tokenizer", tok_info)
+        tok = runtime.load_tokenizer(tok_info)
         virtual = mcfg.virtual_tokens if a.method == "ptuning" else 0
         enc = ds.Encoder(tok, seq + 1, a.template, a.add_bos, a.add_eos, a.truncation_method, reserved=virtual)
         prefix = [int(tok.eod_id)] * virtual
@@ -247,33 +271,56 @@ def finetune(a: argparse.Namespace) -> int:
         enc.stats = ds.EncodeStats()
         valid_ex = encode(ds.read_jsonl(valid_path))
         if a.eval_examples:
-            valid_ex = valid_ex[:a.eval_examples]
-        items = ([[i] for i in range(len(train_ex))] if not a.packing
-                 else ds.pack(train_ex, seq, a.seed))
+            valid_ex = valid_ex[: a.eval_examples]
+        items = [[i] for i in range(len(train_ex))] if not a.packing else ds.pack(train_ex, seq, a.seed)
         dp = parallel_state.get_data_parallel_world_size()
         dp_rank = parallel_state.get_data_parallel_rank()
+        dp_group = parallel_state.get_data_parallel_group()
         if a.global_batch_size % (a.micro_batch_size * dp):
-            raise ds.SFTFormatError(f"global batch {a.global_batch_size} is not a multiple of micro batch "
-                                    f"{a.micro_batch_size} x data-parallel size {dp}")
+            raise ds.SFTFormatError(
+                f"global batch {a.global_batch_size} is not a multiple of micro batch "
+                f"{a.micro_batch_size} x data-parallel size {dp}"
+            )
         num_micro = a.global_batch_size // (a.micro_batch_size * dp)
 
         # ---- settings fingerprint: another trajectory never resumes these checkpoints
         cfg = {
-            "method": a.method, "method_config": mcfg.as_dict() if mcfg else None,
-            "base": str(base_ckpt), "model": arch, "padded_vocab": vocab,
+            "method": a.method,
+            "method_config": mcfg.as_dict() if mcfg else None,
+            "base": str(base_ckpt),
+            "model": arch,
+            "padded_vocab": vocab,
             "data": {"train": _sha256(train_path), "validation": _sha256(valid_path)},
-            "examples": {k: getattr(a, k) for k in ("template", "add_bos", "add_eos", "answer_only_loss",
-                                                      "truncation_method", "packing")} | {"seq": seq},
-            "train": {k: getattr(a, k) for k in ("steps", "global_batch_size", "lr", "min_lr", "warmup_steps",
-                                                   "lr_decay_style", "weight_decay", "adam_beta1", "adam_beta2",
-                                                   "clip_grad", "seed")} | {"precision": precision},
-            "tokenizer": json.loads(Path(a.blend).read_text()).get("tokenizer", {}),
+            "examples": {
+                k: getattr(a, k)
+                for k in ("template", "add_bos", "add_eos", "answer_only_loss", "truncation_method", "packing")
+            }
+            | {"seq": seq},
+            "train": {
+                k: getattr(a, k)
+                for k in (
+                    "steps",
+                    "global_batch_size",
+                    "micro_batch_size",
+                    "lr",
+                    "min_lr",
+                    "warmup_steps",
+                    "lr_decay_style",
+                    "weight_decay",
+                    "adam_beta1",
+                    "adam_beta2",
+                    "clip_grad",
+                    "seed",
+                )
+            }
+            | {"precision": precision},
         }
         fp = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
         latest = ckpt.latest_iteration(ckpt_dir)
         if latest is not None:
             stored = ckpt.read_run_config(ckpt_dir) or {}
             if stored.get("fingerprint") != fp or latest > a.steps:
+                torch.distributed.barrier()
                 if rank0:
                     dest = ckpt.archive(ckpt_dir)
                     _log(f"checkpoints made with other settings moved to {dest}; starting fresh")
@@ -281,231 +328,219 @@ def finetune(a: argparse.Namespace) -> int:
             torch.distributed.barrier()
         if latest is None and rank0:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.write_run_config(ckpt_dir, fp, cfg)
+            ckpt.write_run_config(ckpt_dir, fp, cfg, tokenizer=tok_info)
             live = ckpt_dir / ckpt.LIVE_METRICS
             if live.exists():
                 live.unlink()
         torch.distributed.barrier()
 
-        # ---- model, optimizer
-        random.seed(a.seed)
+        # ---- model (base frozen unless full), optimizer over the trainable parameters only
         ft, extra = attach(rt, gpt, a.method, mcfg, arch)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=False)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
         model = DDP(tcfg, ddp_cfg, ft)
         model.broadcast_params()
-        opt = MixedPrecisionAdamW(model, lr=a.lr, weight_decay=a.weight_decay, betas=(a.adam_beta1, a.adam_beta2),
-                                  eps=1e-8, clip_grad=a.clip_grad)
+        opt = MixedPrecisionAdamW(
+            model,
+            lr=a.lr,
+            weight_decay=a.weight_decay,
+            betas=(a.adam_beta1, a.adam_beta2),
+            eps=1e-8,
+            clip_grad=a.clip_grad,
+        )
         sched = CosineSchedule(a.lr, a.min_lr, a.warmup_steps, a.steps, a.lr_decay_style)
         trainable = sum(p.numel() for p in ft.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ft.parameters())
-        _log(f"finetune {a.method}: {models.describe(arch, vocab)}; {trainable:,} of {total:,} parameters train "
-             f"({100.0 * trainable / total:.3f}%); {len(train_ex)} train examples in {len(items)} sequences, "
-             f"{len(valid_ex)} validation; truncated contexts {train_stats['context_truncated']}; "
-             f"{precision} on {'GPU' if rt.cuda else 'CPU'}, world {rt.world_size} = dp {dp} x tp {a.tp}", rank0)
-
+        _log(
+            f"finetune {a.method}: {models.describe(arch, vocab)}; {trainable:,} of {total:,} parameters train "
+            f"({100.0 * trainable / total:.3f}%); {len(train_ex)} train examples in {len(items)} sequences, "
+            f"{len(valid_ex)} validation; truncated contexts {train_stats['context_truncated']}; "
+            f"{precision} on {'GPU' if rt.cuda else 'CPU'}, world {rt.world_size} = dp {dp} x tp {a.tp}",
+            rank0,
+        )
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-
-        def rng_states() -> dict:
-            import numpy as np
-
-            st = {"random": random.getstate(), "np": np.random.get_state(), "torch": torch.get_rng_state(),
-                  "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-            if rt.cuda:
-                st["cuda"] = torch.cuda.get_rng_state()
-            return st
-
-        def set_rng_states(st: dict) -> None:
-            import numpy as np
-
-            random.setstate(st["random"])
-            np.random.set_state(st["np"])
-            torch.set_rng_state(st["torch"])
-            if rt.cuda and "cuda" in st:
-                torch.cuda.set_rng_state(st["cuda"])
-            if st.get("tracker"):
-                tensor_parallel.get_cuda_rng_tracker().set_states(st["tracker"])
+        early = EarlyStopping(a.patience or None, a.min_delta)
 
         def sharded_state(is_loading: bool = False) -> dict:
             msd = trainable_sharded_state(a.method, ft, extra)
             return {
                 "model": msd,
                 "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading),
-                "rng_state": ShardedObject("rng_state", [rng_states()], (1, rt.tp), (0, tp_rank), replica_id=dp_rank),
+                "rng_state": ShardedObject(
+                    "rng_state", [rng_states(rt.cuda)], (1, rt.tp), (0, tp_rank), replica_id=dp_rank
+                ),
             }
 
-        state = {"best": None, "bad_evals": 0, "stopped_early": False}
+        def common_state(step: int) -> dict:
+            return {
+                "iteration": step,
+                "checkpoint_version": 3.0,
+                "opt_param_scheduler": sched.state_dict(step),
+                "snakellm": {
+                    "fingerprint": fp,
+                    "method": a.method,
+                    "early_stopping": {"best": early.best, "bad_evals": early.bad_evals},
+                },
+            }
+
+        manager = ckpt.CheckpointManager(
+            ckpt_dir,
+            keep_last=a.keep_last,
+            sharded_state=sharded_state,
+            common_state=common_state,
+            rank=rt.rank,
+            barrier=torch.distributed.barrier,
+            log=lambda m: _log(m, rank0),
+            best=ckpt.read_best(ckpt_dir) if latest else None,
+        )
         start_it = 0
         if latest is not None:
-            loaded = ckpt.load(ckpt_dir, latest, sharded_state(is_loading=True))
-            common = ckpt.load_common(ckpt_dir, latest)
+            loaded, common = manager.restore(latest)
             load_trainable(a.method, ft, extra, loaded["model"])
             opt.load_state_dict(loaded["optimizer"])
             rng = loaded["rng_state"]
-            set_rng_states(rng[0] if isinstance(rng, list) else rng)
-            start_it = int(common["iteration"])
-            state.update(common.get("snakellm", {}).get("state", {}))
+            set_rng_states(rng[0] if isinstance(rng, list) else rng, rt.cuda)
+            es = common.get("snakellm", {}).get("early_stopping", {})
+            early.best, early.bad_evals = es.get("best"), int(es.get("bad_evals", 0))
+            start_it = latest
             if rank0:
                 ckpt.truncate_live_metrics(ckpt_dir, start_it)
             _log(f"resumed from {ckpt_dir / ckpt.iter_name(start_it)}", rank0)
 
-        # ---- batches
-        def to_dev(b: dict) -> dict:
-            return {k: v.to(rt.device, non_blocking=True) for k, v in b.items()}
-
+        # ---- batches: epochs of seeded permutations, indexed by the global sample number (exact resume)
         def make_batch(idx: list[int]) -> dict:
             if a.packing:
-                b = ds.collate_packed([[train_ex[i] for i in items[j]] for j in idx], seq, tok.eod_id,
-                                      a.answer_only_loss)
+                b = ds.collate_packed(
+                    [[train_ex[i] for i in items[j]] for j in idx], seq, tok.eod_id, a.answer_only_loss
+                )
                 b["attention_mask"] = ds.packed_attention_mask(b.pop("segment_ids"))
                 return b
-            b = ds.collate([train_ex[items[j][0]] for j in idx], tok.eod_id, a.answer_only_loss,
-                           pad_to=seq if a.pad_to_max else None)
+            b = ds.collate(
+                [train_ex[items[j][0]] for j in idx],
+                tok.eod_id,
+                a.answer_only_loss,
+                pad_to=seq if a.pad_to_max else None,
+            )
             if virtual and not a.answer_only_loss:
                 b["loss_mask"][:, :virtual] = 0
             return b
 
-        def step_batches(it: int) -> list[dict]:
-            order = ds.sample_order(len(items), a.seed, (it - 1) * a.global_batch_size, a.global_batch_size)
-            mine = order[dp_rank::dp]
-            return [make_batch(mine[m * a.micro_batch_size:(m + 1) * a.micro_batch_size]) for m in range(num_micro)]
+        def train_batches():
+            for it in range(start_it + 1, a.steps + 1):
+                order = ds.sample_order(len(items), a.seed, (it - 1) * a.global_batch_size, a.global_batch_size)
+                mine = order[dp_rank::dp]
+                for m in range(num_micro):
+                    yield make_batch(mine[m * a.micro_batch_size : (m + 1) * a.micro_batch_size])
 
-        def losses(b: dict):
-            per_tok = model(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
-            mask = b["loss_mask"].to(per_tok.device)
-            return (per_tok.float() * mask).sum(), mask.sum()
-
-        def evaluate() -> float | None:
-            if not valid_ex:
-                return None
-            model.eval()
-            tot = torch.zeros(2, device=rt.device, dtype=torch.float64)
+        def valid_batches():
             mine = list(range(len(valid_ex)))[dp_rank::dp]
-            with torch.no_grad():
-                for k in range(0, len(mine), a.micro_batch_size):
-                    b = ds.collate([valid_ex[i] for i in mine[k:k + a.micro_batch_size]], tok.eod_id, a.answer_only_loss)
-                    if virtual and not a.answer_only_loss:
-                        b["loss_mask"][:, :virtual] = 0
-                    s, n = losses(to_dev(b))
-                    tot += torch.stack([s.double(), n.double()])
-            model.train()
-            torch.distributed.all_reduce(tot, group=parallel_state.get_data_parallel_group())
-            return (tot[0] / tot[1].clamp(min=1)).item()
+            for k in range(0, len(mine), a.micro_batch_size):
+                b = ds.collate([valid_ex[i] for i in mine[k : k + a.micro_batch_size]], tok.eod_id, a.answer_only_loss)
+                if virtual and not a.answer_only_loss:
+                    b["loss_mask"][:, :virtual] = 0
+                yield b
 
-        def save(it: int, val: float | None) -> None:
-            sd = sharded_state()
-            sd.update({"iteration": it, "checkpoint_version": 3.0, "opt_param_scheduler": sched.state_dict(it),
-                       "snakellm": {"fingerprint": fp, "val_loss": val, "state": dict(state)}})
-            ckpt.save(ckpt_dir, it, sd, rank=rt.rank, barrier=torch.distributed.barrier)
-            if rank0:
-                if state["best"] is not None:
-                    write_json(ckpt_dir / ckpt.BEST, state["best"])
-                ckpt.prune(ckpt_dir, a.keep_last, {state["best"]["iteration"]} if state["best"] else set())
-            torch.distributed.barrier()
+        def to_dev(b: dict) -> dict:
+            return {k: v.to(rt.device, non_blocking=True) for k, v in b.items()}
 
-        # MFU by pretraining's formula (6 N + 12 L h s per token, N = the model's parameters), so that
-        # the figures of the methods and of pretraining compare as tokens/s do; frozen weights in fact
-        # skip their weight gradients (about a third less work), which "mfu_adapter" counts
-        flops_tok = models.flops_per_token(arch, vocab)
-        flops_adapter = flops_tok * 2 / 3 + 6.0 * trainable if a.method != "full" else flops_tok
-        peak = None
-        if rt.cuda:
-            name = torch.cuda.get_device_name(rt.device)
-            peak = next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
-        live = ckpt_dir / ckpt.LIVE_METRICS
-        stop = _Stop()
-        stop.install()
-        t_start = time.time()
-        status = EXIT_OK
-        it = start_it
-        model.train()
-        with progress(total=a.steps, initial=start_it, desc=f"finetune {a.method}", unit="step",
-                      enabled=a.progress) as bar:
-            while it < a.steps and not state["stopped_early"]:
-                it += 1
-                t0 = time.time()
-                lr = sched.lr(it)
-                model.zero_grad_buffer()
-                micro = [to_dev(b) for b in step_batches(it)]
-                ntok = torch.stack([b["loss_mask"].sum() for b in micro]).sum().reshape(1).double()
-                torch.distributed.all_reduce(ntok, group=parallel_state.get_data_parallel_group())
-                denom = ntok.clamp(min=1).float() / dp  # DDP averages over dp: this makes it a global token mean
-                loss_sum = torch.zeros((), device=rt.device)
-                for b in micro:
-                    s, _ = losses(b)
-                    (s / denom).backward()
-                    loss_sum += s.detach()
-                model.finish_grad_sync()
-                norm = opt.step(lr)
-                ls = loss_sum.reshape(1).double()
-                torch.distributed.all_reduce(ls, group=parallel_state.get_data_parallel_group())
-                loss = (ls / ntok.clamp(min=1)).item()
-                if rt.cuda:
-                    torch.cuda.synchronize()
-                dt = time.time() - t0
-                toks = sum(int(b["tokens"].numel()) for b in micro) * dp
-                rec: dict[str, Any] = {"step": it, "loss": loss, "lr": lr, "grad_norm": float(norm),
-                                       "tokens_per_s": toks / dt, "answer_tokens": int(ntok.item())}
-                if peak:
-                    rec["mfu"] = toks / dt * flops_tok / (peak * 1e12 * rt.world_size)
-                    rec["mfu_adapter"] = toks / dt * flops_adapter / (peak * 1e12 * rt.world_size)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is not finite at step {it}")
-                val = None
-                if it % a.eval_interval == 0 or it == a.steps:
-                    val = evaluate()
-                    if val is not None:
-                        rec["val_loss"] = val
-                        best = state["best"]
-                        if best is None or val < best["val_loss"] - a.min_delta:
-                            state["best"] = {"iteration": it, "val_loss": val}
-                            state["bad_evals"] = 0
-                        else:
-                            state["bad_evals"] += 1
-                            if best is None or val < best["val_loss"]:
-                                pass
-                            if a.patience and state["bad_evals"] >= a.patience:
-                                state["stopped_early"] = True
-                                _log(f"early stop at step {it}: no improvement of {a.min_delta} in {a.patience} "
-                                     f"evaluations (best {state['best']})", rank0)
-                if rank0:
-                    with open(live, "a") as fh:
-                        fh.write(json.dumps(rec) + "\n")
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                reason = stop.reason or (f"max time {a.max_time}s" if a.max_time and time.time() - t_start >= a.max_time
-                                         else None)
-                if a.checkpoints and (val is not None or it == a.steps or state["stopped_early"] or reason):
-                    save(it, val)
-                if reason and it < a.steps and not state["stopped_early"]:
-                    _log(f"stopped at step {it} ({reason}); checkpoint saved, rerun to resume (exit {EXIT_STOPPED})", rank0)
-                    status = EXIT_STOPPED
-                    break
-        if status != EXIT_OK:
-            return status
+        def sft_loss(m, b: dict):
+            """Answer-only loss: the token mean over the micro-batch's loss mask (NeMo's masked mean)."""
+            per_tok = m(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
+            mask = b["loss_mask"].to(per_tok.device)
+            return (per_tok.float() * mask).sum() / mask.sum().clamp(min=1)
 
-        # ---- the artifacts, from the best checkpoint
-        chosen = state["best"]["iteration"] if state["best"] else it
-        if a.checkpoints and chosen != it:
+        # MFU by pretraining's formula (6 N + 12 L h s per token), so methods and pretraining compare as tokens/s
+        # do; frozen weights in fact skip their weight gradients (about a third less work)
+        flops_tok = counts.flops_per_token(arch, vocab)
+        peak = peak_tflops_of(torch.cuda.get_device_name(rt.device)) if rt.cuda else None
+        metrics = MetricsLogger(
+            ckpt_dir / ckpt.LIVE_METRICS,
+            rank0=rank0,
+            tokens_per_step=a.global_batch_size * seq,
+            samples_per_step=a.global_batch_size,
+            flops_per_token=flops_tok,
+            peak_tflops=peak,
+            world_size=rt.world_size,
+            dp_group=dp_group,
+            dp_size=dp,
+            start_step=start_it,
+        )
+        validator = (
+            Validator(model, valid_batches, sft_loss, to_device=to_dev, dp_group=dp_group, dp_size=dp)
+            if valid_ex
+            else None
+        )
+        stop_group = torch.distributed.new_group(backend="gloo") if rt.cuda and rt.world_size > 1 else None
+        stop = StopPolicy(
+            max_time=a.max_time,
+            max_time_text=f"{a.max_time}s",
+            world_size=rt.world_size,
+            group=stop_group,
+            prog="snakellm finetune",
+        )
+        trainer = Trainer(
+            model=model,
+            optimizer=opt,
+            lr_schedule=sched,
+            batches=train_batches(),
+            loss_fn=sft_loss,
+            num_micro=num_micro,
+            intervals=Intervals(a.steps, a.eval_interval, a.eval_interval, 1, a.checkpoints),
+            metrics=metrics,
+            stop=stop,
+            checkpoints=manager,
+            validator=validator,
+            early_stop=early if a.patience else None,
+            to_device=to_dev,
+            start_step=start_it,
+            rank0=rank0,
+            desc=f"finetune {a.method}",
+            show_progress=a.progress,
+        )
+        status = trainer.fit()
+        if status != T_OK:
+            return EXIT_STOPPED
+        it = trainer.step
+
+        # ---- the artifacts, from the best checkpoint (validation loss), else the last step
+        best = manager.best
+        chosen = best["iteration"] if best and a.checkpoints and a.select == "best" else it
+        if chosen != it:
             loaded = ckpt.load(ckpt_dir, chosen, {"model": trainable_sharded_state(a.method, ft, extra)})
             load_trainable(a.method, ft, extra, loaded["model"])
-        write_artifacts(a, rt, ft, extra, mcfg, arch, vocab, cfg, fp, out)
+        write_artifacts(a, rt, ft, extra, mcfg, arch, vocab, cfg, tok_info, fp, out)
         if rank0:
-            recs = _merge_live(live)
+            recs = merge_metrics(ckpt_dir / ckpt.LIVE_METRICS)
             write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
             train_recs = [r for r in recs if "loss" in r]
             tps = sorted(r["tokens_per_s"] for r in train_recs[1:] or train_recs)
-            write_json(out / "finetune_summary.json", {
-                "method": a.method, "method_config": mcfg.as_dict() if mcfg else None, "base": str(base_ckpt),
-                "steps_run": it, "steps": a.steps, "stopped_early": state["stopped_early"], "best": state["best"],
-                "chosen_iteration": chosen, "first_loss": train_recs[0]["loss"] if train_recs else None,
-                "final_loss": train_recs[-1]["loss"] if train_recs else None,
-                "val_losses": [{"step": r["step"], "val_loss": r["val_loss"]} for r in recs if "val_loss" in r],
-                "trainable_parameters": trainable, "total_parameters": total, "precision": precision,
-                "train_examples": len(train_ex), "sequences": len(items), "validation_examples": len(valid_ex),
-                "encode": train_stats, "median_tokens_per_s": tps[len(tps) // 2] if tps else None,
-                "flops_per_token": flops_tok, "fingerprint": fp,
-            })
+            write_json(
+                out / "finetune_summary.json",
+                {
+                    "method": a.method,
+                    "method_config": mcfg.as_dict() if mcfg else None,
+                    "base": str(base_ckpt),
+                    "steps_run": it,
+                    "steps": a.steps,
+                    "stopped_early": trainer.stopped_by,
+                    "best": best,
+                    "chosen_iteration": chosen,
+                    "first_loss": train_recs[0]["loss"] if train_recs else None,
+                    "final_loss": train_recs[-1]["loss"] if train_recs else None,
+                    "val_losses": [{"step": r["step"], "val_loss": r["val_loss"]} for r in recs if "val_loss" in r],
+                    "trainable_parameters": trainable,
+                    "total_parameters": total,
+                    "precision": precision,
+                    "train_examples": len(train_ex),
+                    "sequences": len(items),
+                    "validation_examples": len(valid_ex),
+                    "encode": train_stats,
+                    "median_tokens_per_s": tps[len(tps) // 2] if tps else None,
+                    "flops_per_token": flops_tok,
+                    "fingerprint": fp,
+                },
+            )
         torch.distributed.barrier()
         return EXIT_OK
     finally:
@@ -527,15 +562,23 @@ def load_trainable(method: str, ft, extra, loaded: dict) -> None:
                 p.copy_(loaded[f"ptuning.{n}"])
 
 
-def write_artifacts(a, rt, ft, extra, mcfg, arch: dict, vocab: int, cfg: dict, fp: str, out: Path) -> None:
+def write_artifacts(
+    a, rt, ft, extra, mcfg, arch: dict, vocab: int, cfg: dict, tok_info: dict, fp: str, out: Path
+) -> None:
     """adapter/ (LoRA), prompt/ (p-tuning) or model/ (full): what evaluate and the exporters read."""
     from safetensors.torch import save_file
 
     from snakellm.io.atomic import atomic_path
 
     rank0 = rt.rank == 0
-    meta = {"base": cfg["base"], "model": arch, "padded_vocab": vocab, "tokenizer": cfg["tokenizer"],
-            "examples": cfg["examples"], "fingerprint": fp}
+    meta = {
+        "base": cfg["base"],
+        "model": arch,
+        "padded_vocab": vocab,
+        "tokenizer": tok_info,
+        "examples": cfg["examples"],
+        "fingerprint": fp,
+    }
     if a.method == "lora":
         from snakellm.finetune.lora import full_tensors
 
@@ -553,35 +596,14 @@ def write_artifacts(a, rt, ft, extra, mcfg, arch: dict, vocab: int, cfg: dict, f
                 save_file({"prompt_table": extra.virtual_embeddings().contiguous()}, str(tmp))
             write_json(out / "prompt" / "prompt_config.json", {"method": "ptuning", "ptuning": mcfg.as_dict(), **meta})
     else:
-        save_model(ft.gpt, out / "model", arch, vocab, cfg["tokenizer"], rt)
+        save_model(ft.gpt, out / "model", arch, vocab, tok_info, rt)
 
 
 def save_model(gpt, run_dir: Path, arch: dict, vocab: int, tokenizer: dict, rt) -> Path:
-    """A model-only checkpoint directory (iteration 0) that load_base / snakellm.models.load read like a run."""
-    import torch
+    """A model-only checkpoint directory (iteration 0) that snakellm.models.load and load_base read like a run."""
+    from snakellm.models.load import save_model_checkpoint
 
-    d = run_dir / "checkpoints"
-    if rt.rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
-    path = ckpt.save(d, 0, {"model": gpt.sharded_state_dict(), "iteration": 0}, rank=rt.rank,
-                     barrier=torch.distributed.barrier)
-    if rt.rank == 0:
-        ckpt.write_run_config(d, "finetuned", {"model": arch, "padded_vocab": vocab, "tokenizer": tokenizer})
-    torch.distributed.barrier()
-    return path
-
-
-def _merge_live(live: Path) -> list[dict]:
-    by_step: dict[int, dict] = {}
-    if live.is_file():
-        for line in live.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            by_step.setdefault(rec["step"], {}).update(rec)
-    return [by_step[s] for s in sorted(by_step)]
+    return save_model_checkpoint(run_dir, gpt, arch, vocab, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

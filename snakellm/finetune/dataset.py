@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
@@ -69,8 +70,14 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 rec = json.loads(line)
             except ValueError as e:
                 raise SFTFormatError(f"{path}:{n}: not valid JSON: {e}") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("input"), str) or not isinstance(rec.get("output"), str):
-                raise SFTFormatError(f"{path}:{n}: expected an object with string 'input' and 'output' (run prepare-sft)")
+            if (
+                not isinstance(rec, dict)
+                or not isinstance(rec.get("input"), str)
+                or not isinstance(rec.get("output"), str)
+            ):
+                raise SFTFormatError(
+                    f"{path}:{n}: expected an object with string 'input' and 'output' (run prepare-sft)"
+                )
             out.append(rec)
     if not out:
         raise SFTFormatError(f"{path}: no examples")
@@ -89,14 +96,14 @@ def template_pieces(template: str, record: dict, sensitive: bool) -> tuple[list[
     strings, keys = [], []
     pos = 0
     for m in _PLACEHOLDER.finditer(template):
-        literal = template[pos:m.start()]
+        literal = template[pos : m.start()]
         name = m.group(1)
         if name not in record or not isinstance(record[name], str):
             raise SFTFormatError(f"prompt template {template!r}: the record has no string field {name!r}")
         value = record[name]
         if sensitive:
             stripped = literal.rstrip(" ")
-            lead = literal[len(stripped):]
+            lead = literal[len(stripped) :]
             if stripped:
                 strings.append(stripped)
                 keys.append("<template>")
@@ -159,12 +166,12 @@ class Encoder:
                     context = context[:keep_ctx]
                 else:  # keep the end (BOS stays first)
                     head = context[:1] if self.add_bos else []
-                    context = head + context[len(head) + cut:]
+                    context = head + context[len(head) + cut :]
             over = len(context) + len(answer) - budget
             if over > 0:
                 self.stats.answer_truncated += 1
                 self.stats.tokens_dropped += over
-                answer = answer[:len(answer) - over]
+                answer = answer[: len(answer) - over]
         return Example(context, answer, rec)
 
     def encode_all(self, records: Sequence[dict]) -> list[Example]:
@@ -185,8 +192,13 @@ def sample_order(n: int, seed: int, start: int, count: int) -> list[int]:
     return out
 
 
-def collate(examples: Sequence[Example], pad_id: int, answer_only_loss: bool = True, pad_to: int | None = None,
-            multiple_of: int = 8) -> dict:
+def collate(
+    examples: Sequence[Example],
+    pad_id: int,
+    answer_only_loss: bool = True,
+    pad_to: int | None = None,
+    multiple_of: int = 8,
+) -> dict:
     """One row per example: tokens = ids[:-1], labels = ids[1:], loss on answer positions (as torch tensors)."""
     import torch
 
@@ -202,7 +214,7 @@ def collate(examples: Sequence[Example], pad_id: int, answer_only_loss: bool = T
         tokens[r, :n] = torch.tensor(ids[:-1])
         labels[r, :n] = torch.tensor(ids[1:])
         first = len(e.context) - 1 if answer_only_loss else 0  # label index of the first answer token
-        mask[r, max(first, 0):n] = 1.0
+        mask[r, max(first, 0) : n] = 1.0
     pos = torch.arange(width).unsqueeze(0).expand(b, width).contiguous()
     return {"tokens": tokens, "labels": labels, "loss_mask": mask, "position_ids": pos}
 
@@ -241,12 +253,12 @@ def collate_packed(rows: Sequence[Sequence[Example]], width: int, pad_id: int, a
         for k, e in enumerate(exs, 1):
             ids = e.ids
             n = len(ids) - 1
-            tokens[r, at:at + n] = torch.tensor(ids[:-1])
-            labels[r, at:at + n] = torch.tensor(ids[1:])
+            tokens[r, at : at + n] = torch.tensor(ids[:-1])
+            labels[r, at : at + n] = torch.tensor(ids[1:])
             first = len(e.context) - 1 if answer_only_loss else 0
-            mask[r, at + max(first, 0):at + n] = 1.0
-            pos[r, at:at + n] = torch.arange(n)
-            seg[r, at:at + n] = k
+            mask[r, at + max(first, 0) : at + n] = 1.0
+            pos[r, at : at + n] = torch.arange(n)
+            seg[r, at : at + n] = k
             at += n
         if at < width:  # padding: its own segment, positions continuing (never attended to by real tokens)
             pos[r, at:] = torch.arange(width - at)

@@ -11,23 +11,32 @@ large models.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
-def greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
-           max_length: int, batch_size: int = 16, device=None) -> list[list[int]]:
+def greedy(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    max_length: int,
+    batch_size: int = 16,
+    device=None,
+) -> list[list[int]]:
     import torch
 
     outs: list[list[int]] = []
     model.eval()
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
-            chunk = [list(p) for p in prompts[start:start + batch_size]]
+            chunk = [list(p) for p in prompts[start : start + batch_size]]
             lens = [len(p) for p in chunk]
             width = min(max_length, max(lens) + max_new_tokens)
             buf = torch.full((len(chunk), width), pad_id, dtype=torch.long)
             for r, p in enumerate(chunk):
-                buf[r, :len(p)] = torch.tensor(p[:width])
+                buf[r, : len(p)] = torch.tensor(p[:width])
             buf = buf.to(device) if device is not None else buf
             gen: list[list[int]] = [[] for _ in chunk]
             done = [ln >= width for ln in lens]
@@ -35,7 +44,7 @@ def greedy(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_
             for _ in range(max_new_tokens):
                 if all(done):
                     break
-                w = max(c for c, d in zip(cur, done) if not d)
+                w = max(c for c, d in zip(cur, done, strict=False) if not d)
                 pos = torch.arange(w, device=buf.device).unsqueeze(0).expand(len(chunk), w)
                 logits = model(buf[:, :w], pos, None)  # [b, s, V] (megatron-core gathers TP shards)
                 for r in range(len(chunk)):

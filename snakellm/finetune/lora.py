@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -98,8 +99,19 @@ def _generator(seed: int, name: str) -> torch.Generator:
 class LoRAModule(nn.Module):
     """One adapter: ``a`` [r, in(/tp)], ``b`` [out(/tp), r]; see the module docstring for the split."""
 
-    def __init__(self, name: str, kind: str, in_full: int, out_full: int, cfg: LoRAConfig, tp: int, tp_rank: int,
-                 dtype: torch.dtype, device: torch.device, glu: bool = False):
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        in_full: int,
+        out_full: int,
+        cfg: LoRAConfig,
+        tp: int,
+        tp_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        glu: bool = False,
+    ):
         super().__init__()
         self.name, self.kind, self.tp, self.tp_rank = name, kind, tp, tp_rank
         self.scaling = cfg.scaling
@@ -130,8 +142,11 @@ class LoRAModule(nn.Module):
         if self.tp > 1:
             from megatron.core.tensor_parallel import mappings
 
-            h = (mappings.copy_to_tensor_model_parallel_region(h) if self.parallel == "column"
-                 else mappings.reduce_from_tensor_model_parallel_region(h))
+            h = (
+                mappings.copy_to_tensor_model_parallel_region(h)
+                if self.parallel == "column"
+                else mappings.reduce_from_tensor_model_parallel_region(h)
+            )
         return torch.nn.functional.linear(h, self.b) * self.scaling
 
     def delta(self) -> torch.Tensor:
@@ -156,7 +171,8 @@ def target_linears(model, cfg: LoRAConfig) -> list[tuple[str, str, nn.Module]]:
             if type(lin).__name__.startswith("TELayerNorm"):
                 raise ValueError(
                     f"LoRA on {kind}: Transformer Engine's fused LayerNorm+linear hides the normalised input; "
-                    "build the model with the local spec (no transformer_engine)")
+                    "build the model with the local spec (no transformer_engine)"
+                )
             sub = "self_attention" if kind in ("linear_qkv", "linear_proj") else "mlp"
             out.append((f"decoder.layers.{i - 1}.{sub}.{kind}", kind, lin))
     return out
@@ -179,8 +195,18 @@ class LoRAAdapters(nn.Module):
             out_local, in_local = w.shape
             in_full = in_local * tp if kind not in COLUMN else in_local
             out_full = out_local * tp if kind in COLUMN else out_local
-            mod = LoRAModule(name, kind, in_full, out_full, cfg, tp, tp_rank, w.dtype, w.device,
-                             glu=bool(model.config.gated_linear_unit))
+            mod = LoRAModule(
+                name,
+                kind,
+                in_full,
+                out_full,
+                cfg,
+                tp,
+                tp_rank,
+                w.dtype,
+                w.device,
+                glu=bool(model.config.gated_linear_unit),
+            )
             self.adapters[name.replace(".", "/")] = mod
             self._hooks.append(lin.register_forward_hook(_hook(mod)))
 
@@ -195,19 +221,23 @@ class LoRAAdapters(nn.Module):
 
     def sharded_state_dict(self, prefix: str = "lora.") -> dict:
         """dist_checkpointing ShardedTensors with the right TP axis (B of column, A of row layers are split)."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
         from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
         dp_rank = parallel_state.get_data_parallel_rank()
         out = {}
         for name, m in self.named_adapters():
-            for pname, p, split_dim in (("a", m.a, 1 if m.parallel == "row" else None),
-                                        ("b", m.b, 0 if m.parallel == "column" else None)):
+            for pname, p, split_dim in (
+                ("a", m.a, 1 if m.parallel == "row" else None),
+                ("b", m.b, 0 if m.parallel == "column" else None),
+            ):
                 key = f"{prefix}{name}.{pname}"
                 if split_dim is None or m.tp == 1:
                     out[key] = ShardedTensor.from_rank_offsets(key, p, replica_id=(0, m.tp_rank, dp_rank))
                 else:
-                    out[key] = ShardedTensor.from_rank_offsets(key, p, (split_dim, m.tp_rank, m.tp), replica_id=(0, 0, dp_rank))
+                    out[key] = ShardedTensor.from_rank_offsets(
+                        key, p, (split_dim, m.tp_rank, m.tp), replica_id=(0, 0, dp_rank)
+                    )
         return out
 
 
@@ -258,8 +288,10 @@ def load_full_tensors(adapters: LoRAAdapters, tensors: dict[str, torch.Tensor]) 
             else:
                 a = a.chunk(m.tp, dim=1)[m.tp_rank]
             if a.shape != m.a.shape or b.shape != m.b.shape:
-                raise ValueError(f"adapter {name}: shapes {tuple(a.shape)}/{tuple(b.shape)} do not fit "
-                                 f"{tuple(m.a.shape)}/{tuple(m.b.shape)}")
+                raise ValueError(
+                    f"adapter {name}: shapes {tuple(a.shape)}/{tuple(b.shape)} do not fit "
+                    f"{tuple(m.a.shape)}/{tuple(m.b.shape)}"
+                )
             m.a.copy_(a)
             m.b.copy_(b)
 

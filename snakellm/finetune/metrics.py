@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -28,7 +28,7 @@ def exact_string_match(preds: Sequence[str], labels: Sequence[str]) -> float:
     """NeMo's ExactStringMatchMetric: the share of raw-equal pairs (0.0 for no pairs, as NeMo's 0/0 guard)."""
     if len(preds) != len(labels):
         raise ValueError(f"{len(preds)} predictions but {len(labels)} labels")
-    correct = sum(1 for p, t in zip(preds, labels) if p == t)
+    correct = sum(1 for p, t in zip(preds, labels, strict=False) if p == t)
     return correct / len(preds) if preds else 0.0
 
 
@@ -59,6 +59,6 @@ def squad_scores(preds: Sequence[str], golds: Sequence[Sequence[str]]) -> dict[s
         raise ValueError(f"{len(preds)} predictions but {len(golds)} gold answer lists")
     if not preds:
         return {"squad_exact_match": 0.0, "squad_f1": 0.0}
-    em = sum(max(squad_exact(p, g) for g in gs) for p, gs in zip(preds, golds)) / len(preds)
-    f1 = sum(max(squad_f1(p, g) for g in gs) for p, gs in zip(preds, golds)) / len(preds)
+    em = sum(max(squad_exact(p, g) for g in gs) for p, gs in zip(preds, golds, strict=False)) / len(preds)
+    f1 = sum(max(squad_f1(p, g) for g in gs) for p, gs in zip(preds, golds, strict=False)) / len(preds)
     return {"squad_exact_match": em, "squad_f1": f1}

@@ -57,7 +57,7 @@ class PromptEncoder(nn.Module):
         self.fc2 = nn.Linear(cfg.hidden, hidden_size)
         with torch.no_grad():
             for lin in (self.fc1, self.fc2):
-                bound = 1.0 / lin.in_features ** 0.5
+                bound = 1.0 / lin.in_features**0.5
                 lin.weight.copy_((torch.rand(lin.weight.shape, generator=g) * 2 - 1) * bound)
                 lin.bias.zero_()
 

@@ -21,8 +21,9 @@ import json
 import random
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from snakellm.io.atomic import atomic_group
 
@@ -86,16 +87,22 @@ def squad_records(path: str, template: str) -> Iterator[tuple[str, dict | None, 
                     yield place, None, "empty or non-string answer text", qa
                     continue
                 try:
-                    prompt = template.format_map(_Format(context=context, question=question, title=art.get("title", "")))
+                    prompt = template.format_map(
+                        _Format(context=context, question=question, title=art.get("title", ""))
+                    )
                 except KeyError as e:
-                    raise SFTDataError(f"prompt template {template!r}: unknown field {e} (fields: context, question, title)") from None
+                    raise SFTDataError(
+                        f"prompt template {template!r}: unknown field {e} (fields: context, question, title)"
+                    ) from None
                 rec = {"input": prompt, "output": texts[0], "answers": texts}
                 if isinstance(qa.get("id"), str):
                     rec["id"] = qa["id"]
                 yield place, rec, None, None
 
 
-def jsonl_records(path: str, input_key: str, output_key: str, template: str | None) -> Iterator[tuple[str, dict | None, str | None, Any]]:
+def jsonl_records(
+    path: str, input_key: str, output_key: str, template: str | None
+) -> Iterator[tuple[str, dict | None, str | None, Any]]:
     """Records of a jsonl file with configurable keys; ``output`` may be a string or a list of gold answers."""
     try:
         fh = open(path, "rb")
@@ -137,7 +144,9 @@ def jsonl_records(path: str, input_key: str, output_key: str, template: str | No
                 try:
                     inp = template.format_map(_Format(fields))
                 except KeyError as e:
-                    raise SFTDataError(f"{place}: prompt template {template!r} names field {e}, not in the record") from None
+                    raise SFTDataError(
+                        f"{place}: prompt template {template!r} names field {e}, not in the record"
+                    ) from None
             rec = {"input": inp, "output": answers[0], "answers": answers}
             yield place, rec, None, None
 
@@ -161,8 +170,18 @@ def parse_split(text: str) -> list[float]:
     return vals
 
 
-def prepare(source: str, out_dir: str, *, fmt: str = "squad", template: str | None = None, input_key: str = "input",
-            output_key: str = "output", split: str = "80,10,10", seed: int = 1234, limit: int | None = None) -> dict:
+def prepare(
+    source: str,
+    out_dir: str,
+    *,
+    fmt: str = "squad",
+    template: str | None = None,
+    input_key: str = "input",
+    output_key: str = "output",
+    split: str = "80,10,10",
+    seed: int = 1234,
+    limit: int | None = None,
+) -> dict:
     """Write ``{train,validation,test}.jsonl``, ``rejected.jsonl`` and ``stats.json`` under ``out_dir``."""
     if fmt == "squad":
         it = squad_records(source, template or DEFAULT_SQUAD_TEMPLATE)
@@ -194,8 +213,8 @@ def prepare(source: str, out_dir: str, *, fmt: str = "squad", template: str | No
     counts = split_counts(len(order), shares)
     splits: dict[str, list[dict]] = {}
     start = 0
-    for name, c in zip(SPLITS, counts):
-        splits[name] = [good[i] for i in order[start:start + c]]
+    for name, c in zip(SPLITS, counts, strict=False):
+        splits[name] = [good[i] for i in order[start : start + c]]
         start += c
     stats = {
         "source": source,
@@ -215,9 +234,11 @@ def prepare(source: str, out_dir: str, *, fmt: str = "squad", template: str | No
     out = Path(out_dir)
     names = [out / f"{s}.jsonl" for s in SPLITS] + [out / "rejected.jsonl", out / "stats.json"]
     with atomic_group(*names) as tmps:
-        for s, tmp in zip(SPLITS, tmps):
+        for s, tmp in zip(SPLITS, tmps, strict=False):
             tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in splits[s]), encoding="utf-8")
-        tmps[3].write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rejected), encoding="utf-8")
+        tmps[3].write_text(
+            "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rejected), encoding="utf-8"
+        )
         tmps[4].write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return stats
 
@@ -230,25 +251,44 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("source", help="a SQuAD-format .json or a .jsonl file")
-    p.add_argument("out_dir", help="directory for train.jsonl, validation.jsonl, test.jsonl, rejected.jsonl, stats.json")
+    p.add_argument(
+        "out_dir", help="directory for train.jsonl, validation.jsonl, test.jsonl, rejected.jsonl, stats.json"
+    )
     p.add_argument("--format", dest="fmt", default="squad", choices=("squad", "jsonl"))
-    p.add_argument("--template", default=None,
-                   help=f"prompt template; squad fields: context, question, title (default {DEFAULT_SQUAD_TEMPLATE!r}); "
-                   "jsonl: any string field of the record (default: the input key's value as is)")
+    p.add_argument(
+        "--template",
+        default=None,
+        help=f"prompt template; squad fields: context, question, title (default {DEFAULT_SQUAD_TEMPLATE!r}); "
+        "jsonl: any string field of the record (default: the input key's value as is)",
+    )
     p.add_argument("--input-key", default="input", help="jsonl: key of the prompt")
-    p.add_argument("--output-key", default="output", help="jsonl: key of the answer (a string or a list of gold answers)")
+    p.add_argument(
+        "--output-key", default="output", help="jsonl: key of the answer (a string or a list of gold answers)"
+    )
     p.add_argument("--split", default="80,10,10", help="train,validation,test shares")
     p.add_argument("--seed", type=int, default=1234, help="seed of the shuffle before splitting")
     p.add_argument("--limit", type=int, default=None, help="use only this many records (after the shuffle)")
     a = p.parse_args(argv)
     try:
-        stats = prepare(a.source, a.out_dir, fmt=a.fmt, template=a.template, input_key=a.input_key,
-                        output_key=a.output_key, split=a.split, seed=a.seed, limit=a.limit)
+        stats = prepare(
+            a.source,
+            a.out_dir,
+            fmt=a.fmt,
+            template=a.template,
+            input_key=a.input_key,
+            output_key=a.output_key,
+            split=a.split,
+            seed=a.seed,
+            limit=a.limit,
+        )
     except SFTDataError as e:
         print(f"snakellm prepare-sft: error: {e}", file=sys.stderr)
         return 2
-    print(f"snakellm prepare-sft: {stats['accepted']} records ({stats['splits']}), {stats['rejected']} rejected, "
-          f"{sum(stats['skipped'].values())} skipped (unanswerable)", file=sys.stderr)
+    print(
+        f"snakellm prepare-sft: {stats['accepted']} records ({stats['splits']}), {stats['rejected']} rejected, "
+        f"{sum(stats['skipped'].values())} skipped (unanswerable)",
+        file=sys.stderr,
+    )
     return 0
 
 
