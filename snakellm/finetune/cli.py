@@ -128,8 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--patience", type=int, default=0, help="stop after this many evaluations without improvement (0: never)"
     )
     c.add_argument("--min-delta", type=float, default=0.001, help="improvement that resets the patience")
-    c.add_argument("--select", default="best", choices=("best", "last"),
-                   help="which checkpoint the artifacts come from: the best validation loss (NeMo's default) or the last")
+    c.add_argument(
+        "--select",
+        default="best",
+        choices=("best", "last"),
+        help="which checkpoint the artifacts come from: the best validation loss (NeMo's default) or the last",
+    )
     c.add_argument("--keep-last", type=int, default=1, help="newest checkpoints kept (the best is always kept)")
     c.add_argument("--max-time", type=float, default=None, help="seconds; then checkpoint and exit 75")
     s = p.add_argument_group("parallelism")
@@ -184,6 +188,7 @@ def attach(rt, gpt, method: str, mcfg, arch: dict):
     for p in gpt.parameters():
         p.requires_grad_(False)
     w = gpt.embedding.word_embeddings.weight
+    extra: Any
     if method == "lora":
         from snakellm.finetune.lora import LoRAAdapters
 

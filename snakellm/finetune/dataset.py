@@ -150,9 +150,9 @@ class Encoder:
         context = [t for piece in ids[:-1] for t in piece]
         answer = list(ids[-1])
         if self.add_bos:
-            context = [self.bos_id] + context
+            context = [int(self.bos_id or 0)] + context
         if self.add_eos:
-            answer = answer + [self.eos_id]
+            answer = answer + [int(self.eos_id or 0)]
         budget = self.max_seq_length - self.reserved
         over = len(context) + len(answer) - budget
         self.stats.examples += 1

@@ -191,7 +191,7 @@ class LoRAAdapters(nn.Module):
         self.adapters = nn.ModuleDict()
         self._hooks = []
         for name, kind, lin in target_linears(model, cfg):
-            w = lin.weight
+            w: torch.Tensor = lin.weight  # type: ignore[assignment]
             out_local, in_local = w.shape
             in_full = in_local * tp if kind not in COLUMN else in_local
             out_full = out_local * tp if kind in COLUMN else out_local
@@ -267,8 +267,8 @@ def full_tensors(adapters: LoRAAdapters) -> dict[str, torch.Tensor]:
             else:
                 a = torch.cat(parts, dim=dim)
         if m.glu and m.tp > 1:  # [gate_r; up_r] per rank -> [gate; up] for the whole layer
-            parts = b.chunk(m.tp, dim=0)
-            b = torch.cat([p.chunk(2, dim=0)[0] for p in parts] + [p.chunk(2, dim=0)[1] for p in parts], dim=0)
+            halves = [p.chunk(2, dim=0) for p in b.chunk(m.tp, dim=0)]
+            b = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         out[f"{name}.lora_a"] = a.float().cpu().contiguous()
         out[f"{name}.lora_b"] = b.float().cpu().contiguous()
     return out

@@ -112,7 +112,12 @@ def load_base(
     except models.ModelConfigError as e:
         raise BaseModelError(str(e)) from None
     gpt, tcfg = build_model(
-        arch, vocab, tp=rt.tp, device=str(rt.device), bf16=bf16, fused_loss="eager" if rt.tp == 1 else "megatron"
+        arch,
+        vocab,
+        tp=rt.tp,
+        device=str(rt.device),
+        bf16=bf16,
+        fused_loss=("auto" if rt.cuda else "eager") if rt.tp == 1 else "megatron",
     )
     loaded = ckpt.load(info["checkpoint_dir"], info["iteration"], {"model": gpt.sharded_state_dict()})
     gpt.load_state_dict(loaded["model"], strict=True)
