@@ -8,12 +8,12 @@ rule evaluate_finetune:
     output:
         metrics="runs/{run}/eval/{ft}/{which}/metrics.json",
         predictions="runs/{run}/eval/{ft}/{which}/predictions.jsonl",
+    log:
+        "logs/evaluate/{run}/{ft}/{which}.log",
+    threads: get_finetune_threads
     params:
         args=get_evaluate_args,
         out=subpath(output.metrics, parent=True),
-    threads: get_finetune_threads
-    log:
-        "logs/evaluate/{run}/{ft}/{which}.log",
     shell:
         "snakellm evaluate --blend {input.blend} --test {input.test} --out-dir {params.out} --threads {threads} "
         "{params.args} 2> {log}"

@@ -10,12 +10,19 @@ rule prepare_sft:
     input:
         get_sft_source,
     output:
-        multiext("data/sft/{task}/", "train.jsonl", "validation.jsonl", "test.jsonl", "rejected.jsonl", "stats.json"),
+        multiext(
+            "data/sft/{task}/",
+            "train.jsonl",
+            "validation.jsonl",
+            "test.jsonl",
+            "rejected.jsonl",
+            "stats.json",
+        ),
+    log:
+        "logs/prepare_sft/{task}.log",
     params:
         out=subpath(output[0], parent=True),
         args=get_sft_args,
-    log:
-        "logs/prepare_sft/{task}.log",
     shell:
         "snakellm prepare-sft {input} {params.out} {params.args} 2> {log}"
 
@@ -26,16 +33,16 @@ rule finetune:
     output:
         summary="runs/{run}/finetune/{ft}/finetune_summary.json",
         metrics="runs/{run}/finetune/{ft}/metrics.jsonl",
+    log:
+        "logs/finetune/{run}/{ft}.log",
+    benchmark:
+        "benchmarks/finetune/{run}/{ft}.tsv"
+    threads: get_finetune_threads
     params:
         launch=get_launch_prefix,
         args=get_finetune_args,
         data=subpath(input.train, parent=True),
         out=subpath(output.summary, parent=True),
-    threads: get_finetune_threads
-    log:
-        "logs/finetune/{run}/{ft}.log",
-    benchmark:
-        "benchmarks/finetune/{run}/{ft}.tsv"
     shell:
         "{params.launch} snakellm finetune --base runs/{wildcards.run} --blend {input.blend} --data-dir {params.data} "
         "--out-dir {params.out} --threads {threads} --no-progress {params.args} 2> {log}"
@@ -47,10 +54,10 @@ rule export_peft:
     output:
         "runs/{run}/finetune/{ft}/hf_peft/adapter_config.json",
         "runs/{run}/finetune/{ft}/hf_peft/adapter_model.safetensors",
+    log:
+        "logs/export_peft/{run}/{ft}.log",
     params:
         adapter=subpath(input[0], parent=True) + "/adapter",
         out=subpath(output[0], parent=True),
-    log:
-        "logs/export_peft/{run}/{ft}.log",
     shell:
         "snakellm lora export-peft --adapter {params.adapter} --out {params.out} 2> {log}"

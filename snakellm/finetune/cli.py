@@ -33,6 +33,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from snakellm.io.atomic import write_json, write_text
 from snakellm.train import checkpoint as ckpt
