@@ -28,7 +28,9 @@ def _model(style: str, seed: int = 3):
     arch = models.resolve("tiny" if style == "gpt2" else "tiny-llama", {"seq_length": 32})
     torch.manual_seed(seed)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    gpt, _ = models.build_model(arch, VOCAB, fused_loss="eager")
+    from snakellm.models.build import build_model
+
+    gpt, _ = build_model(arch, VOCAB, fused_loss="eager")
     return gpt.eval(), arch
 
 
