@@ -57,7 +57,7 @@ rule export_peft:
     log:
         "logs/export_peft/{run}/{ft}.log",
     params:
-        adapter=subpath(input[0], parent=True) + "/adapter",
         out=subpath(output[0], parent=True),
     shell:
-        "snakellm lora export-peft --adapter {params.adapter} --out {params.out} 2> {log}"
+        "snakellm lora export-peft --adapter runs/{wildcards.run}/finetune/{wildcards.ft}/adapter "
+        "--out {params.out} 2> {log}"
