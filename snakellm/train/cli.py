@@ -530,6 +530,8 @@ def train(plan: Plan) -> int:
             best = meta.get("best")
             if rank0:
                 ckpt.truncate_live_metrics(plan.ckpt_dir, start_it)
+                with open(plan.ckpt_dir / ckpt.LIVE_METRICS, "a") as fh:  # the report marks the new session here
+                    fh.write(json.dumps({"step": start_it, "resumed": True}) + "\n")
             _log(f"resumed from {plan.ckpt_dir / ckpt.iter_name(start_it)} (iteration {start_it}, "
                  f"{start_it * gbs} samples consumed)", rank0)
         barrier()
