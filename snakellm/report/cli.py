@@ -32,7 +32,7 @@ def _data_overview(a: argparse.Namespace) -> None:
 def _download(a: argparse.Namespace) -> None:
     from . import data
 
-    write_text(a.output, data.download_table(a.source, a.manifests, a.log or []))
+    write_text(a.output, data.download_table(a.source, a.manifests, a.logs or []))
 
 
 def _tokens(a: argparse.Namespace) -> None:
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("download", help="an http source's downloads: shards, bytes, requests, retries")
     s.add_argument("manifests", nargs="+", help="data/raw/{source}/{chunk}.manifest.json, in chunk order")
-    s.add_argument("--log", action="append", help="the download job's log, one per manifest in the same order (retries are counted there)")
+    s.add_argument("--logs", nargs="+", help="the download jobs' logs, one per manifest in the same order (retries are counted there)")
     s.add_argument("--source", required=True)
     s.add_argument("--output", required=True, help="output .html")
     s.set_defaults(func=_download)

@@ -98,7 +98,7 @@ def collapse_chunks(text: str, head: int = 2, tail: int = 1) -> tuple[str, int]:
     rep: dict[str, str] = {}
     new_nodes: dict[str, tuple[str, str, str]] = {}
     hidden_total = 0
-    placeholder_at: dict[str, str] = {}
+    group_of: dict[str, list[str]] = {}  # first member (file order) -> the group's nodes in chunk order
     for k, (key, members) in enumerate(groups.items()):
         if len(members) <= head + tail + 1:
             continue
@@ -111,18 +111,18 @@ def collapse_chunks(text: str, head: int = 2, tail: int = 1) -> tuple[str, int]:
                             f"… {len(hidden)} more chunks", f"({first} … {last})"])
         color = nodes[hidden[0]][1]
         new_nodes[pid] = (label, color, "rounded,dashed")
-        placeholder_at[hidden[0]] = pid
         for n in hidden:
             rep[n] = pid
         hidden_total += len(hidden)
+        first_in_file = min(members, key=list(nodes).index)
+        group_of[first_in_file] = members[:head] + [pid] + members[len(members) - tail :]
     out = list(header)
-    for n, (lab, color, style) in nodes.items():
-        if n in placeholder_at:
-            pid = placeholder_at[n]
-            lab, color, style = new_nodes[pid]
-            out.append(f'\t{pid}[label = "{lab}", color = "{color}", style="{style}"];')
-        elif n not in rep:
-            out.append(f'\t{n}[label = "{lab}", color = "{color}", style="{style}"];')
+    grouped = {m for g in group_of.values() for m in g}
+    for n in nodes:
+        # a collapsed group is written together, in chunk order: first chunks, "… N more", last chunks
+        for m in group_of.get(n, [] if n in grouped or n in rep else [n]):
+            lab, color, style = new_nodes[m] if m in new_nodes else nodes[m]
+            out.append(f'\t{m}[label = "{lab}", color = "{color}", style="{style}"];')
     seen_edges = set()
     for a, b in edges:
         e = (rep.get(a, a), rep.get(b, b))
