@@ -11,6 +11,7 @@
 # (rule report_table), or give your own rule `report(...)` outputs with a caption in
 # report/ and category="<Stage>" (see README, "Reports and DAG pictures").
 
+
 # cheap steps that read a few small files: run them where Snakemake runs, not as cluster jobs
 localrules:
     dag,
@@ -37,10 +38,10 @@ rule dag:
             category="DAG",
             labels={"figure": "job DAG"},
         ),
-    params:
-        config=get_dag_config,
     log:
         "logs/report/dag.log",
+    params:
+        config=get_dag_config,
     shell:
         "snakellm dag --rulegraph {output.rulegraph} --jobs {output.jobs} --snakefile {workflow.main_snakefile:q} "
         "--config-json {params.config:q} 2> {log}"
@@ -179,12 +180,12 @@ rule report_tokenizer:
             subcategory="{tokenizer}",
             labels={"figure": "tokenizer and example encodings"},
         ),
+    log:
+        "logs/report/tokenizer/{tokenizer}.log",
     params:
         tokenizer=get_tokenizer_options,
         key=get_report_tokenizer_key,
         train=get_report_tokenizer_train_flag,
-    log:
-        "logs/report/tokenizer/{tokenizer}.log",
     shell:
         "snakellm report tokenizer {params.tokenizer} --sample {input.sample} --key {params.key:q} "
         "{params.train} --output {output} 2> {log}"
@@ -230,10 +231,10 @@ rule report_train:
             subcategory="{run}",
             labels={"figure": "2. settings, final figures, checkpoints"},
         ),
-    params:
-        prefix=subpath(output.loss, strip_suffix=".loss.svg"),
     log:
         "logs/report/train/{run}.log",
+    params:
+        prefix=subpath(output.loss, strip_suffix=".loss.svg"),
     shell:
         "snakellm report train --run {wildcards.run} --metrics {input.metrics} --summary {input.summary} "
         "--prefix {params.prefix} 2> {log}"
@@ -251,10 +252,10 @@ rule report_table:
             subcategory=get_report_table_subcategory,
             labels=get_report_table_labels,
         ),
+    log:
+        "logs/report/tables/{stage}/{name}.log",
     params:
         title=get_report_table_title,
         note=get_report_table_note,
-    log:
-        "logs/report/tables/{stage}/{name}.log",
     shell:
         "snakellm report table {input:q} --title {params.title:q} {params.note} --output {output} 2> {log}"

@@ -29,20 +29,39 @@ class Chromium:
         to_chrome_r, self._to_chrome = os.pipe()
         self._from_chrome, from_chrome_w = os.pipe()
         flags = [
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", "--no-default-browser-check",
-            "--disable-extensions", "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio",
-            "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>",  # no network, whatever the page asks
-            f"--user-data-dir={profile_dir}", f"--window-size={width},{height}", "--remote-debugging-pipe",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-extensions",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+            "--mute-audio",
+            "--proxy-server=127.0.0.1:9",
+            "--proxy-bypass-list=<-loopback>",  # no network, whatever the page asks
+            f"--user-data-dir={profile_dir}",
+            f"--window-size={width},{height}",
+            "--remote-debugging-pipe",
         ]
+
         # the child's fd 3 reads our commands, its fd 4 writes to us
         def setup() -> None:
             r, w = os.dup(to_chrome_r), os.dup(from_chrome_w)  # above 4, so neither dup2 clobbers the other
             os.dup2(r, 3)
             os.dup2(w, 4)
 
-        self.proc = subprocess.Popen([exe, *flags, "about:blank"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, preexec_fn=setup, pass_fds=(3, 4))
+        self.proc = subprocess.Popen(
+            [exe, *flags, "about:blank"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=setup,
+            pass_fds=(3, 4),
+        )
         os.close(to_chrome_r)
         os.close(from_chrome_w)
         self._buf = b""
@@ -125,7 +144,7 @@ class Chromium:
             except OSError:
                 pass
 
-    def __enter__(self) -> "Chromium":
+    def __enter__(self) -> Chromium:
         return self
 
     def __exit__(self, *exc) -> None:

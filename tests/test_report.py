@@ -23,18 +23,28 @@ from pathlib import Path
 
 import pytest
 import yaml
-
+from chromium import find_chromium
 from conftest import BIN, REPO, SNAKEFILE, Workspace, env_with_venv
 
-from chromium import find_chromium
-
 pytestmark = []
-NEEDS_DOT = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz dot missing: bash scripts/setup-report-tools.sh")
-NEEDS_CHROMIUM = pytest.mark.skipif(find_chromium() is None, reason="chromium missing: bash scripts/setup-report-tools.sh")
+NEEDS_DOT = pytest.mark.skipif(
+    shutil.which("dot") is None, reason="Graphviz dot missing: bash scripts/setup-report-tools.sh"
+)
+NEEDS_CHROMIUM = pytest.mark.skipif(
+    find_chromium() is None, reason="chromium missing: bash scripts/setup-report-tools.sh"
+)
 
 
 def snakellm(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(BIN / "snakellm"), *args], cwd=cwd, env=env_with_venv(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(BIN / "snakellm"), *args],
+        cwd=cwd,
+        env=env_with_venv(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -51,16 +61,53 @@ def svg_text(path: Path) -> str:
 def test_data_report_counts_rejections_by_reason_with_example_lines(tmp_path):
     shard = tmp_path / "s1.jsonl"
     good = [json.dumps({"text": f"document {i}"}) for i in range(5)]
-    shard.write_text("\n".join([good[0], "{not json", good[1], json.dumps({"other": "x"}), "", good[2],
-                                json.dumps({"text": "   "}), good[3], "[1, 2]", good[4], "{broken again"]) + "\n")
+    shard.write_text(
+        "\n".join(
+            [
+                good[0],
+                "{not json",
+                good[1],
+                json.dumps({"other": "x"}),
+                "",
+                good[2],
+                json.dumps({"text": "   "}),
+                good[3],
+                "[1, 2]",
+                good[4],
+                "{broken again",
+            ]
+        )
+        + "\n"
+    )
     shard2 = tmp_path / "s2.jsonl"
     shard2.write_text(json.dumps({"text": "fine"}) + "\n")
     for chunk, shards in (("chunk-00000", [shard]), ("chunk-00001", [shard2])):
-        snakellm("chunk", *map(str, shards), "--output", f"d/{chunk}.jsonl", "--source", "web", "--chunk", chunk,
-                 "--no-progress", cwd=tmp_path)
+        snakellm(
+            "chunk",
+            *map(str, shards),
+            "--output",
+            f"d/{chunk}.jsonl",
+            "--source",
+            "web",
+            "--chunk",
+            chunk,
+            "--no-progress",
+            cwd=tmp_path,
+        )
     stats = json.loads((tmp_path / "d/chunk-00000.stats.json").read_text())
-    snakellm("report", "data", "d/chunk-00000.stats.json", "d/chunk-00001.stats.json", "--source", "web",
-             "--table", "r/web.html", "--plot", "r/web.svg", cwd=tmp_path)
+    snakellm(
+        "report",
+        "data",
+        "d/chunk-00000.stats.json",
+        "d/chunk-00001.stats.json",
+        "--source",
+        "web",
+        "--table",
+        "r/web.html",
+        "--plot",
+        "r/web.svg",
+        cwd=tmp_path,
+    )
     page = (tmp_path / "r/web.html").read_text()
     # every reason the chunk step counted is a column and a row, with its count and the bad line itself
     for reason, n in stats["rejected_by_reason"].items():
@@ -70,15 +117,39 @@ def test_data_report_counts_rejections_by_reason_with_example_lines(tmp_path):
     assert f'<td class="num">{stats["lines_read"] + 1}</td>' in page  # total lines read over both chunks
     text = svg_text(tmp_path / "r/web.svg")
     assert "invalid_json" in text and "rejected lines per chunk" in text
-    snakellm("report", "data-overview", "d/chunk-00000.stats.json", "d/chunk-00001.stats.json", "--output", "r/o.html",
-             cwd=tmp_path)
+    snakellm(
+        "report",
+        "data-overview",
+        "d/chunk-00000.stats.json",
+        "d/chunk-00001.stats.json",
+        "--output",
+        "r/o.html",
+        cwd=tmp_path,
+    )
     assert '<td class="num">6</td>' in (tmp_path / "r/o.html").read_text()  # 5 + 1 documents
 
 
 def test_bad_report_input_names_the_file(tmp_path):
     (tmp_path / "x.stats.json").write_text('{"chunk": "c"}')
-    proc = subprocess.run([str(BIN / "snakellm"), "report", "data", "x.stats.json", "--source", "s", "--table", "t.html",
-                           "--plot", "p.svg"], cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            str(BIN / "snakellm"),
+            "report",
+            "data",
+            "x.stats.json",
+            "--source",
+            "s",
+            "--table",
+            "t.html",
+            "--plot",
+            "p.svg",
+        ],
+        cwd=tmp_path,
+        env=env_with_venv(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 1
     assert "x.stats.json: not a chunk stats file (no documents" in proc.stderr
     assert not (tmp_path / "t.html").exists()
@@ -87,17 +158,24 @@ def test_bad_report_input_names_the_file(tmp_path):
 def test_download_report_reads_manifests_and_counts_retries_from_the_log(tmp_path):
     from snakellm.report import data
 
-    man = {"source": "web", "chunk": "chunk-00000", "size": 300,
-           "shards": [{"url": "http://127.0.0.1:8/a.jsonl", "path": "a", "size": 100, "sha256": "0"},
-                      {"url": "http://127.0.0.1:8/b.jsonl", "path": "b", "size": 200, "sha256": "1"}]}
+    man = {
+        "source": "web",
+        "chunk": "chunk-00000",
+        "size": 300,
+        "shards": [
+            {"url": "http://127.0.0.1:8/a.jsonl", "path": "a", "size": 100, "sha256": "0"},
+            {"url": "http://127.0.0.1:8/b.jsonl", "path": "b", "size": 200, "sha256": "1"},
+        ],
+    }
     (tmp_path / "m.json").write_text(json.dumps(man))
     # the lines `snakellm download` writes (see snakellm/data/download.py)
     (tmp_path / "d.log").write_text(
         "http://127.0.0.1:8/a.jsonl: HTTP 429 Too Many Requests; retry 1/8 in 0.50s from byte 0\n"
         "http://127.0.0.1:8/a.jsonl: HTTP 503 Service Unavailable; retry 2/8 in 1.00s from byte 0\n"
-        "m.json: 2 shards, 0.0 MB (0.0 MB fetched in 4 requests, 0 shards already complete) in 1.5 s\n")
+        "m.json: 2 shards, 0.0 MB (0.0 MB fetched in 4 requests, 0 shards already complete) in 1.5 s\n"
+    )
     page = data.download_table("web", [str(tmp_path / "m.json")], [str(tmp_path / "d.log")])
-    assert "<td>chunk-00000</td><td class=\"num\">2</td><td class=\"num\">300</td>" in page
+    assert '<td>chunk-00000</td><td class="num">2</td><td class="num">300</td>' in page
     assert '<td class="num">4</td><td class="num">2</td>' in page  # requests, retries
     assert "HTTP 429 Too Many Requests" in page and "127.0.0.1:8" in page
 
@@ -107,11 +185,24 @@ def test_download_report_reads_manifests_and_counts_retries_from_the_log(tmp_pat
 
 def test_table_step_renders_metrics_json_and_samples_jsonl(tmp_path):
     (tmp_path / "metrics.json").write_text(json.dumps({"task": "squad", "exact_match": 0.5, "rouge": {"f1": 0.25}}))
-    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "output": "<b>a</b>"}) + "\n" for i in range(60)))
-    snakellm("report", "table", "metrics.json", "samples.jsonl", "--title", "Evaluation: squad", "--output", "t.html",
-             "--max-rows", "10", cwd=tmp_path)
+    (tmp_path / "samples.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "output": "<b>a</b>"}) + "\n" for i in range(60))
+    )
+    snakellm(
+        "report",
+        "table",
+        "metrics.json",
+        "samples.jsonl",
+        "--title",
+        "Evaluation: squad",
+        "--output",
+        "t.html",
+        "--max-rows",
+        "10",
+        cwd=tmp_path,
+    )
     page = (tmp_path / "t.html").read_text()
-    assert "<td>rouge.f1</td><td class=\"num\">0.25</td>" in page
+    assert '<td>rouge.f1</td><td class="num">0.25</td>' in page
     assert "<td>q9</td>" in page and "<td>q10</td>" not in page and "50 more records not shown" in page
     assert "&lt;b&gt;a&lt;/b&gt;" in page and "<b>a</b>" not in page  # model output is text, never markup
 
@@ -121,19 +212,38 @@ def test_a_registered_table_is_a_report_output_with_its_category(tmp_path):
     """The plug-in point for later stages: register_report_table(...) in a rules file."""
     ws = Workspace(tmp_path)
     shutil.copytree(REPO / "resources" / "corpus" / "botchan", tmp_path / "corpus")
-    ws.write_config({"sources": {"b": {"kind": "local", "path": "corpus/*.jsonl", "format": "jsonl", "shards_per_chunk": 1}}})
+    ws.write_config(
+        {"sources": {"b": {"kind": "local", "path": "corpus/*.jsonl", "format": "jsonl", "shards_per_chunk": 1}}}
+    )
     (tmp_path / "eval.smk").write_text(
         'include: "%s"\n\n'
         'rule fake_eval:\n    input: "data/jsonl/b/chunk-00000.stats.json"\n    output: "runs/x/eval/metrics.json"\n'
         '    shell: "cp {input} {output}"\n\n'
         'register_report_table("eval", "x-squad", "runs/x/eval/metrics.json", "Evaluation of x on SQuAD", category="Evaluation")\n\n'
-        "rule everything:\n    input: get_all_targets()\n" % SNAKEFILE)
-    cmd = [str(BIN / "snakemake"), "-s", str(tmp_path / "eval.smk"), "-d", str(tmp_path), "--configfile", str(ws.config_path),
-           "--replace-workflow-config", "-c", "2", "--nocolor", "everything", "--omit-from", "dag"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=600)
+        "rule everything:\n    input: get_all_targets()\n".replace("%s", str(SNAKEFILE))
+    )
+    cmd = [
+        str(BIN / "snakemake"),
+        "-s",
+        str(tmp_path / "eval.smk"),
+        "-d",
+        str(tmp_path),
+        "--configfile",
+        str(ws.config_path),
+        "--replace-workflow-config",
+        "-c",
+        "2",
+        "--nocolor",
+        "everything",
+        "--omit-from",
+        "dag",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=600, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     page = (tmp_path / "results/report/tables/eval/x-squad.html").read_text()
-    assert "Evaluation of x on SQuAD" in page and "<td>documents</td><td class=\"num\">149</td>" in page
+    assert "Evaluation of x on SQuAD" in page and '<td>documents</td><td class="num">149</td>' in page
 
 
 # ---------------------------------------------------------------- DAG pictures
@@ -143,18 +253,42 @@ def test_a_registered_table_is_a_report_output_with_its_category(tmp_path):
 @NEEDS_DOT
 def test_dag_of_a_60000_shard_source_collapses_repeated_chunks(tmp_path):
     cfg = {
-        "sources": {"slim": {"kind": "http", "format": "jsonl.zst", "shards_per_chunk": 800,
-                             "url": "https://example.invalid/train/chunk{1..10}/example_train_{0..5999}.jsonl.zst"}},
-        "tokenizers": {"gpt2": {"kind": "gpt2-bpe", "vocab_file": str(REPO / "resources/tokenizers/gpt2/vocab.json"),
-                                "merges_file": str(REPO / "resources/tokenizers/gpt2/merges.txt")}},
+        "sources": {
+            "slim": {
+                "kind": "http",
+                "format": "jsonl.zst",
+                "shards_per_chunk": 800,
+                "url": "https://example.invalid/train/chunk{1..10}/example_train_{0..5999}.jsonl.zst",
+            }
+        },
+        "tokenizers": {
+            "gpt2": {
+                "kind": "gpt2-bpe",
+                "vocab_file": str(REPO / "resources/tokenizers/gpt2/vocab.json"),
+                "merges_file": str(REPO / "resources/tokenizers/gpt2/merges.txt"),
+            }
+        },
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     t0 = time.time()
-    snakellm("dag", "--rulegraph", "rg.svg", "--jobs", "jobs.svg", "--dot", "--snakefile", str(SNAKEFILE), "--",
-             "--configfile", "c.yaml", "--replace-workflow-config", cwd=tmp_path)
+    snakellm(
+        "dag",
+        "--rulegraph",
+        "rg.svg",
+        "--jobs",
+        "jobs.svg",
+        "--dot",
+        "--snakefile",
+        str(SNAKEFILE),
+        "--",
+        "--configfile",
+        "c.yaml",
+        "--replace-workflow-config",
+        cwd=tmp_path,
+    )
     took = time.time() - t0
     dot = (tmp_path / "jobs.dot").read_text()
-    nodes = re.findall(r"^\t(\w+)\[label", dot, re.M)
+    nodes = re.findall(r"^\t(\w+)\[label", dot, re.MULTILINE)
     assert len(nodes) < 40, len(nodes)  # 75 downloads + 75 chunks + 75 tokenize ... collapsed
     text = svg_text(tmp_path / "jobs.svg")
     assert text.count("… 72 more chunks") == 3  # download, chunk, tokenize: chunks 2 .. 73 of 75
@@ -268,10 +402,25 @@ def test_report_of_the_default_workflow_in_headless_chromium(default_workflow, t
         assert set(c.js("Object.keys(categories['Tokens'])")) == {"All tokenizers", "gpt2", "spm2k"}
         got = c.js(CHECK_RESULTS)
         names = {Path(p).name for p in got}
-        expected = {"rulegraph.svg", "jobs.svg", "overview.html", "overview.svg", "wikitext.chunks.html",
-                    "wikitext.chunks.svg", "botchan.chunks.svg", "spm2k.tokens.html", "spm2k.blend.svg",
-                    "spm2k.doc_tokens.svg", "spm2k.tokenizer.html", "gpt2.tokenizer.html", "tiny.loss.svg", "tiny.lr.svg",
-                    "tiny.grad_norm.svg", "tiny.throughput.svg", "tiny.summary.html"}
+        expected = {
+            "rulegraph.svg",
+            "jobs.svg",
+            "overview.html",
+            "overview.svg",
+            "wikitext.chunks.html",
+            "wikitext.chunks.svg",
+            "botchan.chunks.svg",
+            "spm2k.tokens.html",
+            "spm2k.blend.svg",
+            "spm2k.doc_tokens.svg",
+            "spm2k.tokenizer.html",
+            "gpt2.tokenizer.html",
+            "tiny.loss.svg",
+            "tiny.lr.svg",
+            "tiny.grad_norm.svg",
+            "tiny.throughput.svg",
+            "tiny.summary.html",
+        }
         assert expected <= names, expected - names
         for path, r in got.items():
             assert r["caption"] > 50, f"{path}: no caption"
@@ -293,7 +442,9 @@ def test_report_of_the_default_workflow_in_headless_chromium(default_workflow, t
         time.sleep(0.3)
         assert c.js(SHOW % json.dumps("1. loss")) == "ok"
         time.sleep(0.5)
-        shown = c.js("[...document.querySelectorAll('img')].filter(i => i.src.includes('image/svg')).map(i => [i.complete, i.naturalWidth])")
+        shown = c.js(
+            "[...document.querySelectorAll('img')].filter(i => i.src.includes('image/svg')).map(i => [i.complete, i.naturalWidth])"
+        )
         assert any(ok and w > 200 for ok, w in shown), shown
         c.screenshot(shots / "02-training-loss.png")
         c.js("app.setView({navbarMode: 'menu'})")

@@ -68,7 +68,15 @@ def _train(a: argparse.Namespace) -> None:
     summary = data.read_json(a.summary)
     train.plot_loss(a.run, recs, a.prefix + ".loss.svg")
     train._series(a.run, recs, "lr", "learning rate", "learning rate", a.prefix + ".lr.svg")
-    train._series(a.run, recs, "grad_norm", "gradient norm (before clipping)", "gradient norm", a.prefix + ".grad_norm.svg", log=True)
+    train._series(
+        a.run,
+        recs,
+        "grad_norm",
+        "gradient norm (before clipping)",
+        "gradient norm",
+        a.prefix + ".grad_norm.svg",
+        log=True,
+    )
     train.plot_throughput(a.run, recs, a.prefix + ".throughput.svg")
     write_text(a.prefix + ".summary.html", train.summary_page(a.run, recs, summary, a.summary))
 
@@ -88,7 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="what", required=True, metavar="<what>")
 
     s = sub.add_parser("data", help="one source: documents, bytes, rejected lines by reason (table + bar chart)")
-    s.add_argument("stats", nargs="+", help="the source's data/jsonl/{source}/{chunk}.stats.json (the .rejected.jsonl next to each is read too)")
+    s.add_argument(
+        "stats",
+        nargs="+",
+        help="the source's data/jsonl/{source}/{chunk}.stats.json (the .rejected.jsonl next to each is read too)",
+    )
     s.add_argument("--source", required=True)
     s.add_argument("--table", required=True, help="output .html")
     s.add_argument("--plot", required=True, help="output .svg")
@@ -101,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("download", help="an http source's downloads: shards, bytes, requests, retries")
     s.add_argument("manifests", nargs="+", help="data/raw/{source}/{chunk}.manifest.json, in chunk order")
-    s.add_argument("--logs", nargs="+", help="the download jobs' logs, one per manifest in the same order (retries are counted there)")
+    s.add_argument(
+        "--logs",
+        nargs="+",
+        help="the download jobs' logs, one per manifest in the same order (retries are counted there)",
+    )
     s.add_argument("--source", required=True)
     s.add_argument("--output", required=True, help="output .html")
     s.set_defaults(func=_download)
@@ -136,10 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run", required=True)
     s.add_argument("--metrics", required=True, help="runs/{run}/metrics.jsonl")
     s.add_argument("--summary", required=True, help="runs/{run}/train_summary.json")
-    s.add_argument("--prefix", required=True, help="writes PREFIX.{loss,lr,grad_norm,throughput}.svg and PREFIX.summary.html")
+    s.add_argument(
+        "--prefix", required=True, help="writes PREFIX.{loss,lr,grad_norm,throughput}.svg and PREFIX.summary.html"
+    )
     s.set_defaults(func=_train)
 
-    s = sub.add_parser("table", help="any JSON / JSONL / CSV / TSV file(s) as an HTML table (for later stages' metrics and samples)")
+    s = sub.add_parser(
+        "table", help="any JSON / JSONL / CSV / TSV file(s) as an HTML table (for later stages' metrics and samples)"
+    )
     s.add_argument("files", nargs="+")
     s.add_argument("--output", required=True, help="output .html")
     s.add_argument("--title", required=True)

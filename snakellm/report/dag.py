@@ -107,8 +107,15 @@ def collapse_chunks(text: str, head: int = 2, tail: int = 1) -> tuple[str, int]:
         pid = f"more{k}"
         first, last = ident[hidden[0]][1], ident[hidden[-1]][1]  # type: ignore[index]
         rule, rest, source, _ = key
-        label = "\\n".join([rule, *(f"{a}: {b}" for a, b in rest), *([f"source: {source}"] if source else []),
-                            f"… {len(hidden)} more chunks", f"({first} … {last})"])
+        label = "\\n".join(
+            [
+                rule,
+                *(f"{a}: {b}" for a, b in rest),
+                *([f"source: {source}"] if source else []),
+                f"… {len(hidden)} more chunks",
+                f"({first} … {last})",
+            ]
+        )
         color = nodes[hidden[0]][1]
         new_nodes[pid] = (label, color, "rounded,dashed")
         for n in hidden:
@@ -135,25 +142,36 @@ def collapse_chunks(text: str, head: int = 2, tail: int = 1) -> tuple[str, int]:
 
 def add_title(dot_text: str, title: str) -> str:
     safe = title.replace('"', "'")
-    return re.sub(r"(digraph \w+ \{\n)", lambda m: m.group(1) + f'    graph[label="{safe}", labelloc=t, fontname=sans, fontsize=12];\n',
-                  dot_text, count=1)
+    return re.sub(
+        r"(digraph \w+ \{\n)",
+        lambda m: m.group(1) + f'    graph[label="{safe}", labelloc=t, fontname=sans, fontsize=12];\n',
+        dot_text,
+        count=1,
+    )
 
 
 def render(dot_text: str, out: str, fmt: str | None = None) -> None:
     dot = shutil.which("dot")
     if dot is None:
-        raise DagError("Graphviz's `dot` is not installed (bash scripts/setup-report-tools.sh, or apt-get install graphviz)")
+        raise DagError(
+            "Graphviz's `dot` is not installed (bash scripts/setup-report-tools.sh, or apt-get install graphviz)"
+        )
     fmt = fmt or Path(out).suffix.lstrip(".") or "svg"
     with atomic_path(out) as tmp:
-        proc = subprocess.run([dot, f"-T{fmt}", "-o", str(tmp)], input=dot_text, text=True, capture_output=True)
+        proc = subprocess.run(
+            [dot, f"-T{fmt}", "-o", str(tmp)], input=dot_text, text=True, capture_output=True, check=False
+        )
         if proc.returncode != 0:
             raise DagError(f"dot -T{fmt} failed: {proc.stderr.strip()}")
 
 
-def snakemake_dot(what: str, snakefile: str | None, directory: str | None, config_json: str | None,
-                  extra: list[str]) -> str:
+def snakemake_dot(
+    what: str, snakefile: str | None, directory: str | None, config_json: str | None, extra: list[str]
+) -> str:
     """The dot text of ``snakemake --rulegraph`` / ``--dag`` (every job, as if all had to run)."""
-    exe = shutil.which("snakemake", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    exe = shutil.which(
+        "snakemake", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    )
     if exe is None:
         raise DagError("snakemake is not on PATH")
     cmd = [exe, f"--{what}", "dot", "--forceall", "--nolock", "--quiet"]
@@ -166,7 +184,7 @@ def snakemake_dot(what: str, snakefile: str | None, directory: str | None, confi
             cfg = Path(tmp) / "config.json"
             cfg.write_text(config_json)
             cmd += ["--configfile", str(cfg), "--replace-workflow-config"]
-        proc = subprocess.run(cmd + extra, text=True, capture_output=True)
+        proc = subprocess.run(cmd + extra, text=True, capture_output=True, check=False)
     if proc.returncode != 0:
         raise DagError(f"{' '.join(cmd + extra)} failed ({proc.returncode}):\n{proc.stderr.strip()[-3000:]}")
     start = proc.stdout.find("digraph")
@@ -184,14 +202,20 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Needs Graphviz's dot (bash scripts/setup-report-tools.sh installs it on Debian/Ubuntu). "
         "The same pictures by hand: snakemake --rulegraph | dot -Tsvg > rulegraph.svg",
     )
-    p.add_argument("--rulegraph", metavar="SVG", help="write the rule graph here (e.g. results/report/workflow/rulegraph.svg)")
+    p.add_argument(
+        "--rulegraph", metavar="SVG", help="write the rule graph here (e.g. results/report/workflow/rulegraph.svg)"
+    )
     p.add_argument("--jobs", metavar="SVG", help="write the job DAG here")
     p.add_argument("--dot", action="store_true", help="also keep the dot text next to each picture (.dot)")
-    p.add_argument("--head", type=int, default=2, help="chunks kept at the start of each run of per-chunk jobs (default 2)")
+    p.add_argument(
+        "--head", type=int, default=2, help="chunks kept at the start of each run of per-chunk jobs (default 2)"
+    )
     p.add_argument("--tail", type=int, default=1, help="chunks kept at the end (default 1)")
     p.add_argument("--snakefile", help="the Snakefile (default: snakemake's own lookup)")
     p.add_argument("--directory", help="the working directory (default: the current one)")
-    p.add_argument("--config-json", help="the complete workflow config as JSON (replaces the workflow's; what the dag rule passes)")
+    p.add_argument(
+        "--config-json", help="the complete workflow config as JSON (replaces the workflow's; what the dag rule passes)"
+    )
     p.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="-- then arguments for snakemake")
     a = p.parse_args(argv)
     extra = a.snakemake_args[1:] if a.snakemake_args[:1] == ["--"] else a.snakemake_args

@@ -91,8 +91,18 @@ def source_table(source: str, chunks: list[dict], examples: dict[str, list[dict]
     rows = []
     for st in chunks:
         by = st["rejected_by_reason"]
-        rows.append([st["chunk"], st.get("shards"), st["lines_read"], st["documents"], st["rejected"],
-                     *[by.get(r, 0) for r in reasons], st.get("bytes_in_compressed"), st.get("bytes_out")])
+        rows.append(
+            [
+                st["chunk"],
+                st.get("shards"),
+                st["lines_read"],
+                st["documents"],
+                st["rejected"],
+                *[by.get(r, 0) for r in reasons],
+                st.get("bytes_in_compressed"),
+                st.get("bytes_out"),
+            ]
+        )
     total = ["total", sum(st.get("shards") or 0 for st in chunks)] + [
         sum(r[i] or 0 for r in rows) for i in range(2, len(cols))
     ]
@@ -100,7 +110,8 @@ def source_table(source: str, chunks: list[dict], examples: dict[str, list[dict]
     rejected = sum(st["rejected"] for st in chunks)
     sections = [
         H.section(
-            "Chunks", H.table(cols, rows, total),
+            "Chunks",
+            H.table(cols, rows, total),
             note=f"{len(chunks)} chunks; {rejected:,} of {lines:,} lines rejected"
             + (f" ({100 * rejected / lines:.3g}%)" if lines else "")
             + ". Every line read is either a document or a rejected line.",
@@ -113,13 +124,20 @@ def source_table(source: str, chunks: list[dict], examples: dict[str, list[dict]
         rrows = []
         for reason, n in counts.most_common():
             ex = examples.get(reason, [])
-            shown = "\n".join(f"{e['chunk']} {Path(str(e.get('shard', ''))).name}:{e.get('line')}: "
-                              f"{_short(e.get('content', ''))}" for e in ex)
+            shown = "\n".join(
+                f"{e['chunk']} {Path(str(e.get('shard', ''))).name}:{e.get('line')}: {_short(e.get('content', ''))}"
+                for e in ex
+            )
             rrows.append([reason, n, shown])
-        sections.append(H.section(
-            "Rejection reasons", H.table(["reason", "lines", f"examples (first {EXAMPLES_PER_REASON}: chunk shard:line: content)"], rrows),
-            note="Most frequent first. Every rejected line is kept whole in data/jsonl/{source}/{chunk}.rejected.jsonl.",
-        ))
+        sections.append(
+            H.section(
+                "Rejection reasons",
+                H.table(
+                    ["reason", "lines", f"examples (first {EXAMPLES_PER_REASON}: chunk shard:line: content)"], rrows
+                ),
+                note="Most frequent first. Every rejected line is kept whole in data/jsonl/{source}/{chunk}.rejected.jsonl.",
+            )
+        )
     else:
         sections.append(H.section("Rejection reasons", f"<p>No line of {source} was rejected.</p>"))
     return H.page(f"Data: {source}", *sections)
@@ -133,7 +151,9 @@ def source_plot(source: str, chunks: list[dict], path: str) -> None:
     top.bar(x, [st["documents"] for st in chunks], color=plots.COLORS[0], label="documents")
     top.set_ylabel("documents")
     mb = top.twinx()
-    mb.plot(list(x), [(st.get("bytes_out") or 0) / 1e6 for st in chunks], "o-", color=plots.COLORS[1], label="MB of text")
+    mb.plot(
+        list(x), [(st.get("bytes_out") or 0) / 1e6 for st in chunks], "o-", color=plots.COLORS[1], label="MB of text"
+    )
     mb.set_ylabel("MB (jsonl)")
     mb.set_ylim(bottom=0)
     mb.grid(False)
@@ -164,20 +184,53 @@ def overview_table(chunks: list[dict]) -> str:
     by_source: dict[str, list[dict]] = {}
     for st in chunks:
         by_source.setdefault(st.get("source") or "?", []).append(st)
-    cols = ["source", "format", "chunks", "shards", "lines read", "documents", "rejected", "compressed", "text", "MB/s (chunk step)"]
+    cols = [
+        "source",
+        "format",
+        "chunks",
+        "shards",
+        "lines read",
+        "documents",
+        "rejected",
+        "compressed",
+        "text",
+        "MB/s (chunk step)",
+    ]
     rows = []
     for s, cs in by_source.items():
         secs = sum(c.get("seconds") or 0 for c in cs)
         out = sum(c.get("bytes_out") or 0 for c in cs)
-        rows.append([s, cs[0].get("format"), len(cs), sum(c.get("shards") or 0 for c in cs),
-                     sum(c["lines_read"] for c in cs), sum(c["documents"] for c in cs), sum(c["rejected"] for c in cs),
-                     H.human_bytes(sum(c.get("bytes_in_compressed") or 0 for c in cs)), H.human_bytes(out),
-                     round(out / 1e6 / secs, 1) if secs else None])
-    total = ["all", "", sum(r[2] for r in rows), sum(r[3] for r in rows), sum(r[4] for r in rows), sum(r[5] for r in rows),
-             sum(r[6] for r in rows), H.human_bytes(sum(c.get("bytes_in_compressed") or 0 for c in chunks)),
-             H.human_bytes(sum(c.get("bytes_out") or 0 for c in chunks)), ""]
-    return H.page("Data: all sources", H.table(cols, rows, total),
-                  note="What the chunk step read and kept, per source (data/jsonl/{source}/{chunk}.stats.json).")
+        rows.append(
+            [
+                s,
+                cs[0].get("format"),
+                len(cs),
+                sum(c.get("shards") or 0 for c in cs),
+                sum(c["lines_read"] for c in cs),
+                sum(c["documents"] for c in cs),
+                sum(c["rejected"] for c in cs),
+                H.human_bytes(sum(c.get("bytes_in_compressed") or 0 for c in cs)),
+                H.human_bytes(out),
+                round(out / 1e6 / secs, 1) if secs else None,
+            ]
+        )
+    total = [
+        "all",
+        "",
+        sum(r[2] for r in rows),
+        sum(r[3] for r in rows),
+        sum(r[4] for r in rows),
+        sum(r[5] for r in rows),
+        sum(r[6] for r in rows),
+        H.human_bytes(sum(c.get("bytes_in_compressed") or 0 for c in chunks)),
+        H.human_bytes(sum(c.get("bytes_out") or 0 for c in chunks)),
+        "",
+    ]
+    return H.page(
+        "Data: all sources",
+        H.table(cols, rows, total),
+        note="What the chunk step read and kept, per source (data/jsonl/{source}/{chunk}.stats.json).",
+    )
 
 
 # ------------------------------------------------------------------ downloads (http sources)
@@ -194,11 +247,23 @@ def parse_download_log(path: str | Path) -> dict:
         reasons[re.sub(r"\d+(\.\d+)? ?s\b", "N s", m.group(1))[:80]] += 1
     found = _SUMMARY.findall(text)
     if not found:
-        return {"retries": sum(reasons.values()), "reasons": dict(reasons), "requests": None,
-                "fetched_mb": None, "reused": None, "seconds": None}
+        return {
+            "retries": sum(reasons.values()),
+            "reasons": dict(reasons),
+            "requests": None,
+            "fetched_mb": None,
+            "reused": None,
+            "seconds": None,
+        }
     mb, req, reused, secs = found[-1]
-    return {"retries": sum(reasons.values()), "reasons": dict(reasons), "requests": int(req),
-            "fetched_mb": float(mb), "reused": int(reused), "seconds": float(secs)}
+    return {
+        "retries": sum(reasons.values()),
+        "reasons": dict(reasons),
+        "requests": int(req),
+        "fetched_mb": float(mb),
+        "reused": int(reused),
+        "seconds": float(secs),
+    }
 
 
 def download_table(source: str, manifests: list[str], logs: list[str]) -> str:
@@ -213,16 +278,39 @@ def download_table(source: str, manifests: list[str], logs: list[str]) -> str:
         lg = parse_download_log(logs[i]) if logs else {}
         reasons.update(lg.get("reasons", {}))
         hosts = sorted({str(s.get("url", "")).split("/")[2] for s in man["shards"] if "://" in str(s.get("url", ""))})
-        rows.append([man.get("chunk") or Path(m).name.split(".")[0], len(man["shards"]), man.get("size"),
-                     H.human_bytes(man.get("size")), lg.get("requests"), lg.get("retries"), lg.get("reused"),
-                     lg.get("seconds"), ", ".join(hosts)])
-    total = ["total", sum(r[1] for r in rows), sum(r[2] or 0 for r in rows), H.human_bytes(sum(r[2] or 0 for r in rows)),
-             sum(r[4] or 0 for r in rows), sum(r[5] or 0 for r in rows), sum(r[6] or 0 for r in rows),
-             round(sum(r[7] or 0 for r in rows), 1), ""]
+        rows.append(
+            [
+                man.get("chunk") or Path(m).name.split(".")[0],
+                len(man["shards"]),
+                man.get("size"),
+                H.human_bytes(man.get("size")),
+                lg.get("requests"),
+                lg.get("retries"),
+                lg.get("reused"),
+                lg.get("seconds"),
+                ", ".join(hosts),
+            ]
+        )
+    total = [
+        "total",
+        sum(r[1] for r in rows),
+        sum(r[2] or 0 for r in rows),
+        H.human_bytes(sum(r[2] or 0 for r in rows)),
+        sum(r[4] or 0 for r in rows),
+        sum(r[5] or 0 for r in rows),
+        sum(r[6] or 0 for r in rows),
+        round(sum(r[7] or 0 for r in rows), 1),
+        "",
+    ]
     cols = ["chunk", "shards", "bytes", "size", "requests (last run)", "retries", "shards reused", "seconds", "hosts"]
-    parts = [H.section("Chunks", H.table(cols, rows, total),
-                       note="Sizes from data/raw/{source}/{chunk}.manifest.json (every shard complete, sha256 checked); "
-                            "requests and retries from the last download job's log (logs/download/...).")]
+    parts = [
+        H.section(
+            "Chunks",
+            H.table(cols, rows, total),
+            note="Sizes from data/raw/{source}/{chunk}.manifest.json (every shard complete, sha256 checked); "
+            "requests and retries from the last download job's log (logs/download/...).",
+        )
+    ]
     if reasons:
         parts.append(H.section("Retry reasons", H.table(["reason", "retries"], reasons.most_common())))
     else:

@@ -100,7 +100,7 @@ def key_values(pairs: Iterable[tuple[str, Any]]) -> str:
 def page(title: str, *sections: str, note: str = "") -> str:
     intro = f'<p class="note">{esc(note)}</p>' if note else ""
     return (
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8">'
         f"<title>{esc(title)}</title><style>{STYLE}</style></head>\n"
         f"<body><h1>{esc(title)}</h1>{intro}\n" + "\n".join(sections) + "\n</body></html>\n"
     )

@@ -42,7 +42,7 @@ def figure(width: float = 7.5, height: float = 4.0, rows: int = 1, cols: int = 1
     return plt.subplots(rows, cols, figsize=(width, height), squeeze=False, **kwargs)
 
 
-def save(fig: "Figure", path: str | os.PathLike) -> None:
+def save(fig: Figure, path: str | os.PathLike) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()

@@ -40,7 +40,7 @@ def _records_table(records: list[dict], max_rows: int) -> str:
             if k not in cols:
                 cols.append(k)
     rows = [[r.get(c) for c in cols] for r in records[:max_rows]]
-    more = f"<p class=\"note\">{len(records) - max_rows:,} more records not shown.</p>" if len(records) > max_rows else ""
+    more = f'<p class="note">{len(records) - max_rows:,} more records not shown.</p>' if len(records) > max_rows else ""
     return H.table(cols, rows) + more
 
 

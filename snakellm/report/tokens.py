@@ -56,35 +56,104 @@ def tokenizer_tables(blend: dict, stats_files: list[str], lengths: dict[str, np.
         stats[st["prefix"]] = st
     text_bytes: dict[str, int] = {}
     for d in blend["datasets"]:
-        text_bytes[d["source"]] = text_bytes.get(d["source"], 0) + int(stats.get(d["prefix"], {}).get("text_bytes") or 0)
+        text_bytes[d["source"]] = text_bytes.get(d["source"], 0) + int(
+            stats.get(d["prefix"], {}).get("text_bytes") or 0
+        )
     total_tokens = blend["tokens"] or 1
     rows = []
     for s, v in blend["sources"].items():
         lens = lengths.get(s, np.zeros(0))
-        rows.append([s, v["chunks"], v["documents"], v["tokens"], round(v["tokens"] / max(1, v["documents"]), 1),
-                     int(np.median(lens)) if len(lens) else None, int(lens.max()) if len(lens) else None,
-                     round(text_bytes.get(s, 0) / v["tokens"], 3) if v["tokens"] and text_bytes.get(s) else None,
-                     v["weight"], f"{100 * v['tokens'] / total_tokens:.2f}%", f"{100 * v['share']:.2f}%"])
-    total = ["all", sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows),
-             round(sum(r[3] for r in rows) / max(1, sum(r[2] for r in rows)), 1), None, None,
-             round(sum(text_bytes.values()) / total_tokens, 3) if sum(text_bytes.values()) else None, "", "100%", "100%"]
-    cols = ["source", "chunks", "documents", "tokens", "tokens/doc (mean)", "median", "longest", "bytes/token",
-            "weight (config)", "share of tokens", "share in blend"]
-    per_chunk = [[d["source"], d["chunk"], d["documents"], d["tokens"], stats.get(d["prefix"], {}).get("text_bytes"),
-                  stats.get(d["prefix"], {}).get("empty_documents"), stats.get(d["prefix"], {}).get("tokens_per_s"),
-                  round(d["weight"], 6), d["prefix"]] for d in blend["datasets"]]
-    info = [("name", tok.get("name")), ("kind", tok.get("kind")), ("vocab size", tok.get("vocab_size")),
-            ("EOD", f"{tok.get('eod_token')} (id {tok.get('eod_id')})"), ("token dtype", tok.get("dtype")),
-            ("files", ", ".join(f"{k}: {v}" for k, v in (tok.get("files") or {}).items())),
-            ("Megatron flags", " ".join(tok.get("megatron_args") or [])), ("tokens", blend["tokens"]),
-            ("documents", blend.get("documents"))]
+        rows.append(
+            [
+                s,
+                v["chunks"],
+                v["documents"],
+                v["tokens"],
+                round(v["tokens"] / max(1, v["documents"]), 1),
+                int(np.median(lens)) if len(lens) else None,
+                int(lens.max()) if len(lens) else None,
+                round(text_bytes.get(s, 0) / v["tokens"], 3) if v["tokens"] and text_bytes.get(s) else None,
+                v["weight"],
+                f"{100 * v['tokens'] / total_tokens:.2f}%",
+                f"{100 * v['share']:.2f}%",
+            ]
+        )
+    total = [
+        "all",
+        sum(r[1] for r in rows),
+        sum(r[2] for r in rows),
+        sum(r[3] for r in rows),
+        round(sum(r[3] for r in rows) / max(1, sum(r[2] for r in rows)), 1),
+        None,
+        None,
+        round(sum(text_bytes.values()) / total_tokens, 3) if sum(text_bytes.values()) else None,
+        "",
+        "100%",
+        "100%",
+    ]
+    cols = [
+        "source",
+        "chunks",
+        "documents",
+        "tokens",
+        "tokens/doc (mean)",
+        "median",
+        "longest",
+        "bytes/token",
+        "weight (config)",
+        "share of tokens",
+        "share in blend",
+    ]
+    per_chunk = [
+        [
+            d["source"],
+            d["chunk"],
+            d["documents"],
+            d["tokens"],
+            stats.get(d["prefix"], {}).get("text_bytes"),
+            stats.get(d["prefix"], {}).get("empty_documents"),
+            stats.get(d["prefix"], {}).get("tokens_per_s"),
+            round(d["weight"], 6),
+            d["prefix"],
+        ]
+        for d in blend["datasets"]
+    ]
+    info = [
+        ("name", tok.get("name")),
+        ("kind", tok.get("kind")),
+        ("vocab size", tok.get("vocab_size")),
+        ("EOD", f"{tok.get('eod_token')} (id {tok.get('eod_id')})"),
+        ("token dtype", tok.get("dtype")),
+        ("files", ", ".join(f"{k}: {v}" for k, v in (tok.get("files") or {}).items())),
+        ("Megatron flags", " ".join(tok.get("megatron_args") or [])),
+        ("tokens", blend["tokens"]),
+        ("documents", blend.get("documents")),
+    ]
     return H.page(
         f"Tokens: {tok.get('name')}",
         H.section("Tokenizer", H.key_values(info)),
-        H.section("Per source", H.table(cols, rows, total),
-                  note="share in blend = tokens x weight, normalised: what Megatron samples from (blend.json data_prefix)."),
-        H.section("Per chunk", H.table(["source", "chunk", "documents", "tokens", "text bytes", "empty docs",
-                                        "tokens/s (tokenize)", "blend weight", "prefix"], per_chunk)),
+        H.section(
+            "Per source",
+            H.table(cols, rows, total),
+            note="share in blend = tokens x weight, normalised: what Megatron samples from (blend.json data_prefix).",
+        ),
+        H.section(
+            "Per chunk",
+            H.table(
+                [
+                    "source",
+                    "chunk",
+                    "documents",
+                    "tokens",
+                    "text bytes",
+                    "empty docs",
+                    "tokens/s (tokenize)",
+                    "blend weight",
+                    "prefix",
+                ],
+                per_chunk,
+            ),
+        ),
     )
 
 
@@ -120,7 +189,13 @@ def lengths_plot(name: str, lengths: dict[str, np.ndarray], path: str) -> None:
         bins = np.unique(np.geomspace(lo, max(hi, lo + 1) + 1, 40).astype(int))
         for s, v in lengths.items():
             v = v[v > 0]
-            ax.hist(v, bins=bins, histtype="stepfilled", alpha=0.45, label=f"{s} ({len(v):,} docs, median {int(np.median(v)):,})")
+            ax.hist(
+                v,
+                bins=bins,
+                histtype="stepfilled",
+                alpha=0.45,
+                label=f"{s} ({len(v):,} docs, median {int(np.median(v)):,})",
+            )
         ax.set_xscale("log")
         ax.legend(fontsize=8)
     else:
@@ -135,13 +210,33 @@ def overview(blends: list[str], out_html: str, out_svg: str) -> None:
     loaded = [load_blend(b) for b in blends]
     sources = sorted({s for b in loaded for s in b["sources"]})
     names = [b["tokenizer"].get("name") or Path(p).parent.name for b, p in zip(loaded, blends)]
-    cols = ["tokenizer", "kind", "vocab size", *[f"{s} tokens" for s in sources], "total tokens", "documents", "tokens/doc"]
-    rows = [[n, b["tokenizer"].get("kind"), b["tokenizer"].get("vocab_size"),
-             *[b["sources"].get(s, {}).get("tokens") for s in sources], b["tokens"], b.get("documents"),
-             round(b["tokens"] / max(1, b.get("documents") or 1), 1)] for n, b in zip(names, loaded)]
-    H_page = H.page("Tokens: all tokenizers", H.table(cols, rows),
-                    note="The same documents under each tokenizer: fewer tokens per document = a tokenizer that "
-                         "compresses this text better.")
+    cols = [
+        "tokenizer",
+        "kind",
+        "vocab size",
+        *[f"{s} tokens" for s in sources],
+        "total tokens",
+        "documents",
+        "tokens/doc",
+    ]
+    rows = [
+        [
+            n,
+            b["tokenizer"].get("kind"),
+            b["tokenizer"].get("vocab_size"),
+            *[b["sources"].get(s, {}).get("tokens") for s in sources],
+            b["tokens"],
+            b.get("documents"),
+            round(b["tokens"] / max(1, b.get("documents") or 1), 1),
+        ]
+        for n, b in zip(names, loaded)
+    ]
+    H_page = H.page(
+        "Tokens: all tokenizers",
+        H.table(cols, rows),
+        note="The same documents under each tokenizer: fewer tokens per document = a tokenizer that "
+        "compresses this text better.",
+    )
     from snakellm.io.atomic import write_text
 
     write_text(out_html, H_page)
@@ -180,31 +275,51 @@ def example_texts(jsonl: str, key: str, n: int = 4, chars: int = 160) -> list[st
 def tokenizer_page(tok, texts: list[str], train_stats: str | None) -> str:
     from snakellm.tokenize.encoders import sha256_file
 
-    info = [("name", tok.name), ("kind", tok.kind), ("backend", tok.backend), ("vocab size", tok.vocab_size),
-            ("EOD", f"{tok.eod_token} (id {tok.eod_id})")]
+    info = [
+        ("name", tok.name),
+        ("kind", tok.kind),
+        ("backend", tok.backend),
+        ("vocab size", tok.vocab_size),
+        ("EOD", f"{tok.eod_token} (id {tok.eod_id})"),
+    ]
     info += [(f"file: {k}", f"{v} (sha256 {sha256_file(v)[:16]}…)") for k, v in tok.files.items()]
     parts = [H.section("Tokenizer", H.key_values(info))]
     if train_stats:
         st = read_json(train_stats)
         sample = st.get("sample", {})
         inputs = sample.get("inputs", [])
-        parts.append(H.section(
-            "Training (SentencePiece)",
-            H.key_values([("settings", st.get("settings")), ("seed", st.get("seed")), ("threads", st.get("threads")),
-                          ("sample: documents", sum(i.get("sampled", 0) for i in inputs)),
-                          ("sample: sentences", sample.get("sentences")), ("sample: bytes", sample.get("bytes")),
-                          ("keep probability", sample.get("keep_probability")), ("seconds", st.get("seconds"))]),
-            H.table(["sampled chunk", "key", "documents", "sampled"],
-                    [[i.get("input"), i.get("key"), i.get("documents"), i.get("sampled")] for i in inputs]),
-        ))
+        parts.append(
+            H.section(
+                "Training (SentencePiece)",
+                H.key_values(
+                    [
+                        ("settings", st.get("settings")),
+                        ("seed", st.get("seed")),
+                        ("threads", st.get("threads")),
+                        ("sample: documents", sum(i.get("sampled", 0) for i in inputs)),
+                        ("sample: sentences", sample.get("sentences")),
+                        ("sample: bytes", sample.get("bytes")),
+                        ("keep probability", sample.get("keep_probability")),
+                        ("seconds", st.get("seconds")),
+                    ]
+                ),
+                H.table(
+                    ["sampled chunk", "key", "documents", "sampled"],
+                    [[i.get("input"), i.get("key"), i.get("documents"), i.get("sampled")] for i in inputs],
+                ),
+            )
+        )
     rows = []
     for t in texts:
         ids = tok.encode(t)
         pieces = "".join(f'<span class="piece">{H.esc(tok.decode([i]))}</span>' for i in ids)
         rows.append([t, len(t.encode()), len(ids), H.Raw(pieces), " ".join(map(str, ids))])
-    parts.append(H.section(
-        "Example encodings", H.table(["text (from the data)", "bytes", "tokens", "pieces", "ids"], rows),
-        note="The first line of the first documents of the first chunk, encoded as `snakellm tokenize` encodes them "
-             "(each box is one token, decoded alone).",
-    ))
+    parts.append(
+        H.section(
+            "Example encodings",
+            H.table(["text (from the data)", "bytes", "tokens", "pieces", "ids"], rows),
+            note="The first line of the first documents of the first chunk, encoded as `snakellm tokenize` encodes them "
+            "(each box is one token, decoded alone).",
+        )
+    )
     return H.page(f"Tokenizer: {tok.name}", *parts)

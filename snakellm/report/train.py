@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import html as H
 from . import plots
-from .data import ReportInputError, read_json
+from .data import ReportInputError
 
 FIGURES = ("loss", "lr", "grad_norm", "throughput")
 
@@ -65,7 +65,9 @@ def _ema(values: list[float], alpha: float) -> list[float]:
 
 def _mark_resumes(ax, recs: list[dict]) -> None:
     for i, s in enumerate(resumes(recs)):
-        ax.axvline(s, color="#6e7781", linestyle="--", linewidth=1, label="resumed from a checkpoint" if i == 0 else None)
+        ax.axvline(
+            s, color="#6e7781", linestyle="--", linewidth=1, label="resumed from a checkpoint" if i == 0 else None
+        )
 
 
 def _tokens_axis(ax, recs: list[dict]) -> None:
@@ -99,10 +101,17 @@ def plot_loss(run: str, recs: list[dict], path: str) -> None:
     if tr:
         steps, loss = [r["step"] for r in tr], [r["loss"] for r in tr]
         ax.plot(steps, loss, color=plots.COLORS[0], alpha=0.35, linewidth=1, label="training loss")
-        ax.plot(steps, _ema(loss, 2 / (1 + max(2, len(loss) // 30))), color=plots.COLORS[0], linewidth=1.8,
-                label="training loss (smoothed)")
+        ax.plot(
+            steps,
+            _ema(loss, 2 / (1 + max(2, len(loss) // 30))),
+            color=plots.COLORS[0],
+            linewidth=1.8,
+            label="training loss (smoothed)",
+        )
     if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color=plots.COLORS[3], label="validation loss")
+        ax.plot(
+            [r["step"] for r in val], [r["val_loss"] for r in val], "o-", color=plots.COLORS[3], label="validation loss"
+        )
     if not tr and not val:
         plots.empty_note(ax, "no loss records")
     _mark_resumes(ax, recs)
@@ -187,19 +196,37 @@ def summary_page(run: str, recs: list[dict], summary: dict, summary_path: str) -
     tr = [r for r in recs if r.get("loss") is not None]
     model = summary.get("model") or {}
     settings = [
-        ("status", summary.get("status")), ("iterations", summary.get("iteration")),
-        ("parameters", summary.get("params")), ("model", ", ".join(f"{k}={v}" for k, v in sorted(model.items()))),
-        ("padded vocab size", summary.get("padded_vocab_size")), ("precision", summary.get("precision")),
-        ("world size (ranks)", summary.get("world_size")), ("global batch (sequences)", summary.get("global_batch_size")),
-        ("micro batch", summary.get("micro_batch_size")), ("sequence length", model.get("seq_length")),
-        ("blend", summary.get("blend")), ("settings fingerprint", summary.get("fingerprint")),
+        ("status", summary.get("status")),
+        ("iterations", summary.get("iteration")),
+        ("parameters", summary.get("params")),
+        ("model", ", ".join(f"{k}={v}" for k, v in sorted(model.items()))),
+        ("padded vocab size", summary.get("padded_vocab_size")),
+        ("precision", summary.get("precision")),
+        ("world size (ranks)", summary.get("world_size")),
+        ("global batch (sequences)", summary.get("global_batch_size")),
+        ("micro batch", summary.get("micro_batch_size")),
+        ("sequence length", model.get("seq_length")),
+        ("blend", summary.get("blend")),
+        ("settings fingerprint", summary.get("fingerprint")),
     ]
     ckpt_dir = Path(summary.get("checkpoint_dir") or Path(summary_path).parent / "checkpoints")
     run_cfg = ckpt_dir / "run_config.json"
     if run_cfg.is_file():
         cfg = json.loads(run_cfg.read_text()).get("config", {})
-        keys = ("lr", "min_lr", "warmup_steps", "decay_steps", "lr_decay_style", "weight_decay", "adam_beta1",
-                "adam_beta2", "adam_eps", "clip_grad", "seed", "split")
+        keys = (
+            "lr",
+            "min_lr",
+            "warmup_steps",
+            "decay_steps",
+            "lr_decay_style",
+            "weight_decay",
+            "adam_beta1",
+            "adam_beta2",
+            "adam_eps",
+            "clip_grad",
+            "seed",
+            "split",
+        )
         settings += [(k.replace("_", " "), cfg.get(k)) for k in keys if k in cfg]
     best = summary.get("best") or {}
     finals = [
@@ -207,24 +234,36 @@ def summary_page(run: str, recs: list[dict], summary: dict, summary_path: str) -
         ("final training loss (mean of the last 10 steps)", summary.get("final_loss")),
         ("final validation loss", summary.get("final_val_loss")),
         ("best validation loss", f"{best.get('val_loss'):.4f} at iteration {best.get('iteration')}" if best else None),
-        ("tokens trained on", summary.get("tokens")), ("median tokens/s", summary.get("median_tokens_per_s")),
+        ("tokens trained on", summary.get("tokens")),
+        ("median tokens/s", summary.get("median_tokens_per_s")),
         ("FLOPs per token", summary.get("flops_per_token")),
         ("wall time of the last session (s)", summary.get("last_session_wall_s")),
         ("steps with metrics", len(tr)),
     ]
     segs = segments(recs)
-    seg_rows = [[i + 1, a, b, b - a + 1, "fresh start" if i == 0 else f"resumed from iteration {a - 1}"]
-                for i, (a, b) in enumerate(segs)]
+    seg_rows = [
+        [i + 1, a, b, b - a + 1, "fresh start" if i == 0 else f"resumed from iteration {a - 1}"]
+        for i, (a, b) in enumerate(segs)
+    ]
     ck = checkpoints_kept(ckpt_dir)
     parts = [
         H.section("Final figures", H.key_values(finals)),
         H.section("Settings", H.key_values(settings)),
-        H.section("Sessions", H.table(["session", "first step", "last step", "steps", "how it started"], seg_rows),
-                  note="A new session starts where `snakellm train` resumed from a checkpoint (after a stop, a time "
-                       "limit or a failure); the plots mark these steps with dashed lines."),
-        H.section("Checkpoints kept", H.table(["iteration", "path", "size", "tags"],
-                                              [[c["iteration"], c["path"], H.human_bytes(c["size"]), c["tags"]] for c in ck])
-                  if ck else f"<p>No checkpoint in {H.esc(ckpt_dir)}.</p>",
-                  note="megatron.core.dist_checkpointing directories; train.keep_last and the best one are kept."),
+        H.section(
+            "Sessions",
+            H.table(["session", "first step", "last step", "steps", "how it started"], seg_rows),
+            note="A new session starts where `snakellm train` resumed from a checkpoint (after a stop, a time "
+            "limit or a failure); the plots mark these steps with dashed lines.",
+        ),
+        H.section(
+            "Checkpoints kept",
+            H.table(
+                ["iteration", "path", "size", "tags"],
+                [[c["iteration"], c["path"], H.human_bytes(c["size"]), c["tags"]] for c in ck],
+            )
+            if ck
+            else f"<p>No checkpoint in {H.esc(ckpt_dir)}.</p>",
+            note="megatron.core.dist_checkpointing directories; train.keep_last and the best one are kept.",
+        ),
     ]
     return H.page(f"Training: {run}", *parts)
