@@ -24,8 +24,9 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: now
 tr.total td { font-weight: bold; background: #f6f8fa; }
 td pre, pre.block { white-space: pre-wrap; word-break: break-word; margin: 0; font-size: 12px;
        font-family: "Liberation Mono", monospace; max-width: 900px; }
-span.piece { border: 1px solid #9ab; border-radius: 3px; padding: 0 2px; margin: 0 1px; background: #eef4fb;
-       font-family: "Liberation Mono", monospace; font-size: 12px; white-space: pre; }
+span.piece { display: inline-block; border: 1px solid #9ab; border-radius: 3px; padding: 0 2px; margin: 1px;
+       background: #eef4fb; font-family: "Liberation Mono", monospace; font-size: 12px; white-space: pre; }
+td.pieces { max-width: 640px; }
 """
 
 
@@ -44,11 +45,11 @@ def fmt(value: Any, digits: int = 4) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
-        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}" if abs(value) < 1e15 else f"{value:.{digits}g}"
+        if value != 0 and abs(value) < 1e-3:
             return f"{value:.{digits}g}"
-        if value == int(value) and abs(value) < 1e15:
-            return f"{int(value):,}"
-        return f"{value:,.{digits}g}" if abs(value) >= 1000 else f"{value:.{digits}g}"
+        return f"{value:.{digits}g}"
     return str(value)
 
 
@@ -65,7 +66,7 @@ def human_bytes(n: float | None) -> str:
 def cell(value: Any) -> str:
     """One <td>: numbers right-aligned; pre-formatted HTML passes through as Raw."""
     if isinstance(value, Raw):
-        return f"<td>{value.html}</td>"
+        return f'<td class="{value.css}">{value.html}</td>' if value.css else f"<td>{value.html}</td>"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return f'<td class="num">{esc(fmt(value))}</td>'
     if isinstance(value, (dict, list)):
@@ -73,7 +74,7 @@ def cell(value: Any) -> str:
 
         return f"<td><pre>{esc(json.dumps(value, indent=1, sort_keys=True))}</pre></td>"
     text = "–" if value is None else str(value)
-    if "\n" in text or len(text) > 120:
+    if "\n" in text or len(text) > 200:
         return f"<td><pre>{esc(text)}</pre></td>"
     return f"<td>{esc(text)}</td>"
 
@@ -81,8 +82,9 @@ def cell(value: Any) -> str:
 class Raw:
     """HTML that is already escaped (e.g. a tokenized sentence with piece boxes)."""
 
-    def __init__(self, html_text: str) -> None:
+    def __init__(self, html_text: str, css: str = "") -> None:
         self.html = html_text
+        self.css = css
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], total: Sequence[Any] | None = None) -> str:

@@ -313,7 +313,9 @@ def tokenizer_page(tok, texts: list[str], train_stats: str | None) -> str:
     for t in texts:
         ids = tok.encode(t)
         pieces = "".join(f'<span class="piece">{H.esc(tok.decode([i]))}</span>' for i in ids)
-        rows.append([t, len(t.encode()), len(ids), H.Raw(pieces), " ".join(map(str, ids))])
+        rows.append(
+            [t, len(t.encode()), len(ids), H.Raw(pieces, "pieces"), H.Raw(f"<pre>{' '.join(map(str, ids))}</pre>")]
+        )
     parts.append(
         H.section(
             "Example encodings",
