@@ -37,7 +37,10 @@ class DagError(RuntimeError):
 
 def parse_dot(text: str) -> tuple[list[str], dict[str, tuple[str, str, str]], list[tuple[str, str]], list[str]]:
     """(header lines, {id: (label, color, style)} in order, edges, other lines) of Snakemake's dot output."""
-    header, nodes, edges, other = [], {}, [], []
+    header: list[str] = []
+    other: list[str] = []
+    nodes: dict[str, tuple[str, str, str]] = {}
+    edges: list[tuple[str, str]] = []
     for line in text.splitlines():
         if m := _NODE.match(line):
             nodes[m.group(1)] = (m.group(2), m.group(3), m.group(4))

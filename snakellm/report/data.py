@@ -11,6 +11,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from . import html as H
 from . import plots
@@ -117,7 +118,7 @@ def source_table(source: str, chunks: list[dict], examples: dict[str, list[dict]
             + ". Every line read is either a document or a rejected line.",
         )
     ]
-    counts = Counter()
+    counts: Counter[str] = Counter()
     for st in chunks:
         counts.update({r: n for r, n in st["rejected_by_reason"].items() if n})
     if counts:
@@ -166,7 +167,7 @@ def source_plot(source: str, chunks: list[dict], path: str) -> None:
     for i, r in enumerate(reasons):
         vals = [st["rejected_by_reason"].get(r, 0) for st in chunks]
         bottom.bar(x, vals, bottom=base, label=r, color=plots.COLORS[(i + 2) % len(plots.COLORS)])
-        base = [b + v for b, v in zip(base, vals)]
+        base = [b + v for b, v in zip(base, vals, strict=False)]
     if reasons:
         bottom.legend(fontsize=8, title="reason", title_fontsize=8)
     else:
@@ -269,7 +270,7 @@ def parse_download_log(path: str | Path) -> dict:
 def download_table(source: str, manifests: list[str], logs: list[str]) -> str:
     if logs and len(logs) != len(manifests):
         raise ReportInputError(f"{len(manifests)} manifests but {len(logs)} logs: give one log per manifest, in order")
-    rows = []
+    rows: list[list[Any]] = []
     reasons: Counter[str] = Counter()
     for i, m in enumerate(manifests):
         man = read_json(m)

@@ -21,6 +21,7 @@ COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 def figure(width: float = 7.5, height: float = 4.0, rows: int = 1, cols: int = 1, **kwargs):
     """A new (figure, axes) with the report's style; Agg backend, no display needed."""
     import matplotlib
+    from cycler import cycler
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
@@ -36,7 +37,7 @@ def figure(width: float = 7.5, height: float = 4.0, rows: int = 1, cols: int = 1
             "grid.alpha": 0.3,
             "axes.spines.top": False,
             "axes.spines.right": False,
-            "axes.prop_cycle": matplotlib.cycler(color=COLORS),
+            "axes.prop_cycle": cycler(color=COLORS),
         }
     )
     return plt.subplots(rows, cols, figsize=(width, height), squeeze=False, **kwargs)

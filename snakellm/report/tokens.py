@@ -167,7 +167,7 @@ def blend_plot(blend: dict, path: str) -> None:
     blend_share = [100 * blend["sources"][s]["share"] for s in sources]
     ax.barh(y - 0.2, tok_share, height=0.4, label="share of tokens")
     ax.barh(y + 0.2, blend_share, height=0.4, label="share in blend (x weight)")
-    for yi, a, b in zip(y, tok_share, blend_share):
+    for yi, a, b in zip(y, tok_share, blend_share, strict=False):
         ax.text(a, yi - 0.2, f" {a:.1f}%", va="center", fontsize=8)
         ax.text(b, yi + 0.2, f" {b:.1f}%", va="center", fontsize=8)
     ax.set_yticks(y, [f"{s} (w={blend['sources'][s]['weight']:g})" for s in sources])
@@ -209,7 +209,7 @@ def lengths_plot(name: str, lengths: dict[str, np.ndarray], path: str) -> None:
 def overview(blends: list[str], out_html: str, out_svg: str) -> None:
     loaded = [load_blend(b) for b in blends]
     sources = sorted({s for b in loaded for s in b["sources"]})
-    names = [b["tokenizer"].get("name") or Path(p).parent.name for b, p in zip(loaded, blends)]
+    names = [b["tokenizer"].get("name") or Path(p).parent.name for b, p in zip(loaded, blends, strict=False)]
     cols = [
         "tokenizer",
         "kind",
@@ -229,7 +229,7 @@ def overview(blends: list[str], out_html: str, out_svg: str) -> None:
             b.get("documents"),
             round(b["tokens"] / max(1, b.get("documents") or 1), 1),
         ]
-        for n, b in zip(names, loaded)
+        for n, b in zip(names, loaded, strict=False)
     ]
     H_page = H.page(
         "Tokens: all tokenizers",
@@ -244,7 +244,7 @@ def overview(blends: list[str], out_html: str, out_svg: str) -> None:
     ax = axes[0][0]
     x = np.arange(len(sources))
     width = 0.8 / max(1, len(loaded))
-    for i, (n, b) in enumerate(zip(names, loaded)):
+    for i, (n, b) in enumerate(zip(names, loaded, strict=False)):
         vals = [b["sources"].get(s, {}).get("tokens", 0) for s in sources]
         bars = ax.bar(x + (i - (len(loaded) - 1) / 2) * width, vals, width=width, label=n)
         ax.bar_label(bars, labels=[f"{v / 1e3:,.0f}k" if v >= 1e3 else str(v) for v in vals], fontsize=7)

@@ -128,7 +128,12 @@ def _series(run: str, recs: list[dict], key: str, label: str, title: str, path: 
     ax = axes[0][0]
     pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
     if pts:
-        ax.plot(*zip(*pts), color=plots.COLORS[2] if key == "lr" else plots.COLORS[4], linewidth=1.4, label=label)
+        ax.plot(
+            *zip(*pts, strict=False),
+            color=plots.COLORS[2] if key == "lr" else plots.COLORS[4],
+            linewidth=1.4,
+            label=label,
+        )
         if log:
             ax.set_yscale("log")
     else:
@@ -147,7 +152,7 @@ def plot_throughput(run: str, recs: list[dict], path: str) -> None:
     fig, axes = plots.figure(height=5.0, rows=2, sharex=True)
     a1, a2 = axes[0][0], axes[1][0]
     # tokens_per_s and mfu are per logging window: one point per window (its last step)
-    windows: dict[float, dict] = {}
+    windows: dict[tuple[float, float], dict] = {}
     for r in recs:
         if r.get("tokens_per_s") is not None:
             windows[(r["tokens_per_s"], r.get("mfu") or 0.0)] = r
