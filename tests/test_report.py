@@ -429,12 +429,12 @@ def test_report_of_the_default_workflow_in_headless_chromium(default_workflow, t
             else:
                 assert r["mime"] == "text/html" and "<table>" in _decode(r["data"]), path
         # the tables hold the workflow's real figures
-        page = {Path(p).name: _decode(r["data"]) for p, r in got.items() if "data" in r}
-        assert f"{summary['final_val_loss']:.4g}" in page["tiny.summary.html"]
-        assert "iter_0000300" in page["tiny.summary.html"]  # the kept checkpoints
-        assert f"{blend['tokens']:,}" in page["spm2k.tokens.html"]
-        assert "<td>all</td>" in page["overview.html"]
-        assert '<span class="piece">' in page["spm2k.tokenizer.html"]
+        page = {"/".join(Path(p).parts[-2:]): _decode(r["data"]) for p, r in got.items() if "data" in r}
+        assert f"{summary['final_val_loss']:.4g}" in page["train/tiny.summary.html"]
+        assert "iter_0000300" in page["train/tiny.summary.html"]  # the kept checkpoints
+        assert f"{blend['tokens']:,}" in page["tokens/spm2k.tokens.html"]
+        assert "<td>all</td>" in page["data/overview.html"] and "<td>spm2k</td>" in page["tokens/overview.html"]
+        assert '<span class="piece">' in page["tokens/spm2k.tokenizer.html"]
 
         # click through like a person and keep what it looked like
         c.screenshot(shots / "01-start.png")
@@ -461,8 +461,17 @@ def test_report_of_the_default_workflow_in_headless_chromium(default_workflow, t
         assert c.js(SHOW % json.dumps("rule graph")) == "ok"
         time.sleep(0.5)
         c.screenshot(shots / "04-rulegraph.png")
-    for name in ("01-start.png", "02-training-loss.png", "03-data-wikitext.png", "04-rulegraph.png"):
+        c.js("app.setView({navbarMode: 'menu'})")
+        assert c.js(CLICK % json.dumps("Tokens"))
+        time.sleep(0.3)
+        assert c.js(CLICK % json.dumps("spm2k"))
+        time.sleep(0.3)
+        assert c.js(SHOW % json.dumps("tokens per source and chunk (table)")) == "ok"
+        time.sleep(1.0)
+        assert c.js("document.querySelectorAll('iframe').length") == 1  # the table page, shown in the report
+        c.screenshot(shots / "05-tokens-table.png")
+    for name in ("01-start.png", "02-training-loss.png", "03-data-wikitext.png", "04-rulegraph.png", "05-tokens-table.png"):
         assert (shots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     shutil.copy(report, shots / "report.html")
     with capsys.disabled():
-        print(f"\nreport screenshots ({time.time() - t0:.0f} s): {shots}/0[1-4]-*.png, report: {shots}/report.html")
+        print(f"\nreport screenshots ({time.time() - t0:.0f} s): {shots}/0[1-5]-*.png, report: {shots}/report.html")
