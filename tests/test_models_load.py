@@ -17,6 +17,8 @@ import pytest
 from conftest import env_with_venv
 from test_train import make_blend, train
 
+pytestmark = pytest.mark.slow  # each test trains or reloads a model (megatron-core import ~4 s)
+
 PROBE = r"""
 import json, sys
 from snakellm import models
