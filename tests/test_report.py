@@ -470,7 +470,13 @@ def test_report_of_the_default_workflow_in_headless_chromium(default_workflow, t
         time.sleep(1.0)
         assert c.js("document.querySelectorAll('iframe').length") == 1  # the table page, shown in the report
         c.screenshot(shots / "05-tokens-table.png")
-    for name in ("01-start.png", "02-training-loss.png", "03-data-wikitext.png", "04-rulegraph.png", "05-tokens-table.png"):
+    for name in (
+        "01-start.png",
+        "02-training-loss.png",
+        "03-data-wikitext.png",
+        "04-rulegraph.png",
+        "05-tokens-table.png",
+    ):
         assert (shots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     shutil.copy(report, shots / "report.html")
     with capsys.disabled():
