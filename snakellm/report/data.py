@@ -245,7 +245,7 @@ def parse_download_log(path: str | Path) -> dict:
     text = Path(path).read_text(errors="replace") if Path(path).is_file() else ""
     reasons: Counter[str] = Counter()
     for m in _RETRY.finditer(text):
-        reasons[re.sub(r"\d+(\.\d+)? ?s\b", "N s", m.group(1))[:80]] += 1
+        reasons[re.sub(r"(?<!HTTP )\b\d+(\.\d+)?", "N", m.group(1))[:100]] += 1  # one row per kind, not per byte count
     found = _SUMMARY.findall(text)
     if not found:
         return {
