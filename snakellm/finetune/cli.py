@@ -607,7 +607,7 @@ def write_artifacts(
 
 def save_model(gpt, run_dir: Path, arch: dict, vocab: int, tokenizer: dict, rt) -> Path:
     """A model-only checkpoint directory (iteration 0) that snakellm.models.load and load_base read like a run."""
-    from snakellm.models.load import save_model_checkpoint
+    from snakellm.models.loading import save_model_checkpoint
 
     return save_model_checkpoint(run_dir, gpt, arch, vocab, tokenizer)
 

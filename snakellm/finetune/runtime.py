@@ -90,7 +90,7 @@ def load_base(
     """(GPTModel with the checkpoint's weights, TransformerConfig, arch dict, padded vocab, iter dir, tokenizer info)."""
     from snakellm.models import architecture as models
     from snakellm.models.build import build_model
-    from snakellm.models.load import LoadError, describe_run
+    from snakellm.models.loading import LoadError, describe_run
 
     try:
         info = describe_run(path, iteration)
