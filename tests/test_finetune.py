@@ -172,11 +172,14 @@ def test_method_learns(default_workflow: Workspace, sft: Path, base_scores: dict
         assert last < 0.1 * first
         assert trained["exact_string_match"] >= 0.9 and trained["squad_exact_match"] >= 0.9
     else:
-        # Adapters on this 2-layer, 0.2M-parameter model trained for 300 steps learn far more slowly than
-        # full SFT (measured: LoRA r=16 on every linear 6.8 -> 4.5 in 80 steps, a plateau near 4.1 after
-        # 300; full SFT 6.8 -> 0.02 in 60): the loss falls, memorising 8 answers is out of its reach here.
-        # measured here: LoRA 6.77 -> 4.47 (0.66), p-tuning 6.79 -> 6.43 (0.95) in 80 steps
-        assert last < (0.8 if method == "lora" else 0.97) * first
+        # LoRA and p-tuning cannot memorise here, whatever the lr, rank, alpha, clipping or weight decay: the
+        # logits are E @ LN(x) with the tied embedding E and the final LayerNorm frozen, so |logit| <= |g * e_t|
+        # * sqrt(h) ~ 6 on this 300-step model, and the answer-only loss has a floor near 2.86 nats per token
+        # (measured: LoRA r=16/alpha=16 at lr 1e-2 and r=32/alpha=64 at lr 5e-3 both converge to 2.855 by step
+        # 100; at that optimum the argmax misses EOS and most first answer tokens, exact match 0). Full SFT
+        # escapes by growing the LayerNorm gain and the embeddings. Measured in 80 steps: LoRA 6.74 -> 2.88
+        # (0.43), p-tuning 6.79 -> 6.43 (0.95).
+        assert last < (0.5 if method == "lora" else 0.97) * first
     preds = [json.loads(line) for line in (sft / f"{method}-train" / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 8 and all(set(p) >= {"input", "pred", "label", "answers"} for p in preds)
 
