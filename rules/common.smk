@@ -283,6 +283,7 @@ _TRAIN_FLAGS = (
     "steps", "micro_batch_size", "global_batch_size", "lr", "min_lr", "warmup_steps", "decay_steps", "lr_decay_style",
     "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed", "split", "precision", "save_interval",
     "keep_last", "eval_interval", "eval_iters", "log_interval", "max_time", "resume", "on_config_change",
+    "collective_timeout",
 )
 
 

@@ -34,6 +34,9 @@
 #   SLURM_CONF           config file to write and use (default /etc/slurm/slurm.conf; gres.conf and
 #                        slurmdbd.conf go beside it). Slurm's own clients and daemons read the same
 #                        variable, so a second, private cluster needs it exported in the caller too.
+#                        Not for the Snakemake profile: its job step (snakemake-executor-plugin-slurm-jobstep)
+#                        removes every SLURM_* variable but a few, SLURM_CONF too, so the jobs' own srun
+#                        would look for /etc/slurm/slurm.conf.
 #   SLURM_CTLD_PORT, SLURM_SLURMD_PORT, SLURM_DBD_PORT   (default 6817, 6818, 6819)
 #   SLURM_MULTI_NODES    nodes in network namespaces, 0 = none              (default 2)
 #   SLURM_MULTI_PARTITION  their partition                                  (default multi)

@@ -399,6 +399,142 @@ def test_training_job_requeued_signalled_and_stopped_by_its_time_limit_resumes_e
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, steps + 1))  # one record per step
 
 
+# ---------------------------------------------------------------- two nodes (network namespaces)
+
+MULTI_TRAIN = {"steps": 6, "micro_batch_size": 2, "global_batch_size": 8, "save_interval": 3, "eval_interval": 3,
+               "eval_iters": 1, "log_interval": 1, "warmup_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def multi(built, slurm_cluster):
+    """The built workspace, when the cluster has its two namespaced nodes (else skip, with the reason)."""
+    if int(slurm_cluster.get("multi_nodes", 0)) < 2:
+        pytest.skip("no two-node partition: scripts/slurm-up.sh left it out: "
+                    + (slurm_cluster.get("multi_skip") or "?").replace("_", " "))
+    return built[0]
+
+
+def multi_env(nodes: int, per_node: int) -> dict[str, str]:
+    return {"SNAKELLM_SLURM_GPU_PARTITION": "multi", "SNAKELLM_TRAIN_NODES": str(nodes),
+            "SNAKELLM_TRAIN_GPUS_PER_NODE": str(per_node), "SNAKELLM_TRAIN_MEM_MB": "2000"}
+
+
+def train_losses(ws: SlurmWorkspace, run: str) -> list[float]:
+    lines = ws.path(f"runs/{run}/metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def rank_pids(job_id: str) -> dict[int, int]:
+    """SLURM_PROCID -> pid of the job's ranks (`snakellm train` processes of an srun step), on every node:
+    the namespaced nodes share this machine's process table, which `scontrol listpids` (one node) does not see."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if (env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_STEP_ID", "").isdigit()
+                and any(c.endswith(b"snakellm") for c in cmd[:2]) and b"train" in cmd):
+            out[int(env["SLURM_PROCID"])] = int(proc.name)
+    return out
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 1), (2, 2)], ids=["2x1", "2x2"])
+def test_pretrain_on_two_nodes_is_bit_identical_to_one_node(multi, nodes, per_node):
+    """`pretrain` with nodes=2 through sbatch + the rule's srun: ranks on both nodes (each in its own
+    network namespace), rank 0's node as the rendezvous (first host of SLURM_JOB_NODELIST), local
+    ranks 0..n-1 per node; losses and weights bit-identical to the same world size on one node."""
+    ws = multi
+    world = nodes * per_node
+    run, ref = f"n{nodes}x{per_node}", f"one{world}"
+    cfg = ws.read_config()
+    for name in (run, ref):
+        cfg["runs"][name] = {"tokenizer": "spm2k", "model": {"preset": "tiny"},
+                             "train": dict(cfg["runs"]["tiny"]["train"], **MULTI_TRAIN), "parallel": {"threads": 1}}
+    ws.write_config(cfg)
+    t0 = time.monotonic()
+    ws.slurm(f"runs/{run}/train_summary.json", env=multi_env(nodes, per_node))
+    TIMINGS[f"pretrain {nodes}x{per_node} via sbatch"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    ws.run(f"runs/{ref}/train_summary.json", "--set-resources", f"pretrain:tasks={world}")
+    TIMINGS[f"pretrain 1x{world} torchrun (reference)"] = time.monotonic() - t0
+
+    (job,) = [j for j, (rule, wc) in ws.slurm_jobs().items() if rule == "pretrain" and wc == run]
+    srun = (f"srun --nodes={nodes} --ntasks={world} --ntasks-per-node={per_node} --cpus-per-task=1 "
+            "--kill-on-bad-exit=1 snakellm train ")
+    assert srun in ws.slurm_log(job)
+    records = {r["JobID"]: r for r in sacct(job)}
+    assert records[job]["State"] == "COMPLETED" and records[f"{job}.0"]["NTasks"] == str(world), records
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job, "--format=NodeList,NNodes"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["node[1-2]|2"], out
+    log = ws.path(f"logs/pretrain/{run}.log").read_text()
+    ranks = ", ".join(str(r) for r in range(per_node))
+    expected = (f"ranks: node1: ranks {','.join(str(r) for r in range(per_node))} (local {ranks.replace(', ', ',')}); "
+                f"node2: ranks {','.join(str(per_node + r) for r in range(per_node))} (local {ranks.replace(', ', ',')}); "
+                "rendezvous node1:")
+    assert expected in log, log
+    assert f"world {world} (srun)" in log
+
+    a = json.loads(ws.path(f"runs/{run}/train_summary.json").read_text())
+    b = json.loads(ws.path(f"runs/{ref}/train_summary.json").read_text())
+    assert a["world_size"] == b["world_size"] == world and a["iteration"] == b["iteration"] == MULTI_TRAIN["steps"]
+    assert train_losses(ws, run) == train_losses(ws, ref)  # exact float equality, every step
+    assert a["replica_weight_digests"] == b["replica_weight_digests"]  # the final weights, bit for bit
+
+
+def test_a_rank_hanging_on_the_second_node_is_named_and_the_retry_resumes(multi):
+    """A rank on node2 stops (SIGSTOP: alive, silent, holding its GPU) mid-run: rank 0's watchdog names
+    it within train.collective_timeout, exits, `srun --kill-on-bad-exit=1` ends the stopped rank
+    instead of leaving the allocation held until the time limit, and the profile's retry resumes from
+    the last checkpoint."""
+    ws = multi
+    run, timeout = "hang", 8
+    cfg = ws.read_config()
+    cfg["runs"][run] = {"tokenizer": "spm2k", "model": {"preset": "tiny"},
+                        "train": dict(cfg["runs"]["tiny"]["train"], **dict(MULTI_TRAIN, steps=30, save_interval=4,
+                                      eval_interval=100, eval_iters=0), collective_timeout=timeout, retries=1),
+                        "parallel": {"threads": 1}}
+    ws.write_config(cfg)
+    ckpts = ws.path(f"runs/{run}/checkpoints")
+
+    def latest() -> int:
+        p = ckpts / "latest_checkpointed_iteration.txt"
+        return int(p.read_text()) if p.exists() else 0
+
+    t0 = time.monotonic()
+    proc = ws.slurm(f"runs/{run}/train_summary.json", env=multi_env(2, 1), background=True)
+    try:
+        jobs = lambda: sorted((j for j, (r, wc) in ws.slurm_jobs().items() if r == "pretrain" and wc == run), key=int)  # noqa: E731
+        job = wait_for("the pretrain job", lambda: jobs()[:1], proc=proc)[0]
+        first = wait_for("a first checkpoint", latest, proc=proc)
+        pids = wait_for("both ranks", lambda: (p := rank_pids(job)) and len(p) == 2 and p, proc=proc)
+        os.kill(pids[1], signal.SIGSTOP)
+        t_stop = time.monotonic()
+        wait_for("the first job to end", lambda: sacct(job)[0]["State"] not in ("RUNNING", "PENDING"), timeout=120,
+                 proc=proc)
+        ended_after = time.monotonic() - t_stop
+        assert proc.wait(timeout=600) == 0, proc.log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        ws.cancel_leftovers()
+    TIMINGS["rank hang on node2 + retry"] = time.monotonic() - t0
+    everything = proc.log_path.read_text() + "".join(ws.slurm_log(j) for j in jobs())
+    assert "hanging: rank 1 (host node2, local rank 0): last at step" in everything, everything[-5000:]
+    assert sacct(job)[0]["State"] == "FAILED"
+    assert ended_after < timeout + 40, ended_after  # not held until the 10-minute time limit
+    assert not os.path.exists(f"/proc/{pids[1]}") or open(f"/proc/{pids[1]}/stat").read().split()[2] == "Z"
+    log = ws.path(f"logs/pretrain/{run}.log").read_text()  # the retry's
+    m = re.search(r"resumed from \S+ \(iteration (\d+)", log)
+    assert m and int(m.group(1)) >= first, log
+    summary = json.loads(ws.path(f"runs/{run}/train_summary.json").read_text())
+    assert summary["iteration"] == 30 and summary["world_size"] == 2
+
+
 # ---------------------------------------------------------------- the same rule, locally
 
 

@@ -155,3 +155,27 @@ def export(d: DistEnv) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(d.local_world_size)
     os.environ["MASTER_ADDR"] = d.master_addr
     os.environ["MASTER_PORT"] = str(d.master_port)
+
+
+def rank_table(rows: list[tuple[int, int, int, str]]) -> str:
+    """Check the gathered ``(rank, local_rank, local_world_size, host)`` of every rank; one line per host.
+
+    Each host must hold local ranks ``0 .. n-1`` exactly once, with ``n`` its own
+    local world size: that is what picking a GPU by local rank relies on. A wrong
+    mapping (two ranks on one GPU, a rank without one) is a :class:`LaunchError`
+    here, at start-up, rather than an out-of-memory or a hang later.
+    """
+    hosts: dict[str, list[tuple[int, int, int]]] = {}
+    for rank, local, local_world, host in sorted(rows):
+        hosts.setdefault(host, []).append((rank, local, local_world))
+    lines = []
+    for host, items in hosts.items():
+        locals_ = sorted(lo for _, lo, _ in items)
+        worlds = {lw for _, _, lw in items}
+        if locals_ != list(range(len(items))) or worlds != {len(items)}:
+            raise LaunchError(
+                f"host {host}: ranks {[r for r, _, _ in items]} have local ranks {[lo for _, lo, _ in items]} and "
+                f"local world sizes {sorted(worlds)}; expected local ranks 0..{len(items) - 1} once each"
+            )
+        lines.append(f"{host}: ranks {','.join(str(r) for r, _, _ in items)} (local {','.join(map(str, locals_))})")
+    return "; ".join(lines)

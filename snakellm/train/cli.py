@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPU only)")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (must be 1)")
     s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    s.add_argument("--collective-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a rank that makes no progress this long ends the job, naming the rank(s) it waits for "
+                   "(snakellm.launch.watchdog); also the process group's timeout")
     s.add_argument("--threads", type=int, default=None, help="torch intra-op threads on the CPU (default: torch's)")
     s.add_argument("--num-workers", type=int, default=None, help="data loader workers (default: 2 on GPU, 0 on CPU)")
     s.add_argument("--loss", dest="loss_impl", default="auto", choices=("auto", "compiled", "eager", "megatron"),
@@ -421,10 +424,14 @@ def train(plan: Plan) -> int:
     # A single process needs no rendezvous: an in-memory store, so that concurrent
     # single-process runs on one machine never meet on a TCP port.
     store = torch.distributed.HashStore() if d.world_size == 1 else None
+    import datetime
+
     torch.distributed.init_process_group(
         backend="nccl" if cuda else "gloo", rank=d.rank, world_size=d.world_size, store=store,
-        **({"device_id": device} if cuda else {}),
+        # the backend's own timeout is the backstop; the watchdog fires first and names the rank
+        timeout=datetime.timedelta(seconds=a.collective_timeout + 60), **({"device_id": device} if cuda else {}),
     )
+    wd = _start_watchdog(torch, d, a.collective_timeout)
     stop_group = torch.distributed.new_group(backend="gloo") if cuda and d.world_size > 1 else None
     barrier = (lambda: torch.distributed.barrier(group=stop_group)) if stop_group else torch.distributed.barrier
 
@@ -657,6 +664,8 @@ def train(plan: Plan) -> int:
             prof = None
             while status == EXIT_OK and it < a.steps:
                 it += 1
+                if wd is not None:
+                    wd.beat(it)
                 if prof_range and it == prof_range[0]:
                     prof = _start_profiler(torch, cuda)
                 lr = sched.lr(it)
@@ -711,16 +720,39 @@ def train(plan: Plan) -> int:
         digests = _replica_digests(torch, module, parallel_state)
         if len(set(digests)) != 1:
             raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
+        if wd is not None:
+            wd.beat(it)
         if status == EXIT_OK:
             if rank0:
                 _finish(plan, a, fp, best, nparams, flops_tok, time.time() - t_start, precision, digests)
             barrier()
         return status
     finally:
+        if wd is not None:
+            wd.stop()
         with contextlib.suppress(Exception):
             parallel_state.destroy_model_parallel()
         with contextlib.suppress(Exception):
             torch.distributed.destroy_process_group()
+
+
+def _start_watchdog(torch, d: distmod.DistEnv, timeout: float):
+    """The hang watchdog (snakellm.launch.watchdog) and the rank table, for a world of more than one rank."""
+    if d.world_size == 1:
+        return None
+    import datetime
+    import socket
+
+    from snakellm.launch import watchdog
+
+    rows: list = [None] * d.world_size
+    torch.distributed.all_gather_object(rows, (d.rank, d.local_rank, d.local_world_size, socket.gethostname()))
+    table = distmod.rank_table(rows)
+    _log(f"ranks: {table}; rendezvous {d.master_addr}:{d.master_port}", d.is_rank0)
+    return watchdog.Watchdog(
+        lambda: torch.distributed.TCPStore(d.master_addr, d.master_port, is_master=False,
+                                           timeout=datetime.timedelta(seconds=10)),
+        d.rank, d.world_size, d.local_rank, timeout)
 
 
 def _merge_metrics(live: Path) -> list[dict]:
