@@ -535,6 +535,72 @@ def test_a_rank_hanging_on_the_second_node_is_named_and_the_retry_resumes(multi)
     assert summary["iteration"] == 30 and summary["world_size"] == 2
 
 
+def node_veth(node: str) -> str:
+    """The host end of `node`'s veth pair, as slurm-up.sh listed it."""
+    for line in (SLURM_DIR / "run" / "netns.list").read_text().splitlines()[1:]:
+        ns, veth = line.split()
+        if ns.endswith(f"-{node}"):
+            return veth
+    raise AssertionError(f"{node} not in {SLURM_DIR / 'run' / 'netns.list'}")
+
+
+def node_state(node: str) -> str:
+    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout.strip()
+
+
+def test_a_node_cut_off_mid_run_fails_the_job_and_the_next_attempt_resumes(multi):
+    """node2's network goes away mid-run (its veth is taken down: the node is alive but unreachable,
+    as when a switch port or a host dies). Rank 0 names rank 1 within the collective timeout and
+    exits; Slurm finds node2 not responding and ends the job (NODE_FAIL); once the node is back
+    the next attempt (Slurm's requeue or the profile's retry) resumes from the last checkpoint."""
+    ws = multi
+    run, timeout = "cut", 8
+    cfg = ws.read_config()
+    cfg["runs"][run] = {"tokenizer": "spm2k", "model": {"preset": "tiny"},
+                        "train": dict(cfg["runs"]["tiny"]["train"], **dict(MULTI_TRAIN, steps=30, save_interval=4,
+                                      eval_interval=100, eval_iters=0), collective_timeout=timeout, retries=1),
+                        "parallel": {"threads": 1}}
+    ws.write_config(cfg)
+    ckpts = ws.path(f"runs/{run}/checkpoints")
+    veth = node_veth("node2")
+
+    def latest() -> int:
+        p = ckpts / "latest_checkpointed_iteration.txt"
+        return int(p.read_text()) if p.exists() else 0
+
+    jobs = lambda: sorted((j for j, (r, wc) in ws.slurm_jobs().items() if r == "pretrain" and wc == run), key=int)  # noqa: E731
+    t0 = time.monotonic()
+    proc = ws.slurm(f"runs/{run}/train_summary.json", env=multi_env(2, 1), background=True)
+    try:
+        job = wait_for("the pretrain job", lambda: jobs()[:1], proc=proc)[0]
+        first = wait_for("a first checkpoint", latest, proc=proc)
+        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        t_cut = time.monotonic()
+        # Slurm declares the node dead after SlurmdTimeout (30 s) and ends the job with NODE_FAIL
+        wait_for("node2 to be marked down", lambda: node_state("node2").startswith("down"), timeout=180, proc=proc)
+        down_after = time.monotonic() - t_cut
+        states = [r["State"] for r in sacct(job, duplicates=True) if r["JobID"] == job]
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        assert proc.wait(timeout=600) == 0, proc.log_path.read_text()
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], capture_output=True)
+        if proc.poll() is None:
+            proc.kill()
+        ws.cancel_leftovers()
+        wait_for("node2 back", lambda: node_state("node2") in ("idle", "mix", "alloc"), timeout=120)
+    TIMINGS["node2 cut off + resume"] = time.monotonic() - t0
+    everything = proc.log_path.read_text() + "".join(ws.slurm_log(j) for j in jobs())
+    assert "hanging: rank 1 (host node2, local rank 0)" in everything, everything[-5000:]
+    all_states = [r["State"] for j in jobs() for r in sacct(j, duplicates=True) if r["JobID"] == j]
+    assert "NODE_FAIL" in all_states or "FAILED" in all_states or "REQUEUED" in all_states, (states, all_states)
+    assert down_after < 120
+    log = ws.path(f"logs/pretrain/{run}.log").read_text()  # the last attempt's
+    m = re.search(r"resumed from \S+ \(iteration (\d+)", log)
+    assert m and int(m.group(1)) >= first, log
+    summary = json.loads(ws.path(f"runs/{run}/train_summary.json").read_text())
+    assert summary["iteration"] == 30 and summary["world_size"] == 2
+
+
 # ---------------------------------------------------------------- the same rule, locally
 
 
