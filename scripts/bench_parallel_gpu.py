@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -52,12 +51,43 @@ def run_one(args, preset: str, layout: str, nproc: int, tp: int, workdir: Path) 
     mbs = args.micro_batch_size or {"gpt2-124m": 16, "llama-1b": 4}.get(preset, 2)
     gbs = mbs * 2  # the same global batch in every layout: 2 accumulation steps on 1 GPU and under TP=2
     cmd = [
-        "snakellm", "train", "--blend", args.blend, "--run-dir", str(run_dir), "--preset", preset,
-        "--steps", str(args.steps), "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
-        "--lr", "3e-4", "--min-lr", "3e-5", "--warmup-steps", "5", "--eval-iters", "0",
-        "--log-interval", str(args.log_interval), "--no-checkpoints", "--no-tensorboard", "--no-progress",
-        "--tp", str(tp), "--device", args.device, "--loss", "megatron" if args.device != "cpu" else "eager",
-        "--split", "100,0,0", "--seed", "1234",
+        "snakellm",
+        "train",
+        "--blend",
+        args.blend,
+        "--run-dir",
+        str(run_dir),
+        "--preset",
+        preset,
+        "--steps",
+        str(args.steps),
+        "--micro-batch-size",
+        str(mbs),
+        "--global-batch-size",
+        str(gbs),
+        "--lr",
+        "3e-4",
+        "--min-lr",
+        "3e-5",
+        "--warmup-steps",
+        "5",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        str(args.log_interval),
+        "--no-checkpoints",
+        "--no-tensorboard",
+        "--no-progress",
+        "--tp",
+        str(tp),
+        "--device",
+        args.device,
+        "--loss",
+        "megatron" if args.device != "cpu" else "eager",
+        "--split",
+        "100,0,0",
+        "--seed",
+        "1234",
     ]
     if seq:
         cmd += ["--seq-length", str(seq)]
@@ -80,16 +110,27 @@ def run_one(args, preset: str, layout: str, nproc: int, tp: int, workdir: Path) 
     per_window = [tps for step, tps in windows if step % args.log_interval == 0][1:] or [windows[-1][1]]
     tps = statistics.median(per_window)
     summary = json.loads((run_dir / "train_summary.json").read_text())
-    return {"preset": preset, "layout": layout, "gpus": nproc, "tp": tp, "tokens_per_s": tps,
-            "tokens_per_s_per_gpu": tps / nproc, "mfu": train[-1].get("mfu"), "losses": [r["loss"] for r in train],
-            "wall_s": wall, "params": summary.get("parameters") or summary.get("params")}
+    return {
+        "preset": preset,
+        "layout": layout,
+        "gpus": nproc,
+        "tp": tp,
+        "tokens_per_s": tps,
+        "tokens_per_s_per_gpu": tps / nproc,
+        "mfu": train[-1].get("mfu"),
+        "losses": [r["loss"] for r in train],
+        "wall_s": wall,
+        "params": summary.get("parameters") or summary.get("params"),
+    }
 
 
 def render(a, results: list[dict]) -> tuple[str, bool, list[str]]:
     """The markdown table, whether every loss curve is within tolerance, and the failed runs."""
-    lines = ["| model | layout | GPUs | tokens/s | tokens/s per GPU | scaling efficiency | MFU | "
-             "last-10-step mean loss (vs 1 GPU) | largest step difference |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | layout | GPUs | tokens/s | tokens/s per GPU | scaling efficiency | MFU | "
+        "last-10-step mean loss (vs 1 GPU) | largest step difference |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     ok = True
     for preset in dict.fromkeys(r["preset"] for r in results):
         rs = {r["layout"]: r for r in results if r["preset"] == preset and not r.get("failed")}
@@ -101,31 +142,43 @@ def render(a, results: list[dict]) -> tuple[str, bool, list[str]]:
                 n = min(len(r["losses"]), len(base["losses"]))
                 signed = (tail - statistics.fmean(base["losses"][-10:])) / statistics.fmean(base["losses"][-10:])
                 rel = abs(signed)
-                step = max(abs(x - y) / abs(y) for x, y in zip(r["losses"][:n], base["losses"][:n]))
-                loss = f"{tail:.4f} ({signed * 100:+.2f}%: {'within' if rel <= a.rtol else 'OUTSIDE'} {a.rtol * 100:g}%)"
+                step = max(abs(x - y) / abs(y) for x, y in zip(r["losses"][:n], base["losses"][:n], strict=True))
+                loss = (
+                    f"{tail:.4f} ({signed * 100:+.2f}%: {'within' if rel <= a.rtol else 'OUTSIDE'} {a.rtol * 100:g}%)"
+                )
                 ok &= rel <= a.rtol
                 worst = f"{step * 100:.1f}%"
             else:
                 loss, worst = f"{tail:.4f}", "-"
             mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") else "-"
-            lines.append(f"| {preset} | {layout} | {r['gpus']} | {r['tokens_per_s']:,.0f} | "
-                         f"{r['tokens_per_s_per_gpu']:,.0f} | {eff * 100:.1f}% | {mfu} | {loss} | {worst} |")
+            lines.append(
+                f"| {preset} | {layout} | {r['gpus']} | {r['tokens_per_s']:,.0f} | "
+                f"{r['tokens_per_s_per_gpu']:,.0f} | {eff * 100:.1f}% | {mfu} | {loss} | {worst} |"
+            )
     failed = [f"{r['preset']} {r['layout']}" for r in results if r.get("failed")]
     return "\n".join(lines), ok, failed
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--blend", required=True, help="blend.json of tokenized data (GPT-2 BPE for the presets' vocab)")
     p.add_argument("--presets", default="gpt2-124m,llama-1b")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--micro-batch-size", type=int, default=None, help="per GPU (default: 16 for gpt2-124m, 4 for llama-1b)")
+    p.add_argument(
+        "--micro-batch-size", type=int, default=None, help="per GPU (default: 16 for gpt2-124m, 4 for llama-1b)"
+    )
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--workdir", default="runs/bench-parallel")
-    p.add_argument("--rtol", type=float, default=0.02,
-                   help="bf16 tolerance on the last 10 steps' mean loss, relative to the one-GPU run's")
+    p.add_argument(
+        "--rtol",
+        type=float,
+        default=0.02,
+        help="bf16 tolerance on the last 10 steps' mean loss, relative to the one-GPU run's",
+    )
     p.add_argument("--out", default=None, help="also write the markdown table (and a JSON with every loss) here")
     p.add_argument("--from-json", default=None, help="only print the table of an earlier run's --out JSON")
     a = p.parse_args(argv)
@@ -156,8 +209,12 @@ def main(argv: list[str] | None = None) -> int:
             r = run_one(a, preset, layout, nproc, tp, workdir)
             results.append(r)
             if not r.get("failed"):
-                print(f"{preset:10s} {layout:6s} {r['tokens_per_s']:>12,.0f} tokens/s ({r['tokens_per_s_per_gpu']:,.0f} per GPU) "
-                      f"final loss {r['losses'][-1]:.4f}  [{r['wall_s']:.0f} s]", file=sys.stderr, flush=True)
+                print(
+                    f"{preset:10s} {layout:6s} {r['tokens_per_s']:>12,.0f} tokens/s ({r['tokens_per_s_per_gpu']:,.0f} per GPU) "
+                    f"final loss {r['losses'][-1]:.4f}  [{r['wall_s']:.0f} s]",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     table, ok, failed = render(a, results)
     header = f"{gpu}, {a.steps} steps per run, the same global batch and data order in every layout"

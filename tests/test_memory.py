@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from snakellm.models import architecture as A
+from snakellm import models as A
 from snakellm.models import memory as M
 
 # a GPT layer as in the paper: MHA, 4h MLP, GeLU, dropout everywhere, unfused attention
-GPT = A.resolve(None, dict(style="gpt2", num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=2048,
-                           hidden_dropout=0.1, attention_dropout=0.1))
+GPT = A.resolve(
+    None,
+    dict(
+        style="gpt2",
+        num_layers=24,
+        hidden_size=1024,
+        num_attention_heads=16,
+        seq_length=2048,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    ),
+)
 s, b, h, a = 2048, 2, 1024, 16
 
 
@@ -41,11 +51,15 @@ def test_fused_attention_and_no_dropout_drop_the_score_and_mask_terms():
 def test_swiglu_and_grouped_query_attention_count_their_own_widths():
     llama = A.resolve("llama-1b")  # h 2048, 32 heads in 4 groups (kv width 256), SwiGLU f 5632, no dropout
     s_, b_, h_, kv, f = 2048, 1, 2048, 256, 5632
-    by_hand = (4 * 2 * s_ * b_ * h_                      # norm inputs and outputs
-               + 2 * s_ * b_ * (h_ + kv) + 2 * s_ * b_ * kv  # Q, K; V
-               + 2 * s_ * b_ * h_                         # attention output
-               + 2 * s_ * b_ * 2 * f + 2 * s_ * b_ * f     # up projection (gate + up), down projection input
-               + 4 * 32 * s_ * b_)                        # flash log-sum-exp
+    by_hand = (
+        4 * 2 * s_ * b_ * h_  # norm inputs and outputs
+        + 2 * s_ * b_ * (h_ + kv)
+        + 2 * s_ * b_ * kv  # Q, K; V
+        + 2 * s_ * b_ * h_  # attention output
+        + 2 * s_ * b_ * 2 * f
+        + 2 * s_ * b_ * f  # up projection (gate + up), down projection input
+        + 4 * 32 * s_ * b_
+    )  # flash log-sum-exp
     assert M.layer_activation_bytes(llama, 1) == by_hand
 
 
@@ -68,7 +82,6 @@ def test_parameters_on_one_gpu_are_the_model_and_18_bytes_each(preset, vocab):
 def test_the_8b_example_per_gpu_by_hand():
     """NeMo's gpt3/7b_improved on TP 4 x DP 16, micro batch 1: the terms written out."""
     import yaml
-
     from conftest import REPO
 
     run = yaml.safe_load((REPO / "config" / "examples" / "slimpajama-gpt-8b.yaml").read_text())["runs"]["gpt-8b"]
@@ -82,7 +95,9 @@ def test_the_8b_example_per_gpu_by_hand():
     assert e.params == round(params) == 1_710_759_936
     assert e.weights == 2 * params and e.grads == 4 * params and e.optimizer == 12 * params
     sbh = seq * h
-    per_layer = 4 * 2 * sbh + (2 * seq * 2 * h + 2 * seq * h + 2 * sbh + 2 * seq * 2 * f + 2 * seq * f + 4 * 32 * seq) / t
+    per_layer = (
+        4 * 2 * sbh + (2 * seq * 2 * h + 2 * seq * h + 2 * sbh + 2 * seq * 2 * f + 2 * seq * f + 4 * 32 * seq) / t
+    )
     acts = L * per_layer + 2 * sbh + 2 * sbh + 6 * seq * v / t  # + embedding output, final norm input, logits
     assert e.activations == pytest.approx(acts)
     assert e.total / M.GiB == pytest.approx(32.35, abs=0.01)

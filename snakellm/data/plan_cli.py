@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_plan(name: str, run: dict[str, Any], cfg: dict[str, Any], nodes: int, per_node: int,
              gpu_gib: float) -> list[str]:
     """Model, parallel layout, batch check and memory per GPU of one run (torch-free)."""
-    from snakellm.models import architecture as arch_mod
+    from snakellm import models as arch_mod
     from snakellm.models import memory
 
     model = dict(run.get("model") or {})

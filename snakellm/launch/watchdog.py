@@ -7,8 +7,9 @@ NCCL's default is 10 minutes, gloo's 30. This module gives every rank a heartbea
 the job's rendezvous store (the TCPStore that ``init_process_group`` already serves
 from rank 0), and a daemon thread per rank that, once its own rank made no progress
 for ``timeout`` seconds, reads the other ranks' heartbeats, names the ones that are
-behind or silent (rank, host, local rank, last step, seconds since) on stderr and ends the
-process with :data:`EXIT_HANG`. Under ``srun --kill-on-bad-exit=1`` that ends the
+behind or silent (rank, host, local rank, last step, seconds since) on stderr (and appends
+it to ``record``, e.g. ``runs/<run>/watchdog.log``, which outlives the attempt's own log when
+the next attempt overwrites it) and ends the process with :data:`EXIT_HANG`. Under ``srun --kill-on-bad-exit=1`` that ends the
 whole step at once, so the allocation is free within ``timeout``, not at the time limit.
 
 Two stamps per rank: the training loop's step (``beat``), and the thread's own
@@ -26,7 +27,9 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 EXIT_HANG = 124  # what `timeout(1)` returns: the step was ended for making no progress
 PREFIX = "snakellm/heartbeat/"
@@ -40,14 +43,19 @@ def describe(rank: int, info: dict[int, tuple[int, float, str, int]], now: float
     return f"rank {rank} (host {host}, local rank {local}): last at step {step}, {now - t:.0f} s ago"
 
 
-def laggards(info: dict[int, tuple[int, float, str, int]], alive: dict[int, float], world: int, my_step: int,
-             now: float, stale: float) -> list[int]:
+def laggards(
+    info: dict[int, tuple[int, float, str, int]],
+    alive: dict[int, float],
+    world: int,
+    my_step: int,
+    now: float,
+    stale: float,
+) -> list[int]:
     """Ranks behind ``my_step``, without a heartbeat, or whose thread has been silent for ``stale`` seconds.
 
     When every rank is alive and at the same step, none is singled out: all are returned.
     """
-    bad = [r for r in range(world)
-           if r not in info or info[r][0] < my_step or now - alive.get(r, 0.0) > stale]
+    bad = [r for r in range(world) if r not in info or info[r][0] < my_step or now - alive.get(r, 0.0) > stale]
     return bad or list(range(world))
 
 
@@ -59,12 +67,21 @@ class Watchdog:
     from another thread), replaceable in tests.
     """
 
-    def __init__(self, store_factory: Callable[[], Any], rank: int, world: int, local_rank: int, timeout: float,
-                 exit: Callable[[int], None] = os._exit, poll: float = 2.0):
+    def __init__(
+        self,
+        store_factory: Callable[[], Any],
+        rank: int,
+        world: int,
+        local_rank: int,
+        timeout: float,
+        exit: Callable[[int], None] = os._exit,
+        poll: float = 2.0,
+        record: Path | None = None,
+    ):
         self.store = store_factory()
         self.rank, self.world, self.local_rank, self.timeout = rank, world, local_rank, timeout
         self.host = socket.gethostname()
-        self._exit, self._poll = exit, poll
+        self._exit, self._poll, self.record = exit, poll, record
         self._lock = threading.Lock()
         self._step, self._t = 0, time.time()
         self._stopped = threading.Event()
@@ -78,7 +95,7 @@ class Watchdog:
             self._step, self._t = step, time.time()
         try:
             self.store.set(f"{PREFIX}{self.rank}", f"{step} {self._t} {self.host} {self.local_rank}")
-        except Exception:  # noqa: BLE001 - the store's host is gone; the thread reports it
+        except Exception:
             pass
 
     def stop(self) -> None:
@@ -95,16 +112,19 @@ class Watchdog:
                     info[r] = (int(step), float(t), host, int(local))
                 if self.store.check([f"{PREFIX}alive/{r}"]):
                     alive[r] = float(self.store.get(f"{PREFIX}alive/{r}").decode())
-        except Exception as e:  # noqa: BLE001
-            return info, alive, (f"the rendezvous store on rank 0 does not answer ({type(e).__name__}): "
-                                 "rank 0 hangs or is gone")
+        except Exception as e:
+            return (
+                info,
+                alive,
+                (f"the rendezvous store on rank 0 does not answer ({type(e).__name__}): rank 0 hangs or is gone"),
+            )
         return info, alive, None
 
     def _run(self) -> None:
         while not self._stopped.wait(self._poll):
             try:
                 self.store.set(f"{PREFIX}alive/{self.rank}", str(time.time()))
-            except Exception:  # noqa: BLE001 - reported below, once this rank itself times out
+            except Exception:
                 pass
             with self._lock:
                 step, t = self._step, self._t
@@ -112,8 +132,10 @@ class Watchdog:
                 continue
             now = time.time()
             info, alive, store_error = self._read()
-            lines = [f"rank {self.rank} made no progress for {now - t:.0f} s (--collective-timeout {self.timeout:g} s) "
-                     f"at step {step}, waiting for the other ranks;"]
+            lines = [
+                f"rank {self.rank} made no progress for {now - t:.0f} s (--collective-timeout {self.timeout:g} s) "
+                f"at step {step}, waiting for the other ranks;"
+            ]
             if store_error:
                 lines.append(store_error)
                 culprits = [0]
@@ -121,7 +143,42 @@ class Watchdog:
                 culprits = laggards(info, alive, self.world, step, now, stale=max(5 * self._poll, 5.0))
                 lines.append("hanging: " + "; ".join(describe(r, info, now) for r in culprits))
             self.message = " ".join(lines)
-            print(f"snakellm train: error: {self.message}", file=sys.stderr, flush=True)
+            line = f"snakellm train: error: {self.message}"
+            print(line, file=sys.stderr, flush=True)
+            if self.record is not None:
+                try:  # one short line, appended in one write: no partial record worth guarding against
+                    with open(self.record, "a") as fh:
+                        fh.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+                except OSError:
+                    pass
             self._stopped.set()
             self._exit(EXIT_HANG)
             return
+
+
+def start(
+    torch: Any, dist: Any, timeout: float, log: Callable[[str], None] = print, record: Path | None = None
+) -> Watchdog | None:
+    """After ``init_process_group``: check and log the rank table, then start this rank's watchdog.
+
+    ``None`` for a single process, which has nobody to wait for.
+    """
+    if dist.world_size == 1:
+        return None
+    import datetime
+
+    from snakellm.launch.distributed import rank_table
+
+    rows: list[Any] = [None] * dist.world_size
+    torch.distributed.all_gather_object(rows, (dist.rank, dist.local_rank, dist.local_world_size, socket.gethostname()))
+    log(f"ranks: {rank_table(rows)}; rendezvous {dist.master_addr}:{dist.master_port}")
+    return Watchdog(
+        lambda: torch.distributed.TCPStore(
+            dist.master_addr, dist.master_port, is_master=False, timeout=datetime.timedelta(seconds=10)
+        ),
+        dist.rank,
+        dist.world_size,
+        dist.local_rank,
+        timeout,
+        record=record,
+    )

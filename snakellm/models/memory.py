@@ -100,9 +100,17 @@ def layer_params(arch: dict[str, Any], tp: int = 1) -> tuple[float, float]:
     return sharded / tp, float(replicated)
 
 
-def layer_activation_bytes(arch: dict[str, Any], micro_batch_size: int, *, seq_length: int | None = None, tp: int = 1,
-                           sequence_parallel: bool = False, flash_attention: bool = True, recompute: str = "none",
-                           bytes_per_element: int = 2) -> float:
+def layer_activation_bytes(
+    arch: dict[str, Any],
+    micro_batch_size: int,
+    *,
+    seq_length: int | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    flash_attention: bool = True,
+    recompute: str = "none",
+    bytes_per_element: int = 2,
+) -> float:
     """Bytes one transformer layer keeps for its backward pass, per micro-batch, on one tensor-parallel rank."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
@@ -129,11 +137,23 @@ def layer_activation_bytes(arch: dict[str, Any], micro_batch_size: int, *, seq_l
     return replicated / rep_div + sharded / tp
 
 
-def estimate(arch: dict[str, Any], padded_vocab: int, *, tp: int = 1, pp: int = 1, dp: int = 1,
-             micro_batch_size: int = 1, num_micro_batches: int | None = None, seq_length: int | None = None,
-             sequence_parallel: bool | None = None, distributed_optimizer: bool = False,
-             flash_attention: bool = True, recompute: str = "none", bf16: bool = True,
-             grad_reduce_in_fp32: bool = True) -> MemoryEstimate:
+def estimate(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    micro_batch_size: int = 1,
+    num_micro_batches: int | None = None,
+    seq_length: int | None = None,
+    sequence_parallel: bool | None = None,
+    distributed_optimizer: bool = False,
+    flash_attention: bool = True,
+    recompute: str = "none",
+    bf16: bool = True,
+    grad_reduce_in_fp32: bool = True,
+) -> MemoryEstimate:
     """Memory per GPU of the fullest pipeline stage (see the module docstring for what is counted).
 
     ``sequence_parallel`` defaults to ``tp > 1`` (megatron-core's recommendation);
@@ -156,8 +176,16 @@ def estimate(arch: dict[str, Any], padded_vocab: int, *, tp: int = 1, pp: int = 
     head = norm + (0 if arch["tie_embeddings"] and pp == 1 else padded_vocab * h / tp)
 
     def act(layer_kind: str = recompute) -> float:
-        return layer_activation_bytes(arch, b, seq_length=s, tp=tp, sequence_parallel=sp,
-                                      flash_attention=flash_attention, recompute=layer_kind, bytes_per_element=e)
+        return layer_activation_bytes(
+            arch,
+            b,
+            seq_length=s,
+            tp=tp,
+            sequence_parallel=sp,
+            flash_attention=flash_attention,
+            recompute=layer_kind,
+            bytes_per_element=e,
+        )
 
     in_flight = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
     recompute_one = act("none") if recompute == "full" else 0.0  # one layer's activations while it is recomputed
@@ -166,8 +194,10 @@ def estimate(arch: dict[str, Any], padded_vocab: int, *, tp: int = 1, pp: int = 
     # the final norm's input and the logits: 16-bit, plus the float32 copy the loss makes
     head_act = e * sbh / (tp if sp else 1) + (e + 4) * s * b * padded_vocab / tp
     # (parameters, activations) of the first and the last pipeline stage: one GPU when pp == 1
-    first = (layers + embedding + (head if pp == 1 else 0),
-             in_flight * (stage_layers * act() + emb_act) + recompute_one + (head_act if pp == 1 else 0))
+    first = (
+        layers + embedding + (head if pp == 1 else 0),
+        in_flight * (stage_layers * act() + emb_act) + recompute_one + (head_act if pp == 1 else 0),
+    )
     last = (layers + head, stage_layers * act() + recompute_one + head_act)
     stage = first if pp == 1 else max(first, last, key=lambda st: st[0] * (18 if bf16 else 16) + st[1])
     params, activations = stage
@@ -176,5 +206,6 @@ def estimate(arch: dict[str, Any], padded_vocab: int, *, tp: int = 1, pp: int = 
     grads = params * (4 if grad_reduce_in_fp32 or not bf16 else 2)
     opt_states = params * (12 if bf16 else 8)  # fp32 master + exp_avg + exp_avg_sq (no master in fp32)
     optimizer = opt_states / dp if distributed_optimizer else opt_states
-    return MemoryEstimate(int(round(params)), weights, grads, optimizer, activations, tp, pp, dp, b,
-                          distributed_optimizer, sp, recompute)
+    return MemoryEstimate(
+        int(round(params)), weights, grads, optimizer, activations, tp, pp, dp, b, distributed_optimizer, sp, recompute
+    )
