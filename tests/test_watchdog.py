@@ -32,6 +32,7 @@ def test_laggards_are_the_ranks_behind_or_silent():
     assert "rank 2 (host node2, local rank 1): last at step 5, 8 s ago" == wdmod.describe(2, info, now)
 
 
+@pytest.mark.slow
 def test_watchdog_names_the_stopped_rank_through_a_real_store():
     torch = pytest.importorskip("torch")
     store = torch.distributed.HashStore()
