@@ -120,28 +120,38 @@ class Watchdog:
             )
         return info, alive, None
 
+    def _stamp(self) -> None:
+        try:
+            self.store.set(f"{PREFIX}alive/{self.rank}", str(time.time()))
+        except Exception:  # reported once this rank itself times out
+            pass
+
     def _run(self) -> None:
         while not self._stopped.wait(self._poll):
-            try:
-                self.store.set(f"{PREFIX}alive/{self.rank}", str(time.time()))
-            except Exception:
-                pass
+            self._stamp()
             with self._lock:
                 step, t = self._step, self._t
             if time.time() - t < self.timeout:
                 continue
+            stale = max(3 * self._poll, 5.0)
             now = time.time()
             info, alive, store_error = self._read()
+            culprits = [0] if store_error else laggards(info, alive, self.world, step, now, stale=stale)
+            if not store_error and len(culprits) == self.world:
+                # nobody behind and every thread still stamping: a rank stopped just now looks alive for
+                # up to `stale` seconds; look once more after that before blaming every rank
+                until = time.time() + stale
+                while time.time() < until:  # still stamping, so that the other ranks do not blame this one
+                    time.sleep(self._poll)
+                    self._stamp()
+                now = time.time()
+                info, alive, store_error = self._read()
+                culprits = [0] if store_error else laggards(info, alive, self.world, step, now, stale=stale)
             lines = [
                 f"rank {self.rank} made no progress for {now - t:.0f} s (--collective-timeout {self.timeout:g} s) "
                 f"at step {step}, waiting for the other ranks;"
             ]
-            if store_error:
-                lines.append(store_error)
-                culprits = [0]
-            else:
-                culprits = laggards(info, alive, self.world, step, now, stale=max(5 * self._poll, 5.0))
-                lines.append("hanging: " + "; ".join(describe(r, info, now) for r in culprits))
+            lines.append(store_error or "hanging: " + "; ".join(describe(r, info, now) for r in culprits))
             self.message = " ".join(lines)
             line = f"snakellm train: error: {self.message}"
             print(line, file=sys.stderr, flush=True)
