@@ -76,6 +76,25 @@ def family_files(tmp_path_factory, enwiki) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def reference(family_files, all_texts):
+    """tokenizers' ids of all_texts for a family, computed once per session."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def ids(family: str) -> list[list[int]]:
+        if family not in cache:
+            cache[family] = hf_ids(family_files[family], all_texts)
+        return cache[family]
+
+    return ids
+
+
+@pytest.fixture(scope="session")
+def subset() -> list[str]:
+    """The shipped corpus without the (large) Wikipedia excerpt, and the generated strings."""
+    return list(corpus()["wikitext"]) + list(corpus()["botchan"]) + HARD_TEXTS
+
+
 def hf_ids(path, texts, special: bool = False, split_special: bool = False) -> list[list[int]]:
     ref = HFTokenizer.from_file(str(path))
     ref.encode_special_tokens = split_special
@@ -91,7 +110,7 @@ def ids_of(tok: T.Tokenizer, texts) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_runs_on_tiktoken_with_ids_identical_to_tokenizers(family, family_files, all_texts):
+def test_family_runs_on_tiktoken_with_ids_identical_to_tokenizers(family, family_files, all_texts, reference):
     size, opts, eod = FAMILIES[family]
     path = family_files[family]
     tok = T.load("huggingface", tokenizer_file=str(path), eod=eod, expected_vocab_size=size)
@@ -102,7 +121,7 @@ def test_family_runs_on_tiktoken_with_ids_identical_to_tokenizers(family, family
         "specials"
     ].index(eod)
     ours = ids_of(tok, all_texts)
-    assert ours == hf_ids(path, all_texts)  # every shipped document and the generated strings
+    assert ours == reference(family)  # every shipped document and the generated strings
     assert sum(map(len, ours)) > 1_500_000
     for text, ids in zip(HARD_TEXTS, ours[-len(HARD_TEXTS) :]):
         want = text if not opts.get("nfc") else __import__("unicodedata").normalize("NFC", text)
@@ -113,28 +132,29 @@ def test_family_runs_on_tiktoken_with_ids_identical_to_tokenizers(family, family
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3", "qwen2"])
-def test_ignore_merges_true_and_false_both_match_on_trained_vocabularies(family, family_files, all_texts, tmp_path):
+def test_ignore_merges_true_and_false_both_match_on_trained_vocabularies(family, family_files, subset, tmp_path):
     """tiktoken returns a piece found whole in the vocabulary: that is ignore_merges true; with false it is the same
-    when every token's own merges rebuild it, which holds for trained vocabularies (and is checked at load)."""
+    when every token's own merges rebuild it, which holds for trained vocabularies (and is checked at load).
+    The family test proves each file as trained (Llama 3 true, Qwen 2 false); this one flips the flag."""
     spec = json.loads(family_files[family].read_text())
     eod = FAMILIES[family][2]
-    for flag in (True, False):
-        spec["model"]["ignore_merges"] = flag
-        path = tmp_path / f"{flag}.json"
-        path.write_text(json.dumps(spec))
-        tok = T.load("huggingface", tokenizer_file=str(path), eod=eod)
-        assert tok.backend == "tiktoken" and f"ignore_merges={flag}" in tok.encoder_reason
-        assert ids_of(tok, all_texts) == hf_ids(path, all_texts)
+    flag = not spec["model"]["ignore_merges"]
+    spec["model"]["ignore_merges"] = flag
+    path = tmp_path / f"{flag}.json"
+    path.write_text(json.dumps(spec))
+    tok = T.load("huggingface", tokenizer_file=str(path), eod=eod)
+    assert tok.backend == "tiktoken" and f"ignore_merges={flag}" in tok.encoder_reason
+    assert ids_of(tok, subset) == hf_ids(path, subset)
 
 
 @pytest.mark.slow
-def test_llama3_bos_from_the_template_with_add_special_tokens(family_files, all_texts):
+def test_llama3_bos_from_the_template_with_add_special_tokens(family_files, subset):
     path = family_files["llama3"]
     tok = T.load("huggingface", tokenizer_file=str(path), eod="<|end_of_text|>", add_special_tokens=True)
     assert tok.backend == "tiktoken"
     bos = HFTokenizer.from_file(str(path)).token_to_id("<|begin_of_text|>")
-    ours = ids_of(tok, all_texts)
-    assert ours == hf_ids(path, all_texts, special=True)
+    ours = ids_of(tok, subset)
+    assert ours == hf_ids(path, subset, special=True)
     assert all(ids[0] == bos and bos not in ids[1:] for ids in ours)
     assert ours[-2] == [bos]  # an empty document: the template alone, as tokenizers gives it
 
@@ -166,27 +186,30 @@ def test_special_token_text_inside_documents_is_ordinary_text(family_files, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
-def test_snakellm_tokenize_every_shipped_corpus_byte_identical_to_tokenizers_ids(family, family_files, tmp_path, enwiki):
+def test_snakellm_tokenize_every_shipped_corpus_byte_identical_to_tokenizers_ids(family_files, all_texts, reference, tmp_path):
     """What the tokenize rule runs, on every shipped chunk: Megatron's .bin/.idx of the tokenizers ids."""
+    family = "llama3"
     path = family_files[family]
     size, _, eod = FAMILIES[family]
-    ref = HFTokenizer.from_file(str(path))
-    eod_id = ref.token_to_id(eod)
-    chunks = [(s.parent.name + "-" + s.stem, read_shard(s)) for s in WIKITEXT_SHARDS[:3]]
-    chunks += [("botchan", read_shard(BOTCHAN)), ("enwiki", enwiki), ("hard", [t for t in HARD_TEXTS if t])]
+    eod_id = HFTokenizer.from_file(str(path)).token_to_id(eod)
+    want = dict(zip(all_texts, reference(family)))
+    chunks = [(s.parent.name + "-" + s.stem, read_shard(s)) for s in WIKITEXT_SHARDS]
+    chunks += [("botchan", read_shard(BOTCHAN)), ("enwiki", enwiki_texts()), ("hard", [t for t in HARD_TEXTS if t])]
     for name, docs in chunks:
         src = write_jsonl(tmp_path / f"{name}.jsonl", docs)
         prefix = str(tmp_path / f"{name}_text_document")
         rc = main([str(src), prefix, "--no-progress", "--threads", "2", "--batch-mb", "0.2", "--kind", "huggingface",
                    "--tokenizer-file", str(path), "--eod", eod, "--vocab-size", str(size)])
         assert rc == 0
-        megatron_reference(str(tmp_path / "ref"), [e.ids for e in ref.encode_batch(docs, add_special_tokens=False)],
-                           eod_id, size)
+        megatron_reference(str(tmp_path / "ref"), [want[d] for d in docs], eod_id, size)
         assert same_files(prefix, str(tmp_path / "ref")), name
         st = json.loads(Path(prefix + ".stats.json").read_text())
         assert st["encoder"] == "tiktoken" and "expressed exactly" in st["encoder_reason"]
-        assert st["verified_documents"] == st["documents"] == len(docs)  # small chunks: every document checked
+        assert st["documents"] == len(docs)
+        if src.stat().st_size <= 2_000_000:
+            assert st["verified_documents"] == len(docs)  # a small chunk: every document checked
+        else:  # 1% of the documents, from the first one on
+            assert st["verified_documents"] == len(range(0, len(docs), 100)) >= 1
 
 
 # ----------------------------------------------------------------------------- small hand-made vocabularies

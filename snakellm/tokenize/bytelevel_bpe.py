@@ -169,9 +169,9 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
     vocab: dict[str, int] = model.get("vocab") or {}
     alphabet = bytes_to_unicode()
     to_latin1 = {ord(c): b for b, c in alphabet.items()}  # str.translate, then latin-1: the token's bytes
-    for tok in specials:
-        if tok in vocab and specials[tok] != vocab[tok]:
-            raise NotExpressible(f"special token {tok!r} has id {specials[tok]} but {vocab[tok]} in the vocabulary")
+    for tok, i in specials.items():
+        if tok in vocab and i != vocab[tok]:
+            raise NotExpressible(f"special token {tok!r} has id {i} but {vocab[tok]} in the vocabulary")
     plain_vocab = {t: i for t, i in vocab.items() if t not in specials}
     stray = set("".join(plain_vocab)) - set(alphabet.values())
     if stray:
@@ -238,7 +238,7 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
 
     try:
         enc = tiktoken.Encoding("snakellm-tokenizer-json", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
-    except Exception as e:  # pattern tiktoken's regex engine rejects, duplicate ids
+    except (ValueError, RuntimeError, OverflowError) as e:  # a pattern tiktoken's regex engine rejects
         raise NotExpressible(f"tiktoken cannot build the encoding: {e}") from None
     shape = "ByteLevel regex" if pattern == GPT2_PATTERN else "Split(regex)+ByteLevel"
     reason = (
