@@ -213,16 +213,19 @@ def main() -> int:
         ref = hf._tok  # tokenizers, as loaded from the same file
         slices = [texts[k::n] for k in range(n)]
 
+        def tokenizers_1(part=texts) -> int:
+            return sum(len(e.ids) for e in ref.encode_batch_fast(part, add_special_tokens=False))
+
         def tokenizers_n() -> int:
             with ThreadPoolExecutor(n) as pool:
-                return sum(sum(len(e.ids) for e in part) for part in pool.map(ref.encode_batch_fast, slices))
+                return sum(pool.map(tokenizers_1, slices))
 
         results["hf"] = bench(
             "llama3-128k",
             {
                 "raw1": lambda: sum(map(len, tt.encode_ordinary_batch(texts, num_threads=1))),
                 "rawN": lambda: sum(map(len, tt.encode_ordinary_batch(texts, num_threads=n))),
-                "tokenizers1": lambda: sum(len(e.ids) for e in ref.encode_batch_fast(texts)),
+                "tokenizers1": tokenizers_1,
                 "tokenizersN": tokenizers_n,
             },
             ["--threads", str(n), "--kind", "huggingface", "--tokenizer-file", str(tj), "--eod", "<|end_of_text|>"],

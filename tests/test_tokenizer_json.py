@@ -15,41 +15,41 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-
-from snakellm.tokenize import encoders as T
-from snakellm.tokenize.encode import main, tokenize_file
+from test_tokenize import megatron_reference, same_files
 from tokenize_helpers import (
+    BOTCHAN,
     HARD_TEXTS,
     LLAMA3_PATTERN,
     QWEN2_PATTERN,
     WIKITEXT_SHARDS,
-    BOTCHAN,
     corpus,
     enwiki_texts,
     read_shard,
     train_bytelevel_bpe,
     write_jsonl,
 )
-from test_tokenize import megatron_reference, same_files
+from tokenizers import Tokenizer as HFTokenizer
+
+from snakellm.tokenize import encoders as T
+from snakellm.tokenize.encode import main, tokenize_file
 
 FAMILIES = {
     # name: (vocab size, train options, EOD)
-    "gpt2": (32_000, dict(specials=("<|endoftext|>",)), "<|endoftext|>"),
-    "gpt-neox": (50_277, dict(nfc=True, specials=("<|endoftext|>", "<|padding|>")), "<|endoftext|>"),
+    "gpt2": (32_000, {"specials": ("<|endoftext|>",)}, "<|endoftext|>"),
+    "gpt-neox": (50_277, {"nfc": True, "specials": ("<|endoftext|>", "<|padding|>")}, "<|endoftext|>"),
     "qwen2": (
         96_000,
-        dict(pattern=QWEN2_PATTERN, nfc=True, specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>")),
+        {"pattern": QWEN2_PATTERN, "nfc": True, "specials": ("<|endoftext|>", "<|im_start|>", "<|im_end|>")},
         "<|endoftext|>",
     ),
     "llama3": (
         128_000,
-        dict(
-            pattern=LLAMA3_PATTERN,
-            ignore_merges=True,
-            specials=("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"),
-            bos="<|begin_of_text|>",
-        ),
+        {
+            "pattern": LLAMA3_PATTERN,
+            "ignore_merges": True,
+            "specials": ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"),
+            "bos": "<|begin_of_text|>",
+        },
         "<|end_of_text|>",
     ),
 }
@@ -117,9 +117,11 @@ def test_family_runs_on_tiktoken_with_ids_identical_to_tokenizers(family, family
     assert tok.backend == "tiktoken", tok.encoder_reason
     assert "expressed exactly as tiktoken ranks" in tok.encoder_reason
     assert ("NFC" in tok.encoder_reason) == bool(opts.get("nfc"))
-    assert tok.eod_id == HFTokenizer.from_file(str(path)).token_to_id(eod) == size - len(opts["specials"]) + opts[
-        "specials"
-    ].index(eod)
+    assert (
+        tok.eod_id
+        == HFTokenizer.from_file(str(path)).token_to_id(eod)
+        == size - len(opts["specials"]) + opts["specials"].index(eod)
+    )
     ours = ids_of(tok, all_texts)
     assert ours == reference(family)  # every shipped document and the generated strings
     assert sum(map(len, ours)) > 1_500_000
@@ -179,14 +181,30 @@ def test_special_token_text_inside_documents_is_ordinary_text(family_files, tmp_
 
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     prefix = str(tmp_path / "c_text_document")
-    assert main([str(src), prefix, "--no-progress", "--kind", "huggingface", "--tokenizer-file", str(path),
-                 "--eod", "<|end_of_text|>"]) == 0
+    assert (
+        main(
+            [
+                str(src),
+                prefix,
+                "--no-progress",
+                "--kind",
+                "huggingface",
+                "--tokenizer-file",
+                str(path),
+                "--eod",
+                "<|end_of_text|>",
+            ]
+        )
+        == 0
+    )
     tokens = np.fromfile(prefix + ".bin", dtype=np.int32)
     assert [int(i) for i in np.flatnonzero(tokens == tok.eod_id)] == list(np.cumsum([len(i) + 1 for i in ours]) - 1)
 
 
 @pytest.mark.slow
-def test_snakellm_tokenize_every_shipped_corpus_byte_identical_to_tokenizers_ids(family_files, all_texts, reference, tmp_path):
+def test_snakellm_tokenize_every_shipped_corpus_byte_identical_to_tokenizers_ids(
+    family_files, all_texts, reference, tmp_path
+):
     """What the tokenize rule runs, on every shipped chunk: Megatron's .bin/.idx of the tokenizers ids."""
     family = "llama3"
     path = family_files[family]
@@ -195,12 +213,15 @@ def test_snakellm_tokenize_every_shipped_corpus_byte_identical_to_tokenizers_ids
     want = dict(zip(all_texts, reference(family)))
     chunks = [(s.parent.name + "-" + s.stem, read_shard(s)) for s in WIKITEXT_SHARDS]
     chunks += [("botchan", read_shard(BOTCHAN)), ("enwiki", enwiki_texts()), ("hard", [t for t in HARD_TEXTS if t])]
+    tok = T.load("huggingface", tokenizer_file=str(path), eod=eod, expected_vocab_size=size)
     for name, docs in chunks:
         src = write_jsonl(tmp_path / f"{name}.jsonl", docs)
         prefix = str(tmp_path / f"{name}_text_document")
-        rc = main([str(src), prefix, "--no-progress", "--threads", "2", "--batch-mb", "0.2", "--kind", "huggingface",
-                   "--tokenizer-file", str(path), "--eod", eod, "--vocab-size", str(size)])
-        assert rc == 0
+        if name == "enwiki":  # the command line once (the workflow test runs it on every chunk)
+            args = ["--kind", "huggingface", "--tokenizer-file", str(path), "--eod", eod, "--vocab-size", str(size)]
+            assert main([str(src), prefix, "--no-progress", "--threads", "2", "--batch-mb", "0.2", *args]) == 0
+        else:
+            tokenize_file(str(src), prefix, tok, threads=2, batch_bytes=200_000, show_progress=False)
         megatron_reference(str(tmp_path / "ref"), [want[d] for d in docs], eod_id, size)
         assert same_files(prefix, str(tmp_path / "ref")), name
         st = json.loads(Path(prefix + ".stats.json").read_text())
@@ -250,7 +271,9 @@ def test_ignore_merges_decides_whether_a_token_its_merges_cannot_rebuild_may_go_
     assert hf_ids(off_path, ["abc"])[0] == [a, bc]  # by the merges: b c first, and no merge a + bc
     off = T.load("huggingface", tokenizer_file=str(off_path), eod="<eod>")
     assert off.backend == "tokenizers"
-    assert "ignore_merges is false and 1 token(s) are not rebuilt by their own merges (e.g. 'abc')" in off.encoder_reason
+    assert (
+        "ignore_merges is false and 1 token(s) are not rebuilt by their own merges (e.g. 'abc')" in off.encoder_reason
+    )
     assert ids_of(off, ["abc", "xabc"]) == hf_ids(off_path, ["abc", "xabc"])
     with pytest.raises(T.TokenizerError, match="off.json: tiktoken cannot encode it exactly: ignore_merges is false"):
         T.load("huggingface", tokenizer_file=str(off_path), eod="<eod>", backend="tiktoken")
@@ -269,14 +292,30 @@ def test_a_difference_found_by_the_verification_falls_back_naming_the_document(t
     docs = ["hello", "abc;abc", "zabcx", "abcx again"]
     src = write_jsonl(tmp_path / "c.jsonl", docs)
     prefix = str(tmp_path / "c_text_document")
-    assert main([str(src), prefix, "--no-progress", "--kind", "huggingface", "--tokenizer-file", str(path),
-                 "--eod", "<eod>"]) == 0
+    assert (
+        main(
+            [
+                str(src),
+                prefix,
+                "--no-progress",
+                "--kind",
+                "huggingface",
+                "--tokenizer-file",
+                str(path),
+                "--eod",
+                "<eod>",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "encoder tiktoken: byte-level BPE" in err
     assert f"warning: {src}:3: document 2: tiktoken gives 3 ids, the reference 4" in err
     assert f"encoding {src} again with tokenizers" in err
     st = json.loads(Path(prefix + ".stats.json").read_text())
-    assert st["encoder"] == "tokenizers" and st["encoder_reason"].startswith(f"fell back: tiktoken ids differ from tokenizers at {src}:3")
+    assert st["encoder"] == "tokenizers" and st["encoder_reason"].startswith(
+        f"fell back: tiktoken ids differ from tokenizers at {src}:3"
+    )
     megatron_reference(str(tmp_path / "ref"), hf_ids(path, docs), 259, 260)
     assert same_files(prefix, str(tmp_path / "ref"))
 
@@ -297,8 +336,11 @@ def test_verification_samples_large_chunks(tmp_path):
 @pytest.fixture(scope="module")
 def small_bytelevel(tmp_path_factory) -> dict:
     path = train_bytelevel_bpe(
-        tmp_path_factory.mktemp("small") / "tokenizer.json", corpus()["botchan"], 1000,
-        pattern=LLAMA3_PATTERN, specials=("<eod>",),
+        tmp_path_factory.mktemp("small") / "tokenizer.json",
+        corpus()["botchan"],
+        1000,
+        pattern=LLAMA3_PATTERN,
+        specials=("<eod>",),
     )
     return json.loads(path.read_text())
 
@@ -314,22 +356,29 @@ NOT_EXPRESSIBLE = {
     "nfkc": (lambda s: s.update(normalizer={"type": "NFKC"}), "normalizer NFKC"),
     "whitespace": (lambda s: s.update(pre_tokenizer={"type": "Whitespace"}), "pre-tokenizer Whitespace"),
     "prefix-space": (
-        lambda s: s["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True), "add_prefix_space"
+        lambda s: s["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True),
+        "add_prefix_space",
     ),
-    "split-removed": (
-        lambda s: s["pre_tokenizer"]["pretokenizers"][0].update(behavior="Removed"), "behavior Removed"
-    ),
+    "split-removed": (lambda s: s["pre_tokenizer"]["pretokenizers"][0].update(behavior="Removed"), "behavior Removed"),
     "byte-fallback": (lambda s: s["model"].update(byte_fallback=True), "byte_fallback"),
     "decoder": (lambda s: s.update(decoder={"type": "Fuse"}), "decoder Fuse"),
     "added-token": (
         lambda s: s["added_tokens"].append(
-            {"id": 1000, "content": "Botchan", "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": True, "special": False}
+            {
+                "id": 1000,
+                "content": "Botchan",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": True,
+                "special": False,
+            }
         ),
         "1 non-special added token(s) (e.g. 'Botchan')",
     ),
     "merge-order": (
-        lambda s: s["model"]["merges"].insert(0, s["model"]["merges"].pop(300)), "merge ranks disagree with ids"
+        lambda s: s["model"]["merges"].insert(0, s["model"]["merges"].pop(300)),
+        "merge ranks disagree with ids",
     ),
 }
 
@@ -355,3 +404,34 @@ def test_the_unchanged_small_vocabulary_is_expressible(small_bytelevel, tmp_path
     assert tok.backend == "tiktoken"
     texts = list(corpus()["botchan"]) + HARD_TEXTS
     assert ids_of(tok, texts) == hf_ids(path, texts)
+
+
+@pytest.mark.slow
+def test_llama3_tokenizer_json_through_the_workflow(family_files, all_texts, reference, tmp_path):
+    """`snakemake` with a Llama-3-shaped tokenizer.json: every chunk on tiktoken, ids equal to tokenizers'."""
+    from conftest import Workspace, small_config
+
+    ws = Workspace(tmp_path)
+    cfg = small_config(tmp_path)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_bytes(family_files["llama3"].read_bytes())
+    size, _, eod = FAMILIES["llama3"]
+    cfg["tokenizers"] = {
+        "llama3": {"kind": "huggingface", "tokenizer_file": "tok/tokenizer.json", "eod": eod, "vocab_size": size}
+    }
+    cfg["tokenize"] = {"tokenizers": ["llama3"], "threads": 2}
+    ws.write_config(cfg)
+    ws.run("data/tokens/llama3/blend.json")
+    want = dict(zip(all_texts, reference("llama3")))
+    eod_id = HFTokenizer.from_file(str(family_files["llama3"])).token_to_id(eod)
+    blend = json.loads(ws.path("data/tokens/llama3/blend.json").read_text())
+    assert blend["tokenizer"]["vocab_size"] == size and blend["tokenizer"]["dtype"] == "int32"
+    for prefix in blend["data_prefix"][1::2]:
+        st = json.loads(ws.path(prefix + ".stats.json").read_text())
+        assert st["encoder"] == "tiktoken" and st["verified_documents"] == st["documents"]
+        lines = ws.path(st["input"]).read_text(encoding="utf-8").splitlines()
+        docs = [json.loads(line)[st["key"]] for line in lines if line.strip()]
+        megatron_reference(str(tmp_path / "ref"), [want[d] for d in docs], eod_id, size)
+        assert same_files(str(ws.path(prefix)), str(tmp_path / "ref")), prefix
+    log = ws.path("logs/tokenize/llama3/botchan/chunk-00000.log").read_text()
+    assert "encoder tiktoken: byte-level BPE (Split(regex)+ByteLevel, ignore_merges=True" in log

@@ -94,7 +94,9 @@ def _pattern(spec: dict) -> str:
         if "Regex" not in pat:
             raise NotExpressible("Split pre-tokenizer on a literal string (only a regex split is expressible)")
         if split.get("behavior") != "Isolated" or split.get("invert"):
-            raise NotExpressible(f"Split pre-tokenizer with behavior {split.get('behavior')}, invert {split.get('invert')}")
+            raise NotExpressible(
+                f"Split pre-tokenizer with behavior {split.get('behavior')}, invert {split.get('invert')}"
+            )
         return str(pat["Regex"])
     raise NotExpressible(f"pre-tokenizer {'+'.join(map(str, kinds))} (expected ByteLevel or Split(regex)+ByteLevel)")
 
@@ -185,7 +187,9 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
             raise NotExpressible(f"special token {tok!r} has the id {i} of a vocabulary token")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
-        raise NotExpressible(f"{len(missing)} of the 256 byte symbols are not in the vocabulary (e.g. byte {missing[0]})")
+        raise NotExpressible(
+            f"{len(missing)} of the 256 byte symbols are not in the vocabulary (e.g. byte {missing[0]})"
+        )
 
     # merge priority must be the order of the results' ids (what tiktoken merges by)
     merges = _merges(model)
@@ -237,7 +241,9 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
     import tiktoken
 
     try:
-        enc = tiktoken.Encoding("snakellm-tokenizer-json", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+        enc = tiktoken.Encoding(
+            "snakellm-tokenizer-json", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+        )
     except (ValueError, RuntimeError, OverflowError) as e:  # a pattern tiktoken's regex engine rejects
         raise NotExpressible(f"tiktoken cannot build the encoding: {e}") from None
     shape = "ByteLevel regex" if pattern == GPT2_PATTERN else "Split(regex)+ByteLevel"
