@@ -192,7 +192,7 @@ def test_huggingface_tokenizer_json_ids_identical(tmp_path, gpt2, texts):
     hf.add_special_tokens(["<|endoftext|>"])
     hf.save(str(tmp_path / "tokenizer.json"))
     tok = T.load("huggingface", tokenizer_file=str(tmp_path / "tokenizer.json"), eod="<|endoftext|>", expected_vocab_size=50257)
-    assert (tok.vocab_size, tok.eod_id) == (50257, 50256)
+    assert (tok.vocab_size, tok.eod_id, tok.backend) == (50257, 50256, "tiktoken")  # the fast path
     ref = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
     docs = all_documents()
     assert ids_of(tok, docs) == [ref.encode(t, add_special_tokens=False).ids for t in docs] == ids_of(gpt2, docs)
@@ -206,10 +206,14 @@ def test_huggingface_tokenizer_json_ids_identical(tmp_path, gpt2, texts):
     bpe.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     bpe.save(str(tmp_path / "bpe.json"))
     ref = HFTokenizer.from_file(str(tmp_path / "bpe.json"))
+    ref.encode_special_tokens = True  # WikiText's "<unk>" in the text is text, not the special token
     for special in (False, True):
         tok = T.load("huggingface", tokenizer_file=str(tmp_path / "bpe.json"), eod="</s>", add_special_tokens=special)
-        assert tok.eod_id == 1
+        assert tok.eod_id == 1 and tok.backend == "tokenizers" and "pre-tokenizer Whitespace" in tok.encoder_reason
         assert ids_of(tok, texts) == [ref.encode(t, add_special_tokens=special).ids for t in texts]
+    assert "<unk>" in texts[0]
+    default = HFTokenizer.from_file(str(tmp_path / "bpe.json")).encode("a <unk> b", add_special_tokens=False).ids
+    assert len(ids_of(tok, ["a <unk> b"])[0]) > len(default) == 3
 
 
 # ----------------------------------------------------------------------------- load errors
