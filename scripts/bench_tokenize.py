@@ -99,7 +99,9 @@ def run_step(args: list[str], prefix: Path) -> tuple[float, float, float, int]:
     t0, c0 = time.perf_counter(), cpu_seconds(resource.RUSAGE_CHILDREN)
     subprocess.run(
         [sys.executable, "-m", "snakellm.tokenize.encode", *args, str(prefix), "--no-progress"],
-        check=True, cwd=REPO, stderr=subprocess.DEVNULL,
+        check=True,
+        cwd=REPO,
+        stderr=subprocess.DEVNULL,
     )
     wall, cpu = time.perf_counter() - t0, cpu_seconds(resource.RUSAGE_CHILDREN) - c0
     st = json.loads(Path(str(prefix) + ".stats.json").read_text())
@@ -151,7 +153,9 @@ def main() -> int:
     print(f"load average before: {load()} (cores: {os.cpu_count()})")
     corpus = work / "corpus.jsonl"
     texts, size = build_corpus(corpus, a.mb)
-    print(f"corpus: {corpus} {size / 1e6:.1f} MB of text, {os.path.getsize(corpus) / 1e6:.1f} MB jsonl, {len(texts):,} documents")
+    print(
+        f"corpus: {corpus} {size / 1e6:.1f} MB of text, {os.path.getsize(corpus) / 1e6:.1f} MB jsonl, {len(texts):,} documents"
+    )
 
     from snakellm.tokenize import encoders as T
 
@@ -166,8 +170,20 @@ def main() -> int:
                 "raw1": lambda: sum(map(len, enc.encode_ordinary_batch(texts, num_threads=1))),
                 "rawN": lambda: sum(map(len, enc.encode_ordinary_batch(texts, num_threads=n))),
             },
-            ["--threads", str(n), "--kind", "gpt2-bpe", "--vocab-file", str(GPT2 / "vocab.json"), "--merges-file", str(GPT2 / "merges.txt")],
-            corpus, work, a.repeats, len(texts),
+            [
+                "--threads",
+                str(n),
+                "--kind",
+                "gpt2-bpe",
+                "--vocab-file",
+                str(GPT2 / "vocab.json"),
+                "--merges-file",
+                str(GPT2 / "merges.txt"),
+            ],
+            corpus,
+            work,
+            a.repeats,
+            len(texts),
         )
 
     if "spm" in kinds:
@@ -181,7 +197,14 @@ def main() -> int:
             for d in documents():
                 fh.write(orjson.dumps({"text": d}) + b"\n")
         model = work / "spm32k.model"
-        train([(str(sample), "text")], str(model), str(work / "spm32k.vocab"), str(work / "spm32k.stats.json"), vocab_size=32000, threads=n)
+        train(
+            [(str(sample), "text")],
+            str(model),
+            str(work / "spm32k.vocab"),
+            str(work / "spm32k.stats.json"),
+            vocab_size=32000,
+            threads=n,
+        )
         sp = spm.SentencePieceProcessor(model_file=str(model))
         results["spm"] = bench(
             "spm32k",
@@ -190,7 +213,10 @@ def main() -> int:
                 "rawN": lambda: sum(map(len, sp.encode(texts, num_threads=n))),
             },
             ["--threads", str(n), "--kind", "sentencepiece", "--model-file", str(model)],
-            corpus, work, a.repeats, len(texts),
+            corpus,
+            work,
+            a.repeats,
+            len(texts),
         )
 
     if "hf" in kinds:
@@ -203,8 +229,13 @@ def main() -> int:
         tj = work / "llama3-128k" / "tokenizer.json"
         if not tj.exists():
             train_bytelevel_bpe(
-                tj, documents() + enwiki_texts(), 128_000, pattern=LLAMA3_PATTERN, ignore_merges=True,
-                specials=("<|begin_of_text|>", "<|end_of_text|>"), bos="<|begin_of_text|>",
+                tj,
+                documents() + enwiki_texts(),
+                128_000,
+                pattern=LLAMA3_PATTERN,
+                ignore_merges=True,
+                specials=("<|begin_of_text|>", "<|end_of_text|>"),
+                bos="<|begin_of_text|>",
             )
         hf = T.load("huggingface", tokenizer_file=str(tj), eod="<|end_of_text|>")
         if hf.backend != "tiktoken":
@@ -229,7 +260,10 @@ def main() -> int:
                 "tokenizersN": tokenizers_n,
             },
             ["--threads", str(n), "--kind", "huggingface", "--tokenizer-file", str(tj), "--eod", "<|end_of_text|>"],
-            corpus, work, a.repeats, len(texts),
+            corpus,
+            work,
+            a.repeats,
+            len(texts),
         )
 
     # ------------------------------------------------------------------ report
@@ -244,8 +278,12 @@ def main() -> int:
         print(f"  raw encoder, {n} threads                 {best_median(rates['rawN'])}")
         for label, key in others:
             print(f"  {label:<38} {best_median(rates[key])}")
-        print(f"  snakellm tokenize, {n} threads (step)    {best_median(rates['step'])}  = {step / raw:.0%} of the best raw figure")
-        print(f"  snakellm tokenize, {n} threads (process) {best_median(rates['process'])}  = {max(rates['process']) / raw:.0%} (adds start, imports, tokenizer load)")
+        print(
+            f"  snakellm tokenize, {n} threads (step)    {best_median(rates['step'])}  = {step / raw:.0%} of the best raw figure"
+        )
+        print(
+            f"  snakellm tokenize, {n} threads (process) {best_median(rates['process'])}  = {max(rates['process']) / raw:.0%} (adds start, imports, tokenizer load)"
+        )
         c = r["cpu"]
         print(
             f"  CPU cost (load-independent): raw 1 thread {max(c['raw1']) / 1e6:.2f}M tokens per CPU-second, "
@@ -256,21 +294,37 @@ def main() -> int:
             print(f"  bar: {label}: {'PASS' if ok else 'FAIL'}")
 
     if "gpt2" in results:
-        block("GPT-2 BPE (tiktoken)", results["gpt2"], MEGATRON["gpt2"], lambda step, raw: [
-            (f">= {BARS['gpt2_abs'] / 1e6:.1f}M tokens/s end to end", step >= BARS["gpt2_abs"]),
-            (f">= {BARS['gpt2_rel']:.0%} of raw tiktoken", step >= BARS["gpt2_rel"] * raw),
-        ])
+        block(
+            "GPT-2 BPE (tiktoken)",
+            results["gpt2"],
+            MEGATRON["gpt2"],
+            lambda step, raw: [
+                (f">= {BARS['gpt2_abs'] / 1e6:.1f}M tokens/s end to end", step >= BARS["gpt2_abs"]),
+                (f">= {BARS['gpt2_rel']:.0%} of raw tiktoken", step >= BARS["gpt2_rel"] * raw),
+            ],
+        )
     if "spm" in results:
-        block("SentencePiece 32k BPE", results["spm"], MEGATRON["spm"], lambda step, raw: [
-            (f">= {BARS['spm_rel']:.0%} of raw sentencepiece", step >= BARS["spm_rel"] * raw),
-        ])
+        block(
+            "SentencePiece 32k BPE",
+            results["spm"],
+            MEGATRON["spm"],
+            lambda step, raw: [
+                (f">= {BARS['spm_rel']:.0%} of raw sentencepiece", step >= BARS["spm_rel"] * raw),
+            ],
+        )
     if "hf" in results:
         rates = results["hf"]["rates"]
         best_tokenizers = max(max(rates["tokenizers1"]), max(rates["tokenizersN"]))
-        block("tokenizer.json, Llama 3 shape, 128k (raw encoder: tiktoken)", results["hf"], MEGATRON["hf"], lambda step, raw: [
-            (f">= {BARS['hf_rel']:.0%} of raw tiktoken", step >= BARS["hf_rel"] * raw),
-            (f"faster than raw tokenizers ({step / best_tokenizers:.2f}x)", step > best_tokenizers),
-        ], others=[("raw tokenizers, 1 thread", "tokenizers1"), (f"raw tokenizers, {n} threads", "tokenizersN")])
+        block(
+            "tokenizer.json, Llama 3 shape, 128k (raw encoder: tiktoken)",
+            results["hf"],
+            MEGATRON["hf"],
+            lambda step, raw: [
+                (f">= {BARS['hf_rel']:.0%} of raw tiktoken", step >= BARS["hf_rel"] * raw),
+                (f"faster than raw tokenizers ({step / best_tokenizers:.2f}x)", step > best_tokenizers),
+            ],
+            others=[("raw tokenizers, 1 thread", "tokenizers1"), (f"raw tokenizers, {n} threads", "tokenizersN")],
+        )
     print(f"\nload average after: {load()}")
     return 0
 

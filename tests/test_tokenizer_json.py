@@ -125,7 +125,7 @@ def test_family_runs_on_tiktoken_with_ids_identical_to_tokenizers(family, family
     ours = ids_of(tok, all_texts)
     assert ours == reference(family)  # every shipped document and the generated strings
     assert sum(map(len, ours)) > 1_500_000
-    for text, ids in zip(HARD_TEXTS, ours[-len(HARD_TEXTS) :]):
+    for text, ids in zip(HARD_TEXTS, ours[-len(HARD_TEXTS) :], strict=True):
         want = text if not opts.get("nfc") else __import__("unicodedata").normalize("NFC", text)
         assert tok.decode(ids) == want  # byte-level: lossless
     if opts.get("nfc"):  # NFC really is applied: decomposed é and Hangul jamo encode as the composed forms
@@ -210,7 +210,7 @@ def test_snakellm_tokenize_every_shipped_corpus_byte_identical_to_tokenizers_ids
     path = family_files[family]
     size, _, eod = FAMILIES[family]
     eod_id = HFTokenizer.from_file(str(path)).token_to_id(eod)
-    want = dict(zip(all_texts, reference(family)))
+    want = dict(zip(all_texts, reference(family), strict=True))
     chunks = [(s.parent.name + "-" + s.stem, read_shard(s)) for s in WIKITEXT_SHARDS]
     chunks += [("botchan", read_shard(BOTCHAN)), ("enwiki", enwiki_texts()), ("hard", [t for t in HARD_TEXTS if t])]
     tok = T.load("huggingface", tokenizer_file=str(path), eod=eod, expected_vocab_size=size)
@@ -422,7 +422,7 @@ def test_llama3_tokenizer_json_through_the_workflow(family_files, all_texts, ref
     cfg["tokenize"] = {"tokenizers": ["llama3"], "threads": 2}
     ws.write_config(cfg)
     ws.run("data/tokens/llama3/blend.json")
-    want = dict(zip(all_texts, reference("llama3")))
+    want = dict(zip(all_texts, reference("llama3"), strict=True))
     eod_id = HFTokenizer.from_file(str(family_files["llama3"])).token_to_id(eod)
     blend = json.loads(ws.path("data/tokens/llama3/blend.json").read_text())
     assert blend["tokenizer"]["vocab_size"] == size and blend["tokenizer"]["dtype"] == "int32"

@@ -10,7 +10,7 @@ It shares no code with snakellm.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import orjson
@@ -30,7 +30,7 @@ def read_shard(path: Path, key: str = "text") -> list[str]:
         return [orjson.loads(line)[key] for line in fh if line.strip()]
 
 
-@lru_cache(maxsize=None)
+@cache
 def corpus() -> dict[str, tuple[str, ...]]:
     """{source: documents} of the whole shipped corpus (62 WikiText-2 articles, 149 Botchan sections)."""
     wiki = [d for s in WIKITEXT_SHARDS for d in read_shard(s)]
@@ -58,7 +58,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(2**8 + n)
             n += 1
-    return dict(zip(bs, [chr(c) for c in cs]))
+    return dict(zip(bs, [chr(c) for c in cs], strict=True))
 
 
 class OpenAIGPT2:
@@ -78,7 +78,7 @@ class OpenAIGPT2:
             return self.cache[token]
         word = tuple(token)
         while len(word) > 1:
-            pairs = set(zip(word, word[1:]))
+            pairs = set(zip(word, word[1:], strict=False))
             bigram = min(pairs, key=lambda p: self.bpe_ranks.get(p, float("inf")))
             if bigram not in self.bpe_ranks:
                 break
@@ -111,7 +111,7 @@ class OpenAIGPT2:
         return ids
 
 
-@lru_cache(maxsize=None)
+@cache
 def openai_gpt2() -> OpenAIGPT2:
     return OpenAIGPT2(GPT2_VOCAB, GPT2_MERGES)
 
@@ -120,9 +120,7 @@ def openai_gpt2() -> OpenAIGPT2:
 
 ENWIKI = REPO / "resources" / "wikipedia" / "enwiki-pages-articles-excerpt.xml.bz2"
 # the split regexes of the families' tokenizer.json files (Llama 3 = tiktoken's cl100k; Qwen 2: single digits)
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -201,7 +199,9 @@ def train_bytelevel_bpe(
             [
                 processors.ByteLevel(trim_offsets=False),
                 processors.TemplateProcessing(
-                    single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, tok.token_to_id(bos))]
+                    single=f"{bos}:0 $A:0",
+                    pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                    special_tokens=[(bos, tok.token_to_id(bos))],
                 ),
             ]
         )

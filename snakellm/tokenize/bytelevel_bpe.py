@@ -60,10 +60,18 @@ def _type(part: Any) -> str | None:
     return part.get("type") if isinstance(part, dict) else None
 
 
+def _parts(part: Any, key: str) -> list[dict]:
+    """The members of a ``Sequence`` (under ``key``), the part alone, or nothing for null."""
+    if part is None:
+        return []
+    if _type(part) == "Sequence":
+        return [p for p in part.get(key) or [] if isinstance(p, dict)]
+    return [part] if isinstance(part, dict) else []
+
+
 def _normalizer(spec: dict) -> bool:
     """True for NFC, False for none; anything else is not expressible."""
-    n = spec.get("normalizer")
-    parts = n.get("normalizers", []) if _type(n) == "Sequence" else [] if n is None else [n]
+    parts = _parts(spec.get("normalizer"), "normalizers")
     kinds = [_type(p) for p in parts]
     if kinds == []:
         return False
@@ -81,8 +89,7 @@ def _byte_level(p: dict, use_regex: bool) -> None:
 
 def _pattern(spec: dict) -> str:
     """The split regex of the pre-tokenizer."""
-    pt = spec.get("pre_tokenizer")
-    parts = pt.get("pretokenizers", []) if _type(pt) == "Sequence" else [pt]
+    parts = _parts(spec.get("pre_tokenizer"), "pretokenizers")
     kinds = [_type(p) for p in parts]
     if kinds == ["ByteLevel"]:
         _byte_level(parts[0], use_regex=True)
@@ -112,8 +119,7 @@ def _merges(model: dict) -> list[tuple[str, str]]:
 
 def _post_tokens(spec: dict, specials: dict[str, int]) -> tuple[list[int], list[int]]:
     """Ids the post-processor puts before and after a single text (add_special_tokens)."""
-    pp = spec.get("post_processor")
-    parts = pp.get("processors", []) if _type(pp) == "Sequence" else [] if pp is None else [pp]
+    parts = _parts(spec.get("post_processor"), "processors")
     prefix: list[int] = []
     suffix: list[int] = []
     for p in parts:
@@ -230,10 +236,10 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
     if not model.get("ignore_merges"):
         tokens = [t for t in vocab if len(t) > 1 and t not in specials]
         ok = reachable(tokens) if reachable and tokens else [True] * len(tokens)
-        bad = [t for t, good in zip(tokens, ok) if not good]
-        if bad:
+        lost = [t for t, good in zip(tokens, ok, strict=True) if not good]
+        if lost:
             raise NotExpressible(
-                f"ignore_merges is false and {len(bad)} token(s) are not rebuilt by their own merges (e.g. {bad[0]!r}); "
+                f"ignore_merges is false and {len(lost)} token(s) are not rebuilt by their own merges (e.g. {lost[0]!r}); "
                 "tiktoken returns a piece found whole in the vocabulary"
             )
 

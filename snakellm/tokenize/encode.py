@@ -28,17 +28,18 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import orjson
 
-from snakellm.tokenize import encoders as tokmod
 from snakellm.io.atomic import atomic_group
-from snakellm.tokenize.indexed import IndexedWriter, dtype_name, optimal_dtype, prefix_paths, read_index
 from snakellm.io.progress import progress
+from snakellm.tokenize import encoders as tokmod
+from snakellm.tokenize.indexed import IndexedWriter, dtype_name, optimal_dtype, prefix_paths, read_index
 
 
 class TokenizeError(ValueError):
@@ -114,13 +115,13 @@ def verify_batch(tok: tokmod.Tokenizer, batch: Batch, ids: list, verify: Verify)
     if not picked:
         return 0, None
     ref = tok.reference_batch([batch.texts[i] for i in picked])
-    for i, want in zip(picked, ref):
+    for i, want in zip(picked, ref, strict=True):
         got = ids[i].tolist() if isinstance(ids[i], np.ndarray) else [int(x) for x in ids[i]]
         if got != want:
-            at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            at = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
             detail = (
                 f"document {batch.first + i}: {tok.backend} gives {len(got)} ids, the reference {len(want)}; "
-                f"first difference at token {at}: {got[at:at + 3]} != {want[at:at + 3]}"
+                f"first difference at token {at}: {got[at : at + 3]} != {want[at : at + 3]}"
             )
             return len(picked), Mismatch(batch.lines[i], detail)
     return len(picked), None
@@ -217,9 +218,17 @@ def _tokenize_file(
     t0 = time.perf_counter()
     text_bytes = empty_docs = verified = 0
     with atomic_group(bin_p, idx_p, stats_p) as (tmp_bin, tmp_idx, tmp_stats):
-        with IndexedWriter(tmp_bin, tmp_idx, dtype) as writer, ThreadPoolExecutor(threads) as pool, progress(
-            total=os.path.getsize(jsonl), unit="B", unit_scale=True, desc=f"tokenize {source}/{chunk}", enabled=show_progress
-        ) as bar:
+        with (
+            IndexedWriter(tmp_bin, tmp_idx, dtype) as writer,
+            ThreadPoolExecutor(threads) as pool,
+            progress(
+                total=os.path.getsize(jsonl),
+                unit="B",
+                unit_scale=True,
+                desc=f"tokenize {source}/{chunk}",
+                enabled=show_progress,
+            ) as bar,
+        ):
             pending: deque = deque()
 
             def write_one() -> None:
@@ -298,12 +307,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", default="", help="chunk name, recorded in the stats")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
-        "--verify", type=float, default=0.01,
+        "--verify",
+        type=float,
+        default=0.01,
         help="fraction of documents whose tiktoken ids are compared with tokenizers' (huggingface kind; default 0.01; "
         "0: none); a difference re-encodes the chunk with tokenizers",
     )
     p.add_argument(
-        "--verify-all-mb", type=float, default=2.0,
+        "--verify-all-mb",
+        type=float,
+        default=2.0,
         help="compare every document when the chunk is at most this many MB (default 2)",
     )
     tokmod.add_arguments(p)
@@ -312,9 +325,18 @@ def main(argv: list[str] | None = None) -> int:
         tok = tokmod.from_args(a)
         print(f"snakellm tokenize: encoder {tok.backend}: {tok.encoder_reason or tok.kind}", file=sys.stderr)
         st = tokenize_file(
-            a.input, a.prefix, tok, key=a.key, threads=a.threads, stats=a.stats, source=a.source,
-            chunk=a.chunk, batch_bytes=max(1, int(a.batch_mb * 1e6)), show_progress=not a.no_progress,
-            verify=a.verify, verify_all_bytes=int(a.verify_all_mb * 1e6),
+            a.input,
+            a.prefix,
+            tok,
+            key=a.key,
+            threads=a.threads,
+            stats=a.stats,
+            source=a.source,
+            chunk=a.chunk,
+            batch_bytes=max(1, int(a.batch_mb * 1e6)),
+            show_progress=not a.no_progress,
+            verify=a.verify,
+            verify_all_bytes=int(a.verify_all_mb * 1e6),
         )
     except (tokmod.TokenizerError, TokenizeError, OSError) as e:
         print(f"snakellm tokenize: error: {e}", file=sys.stderr)

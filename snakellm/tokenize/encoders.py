@@ -33,9 +33,9 @@ import hashlib
 import json
 import os
 import unicodedata
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import orjson
@@ -61,7 +61,7 @@ def bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -165,18 +165,18 @@ def _tiktoken_ranks(vocab: dict[str, int], merges: list[tuple[str, str]], eod: s
         return None  # tokens outside the byte alphabet: not plain byte-level BPE
     if len(ranks) != len(vocab) - (eod in vocab):
         return None
-    byte_ids = [ranks.get(bytes([b])) for b in range(256)]
-    if any(i is None for i in byte_ids):
+    byte_ids = [ranks[bytes([b])] for b in range(256) if bytes([b]) in ranks]
+    if len(byte_ids) != 256:
         return None
     last = max(byte_ids)
     seen = set()
     for a, b in merges:
         tok = a + b
-        i = vocab.get(tok)
-        if i is None or i <= last or tok in seen:
+        made = vocab.get(tok)
+        if made is None or made <= last or tok in seen:
             return None
         seen.add(tok)
-        last = i
+        last = made
     if len(ranks) != 256 + len(merges):
         return None  # extra non-merge tokens: tiktoken would merge into them
     return ranks
@@ -185,27 +185,37 @@ def _tiktoken_ranks(vocab: dict[str, int], merges: list[tuple[str, str]], eod: s
 class GPT2BPE(Tokenizer):
     kind = "gpt2-bpe"
 
-    def __init__(self, name: str, vocab_file: str, merges_file: str, eod: str = GPT2_EOD, backend: str = "auto") -> None:
+    def __init__(
+        self, name: str, vocab_file: str, merges_file: str, eod: str = GPT2_EOD, backend: str = "auto"
+    ) -> None:
         vocab, merges = _read_gpt2_files(vocab_file, merges_file)
         if eod not in vocab:
             raise TokenizerError(f"{vocab_file}: the EOD token {eod!r} is not in the vocabulary")
-        super().__init__(name, {"vocab_file": str(vocab_file), "merges_file": str(merges_file)}, len(vocab), vocab[eod], eod)
+        super().__init__(
+            name, {"vocab_file": str(vocab_file), "merges_file": str(merges_file)}, len(vocab), vocab[eod], eod
+        )
         ranks = _tiktoken_ranks(vocab, merges, eod) if backend in ("auto", "tiktoken") else None
         if ranks is not None:
             import tiktoken
 
             specials = {eod: vocab[eod]}
             self._enc = tiktoken.Encoding(
-                f"snakellm-{name}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials,
+                f"snakellm-{name}",
+                pat_str=GPT2_PATTERN,
+                mergeable_ranks=ranks,
+                special_tokens=specials,
                 explicit_n_vocab=len(vocab) if max(vocab.values()) == len(vocab) - 1 else None,
             )
             self.backend = "tiktoken"
             self.encoder_reason = "merges in id order: expressed exactly as tiktoken ranks"
         elif backend == "tiktoken":
-            raise TokenizerError(f"{merges_file}: merge order differs from the vocab's id order; tiktoken cannot encode it")
+            raise TokenizerError(
+                f"{merges_file}: merge order differs from the vocab's id order; tiktoken cannot encode it"
+            )
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallel across our worker threads instead
-            from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+            from tokenizers import Tokenizer as HFTokenizer
+            from tokenizers import decoders, models, pre_tokenizers
 
             tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -213,7 +223,8 @@ class GPT2BPE(Tokenizer):
             self._hf = tok
             self.backend = "tokenizers"
             self.encoder_reason = (
-                "tokenizers requested (--backend tokenizers)" if backend == "tokenizers"
+                "tokenizers requested (--backend tokenizers)"
+                if backend == "tokenizers"
                 else "merge order differs from the vocabulary's id order (tiktoken merges by id)"
             )
 
@@ -313,7 +324,9 @@ class HuggingFace(Tokenizer):
         eod_id = tok.token_to_id(eod)
         if eod_id is None:
             raise TokenizerError(f"{tokenizer_file}: the EOD token {eod!r} is not in the vocabulary")
-        super().__init__(name, {"tokenizer_file": str(tokenizer_file)}, tok.get_vocab_size(with_added_tokens=True), eod_id, eod)
+        super().__init__(
+            name, {"tokenizer_file": str(tokenizer_file)}, tok.get_vocab_size(with_added_tokens=True), eod_id, eod
+        )
         self._tok = tok
         self._special = add_special_tokens
         self._plan = None
@@ -406,7 +419,14 @@ def megatron_args(info: dict) -> list[str]:
     """Megatron-LM ``pretrain_gpt.py`` tokenizer flags for a tokenizer ``info()``."""
     f = info["files"]
     if info["kind"] == "gpt2-bpe":
-        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f["vocab_file"], "--merge-file", f["merges_file"]]
+        return [
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            f["vocab_file"],
+            "--merge-file",
+            f["merges_file"],
+        ]
     if info["kind"] == "sentencepiece":
         return ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", f["model_file"]]
     return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(Path(f["tokenizer_file"]).parent)]
@@ -416,7 +436,12 @@ def nemo_tokenizer(info: dict) -> dict:
     """NeMo 1.x ``model.tokenizer`` config for a tokenizer ``info()``."""
     f = info["files"]
     if info["kind"] == "gpt2-bpe":
-        return {"library": "megatron", "type": "GPT2BPETokenizer", "vocab_file": f["vocab_file"], "merge_file": f["merges_file"]}
+        return {
+            "library": "megatron",
+            "type": "GPT2BPETokenizer",
+            "vocab_file": f["vocab_file"],
+            "merge_file": f["merges_file"],
+        }
     if info["kind"] == "sentencepiece":
         return {"library": "sentencepiece", "model": f["model_file"]}
     return {"library": "huggingface", "type": str(Path(f["tokenizer_file"]).parent), "use_fast": True}
@@ -440,9 +465,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sentencepiece: the model's eos piece; huggingface: required)",
     )
     g.add_argument("--vocab-size", type=int, help="the configured vocab size: a tokenizer of another size is an error")
-    g.add_argument("--add-special-tokens", action="store_true", help="huggingface: apply the post-processor's special tokens")
     g.add_argument(
-        "--backend", default="auto", choices=("auto", "tiktoken", "tokenizers"),
+        "--add-special-tokens", action="store_true", help="huggingface: apply the post-processor's special tokens"
+    )
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "tiktoken", "tokenizers"),
         help="gpt2-bpe and huggingface encoder (default auto: tiktoken when it gives exactly the ids of the "
         "tokenizer's own library, else tokenizers; tiktoken: fail instead of falling back)",
     )
@@ -450,7 +479,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def from_args(a: argparse.Namespace) -> Tokenizer:
     return load(
-        a.kind, name=a.name, vocab_file=a.vocab_file, merges_file=a.merges_file, model_file=a.model_file,
-        tokenizer_file=a.tokenizer_file, eod=a.eod, add_special_tokens=a.add_special_tokens,
-        expected_vocab_size=a.vocab_size, backend=a.backend,
+        a.kind,
+        name=a.name,
+        vocab_file=a.vocab_file,
+        merges_file=a.merges_file,
+        model_file=a.model_file,
+        tokenizer_file=a.tokenizer_file,
+        eod=a.eod,
+        add_special_tokens=a.add_special_tokens,
+        expected_vocab_size=a.vocab_size,
+        backend=a.backend,
     )
