@@ -366,7 +366,10 @@ class HuggingFace(Tokenizer):
         if plan.nfc:
             texts = [unicodedata.normalize("NFC", t) for t in texts]
         enc = plan.encoding
-        out = [enc.encode_to_numpy(t, disallowed_special=()) for t in texts]
+        if hasattr(enc, "encode_to_numpy"):  # tiktoken >= 0.8: no Python int per token
+            out = [enc.encode_to_numpy(t, disallowed_special=()) for t in texts]
+        else:
+            out = [np.asarray(enc.encode_ordinary(t), dtype=np.uint32) for t in texts]
         if plan.prefix or plan.suffix:
             pre, suf = (np.asarray(x, dtype=np.uint32) for x in (plan.prefix, plan.suffix))
             out = [np.concatenate([pre, a, suf]) for a in out]
