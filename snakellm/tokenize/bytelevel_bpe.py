@@ -24,12 +24,13 @@ every part of the file has an exact tiktoken equivalent:
   ``TemplateProcessing``) when ``add_special_tokens`` is asked for.
 
 One difference cannot be ruled out from the file alone: tiktoken merges *any* adjacent
-pair whose concatenation is a token, tokenizers only the listed merges. For merges
-learned by BPE training the states where this differs are not reached (GPT-2 and every
-file in the tests have thousands of unlisted splits and give identical ids), but a
-hand-edited file could differ, and Unicode tables (regex classes, NFC) of the two
-libraries may differ on rare characters; ``snakellm tokenize`` therefore compares ids
-with ``tokenizers`` on a sample of every chunk and falls back when they differ.
+pair whose concatenation is a token, tokenizers only the listed merges. GPT-2 and every
+trained file in the tests have tens of thousands of such unlisted splits and still give
+identical ids on all the shipped text (BPE training only learns merges of pairs its own
+merge order produces), but a hand-edited file can differ (the tests build one), and the
+two libraries' Unicode tables (regex classes, NFC) may differ on rare characters; so
+``snakellm tokenize`` compares ids with ``tokenizers`` on a sample of every chunk and
+falls back when they differ.
 """
 
 from __future__ import annotations
