@@ -17,7 +17,7 @@ huggingface (a Llama-3-shaped 128k byte-level BPE ``tokenizer.json`` trained wit
     raw tiktoken (the Encoding ``snakellm tokenize`` builds from that file) and raw
     ``tokenizers`` (``encode_batch_fast``; N threads = N slices on N Python threads,
     as the step runs it) versus ``snakellm tokenize --kind huggingface`` (tiktoken
-    plus its verification of 1% of the documents against ``tokenizers``).
+    plus its verification of 0.5% of the documents against ``tokenizers``).
 
 ``snakellm tokenize`` runs as its own process, as under Snakemake. Two figures
 are given for it: the step (read + parse + encode + write + verify, from its

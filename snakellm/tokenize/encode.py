@@ -173,7 +173,7 @@ def tokenize_file(
     chunk: str = "",
     batch_bytes: int = 1 << 20,
     show_progress: bool = True,
-    verify: float = 0.01,
+    verify: float = 0.005,
     verify_all_bytes: int = 2_000_000,
 ) -> dict:
     """Tokenize ``jsonl`` into ``{prefix}.bin/.idx`` and ``{prefix}.stats.json``; return the stats.
@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--verify",
         type=float,
-        default=0.01,
-        help="fraction of documents whose tiktoken ids are compared with tokenizers' (huggingface kind; default 0.01; "
+        default=0.005,
+        help="fraction of documents whose tiktoken ids are compared with tokenizers' (huggingface kind; default 0.005; "
         "0: none); a difference re-encodes the chunk with tokenizers",
     )
     p.add_argument(
