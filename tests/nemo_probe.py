@@ -21,7 +21,7 @@ there is no GPU, apex or Transformer Engine here, and NeMo 2.4.1 predates megatr
     NeMo's megatron_init imports it and otherwise silently sets HAVE_MEGATRON_CORE = False.
 (d) a single-process gloo group + ``initialize_model_parallel(1, 1)`` before NeMo builds the model:
     megatron-core 0.16's GPTModel needs process groups at construction; NeMo creates them only in
-    Lightning's (GPU) launcher.
+    Lightning's (GPU) launcher; plus megatron-core's inference RNG tracker (the CUDA one needs a GPU).
 (e) ``megatron_gpt_model.get_specs`` returns megatron-core's local layer spec: NeMo builds the TE spec
     eagerly (even when unused) and ``transformer_engine: true`` asks for it; without TE it cannot be
     built. The local spec has the same dist-checkpoint keys (megatron-core's sharded_state_dict_keys_map).
@@ -29,6 +29,11 @@ there is no GPU, apex or Transformer Engine here, and NeMo 2.4.1 predates megatr
     imports it from apex.
 (g) an empty module ``megatron.core.dist_checkpointing.strategies.tensorstore``: NeMo's dist_ckpt_io
     imports it at module level; megatron-core 0.16 removed it (we write torch_dist, never zarr).
+(i) no network: HF_HUB_OFFLINE=1 and, in the working directory, ``gpt2/config.json`` = {"model_type": "gpt2"}
+    and ``gpt2/tokenizer_config.json`` = {"model_max_length": 1024} (both as on the hub).
+    For ``library: megatron, type: GPT2BPETokenizer`` NeMo calls ``AutoTokenizer.from_pretrained("gpt2",
+    vocab_file=<from the .nemo>, merges_file=<from the .nemo>)``, which asks the hub only which tokenizer class
+    "gpt2" is; the directory holds no tokenizer files, so the vocabulary and merges NeMo uses are the .nemo's.
 (h) ``torch.cuda.current_device``/``synchronize`` for a CPU-only torch (megatron-core's writer calls them),
     and the config override ``use_cpu_initialization: true`` (False calls torch.cuda.set_device).
 """
@@ -43,6 +48,7 @@ import types
 from pathlib import Path
 
 os.environ.setdefault("NVIDIA_PYTORCH_VERSION", "24.07")  # (b)
+os.environ["HF_HUB_OFFLINE"] = "1"  # (i)
 
 import torch  # noqa: E402
 
@@ -79,6 +85,10 @@ def _shims() -> None:
 
     torch.distributed.init_process_group("gloo", rank=0, world_size=1, store=torch.distributed.HashStore())  # (d)
     ps.initialize_model_parallel(1, 1)
+    from megatron.core import tensor_parallel
+
+    # megatron-core's CPU-friendly RNG tracker (model_parallel_cuda_manual_seed needs CUDA)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -88,8 +98,10 @@ def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _logits(module: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
+    # the causal mask spelled out: megatron-core's default one is created on "cuda"
+    mask = torch.triu(torch.ones(tokens.size(1), tokens.size(1), dtype=torch.bool), diagonal=1)[None, None]
     with torch.no_grad():
-        return module(input_ids=tokens, position_ids=pos, attention_mask=None).float()
+        return module(input_ids=tokens, position_ids=pos, attention_mask=mask).float()
 
 
 def main() -> int:
@@ -107,8 +119,14 @@ def main() -> int:
     from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import MegatronGPTModel
     from nemo.collections.nlp.parts.nlp_overrides import NLPDDPStrategy, NLPSaveRestoreConnector
 
-    out = Path(a.out)
+    out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    a.nemo, a.batch = str(Path(a.nemo).resolve()), str(Path(a.batch).resolve())
+    a.resave = str(Path(a.resave).resolve()) if a.resave else None
+    (out / "gpt2").mkdir(exist_ok=True)  # (i)
+    (out / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (out / "gpt2" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
+    os.chdir(out)
     trainer = Trainer(strategy=NLPDDPStrategy(), accelerator="cpu", devices=1, logger=False,
                       enable_checkpointing=False)
     cfg = MegatronGPTModel.restore_from(a.nemo, trainer=trainer, return_config=True,

@@ -414,7 +414,8 @@ def load_weights(module: Any, weights_dir: Path, prefix: str) -> None:
     except Exception as e:  # megatron-core names the key and both shapes
         raise NemoError(f"{weights_dir}: the weights do not match the model config: {e}") from None
     # load() also merges in the checkpoint's common.pt (iteration, run metadata): keep the module's keys
-    state = {k: v for k, v in state.items() if k in request}
+    # (sharded_state_dict(prefix=...) prefixes the dict's keys too)
+    state = {k[len(prefix):]: v for k, v in state.items() if k in request}
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
