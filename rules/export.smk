@@ -16,11 +16,11 @@ rule export_nemo:
         blend=get_train_blend,
     output:
         "runs/{run}/{run}.nemo",
-    params:
-        args=get_export_nemo_args,
-    threads: 2
     log:
         "logs/export_nemo/{run}.log",
+    threads: 2
+    params:
+        args=get_export_nemo_args,
     shell:
         "snakellm export-nemo runs/{wildcards.run} {output} --blend {input.blend} --threads {threads} "
         "{params.args} 2> {log}"

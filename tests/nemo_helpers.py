@@ -1,10 +1,10 @@
 """Subprocess helpers for tests/test_nemo_compat.py (snakellm's venv; one process each, like a real job).
 
-    python tests/nemo_helpers.py make RUN_DIR ARCH.json TOKENIZER.json SEED
-        a model-only checkpoint of the given architecture with seeded random weights
-        (norms and biases included, so no tensor is trivially 0 or 1)
-    python tests/nemo_helpers.py dump RUN_DIR BATCH.pt OUT_DIR
-        our model loaded from RUN_DIR's checkpoint: OUT_DIR/state.pt (every tensor) and logits.pt
+python tests/nemo_helpers.py make RUN_DIR ARCH.json TOKENIZER.json SEED
+    a model-only checkpoint of the given architecture with seeded random weights
+    (norms and biases included, so no tensor is trivially 0 or 1)
+python tests/nemo_helpers.py dump RUN_DIR BATCH.pt OUT_DIR
+    our model loaded from RUN_DIR's checkpoint: OUT_DIR/state.pt (every tensor) and logits.pt
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from snakellm.export import nemo
-from snakellm.models import architecture
+from snakellm.models import architecture, load, save_model_checkpoint
 
 
 def make(run_dir: str, arch_json: str, tok_json: str, seed: str) -> None:
@@ -32,25 +32,28 @@ def make(run_dir: str, arch_json: str, tok_json: str, seed: str) -> None:
                     p.copy_(1.0 + 0.1 * torch.randn_like(p))
                 elif name.endswith("bias"):
                     p.copy_(0.02 * torch.randn_like(p))
-        nemo.save_model_checkpoint(Path(run_dir), module, arch, vocab, tok)
+        save_model_checkpoint(Path(run_dir), module, arch, vocab, tok)
 
 
 def dump(run_dir: str, batch: str, out_dir: str) -> None:
-    info = nemo.read_checkpoint_info(run_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with nemo.model_parallel():
-        module = nemo.build(info["arch"], info["padded_vocab"])
-        nemo.load_weights(module, info["dir"] / f"iter_{info['iteration']:07d}", prefix="")
+        m = load(run_dir)
+        module = m.model
+        info = {"iteration": m.iteration, "arch": m.arch, "tokenizer": m.tokenizer}
         tokens = torch.load(batch)
         pos = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
         with torch.no_grad():
             logits = module(input_ids=tokens, position_ids=pos, attention_mask=None).float()
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()
-                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        state = {
+            k: v.detach().clone()
+            for k, v in module.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+        }
     torch.save(state, out / "state.pt")
     torch.save(logits, out / "logits.pt")
-    (out / "info.json").write_text(json.dumps({k: str(v) for k, v in info.items()}))
+    (out / "info.json").write_text(json.dumps(info))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from pathlib import Path
 os.environ.setdefault("NVIDIA_PYTORCH_VERSION", "24.07")  # (b)
 os.environ["HF_HUB_OFFLINE"] = "1"  # (i)
 
-import torch  # noqa: E402
+import torch
 
 torch.cuda.current_device = lambda: torch.device("cpu")  # (h)
 torch.cuda.synchronize = lambda *a, **k: None  # (h)
@@ -92,8 +92,11 @@ def _shims() -> None:
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()
-            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    return {
+        k: v.detach().clone()
+        for k, v in module.state_dict().items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+    }
 
 
 def _logits(module: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -115,9 +118,9 @@ def main() -> int:
     torch.set_num_threads(1)
     _shims()
     from lightning.pytorch import Trainer
-    from omegaconf import OmegaConf
     from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import MegatronGPTModel
     from nemo.collections.nlp.parts.nlp_overrides import NLPDDPStrategy, NLPSaveRestoreConnector
+    from omegaconf import OmegaConf
 
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -127,14 +130,15 @@ def main() -> int:
     (out / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     (out / "gpt2" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
     os.chdir(out)
-    trainer = Trainer(strategy=NLPDDPStrategy(), accelerator="cpu", devices=1, logger=False,
-                      enable_checkpointing=False)
-    cfg = MegatronGPTModel.restore_from(a.nemo, trainer=trainer, return_config=True,
-                                        save_restore_connector=NLPSaveRestoreConnector())
+    trainer = Trainer(strategy=NLPDDPStrategy(), accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    cfg = MegatronGPTModel.restore_from(
+        a.nemo, trainer=trainer, return_config=True, save_restore_connector=NLPSaveRestoreConnector()
+    )
     OmegaConf.set_struct(cfg, False)
     cfg.use_cpu_initialization = True  # (h)
-    model = MegatronGPTModel.restore_from(a.nemo, trainer=trainer, override_config_path=cfg,
-                                          save_restore_connector=NLPSaveRestoreConnector())
+    model = MegatronGPTModel.restore_from(
+        a.nemo, trainer=trainer, override_config_path=cfg, save_restore_connector=NLPSaveRestoreConnector()
+    )
     model.eval()
     gpt = model.model
     tokens = torch.load(a.batch)
@@ -143,10 +147,18 @@ def main() -> int:
     (out / "config.json").write_text(json.dumps(OmegaConf.to_container(model.cfg, resolve=True), indent=1))
     text = "Hello world, this is NeMo reading a snakellm file."
     ids = model.tokenizer.text_to_ids(text)
-    (out / "tokenizer.json").write_text(json.dumps({
-        "class": type(model.tokenizer).__name__, "text": text, "ids": ids, "vocab_size": model.tokenizer.vocab_size,
-        "eos_id": model.tokenizer.eos_id, "padded_vocab_size": model.padded_vocab_size,
-    }))
+    (out / "tokenizer.json").write_text(
+        json.dumps(
+            {
+                "class": type(model.tokenizer).__name__,
+                "text": text,
+                "ids": ids,
+                "vocab_size": model.tokenizer.vocab_size,
+                "eos_id": model.tokenizer.eos_id,
+                "padded_vocab_size": model.padded_vocab_size,
+            }
+        )
+    )
     if a.resave:
         g = torch.Generator().manual_seed(a.seed)
         with torch.no_grad():

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import env_with_venv, small_config
+
 from snakellm.export import nemo
 from snakellm.models import architecture
 
@@ -25,8 +25,12 @@ BIN = Path(sys.executable).parent
 @pytest.mark.parametrize("preset", sorted(architecture.PRESETS))
 def test_model_config_maps_back_to_the_same_architecture(preset):
     arch = architecture.resolve(preset, {"rotary_base": 500000} if "llama" in preset else {})
-    cfg = nemo.model_config(arch, architecture.padded_vocab_size(32000, arch), {"library": "sentencepiece"},
-                            transformer_engine=nemo.transformer_engine_for(arch))
+    cfg = nemo.model_config(
+        arch,
+        architecture.padded_vocab_size(32000, arch),
+        {"library": "sentencepiece"},
+        transformer_engine=nemo.transformer_engine_for(arch),
+    )
     assert cfg["mcore_gpt"] is True and cfg["target"].endswith("MegatronGPTModel")
     assert cfg["transformer_engine"] is (arch["normalization"] == "RMSNorm")
     assert ("dist_ckpt_load_strictness" in cfg) is cfg["transformer_engine"]
@@ -34,15 +38,18 @@ def test_model_config_maps_back_to_the_same_architecture(preset):
     assert back == arch
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"mcore_gpt": False}, "not a megatron-core GPT"),
-    ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size is 2"),
-    ({"position_embedding_type": "alibi"}, "position_embedding_type 'alibi'"),
-    ({"normalization": "layernorm1p"}, "normalization 'layernorm1p'"),
-    ({"activation": "squared-relu"}, "activation 'squared-relu'"),
-    ({"rotary_percentage": 0.5, "position_embedding_type": "rope"}, "rotary_percentage 0.5"),
-    ({"num_layers": None}, "no 'num_layers'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"mcore_gpt": False}, "not a megatron-core GPT"),
+        ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size is 2"),
+        ({"position_embedding_type": "alibi"}, "position_embedding_type 'alibi'"),
+        ({"normalization": "layernorm1p"}, "normalization 'layernorm1p'"),
+        ({"activation": "squared-relu"}, "activation 'squared-relu'"),
+        ({"rotary_percentage": 0.5, "position_embedding_type": "rope"}, "rotary_percentage 0.5"),
+        ({"num_layers": None}, "no 'num_layers'"),
+    ],
+)
 def test_unsupported_nemo_configs_are_named(change, message):
     arch = architecture.resolve("tiny")
     cfg = {**nemo.model_config(arch, 128, {}), **change}
@@ -51,8 +58,9 @@ def test_unsupported_nemo_configs_are_named(change, message):
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "snakellm"), *args], cwd=cwd, env=env_with_venv(), capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [str(BIN / "snakellm"), *args], cwd=cwd, env=env_with_venv(), capture_output=True, text=True, timeout=120
+    )
 
 
 def test_export_errors_before_work(tmp_path):
@@ -60,7 +68,7 @@ def test_export_errors_before_work(tmp_path):
     assert p.returncode == 2 and "runs/nope: no such checkpoint" in p.stderr
     (tmp_path / "runs/empty/checkpoints").mkdir(parents=True)
     p = _cli("export-nemo", "runs/empty", "out.nemo", cwd=tmp_path)
-    assert p.returncode == 2 and "holds no checkpoint" in p.stderr
+    assert p.returncode == 2 and "runs/empty/checkpoints: no checkpoint saved yet" in p.stderr
     assert not (tmp_path / "out.nemo").exists()
     p = _cli("import-nemo", "missing.nemo", "runs/x", cwd=tmp_path)
     assert p.returncode == 2 and "missing.nemo: no such file" in p.stderr

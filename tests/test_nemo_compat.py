@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, env_with_venv
 
 pytestmark = pytest.mark.slow
@@ -38,8 +37,16 @@ TEXT = "The quick brown fox jumps over the lazy dog. Botchan went to Shikoku to 
 
 CASES = {
     "gpt2": dict(style="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=64),
-    "llama": dict(style="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                  ffn_hidden_size=176, seq_length=64, rotary_base=50000),
+    "llama": dict(
+        style="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=176,
+        seq_length=64,
+        rotary_base=50000,
+    ),
 }
 
 
@@ -68,9 +75,15 @@ def _spm_model(root: Path) -> Path:
         texts += [json.loads(line)["text"] for line in f.read_text().splitlines() if line.strip()]
     corpus = root / "botchan.txt"
     corpus.write_text("\n".join(texts))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(root / "tokenizer"), vocab_size=500,
-                                   model_type="bpe", character_coverage=1.0, num_threads=1,
-                                   minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(root / "tokenizer"),
+        vocab_size=500,
+        model_type="bpe",
+        character_coverage=1.0,
+        num_threads=1,
+        minloglevel=2,
+    )
     return root / "tokenizer.model"
 
 
@@ -78,7 +91,9 @@ def _tokenizer(style: str, root: Path) -> dict:
     from snakellm.tokenize import encoders
 
     if style == "gpt2":
-        tok = encoders.load("gpt2-bpe", vocab_file=str(GPT2_DIR / "vocab.json"), merges_file=str(GPT2_DIR / "merges.txt"))
+        tok = encoders.load(
+            "gpt2-bpe", vocab_file=str(GPT2_DIR / "vocab.json"), merges_file=str(GPT2_DIR / "merges.txt")
+        )
     else:
         tok = encoders.load("sentencepiece", model_file=str(_spm_model(root)))
     return tok.info()
@@ -104,8 +119,21 @@ def roundtrip(request, nemo_python: Path, tmp_path_factory) -> dict:
     ids = t.encode(TEXT)
     tokens = torch.tensor([ids[:24], ids[-24:]])
     torch.save(tokens, root / "batch.pt")
-    run([str(nemo_python), str(REPO / "tests" / "nemo_probe.py"), f"out/{style}.nemo", "batch.pt", "nemo",
-         "--resave", f"out/{style}-nemo-saved.nemo", "--seed", "3"], root, timeout=1800)
+    run(
+        [
+            str(nemo_python),
+            str(REPO / "tests" / "nemo_probe.py"),
+            f"out/{style}.nemo",
+            "batch.pt",
+            "nemo",
+            "--resave",
+            f"out/{style}-nemo-saved.nemo",
+            "--seed",
+            "3",
+        ],
+        root,
+        timeout=1800,
+    )
     run([sys.executable, helpers, "dump", "runs/ours", "batch.pt", "ours"], root)
     run([str(BIN / "snakellm"), "import-nemo", f"out/{style}-nemo-saved.nemo", "runs/imported"], root)
     run([sys.executable, helpers, "dump", "runs/imported", "batch.pt", "imported"], root)
@@ -162,13 +190,21 @@ def test_nemo_file_layout(roundtrip):
     with tarfile.open(path, "r:") as tar:
         names = tar.getnames()
         assert all(n == "." or n.startswith("./") for n in names), names
-        assert {"./model_config.yaml", "./model_weights/.metadata", "./model_weights/metadata.json",
-                "./model_weights/common.pt", "./model_weights/__0_0.distcp"} <= set(names)
+        assert {
+            "./model_config.yaml",
+            "./model_weights/.metadata",
+            "./model_weights/metadata.json",
+            "./model_weights/common.pt",
+            "./model_weights/__0_0.distcp",
+        } <= set(names)
         cfg = yaml.safe_load(tar.extractfile("./model_config.yaml").read())
         md_bytes = tar.extractfile("./model_weights/.metadata").read()
         assert json.loads(tar.extractfile("./model_weights/metadata.json").read()) == {
-            "sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-            "common_backend_version": 1}
+            "sharded_backend": "torch_dist",
+            "sharded_backend_version": 1,
+            "common_backend": "torch",
+            "common_backend_version": 1,
+        }
     refs = [v for k, v in cfg["tokenizer"].items() if isinstance(v, str) and v.startswith("nemo:")]
     assert refs and all(re.fullmatch(r"nemo:[0-9a-f]{32}_[\w.]+", v) for v in refs)
     assert all(f"./{v[5:]}" in names for v in refs)
@@ -186,11 +222,22 @@ def test_nemo_file_layout(roundtrip):
     classes = pickled_globals(mdfile)
     # everything the pickle refers to exists in torch 2.3 (24.05/24.07 containers); StorageMeta does not
     assert classes <= {
-        ("torch", "Size"), ("torch", "float32"), ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("torch", "float32"),
+        ("torch.serialization", "_get_layout"),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        *(("torch.distributed.checkpoint.metadata", n) for n in (
-            "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-            "TensorProperties", "_MEM_FORMAT_ENCODING")),
+        *(
+            ("torch.distributed.checkpoint.metadata", n)
+            for n in (
+                "Metadata",
+                "MetadataIndex",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
     }, classes
 
 

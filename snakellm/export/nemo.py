@@ -35,8 +35,9 @@ import sys
 import tarfile
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
@@ -62,8 +63,14 @@ def transformer_engine_for(arch: dict[str, Any], choice: str = "auto") -> bool:
     return choice == "true"
 
 
-def model_config(arch: dict[str, Any], padded_vocab: int, tokenizer_cfg: dict[str, Any], *, precision: Any = 32,
-                 transformer_engine: bool = False) -> dict[str, Any]:
+def model_config(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    tokenizer_cfg: dict[str, Any],
+    *,
+    precision: Any = 32,
+    transformer_engine: bool = False,
+) -> dict[str, Any]:
     """The ``model_config.yaml`` mapping MegatronGPTModel rebuilds this architecture from.
 
     Keys follow NeMo's ``megatron_gpt_config.yaml``/``megatron_llama_config.yaml``;
@@ -271,11 +278,25 @@ def pack_tokenizer(tok: dict[str, Any], dest: Path) -> dict[str, Any]:
     """
     cfg: dict[str, Any]
     if tok["kind"] == "gpt2-bpe":
-        cfg = {"library": "megatron", "type": "GPT2BPETokenizer", "model": None, "vocab_file": None,
-               "merge_file": None, "delimiter": None, "sentencepiece_legacy": False}
+        cfg = {
+            "library": "megatron",
+            "type": "GPT2BPETokenizer",
+            "model": None,
+            "vocab_file": None,
+            "merge_file": None,
+            "delimiter": None,
+            "sentencepiece_legacy": False,
+        }
     else:
-        cfg = {"library": "sentencepiece", "type": None, "model": None, "vocab_file": None, "merge_file": None,
-               "delimiter": None, "sentencepiece_legacy": False}
+        cfg = {
+            "library": "sentencepiece",
+            "type": None,
+            "model": None,
+            "vocab_file": None,
+            "merge_file": None,
+            "delimiter": None,
+            "sentencepiece_legacy": False,
+        }
     for ours, theirs in _TOKENIZER_FILES[tok["kind"]]:
         src = Path(tok["files"][ours])
         name = f"{uuid.uuid4().hex}_{src.name}"
@@ -308,13 +329,17 @@ def unpack_tokenizer(cfg: dict[str, Any], root: Path, dest: Path, where: str) ->
         tok = encoders.load("gpt2-bpe", name="gpt2", vocab_file=str(vocab), merges_file=str(merges))
     elif lib == "sentencepiece":
         if cfg.get("sentencepiece_legacy"):
-            raise NemoError(f"{where}: tokenizer.sentencepiece_legacy: true (special tokens added by NeMo) is not supported")
+            raise NemoError(
+                f"{where}: tokenizer.sentencepiece_legacy: true (special tokens added by NeMo) is not supported"
+            )
         model = dest / "tokenizer.model"
         shutil.copyfile(artifact("model"), model)
         tok = encoders.load("sentencepiece", name="tokenizer", model_file=str(model))
     else:
-        raise NemoError(f"{where}: tokenizer library {lib!r} type {cfg.get('type')!r} is not supported "
-                        "(megatron GPT2BPETokenizer, sentencepiece)")
+        raise NemoError(
+            f"{where}: tokenizer library {lib!r} type {cfg.get('type')!r} is not supported "
+            "(megatron GPT2BPETokenizer, sentencepiece)"
+        )
     info = tok.info()
     info["nemo"] = encoders.nemo_tokenizer(info)
     info["megatron_args"] = encoders.megatron_args(info)
@@ -355,35 +380,20 @@ def pickled_globals(path: Path) -> set[tuple[str, str]]:
     return found
 
 
-def _install_cpu_shims(torch: Any) -> None:
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: torch.device("cpu")
-        torch.cuda.synchronize = lambda *a, **k: None
-
-
 @contextlib.contextmanager
 def model_parallel() -> Iterator[None]:
-    """A single-process gloo group + megatron model-parallel state (1, 1), unless one exists."""
+    """A single-process group + megatron-core's parallel state (1, 1) for the block, unless one exists."""
     import torch
 
-    _install_cpu_shims(torch)
-    import warnings
-
-    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine|TransformerEngine).*")
-    from megatron.core import parallel_state, tensor_parallel
+    from snakellm.launch.runtime import ensure_single_process, shutdown
 
     own = not torch.distributed.is_initialized()
-    if own:
-        torch.distributed.init_process_group(backend="gloo", rank=0, world_size=1, store=torch.distributed.HashStore())
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    ensure_single_process("cpu")
     try:
         yield
     finally:
         if own:
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
+            shutdown()
 
 
 def _drop_extra_state(sd: dict) -> dict:
@@ -415,7 +425,7 @@ def load_weights(module: Any, weights_dir: Path, prefix: str) -> None:
         raise NemoError(f"{weights_dir}: the weights do not match the model config: {e}") from None
     # load() also merges in the checkpoint's common.pt (iteration, run metadata): keep the module's keys
     # (sharded_state_dict(prefix=...) prefixes the dict's keys too)
-    state = {k[len(prefix):]: v for k, v in state.items() if k in request}
+    state = {k[len(prefix) :]: v for k, v in state.items() if k in request}
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -429,102 +439,67 @@ def save_weights(module: Any, weights_dir: Path, prefix: str) -> None:
 
     _in_process_results_queue()
     weights_dir.mkdir(parents=True)
-    dist_checkpointing.save(module.sharded_state_dict(prefix=prefix), str(weights_dir),
-                            sharded_strategy=("torch_dist", 1))
+    dist_checkpointing.save(
+        module.sharded_state_dict(prefix=prefix), str(weights_dir), sharded_strategy=("torch_dist", 1)
+    )
 
 
 # ----------------------------------------------------------------------------- our checkpoints
 
 
-def _checkpoint_dir(path: Path) -> tuple[Path, int | None]:
-    """(checkpoints dir, iteration or None) for a run dir, its checkpoints/ dir or one iter_NNNNNNN/ dir."""
-    from snakellm.train import checkpoint as ckpt
-
-    if path.name.startswith("iter_") and path.is_dir():
-        return path.parent, int(path.name[5:])
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    return path, None
-
-
 def read_checkpoint_info(path: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
-    """Everything about a checkpoint an export needs, without torch: checked before any work starts."""
+    """What an export needs to know about a checkpoint, torch-free: checked before any work starts."""
+    from snakellm.models.loading import LoadError, describe_run
     from snakellm.train import checkpoint as ckpt
 
-    p = Path(path)
-    if not p.exists():
-        raise NemoError(f"{p}: no such checkpoint (run `snakemake runs/<run>/train_summary.json` first)")
-    d, it = _checkpoint_dir(p)
-    it = iteration if iteration is not None else it
+    if not Path(path).exists():
+        raise NemoError(f"{path}: no such checkpoint (run `snakemake runs/<run>/train_summary.json` first)")
     try:
-        if it is None:
-            it = ckpt.latest_iteration(d)
-        rc = ckpt.read_run_config(d)
-    except ckpt.CheckpointError as e:
+        info = describe_run(path, iteration)
+        rc = ckpt.read_run_config(info["checkpoint_dir"]) or {}
+    except (LoadError, ckpt.CheckpointError) as e:
         raise NemoError(str(e)) from None
-    if it is None:
-        raise NemoError(f"{d}: holds no checkpoint ({ckpt.TRACKER} missing)")
-    if not ckpt.is_complete(d / ckpt.iter_name(it)):
-        raise NemoError(f"{d / ckpt.iter_name(it)}: missing or incomplete checkpoint")
-    if rc is None or "model" not in rc.get("config", {}):
-        raise NemoError(f"{d}: no {ckpt.RUN_CONFIG} with the model architecture")
-    cfg = rc["config"]
-    return {"dir": d, "iteration": it, "arch": cfg["model"], "padded_vocab": cfg["padded_vocab"],
-            "precision": cfg.get("precision", "fp32"), "tokenizer": cfg.get("tokenizer")}
+    info["precision"] = rc.get("config", {}).get("precision", "fp32")
+    return info
 
 
 def build(arch: dict[str, Any], padded_vocab: int, bf16: bool = False) -> Any:
-    from snakellm.models import architecture
+    """Our megatron-core GPTModel (eval mode) on the CPU; the parallel state must exist (:func:`model_parallel`)."""
+    from snakellm.models.build import build_model
 
-    module, _ = architecture.build_model(arch, padded_vocab, device="cpu", bf16=bf16, fused_loss="eager")
+    module, _ = build_model(arch, padded_vocab, device="cpu", bf16=bf16)
     module.eval()
     return module
-
-
-def save_model_checkpoint(run_dir: Path, module: Any, arch: dict[str, Any], padded_vocab: int,
-                          tokenizer: dict[str, Any], iteration: int = 0, source: str = "") -> Path:
-    """A model-only checkpoint ``run_dir/checkpoints/iter_NNNNNNN`` (+ tracker, run_config.json)."""
-    import torch
-
-    from snakellm.train import checkpoint as ckpt
-
-    d = run_dir / "checkpoints"
-    if ckpt.list_iterations(d):
-        raise NemoError(f"{d} already holds checkpoints; import into a new run directory")
-    d.mkdir(parents=True, exist_ok=True)
-    dtype = next(module.parameters()).dtype
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    config = {"model": arch, "padded_vocab": padded_vocab, "tokenizer": tokenizer, "precision": precision,
-              "imported_from": source}
-    ckpt.write_run_config(d, "imported", config)
-    ckpt.save(d, iteration, {"model": module.sharded_state_dict(), "iteration": iteration}, rank=0, barrier=lambda: None)
-    return d / ckpt.iter_name(iteration)
 
 
 # ----------------------------------------------------------------------------- export / import
 
 
-def export_nemo(checkpoint: str | os.PathLike, output: str | os.PathLike, *, iteration: int | None = None,
-                tokenizer: dict[str, Any] | None = None, transformer_engine: str = "auto",
-                info: dict[str, Any] | None = None) -> dict[str, Any]:
+def export_nemo(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    iteration: int | None = None,
+    tokenizer: dict[str, Any] | None = None,
+    transformer_engine: str = "auto",
+    info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write ``output`` (.nemo) from one of our checkpoints; returns a summary. Atomic."""
     info = info or read_checkpoint_info(checkpoint, iteration)
     tok = tokenizer or info["tokenizer"]
     if tok is None:
-        raise NemoError(f"{info['dir']}: the checkpoint does not record its tokenizer; pass --blend")
+        raise NemoError(f"{info['checkpoint_dir']}: the checkpoint does not record its tokenizer; pass --blend")
     check_tokenizer(tok, str(checkpoint))
-    arch, vocab = info["arch"], info["padded_vocab"]
+    arch, vocab = info["arch"], info["padded_vocab_size"]
     te = transformer_engine_for(arch, transformer_engine)
-    bf16 = info["precision"] == "bf16"
     import torch
 
-    from snakellm.train import checkpoint as ckpt
+    from snakellm.models import load
 
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with model_parallel(), tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmpdir:
-        module = build(arch, vocab, bf16=bf16)
-        load_weights(module, info["dir"] / ckpt.iter_name(info["iteration"]), prefix="")
+        module = load(info["checkpoint_dir"], info["iteration"], bf16=info["precision"] == "bf16").model
         folder = Path(tmpdir) / "nemo"
         folder.mkdir()
         tok_cfg = pack_tokenizer(tok, folder)
@@ -538,8 +513,14 @@ def export_nemo(checkpoint: str | os.PathLike, output: str | os.PathLike, *, ite
             with tarfile.open(tmp, "w:") as tar:
                 tar.add(str(folder), arcname=".")
         nparams = sum(p.numel() for p in module.parameters())
-    return {"output": str(out), "iteration": info["iteration"], "parameters": nparams, "transformer_engine": te,
-            "tokenizer": tok_cfg, "bytes": out.stat().st_size}
+    return {
+        "output": str(out),
+        "iteration": info["iteration"],
+        "parameters": nparams,
+        "transformer_engine": te,
+        "tokenizer": tok_cfg,
+        "bytes": out.stat().st_size,
+    }
 
 
 def _safe_extract(archive: Path, dest: Path) -> None:
@@ -586,9 +567,12 @@ def import_nemo(source: str | os.PathLike, run_dir: str | os.PathLike) -> dict[s
             raise NemoError(f"{src}: {CONFIG_FILE} is not a mapping")
         weights = root / WEIGHTS_DIR
         if not (weights / "metadata.json").is_file():
-            raise NemoError(f"{src}: no {WEIGHTS_DIR}/ distributed checkpoint (legacy or TP>1 layouts are not supported)")
+            raise NemoError(
+                f"{src}: no {WEIGHTS_DIR}/ distributed checkpoint (legacy or TP>1 layouts are not supported)"
+            )
         arch = arch_from_config(cfg, str(src))
-        from snakellm.models import architecture
+        from snakellm.models import architecture, save_model_checkpoint
+        from snakellm.train import checkpoint as ckpt
 
         tok = unpack_tokenizer(cfg.get("tokenizer") or {}, root, run / "tokenizer", str(src))
         vocab = architecture.padded_vocab_size(tok["vocab_size"], arch)
@@ -596,7 +580,9 @@ def import_nemo(source: str | os.PathLike, run_dir: str | os.PathLike) -> dict[s
         with model_parallel():
             module = build(arch, vocab, bf16=bf16)
             load_weights(module, weights, prefix="model.")
-            path = save_model_checkpoint(run, module, arch, vocab, tok, source=str(src))
+            if ckpt.list_iterations(run / "checkpoints"):
+                raise NemoError(f"{run / 'checkpoints'} already holds checkpoints; import into a new run directory")
+            path = save_model_checkpoint(run, module, arch, vocab, tok, extra={"imported_from": str(src)})
             nparams = sum(p.numel() for p in module.parameters())
     return {"checkpoint": str(path), "parameters": nparams, "arch": arch, "padded_vocab": vocab}
 
@@ -627,16 +613,20 @@ def main_export(argv: list[str] | None = None) -> int:
     p.add_argument("output", help="the .nemo file to write")
     p.add_argument("--iteration", type=int, help="export this iteration (default: the latest)")
     p.add_argument("--blend", help="blend.json whose tokenizer to pack (default: the one the checkpoint records)")
-    p.add_argument("--transformer-engine", choices=TE_CHOICES, default="auto",
-                   help="transformer_engine in model_config.yaml (auto: true for RMSNorm models, which "
-                   "megatron-core 0.8 builds only with TE; false for LayerNorm)")
+    p.add_argument(
+        "--transformer-engine",
+        choices=TE_CHOICES,
+        default="auto",
+        help="transformer_engine in model_config.yaml (auto: true for RMSNorm models, which "
+        "megatron-core 0.8 builds only with TE; false for LayerNorm)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = p.parse_args(argv)
     try:
         info = read_checkpoint_info(a.checkpoint, a.iteration)
         tok = _read_blend_tokenizer(a.blend) if a.blend else info["tokenizer"]
         if tok is None:
-            raise NemoError(f"{info['dir']}: the checkpoint does not record its tokenizer; pass --blend")
+            raise NemoError(f"{info['checkpoint_dir']}: the checkpoint does not record its tokenizer; pass --blend")
         check_tokenizer(tok, a.blend or str(a.checkpoint))
         import torch
 
@@ -646,8 +636,11 @@ def main_export(argv: list[str] | None = None) -> int:
     except NemoError as e:
         print(f"snakellm export-nemo: error: {e}", file=sys.stderr)
         return 2
-    print(f"export-nemo: {res['output']}: iteration {res['iteration']}, {res['parameters']:,} parameters, "
-          f"transformer_engine {str(res['transformer_engine']).lower()}, {res['bytes']:,} bytes", file=sys.stderr)
+    print(
+        f"export-nemo: {res['output']}: iteration {res['iteration']}, {res['parameters']:,} parameters, "
+        f"transformer_engine {str(res['transformer_engine']).lower()}, {res['bytes']:,} bytes",
+        file=sys.stderr,
+    )
     return 0
 
 
