@@ -253,7 +253,8 @@ def test_nemo_save_to_imports_identically(roundtrip):
     assert not all(torch.equal(ours[k], theirs[k]) for k in theirs)  # NeMo's weights, not our originals
     li, ln = _load(r / "imported" / "logits.pt"), _load(r / "nemo" / "resaved_logits.pt")
     assert (li - ln).abs().max().item() < 1e-5
-    rc = json.loads((r / "runs" / "imported" / "checkpoints" / "run_config.json").read_text())["config"]
+    rc = json.loads((r / "runs" / "imported" / "checkpoints" / "run_config.json").read_text())
     arch = CASES[roundtrip["style"]]
-    assert all(rc["model"][k] == v for k, v in arch.items())
+    assert all(rc["config"]["model"][k] == v for k, v in arch.items())
     assert rc["tokenizer"]["vocab_size"] == roundtrip["tok"]["vocab_size"]
+    assert rc["tokenizer"]["eod_id"] == roundtrip["tok"]["eod_id"]
