@@ -75,6 +75,10 @@ def test_export_errors_before_work(tmp_path):
     (tmp_path / "bad.nemo").write_bytes(b"not a tar at all" * 100)
     p = _cli("import-nemo", "bad.nemo", "runs/x", cwd=tmp_path)
     assert p.returncode == 2 and "bad.nemo: not a .nemo (tar) file" in p.stderr
+    (tmp_path / "runs/full/checkpoints").mkdir(parents=True)
+    (tmp_path / "runs/full/checkpoints/latest_checkpointed_iteration.txt").write_text("5\n")
+    p = _cli("import-nemo", "bad.nemo", "runs/full", cwd=tmp_path)
+    assert p.returncode == 2 and "runs/full/checkpoints already exists and is not empty" in p.stderr
 
 
 def test_huggingface_tokenizer_run_is_a_config_error(workspace):
