@@ -265,7 +265,7 @@ def get_launch_prefix(wildcards, resources):
 
 # ---------------------------------------------------------------- export stage: .nemo (rules/export.smk)
 
-EXPORT_NEMO = config["export"]["nemo"]
+EXPORT_NEMO = config["export_nemo"]
 _NEMO_TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece")  # what NeMo packs as tokenizer artifacts
 
 
@@ -278,7 +278,7 @@ def _check_export_nemo():
         if kind not in _NEMO_TOKENIZER_KINDS:
             raise WorkflowError(
                 f"invalid config: config key runs.{name}.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece "
-                f"tokenizers, {run['tokenizer']!r} is {kind} (set export.nemo.enabled: false to skip the .nemo)"
+                f"tokenizers, {run['tokenizer']!r} is {kind} (set export_nemo.enabled: false to skip the .nemo)"
             )
 
 

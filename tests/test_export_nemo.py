@@ -94,7 +94,7 @@ def test_huggingface_tokenizer_run_is_a_config_error(workspace):
     p = workspace.run("-n", check=False)
     assert p.returncode != 0
     assert "config key runs.r.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece" in p.stdout + p.stderr
-    cfg["export"] = {"nemo": {"enabled": False}}
+    cfg["export_nemo"] = {"enabled": False}
     workspace.write_config(cfg)
     assert workspace.run("-n").returncode == 0
 
@@ -111,6 +111,6 @@ def test_default_workflow_ends_with_the_nemo(default_workflow):
     assert f"./{cfg['tokenizer']['model'][5:]}" in names
     assert ws.nothing_to_do()
     # the export's own setting reruns the export and nothing else
-    p = ws.run("-n", "--config", "export={nemo: {transformer_engine: true}}")
+    p = ws.run("-n", "--config", "export_nemo={transformer_engine: true}")
     out = p.stdout + p.stderr
     assert "rule export_nemo:" in out and "rule pretrain:" not in out
