@@ -503,7 +503,10 @@ def export_nemo(
         folder = Path(tmpdir) / "nemo"
         folder.mkdir()
         tok_cfg = pack_tokenizer(tok, folder)
+        # bf16 weights are written upcast to fp32 (lossless): NeMo without megatron_amp_O2 keeps fp32
+        # parameters and runs bf16 under autocast, which is what `precision: bf16` asks for
         precision = "bf16" if next(module.parameters()).dtype == torch.bfloat16 else 32
+        module.float()
         cfg = model_config(arch, vocab, tok_cfg, precision=precision, transformer_engine=te)
         (folder / CONFIG_FILE).write_text(yaml.safe_dump(cfg, sort_keys=False))
         save_weights(module, folder / WEIGHTS_DIR, prefix="model.")
