@@ -21,6 +21,10 @@ STEPS: dict[str, tuple[str, str]] = {
     "train": ("snakellm.train.cli", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
     "plan": ("snakellm.data.plan_cli", "print the chunk plan of the configured sources"),
     "launch": ("snakellm.launch.prefix", "print the srun/torchrun/container command line the pretrain rule runs"),
+    "export-hf": ("snakellm.export.hf", "write a Hugging Face model directory (GPT-2 / Llama) from a checkpoint"),
+    "import-hf": ("snakellm.export.import_hf", "turn a Hugging Face GPT-2 / Llama directory into a snakellm checkpoint"),
+    "generate": ("snakellm.serve.generate", "sample continuations of prompts from a checkpoint (KV-cached decoding)"),
+    "serve": ("snakellm.serve.server", "serve a checkpoint over HTTP: NeMo's PUT /generate and OpenAI's /v1/completions"),
 }
 
 
