@@ -379,6 +379,28 @@ class Generator:
         ]
 
 
+    def score(self, rows: Sequence[Sequence[int]], full: bool = False) -> tuple[list[list[float]], list | None]:
+        """log p(token_i | tokens_<i) for i >= 1 of each row (one forward, no sampling); all vocab rows if ``full``."""
+        import torch
+
+        dev = self.decoder.device
+        longest = max(map(len, rows))
+        b = len(rows)
+        tokens = torch.zeros(b, longest, dtype=torch.long, device=dev)
+        pad = torch.tensor([longest - len(r) for r in rows], device=dev)
+        for i, r in enumerate(rows):
+            tokens[i, longest - len(r):] = torch.tensor(list(r), dtype=torch.long)
+        valid = torch.arange(longest, device=dev)[None, :] >= pad[:, None]
+        with torch.inference_mode():
+            positions = (torch.arange(longest, device=dev)[None, :] - pad[:, None]).clamp(min=0)
+            logits = self.decoder.forward(tokens, positions, self.decoder.new_cache(b, longest), 0, valid)
+            lsm = torch.log_softmax(logits[:, :-1], dim=-1)
+            chosen = lsm.gather(-1, tokens[:, 1:, None])[..., 0]
+        lps = [chosen[i, longest - len(r):].tolist() for i, r in enumerate(rows)]
+        fulls = [lsm[i, longest - len(r):].tolist() for i, r in enumerate(rows)] if full else None
+        return lps, fulls
+
+
 def load_generator(checkpoint: str, *, blend: str | None = None, device: str = "auto", bf16: bool | None = None,
                    iteration: int | None = None) -> Generator:
     """A :class:`Generator` for a run's checkpoint (the tokenizer from its run_config, or ``blend``)."""
