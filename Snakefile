@@ -14,6 +14,8 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/tokenize.smk"
 include: "rules/train.smk"
+include: "rules/export.smk"
+include: "rules/evaluate.smk"
 
 
 rule all:

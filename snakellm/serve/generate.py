@@ -373,10 +373,18 @@ class Generator:
                 last = self.decoder.forward(tokens[:, cur:cur + 1], positions, cache, cur, valid)[:, -1]
                 cur += 1
         return [
-            Completion(batch[i], out_ids[i], self.tok.decode(out_ids[i]), reasons[i], out_lp[i], p_lp[i],
+            Completion(batch[i], out_ids[i], self.continuation(batch[i], out_ids[i]), reasons[i], out_lp[i], p_lp[i],
                        full[i] if params.all_probs else None)
             for i in range(b)
         ]
+
+    def continuation(self, prompt: Sequence[int], ids: Sequence[int]) -> str:
+        """The text ``ids`` add after ``prompt`` (decoded in context: a leading space is kept)."""
+        if not ids:
+            return ""
+        head = self.tok.decode(list(prompt))
+        full = self.tok.decode(list(prompt) + list(ids))
+        return full[len(head):] if full.startswith(head) else self.tok.decode(list(ids))
 
 
     def score(self, rows: Sequence[Sequence[int]], full: bool = False) -> tuple[list[list[float]], list | None]:
