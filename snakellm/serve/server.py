@@ -152,7 +152,7 @@ def parse_openai(req: Any, model_name: str) -> tuple[list[str], SamplingParams, 
     return [p for p in prompts for _ in range(n)], params, n
 
 
-def openai_response(completions, params: SamplingParams, model_name: str, tok) -> dict:
+def openai_response(completions, params: SamplingParams, model_name: str, gen: Generator) -> dict:
     choices = []
     for i, c in enumerate(completions):
         text = c.text
@@ -162,7 +162,7 @@ def openai_response(completions, params: SamplingParams, model_name: str, tok) -
             text = text[:cut] if cut >= 0 else text
             reason = "stop"
         elif c.finish_reason == "eod":
-            text = tok.decode(c.ids[:-1])  # without the EOD token
+            text = gen.continuation(c.prompt_ids, c.ids[:-1])  # without the EOD token
             reason = "stop"
         choices.append({"text": text, "index": i, "logprobs": None, "finish_reason": reason})
     pt = sum(len(c.prompt_ids) for c in completions)
@@ -190,7 +190,7 @@ class App:
         prompts, params, _ = parse_openai(req, self.model_name)
         with self.lock:
             outs = self.gen.generate(prompts, params)
-        return openai_response(outs, params, self.model_name, self.gen.tok)
+        return openai_response(outs, params, self.model_name, self.gen)
 
 
 def make_handler(app: App, quiet: bool = False):
