@@ -292,8 +292,8 @@ class Generator:
         longest = max(map(len, batch))
         if longest + params.max_new_tokens > self.decoder.max_len:
             raise GenerationError(
-                f"a prompt of {longest} tokens + {params.max_new_tokens} new tokens exceeds the model's sequence "
-                f"length {self.decoder.max_len}", "tokens_to_generate")
+                f"tokens_to_generate: a prompt of {longest} tokens + {params.max_new_tokens} new tokens exceeds the "
+                f"model's sequence length {self.decoder.max_len}", "tokens_to_generate")
         dev = self.decoder.device
         b = len(batch)
         total = longest + params.max_new_tokens

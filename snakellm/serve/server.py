@@ -189,7 +189,11 @@ class App:
     def openai(self, req: Any) -> dict:
         prompts, params, _ = parse_openai(req, self.model_name)
         with self.lock:
-            outs = self.gen.generate(prompts, params)
+            try:
+                outs = self.gen.generate(prompts, params)
+            except GenerationError as e:  # in OpenAI's words
+                f = {"tokens_to_generate": "max_tokens", "sentences": "prompt"}.get(e.field or "", e.field)
+                raise BadRequest(str(e).replace("tokens_to_generate", "max_tokens"), f) from None
         return openai_response(outs, params, self.model_name, self.gen)
 
 
