@@ -83,7 +83,10 @@ def init_single_process(device: str = "cpu") -> None:
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        if device.startswith("cuda"):
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)  # megatron initialises weights on the GPU
+        else:
+            tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 def build(arch: dict, padded_vocab: int, device: str = "cpu", bf16: bool = False):

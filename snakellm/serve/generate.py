@@ -191,10 +191,11 @@ class Decoder:
         shape = (len(self.layers), 2, batch, self.g, length, self.d)
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    def forward(self, tokens, positions, cache, start: int, key_valid):
+    def forward(self, tokens, positions, cache, start: int, key_valid, last_only: bool = False):
         """Logits [b, t, vocab] (fp32) of ``tokens`` [b, t] written at cache slots start..start+t-1.
 
-        ``key_valid`` [b, start+t] marks the slots that hold real tokens.
+        ``key_valid`` [b, start+t] marks the slots that hold real tokens; ``last_only``: logits of the
+        last position only ([b, 1, vocab]: a long prompt's prefill never holds [b, t, vocab]).
         """
         import torch
         import torch.nn.functional as F
@@ -237,6 +238,8 @@ class Decoder:
             else:
                 h = F.gelu(h)
             x = x + F.linear(h, L["fc2_w"], L["fc2_b"])
+        if last_only:
+            x = x[:, -1:]
         x = self._norm(x, self.final_w, self.final_b)
         return F.linear(x, self.out[: self.vocab_size]).float()
 
@@ -315,22 +318,28 @@ class Generator:
             for i, ids in enumerate(batch):
                 seen[i, torch.tensor(ids, device=dev)] = True
         done = torch.zeros(b, dtype=torch.bool, device=dev)
-        reasons = ["length"] * b
-        out_ids: list[list[int]] = [[] for _ in range(b)]
-        out_lp: list[list[float]] = [[] for _ in range(b)]
-        full: list[list[list[float]]] = [[] for _ in range(b)]
+        n_new = params.max_new_tokens
+        # everything per step stays on the device; the host looks only for end strings (which need
+        # text) and, every few steps, whether all rows are done: no GPU sync per token
+        gen_ids = torch.full((b, max(n_new, 1)), eod, dtype=torch.long, device=dev)
+        lengths = torch.full((b,), n_new, dtype=torch.long, device=dev)
+        reason = torch.zeros(b, dtype=torch.long, device=dev)  # 0 length, 1 eod, 2 end string
+        want_lp = params.logprobs or params.all_probs
+        gen_lp = torch.zeros(b, max(n_new, 1), device=dev) if want_lp else None
+        full_steps: list[Any] = []
         p_lp: list[list[float]] = [[] for _ in range(b)]
         ends = [s for s in params.end_strings if s]
+        rows = torch.arange(b, device=dev)
         with torch.inference_mode():
             positions = (torch.arange(longest, device=dev)[None, :] - pad[:, None]).clamp(min=0)
-            logits = self.decoder.forward(tokens[:, :longest], positions, cache, 0, valid)
+            logits = self.decoder.forward(tokens[:, :longest], positions, cache, 0, valid, last_only=not prompt_logprobs)
             if prompt_logprobs:
                 lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:longest, None])[..., 0]
                 for i, ids in enumerate(batch):
                     p_lp[i] = lp[i, longest - len(ids):].tolist()
             last = logits[:, -1]
             cur = longest
-            for step in range(params.max_new_tokens):
+            for step in range(n_new):
                 scores = last
                 if params.repetition_penalty != 1.0:
                     rp = params.repetition_penalty
@@ -344,37 +353,41 @@ class Generator:
                     s = _filter(scores / params.temperature, params.top_k, params.top_p)
                     nxt = torch.multinomial(torch.softmax(s, dim=-1), 1, generator=gen)[:, 0]
                 nxt = torch.where(done, torch.full_like(nxt, eod), nxt)
-                if params.logprobs or params.all_probs:
+                gen_ids[:, step] = nxt
+                if want_lp:
                     lsm = torch.log_softmax(last, dim=-1)
-                    chosen = lsm.gather(-1, nxt[:, None])[:, 0].tolist()
-                    all_rows = lsm.tolist() if params.all_probs else None
-                host = nxt.tolist()
-                for i in range(b):
-                    if done[i]:
-                        continue
-                    out_ids[i].append(host[i])
-                    if params.logprobs or params.all_probs:
-                        out_lp[i].append(chosen[i])
-                        if all_rows is not None:
-                            full[i].append(all_rows[i])
-                    if params.stop_at_eod and host[i] == eod and step >= params.min_new_tokens:
-                        reasons[i], done[i] = "eod", True
-                    elif ends:
-                        tail = self.tok.decode(out_ids[i][-32:])
-                        if any(e in tail for e in ends):
-                            reasons[i], done[i] = "end_string", True
+                    gen_lp[:, step] = lsm.gather(-1, nxt[:, None])[:, 0]  # type: ignore[index]
+                    if params.all_probs:
+                        full_steps.append(lsm.cpu())
+                if params.stop_at_eod and step >= params.min_new_tokens:
+                    newly = ~done & (nxt == eod)
+                    lengths = torch.where(newly, step + 1, lengths)
+                    reason = torch.where(newly, 1, reason)
+                    done = done | newly
+                if ends:
+                    host_done = done.tolist()
+                    recent = gen_ids[:, max(0, step - 31):step + 1].tolist()
+                    for i in range(b):
+                        if not host_done[i] and any(e in self.tok.decode(recent[i]) for e in ends):
+                            lengths[i], reason[i], done[i] = step + 1, 2, True
                 if params.repetition_penalty != 1.0:
-                    seen[torch.arange(b, device=dev), nxt] = True
-                if bool(done.all()) or step == params.max_new_tokens - 1:
+                    seen[rows, nxt] = True
+                if step == n_new - 1 or ((ends or step % 8 == 7) and bool(done.all())):
                     break
                 tokens[:, cur] = nxt
                 valid[:, cur] = True
                 positions = (cur - pad)[:, None]
                 last = self.decoder.forward(tokens[:, cur:cur + 1], positions, cache, cur, valid)[:, -1]
                 cur += 1
+        n = lengths.tolist()
+        ids_host = gen_ids.tolist()
+        why = [("length", "eod", "end_string")[r] for r in reason.tolist()]
+        lp_host = gen_lp.tolist() if gen_lp is not None else None
+        full = torch.stack(full_steps, dim=1) if full_steps else None  # [b, steps, V]
         return [
-            Completion(batch[i], out_ids[i], self.continuation(batch[i], out_ids[i]), reasons[i], out_lp[i], p_lp[i],
-                       full[i] if params.all_probs else None)
+            Completion(batch[i], ids_host[i][:n[i]], self.continuation(batch[i], ids_host[i][:n[i]]), why[i],
+                       lp_host[i][:n[i]] if lp_host else [], p_lp[i],
+                       full[i, :n[i]].tolist() if full is not None else None)
             for i in range(b)
         ]
 
