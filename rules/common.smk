@@ -327,13 +327,6 @@ def get_run_done(wildcards):
     return f"runs/{wildcards.run}/train_summary.json"
 
 
-def get_run_tokenizer_args(wildcards):
-    """A trained run's tokenizer files are named in its blend; an import records them with its checkpoint."""
-    if wildcards.run in IMPORTS:
-        return ""
-    return f"--blend {shlex.quote(get_blend(RUNS[wildcards.run]['tokenizer']))}"
-
-
 def get_export_hf_args(wildcards):
     e = config["export_hf"]
     return f"--max-shard-size {shlex.quote(str(e['max_shard_size']))} --dtype {e['dtype']}"

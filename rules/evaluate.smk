@@ -10,11 +10,10 @@ rule generate:
         samples="runs/{run}/samples.jsonl",
         markdown="runs/{run}/samples.md",
     params:
-        tokenizer=get_run_tokenizer_args,
         args=get_generate_args,
     threads: get_generate_threads
     log:
         "logs/generate/{run}.log",
     shell:
-        "snakellm generate runs/{wildcards.run} {params.tokenizer} --device auto --threads {threads} "
+        "snakellm generate runs/{wildcards.run} --device auto --threads {threads} "
         "--out {output.samples} --markdown {output.markdown} {params.args} 2> {log}"

@@ -10,14 +10,13 @@ rule export_hf:
     output:
         directory("runs/{run}/hf"),
     params:
-        tokenizer=get_run_tokenizer_args,
         args=get_export_hf_args,
     log:
         "logs/export_hf/{run}.log",
     benchmark:
         "benchmarks/export_hf/{run}.tsv"
     shell:
-        "snakellm export-hf runs/{wildcards.run} {output} {params.tokenizer} {params.args} 2> {log}"
+        "snakellm export-hf runs/{wildcards.run} {output} {params.args} 2> {log}"
 
 
 # The checkpoint directory is not an output (as for pretrain): the summary is written

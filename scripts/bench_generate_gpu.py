@@ -45,8 +45,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from snakellm.export import checkpoints
-    from snakellm.export.hf import export_hf
+    from snakellm.export.hf import build_for_import, export_hf
+    from snakellm.models.load import LoadedModel
     from snakellm.models.architecture import padded_vocab_size, resolve
     from snakellm.serve.generate import Generator, SamplingParams
     from snakellm.tokenize import encoders
@@ -61,14 +61,15 @@ def main() -> int:
     if arch["seq_length"] < a.prompt_len + a.new_tokens:
         arch["seq_length"] = a.prompt_len + a.new_tokens
     padded = padded_vocab_size(tok.vocab_size, arch)
-    checkpoints.init_single_process(a.device)
     torch.manual_seed(0)
     t0 = time.time()
-    model = checkpoints.build(arch, padded, device=a.device, bf16=bf16).eval()
+    model = build_for_import(arch, padded, device=a.device).eval()
+    if bf16:
+        model.bfloat16()
     nparams = sum(p.numel() for p in model.parameters())
     print(f"model: {a.preset} {nparams / 1e6:.0f}M parameters, {str(dtype)[6:]} on {a.device} "
           f"({torch.cuda.get_device_name() if cuda else 'CPU'}); built in {time.time() - t0:.1f} s", flush=True)
-    loaded = checkpoints.LoadedModel(model, arch, padded, info, 0, Path("random-init"), a.device)
+    loaded = LoadedModel(model, arch, padded, info, 0, Path("random-init"), Path("random-init"), a.device)
     ours = Generator(model, arch, tok, tok.vocab_size)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -45,18 +45,18 @@ def random_checkpoint(run_dir: Path, arch_overrides: dict, tok: dict, seed: int 
     """A randomly initialised model saved as runs/NAME/checkpoints/iter_0000000; returns (model, arch, padded)."""
     import torch
 
-    from snakellm.export import checkpoints
+    from snakellm.export.hf import build_for_import
     from snakellm.models.architecture import padded_vocab_size, resolve
+    from snakellm.models.load import save_model_checkpoint
 
     arch = resolve(preset, arch_overrides)
     padded = padded_vocab_size(tok["vocab_size"], arch)
-    checkpoints.init_single_process()
     torch.manual_seed(seed)
-    model = checkpoints.build(arch, padded)
+    model = build_for_import(arch, padded)
     with torch.no_grad():  # make norms and biases non-trivial so that a wrong mapping shows
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.eval()
-    checkpoints.save_model_checkpoint(run_dir, model, arch, padded, tok, 0)
+    save_model_checkpoint(run_dir, model, arch, padded, tok, 0)
     return model, arch, padded

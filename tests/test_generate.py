@@ -12,14 +12,14 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-llama"])
 def gen(request, tmp_path_factory):
-    from snakellm.export import checkpoints
+    from snakellm.models.load import load
     from snakellm.serve.generate import Generator, load_tokenizer
 
     tok = tokenizer_block("gpt2-bpe")
     run = tmp_path_factory.mktemp("gen") / "run"
     over = {"rotary_base": 20000} if request.param == "tiny-llama" else {}
     random_checkpoint(run, over, tok, preset=request.param, seed=5)
-    loaded = checkpoints.load(run)
+    loaded = load(run)
     return Generator(loaded.model, loaded.arch, load_tokenizer(tok), tok["vocab_size"]), loaded
 
 

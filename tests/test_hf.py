@@ -46,14 +46,14 @@ EXPORT_CASES = {
 def test_export_loads_in_transformers_with_same_logits_and_greedy(case, tmp_path, spm_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from snakellm.export import checkpoints
+    from snakellm.models.load import load
     from snakellm.export.hf import export_hf
     from snakellm.serve.generate import Generator, SamplingParams, load_tokenizer
 
     preset, over, kind = EXPORT_CASES[case]
     tok = tokenizer_block(kind, spm_model)
     model, arch, padded = random_checkpoint(tmp_path / "run", over, tok)
-    loaded = checkpoints.load(tmp_path / "run")
+    loaded = load(tmp_path / "run")
     out = export_hf(loaded, tmp_path / "run" / "hf")
     files = sorted(os.listdir(out))
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -90,12 +90,12 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy(case, tmp_path
 def test_export_shards_above_the_size_limit(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from snakellm.export import checkpoints
+    from snakellm.models.load import load
     from snakellm.export.hf import export_hf
 
     tok = tokenizer_block("gpt2-bpe")
     random_checkpoint(tmp_path / "run", {}, tok)
-    loaded = checkpoints.load(tmp_path / "run")
+    loaded = load(tmp_path / "run")
     one = export_hf(loaded, tmp_path / "one")
     many = export_hf(loaded, tmp_path / "many", max_shard_size="200KB")
     index = json.loads((many / "model.safetensors.index.json").read_text())
@@ -148,7 +148,7 @@ def test_import_roundtrip_identical_tensors_and_logits(case, tmp_path, spm_model
 
     from transformers import AutoModelForCausalLM
 
-    from snakellm.export import checkpoints
+    from snakellm.models.load import load
     from snakellm.export.hf import export_hf, import_hf
 
     config, tokkind = _hf_models(spm_model)[case]
@@ -168,7 +168,7 @@ def test_import_roundtrip_identical_tensors_and_logits(case, tmp_path, spm_model
         shutil.copy(spm_model, src / "tokenizer.model")
     summary = import_hf(src, tmp_path / "run")
     assert summary["arch"]["style"] == ("gpt2" if config.model_type == "gpt2" else "llama")
-    loaded = checkpoints.load(tmp_path / "run")
+    loaded = load(tmp_path / "run")
     V = config.vocab_size
     ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

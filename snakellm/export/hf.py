@@ -417,14 +417,23 @@ def export_hf(loaded, out: str | os.PathLike, *, max_shard_size: str = "5GB", dt
     return out
 
 
-def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_size_divisible_by: int = 128,
-              save=None) -> dict:
+def build_for_import(arch: dict[str, Any], padded_vocab: int, device: str = "cpu"):
+    """An empty megatron-core GPTModel (local spec, as every checkpoint loads) in a single process."""
+    from snakellm.launch.runtime import ensure_single_process
+    from snakellm.models.build import build_model
+
+    dev = ensure_single_process(device)
+    model, _ = build_model(arch, padded_vocab, device=str(dev), fused_loss="eager", use_te=False)
+    return model
+
+
+def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_size_divisible_by: int = 128) -> dict:
     """An HF GPT-2/Llama directory -> a model-only checkpoint under ``dest`` (a run dir); returns its summary."""
     import torch
 
-    from snakellm.export import checkpoints
     from snakellm.export.hf_tokenizer import import_tokenizer
     from snakellm.models.architecture import padded_vocab_size
+    from snakellm.models.load import save_model_checkpoint
 
     hf_dir, dest = Path(hf_dir), Path(dest)
     config, tensors = read_hf_dir(hf_dir)
@@ -437,7 +446,7 @@ def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_
         raise ExportError(f"{hf_dir}: the tokenizer has {tok['vocab_size']} tokens, the model's vocab_size is {vocab}")
     tok["vocab_size"] = vocab  # the model's (HF embeddings may be larger than the tokenizer)
     msd = from_hf(arch, {k: v.float() for k, v in tensors.items()}, padded)
-    model = checkpoints.build(arch, padded)
+    model = build_for_import(arch, padded)
     expected = megatron_tensors(model)
     missing, extra = sorted(set(expected) - set(msd)), sorted(set(msd) - set(expected))
     if missing or extra:
@@ -447,11 +456,20 @@ def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_
             if t.shape != msd[k].shape:
                 raise ExportError(f"{hf_dir}: {k} has shape {tuple(msd[k].shape)}, the architecture needs {tuple(t.shape)}")
             t.copy_(msd[k])
-    (save or checkpoints.save_model_checkpoint)(dest, model, arch, padded, tok, 0)
+    save_model_checkpoint(dest, model, arch, padded, tok, 0, extra={"imported_from": str(hf_dir)})
     return {"arch": arch, "padded_vocab_size": padded, "tokenizer": tok, "source": str(hf_dir)}
 
 
 # ----------------------------------------------------------------------------- command lines
+
+
+def tokenizer_from_blend(blend: str | os.PathLike) -> dict:
+    """The tokenizer block of a blend.json (what a run was trained with)."""
+    p = Path(blend)
+    try:
+        return json.loads(p.read_text())["tokenizer"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ExportError(f"{p}: no tokenizer block: {e}") from None
 
 
 def _log(msg: str) -> None:
@@ -476,21 +494,21 @@ def main_export(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-base", default=None,
                    help="directory that relative tokenizer file paths are relative to (default: the working directory)")
     a = p.parse_args(argv)
-    from snakellm.export import checkpoints
+    from snakellm.models.load import LoadError, describe_run, load
 
     try:
-        d, it = checkpoints.resolve_checkpoint(a.checkpoint, a.iteration)
-        arch, _, tok = checkpoints.read_meta(d)
-        family = hf_family(arch)  # before torch: an unsupported model fails at once
+        info = describe_run(a.checkpoint, a.iteration)
+        family = hf_family(info["arch"])  # before torch: an unsupported model fails at once
+        tok = info["tokenizer"]
         if a.blend:
-            tok = checkpoints.tokenizer_from_blend(a.blend)
+            tok = tokenizer_from_blend(a.blend)
         if not tok.get("files"):
-            raise checkpoints.LoadError(f"{d / 'run_config.json'}: no tokenizer files recorded; pass --blend")
-    except (checkpoints.LoadError, ExportError) as e:
+            raise LoadError(f"{info['checkpoint_dir']}: no tokenizer files recorded; pass --blend")
+    except (LoadError, ExportError, KeyError) as e:
         print(f"snakellm export-hf: {e}", file=sys.stderr)
         return 2
     t0 = time.time()
-    loaded = checkpoints.load(d / f"iter_{it:07d}")
+    loaded = load(info["checkpoint_dir"], info["iteration"])
     loaded.tokenizer = tok
     out = export_hf(loaded, a.out, max_shard_size=a.max_shard_size, dtype=a.dtype,
                     tokenizer_base=Path(a.tokenizer_base) if a.tokenizer_base else None)

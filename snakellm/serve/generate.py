@@ -427,18 +427,17 @@ def load_generator(checkpoint: str, *, blend: str | None = None, device: str = "
     """A :class:`Generator` for a run's checkpoint (the tokenizer from its run_config, or ``blend``)."""
     import torch
 
-    from snakellm.export import checkpoints
+    from snakellm.export.hf import tokenizer_from_blend
+    from snakellm.models.load import describe_run, load
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    d, it = checkpoints.resolve_checkpoint(checkpoint, iteration)
-    _, _, tok_block = checkpoints.read_meta(d)
-    if blend:
-        tok_block = checkpoints.tokenizer_from_blend(blend)
+    info = describe_run(checkpoint, iteration)
+    tok_block = tokenizer_from_blend(blend) if blend else info["tokenizer"]
     tok = load_tokenizer(tok_block)
     if bf16 is None:
         bf16 = device.startswith("cuda")
-    loaded = checkpoints.load(d / f"iter_{it:07d}", device=device, bf16=bf16)
+    loaded = load(info["checkpoint_dir"], info["iteration"], device=device, bf16=bf16)
     return Generator(loaded.model, loaded.arch, tok, int(tok_block.get("vocab_size") or tok.vocab_size))
 
 
@@ -506,10 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     params = params_from_args(a)
     try:
         params.check()
-        from snakellm.export import checkpoints
+        from snakellm.models.load import LoadError, describe_run
 
-        checkpoints.resolve_checkpoint(a.checkpoint, a.iteration)
-    except (GenerationError, ValueError) as e:
+        describe_run(a.checkpoint, a.iteration)
+    except (GenerationError, LoadError, ValueError) as e:
         print(f"snakellm generate: {e}", file=sys.stderr)
         return 2
     import torch

@@ -281,11 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from pathlib import Path
 
-    from snakellm.export import checkpoints
+    from snakellm.models.load import LoadError, locate
 
     try:
-        d, _ = checkpoints.resolve_checkpoint(a.checkpoint, a.iteration)
-    except checkpoints.LoadError as e:
+        d, _ = locate(a.checkpoint, a.iteration)
+    except LoadError as e:
         print(f"snakellm serve: {e}", file=sys.stderr)
         return 2
     import torch
