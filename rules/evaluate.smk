@@ -9,11 +9,11 @@ rule generate:
     output:
         samples="runs/{run}/samples.jsonl",
         markdown="runs/{run}/samples.md",
-    params:
-        args=get_generate_args,
-    threads: get_generate_threads
     log:
         "logs/generate/{run}.log",
+    threads: get_generate_threads
+    params:
+        args=get_generate_args,
     shell:
         "snakellm generate runs/{wildcards.run} --device auto --threads {threads} "
         "--out {output.samples} --markdown {output.markdown} {params.args} 2> {log}"

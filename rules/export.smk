@@ -9,12 +9,12 @@ rule export_hf:
         done=get_run_done,
     output:
         directory("runs/{run}/hf"),
-    params:
-        args=get_export_hf_args,
     log:
         "logs/export_hf/{run}.log",
     benchmark:
         "benchmarks/export_hf/{run}.tsv"
+    params:
+        args=get_export_hf_args,
     shell:
         "snakellm export-hf runs/{wildcards.run} {output} {params.args} 2> {log}"
 
@@ -26,10 +26,10 @@ rule import_hf:
         get_import_hf_files,
     output:
         "runs/{run}/import_summary.json",
+    log:
+        "logs/import_hf/{run}.log",
     params:
         hf_dir=get_import_hf_dir,
         args=get_import_hf_args,
-    log:
-        "logs/import_hf/{run}.log",
     shell:
         "snakellm import-hf {params.hf_dir:q} runs/{wildcards.run} {params.args} 2> {log}"

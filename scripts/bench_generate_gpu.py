@@ -37,8 +37,11 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", default=None, help="also write the figures here")
-    p.add_argument("--serve-check", action="store_true",
-                   help="then serve the same model with snakellm serve's handler on 127.0.0.1 and ask it once per API")
+    p.add_argument(
+        "--serve-check",
+        action="store_true",
+        help="then serve the same model with snakellm serve's handler on 127.0.0.1 and ask it once per API",
+    )
     a = p.parse_args()
     if a.toy:
         a.preset, a.prompt_len, a.new_tokens, a.repeats = "tiny-llama", 16, 16, 1
@@ -46,8 +49,8 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from snakellm.export.hf import build_for_import, export_hf
-    from snakellm.models.load import LoadedModel
     from snakellm.models.architecture import padded_vocab_size, resolve
+    from snakellm.models.load import LoadedModel
     from snakellm.serve.generate import Generator, SamplingParams
     from snakellm.tokenize import encoders
 
@@ -67,8 +70,11 @@ def main() -> int:
     if bf16:
         model.bfloat16()
     nparams = sum(p.numel() for p in model.parameters())
-    print(f"model: {a.preset} {nparams / 1e6:.0f}M parameters, {str(dtype)[6:]} on {a.device} "
-          f"({torch.cuda.get_device_name() if cuda else 'CPU'}); built in {time.time() - t0:.1f} s", flush=True)
+    print(
+        f"model: {a.preset} {nparams / 1e6:.0f}M parameters, {str(dtype)[6:]} on {a.device} "
+        f"({torch.cuda.get_device_name() if cuda else 'CPU'}); built in {time.time() - t0:.1f} s",
+        flush=True,
+    )
     loaded = LoadedModel(model, arch, padded, info, 0, Path("random-init"), Path("random-init"), a.device)
     ours = Generator(model, arch, tok, tok.vocab_size)
     results = {}
@@ -87,16 +93,23 @@ def main() -> int:
             prompts = torch.randint(0, tok.vocab_size, (b, a.prompt_len), generator=g)
             params = SamplingParams(max_new_tokens=a.new_tokens, greedy=True, stop_at_eod=False)
 
-            def run_ours(n=a.new_tokens):
+            def run_ours(n=a.new_tokens, params=params, prompts=prompts):
                 params.max_new_tokens = n
                 return ours.generate(prompts.tolist(), params)
 
             x = prompts.to(a.device)
 
-            def run_hf(n=a.new_tokens):
+            def run_hf(n=a.new_tokens, x=x):
                 with torch.inference_mode():
-                    return hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                       do_sample=False, pad_token_id=0, eos_token_id=None)
+                    return hf.generate(
+                        x,
+                        attention_mask=torch.ones_like(x),
+                        max_new_tokens=n,
+                        min_new_tokens=n,
+                        do_sample=False,
+                        pad_token_id=0,
+                        eos_token_id=None,
+                    )
 
             times = {}
             outs = {}
@@ -111,15 +124,24 @@ def main() -> int:
                     best = min(best, time.perf_counter() - t)
                 times[name] = best
             ours_ids = [o.ids for o in outs["snakellm"]]
-            hf_ids = outs["transformers"][:, a.prompt_len:].tolist()
-            first = sum(o[:16] == h[:16] for o, h in zip(ours_ids, hf_ids))
+            hf_ids = outs["transformers"][:, a.prompt_len :].tolist()
+            first = sum(o[:16] == h[:16] for o, h in zip(ours_ids, hf_ids, strict=True))
             tps = {k: b * a.new_tokens / v for k, v in times.items()}
-            results[b] = {"snakellm_tokens_per_s": tps["snakellm"], "transformers_tokens_per_s": tps["transformers"],
-                          "speedup": tps["snakellm"] / tps["transformers"], "rows_same_first_16_tokens": first,
-                          "batch": b, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens}
-            print(f"batch {b:>3}: snakellm {tps['snakellm']:>9.1f} tokens/s | transformers {tps['transformers']:>9.1f} "
-                  f"tokens/s | {tps['snakellm'] / tps['transformers']:.2f}x | greedy rows identical for 16 tokens: "
-                  f"{first}/{b}", flush=True)
+            results[b] = {
+                "snakellm_tokens_per_s": tps["snakellm"],
+                "transformers_tokens_per_s": tps["transformers"],
+                "speedup": tps["snakellm"] / tps["transformers"],
+                "rows_same_first_16_tokens": first,
+                "batch": b,
+                "prompt_len": a.prompt_len,
+                "new_tokens": a.new_tokens,
+            }
+            print(
+                f"batch {b:>3}: snakellm {tps['snakellm']:>9.1f} tokens/s | transformers {tps['transformers']:>9.1f} "
+                f"tokens/s | {tps['snakellm'] / tps['transformers']:.2f}x | greedy rows identical for 16 tokens: "
+                f"{first}/{b}",
+                flush=True,
+            )
     if a.serve_check:
         serve_check(ours, a.device)
     ok = all(r["speedup"] >= 1.0 for r in results.values())
@@ -142,15 +164,28 @@ def serve_check(gen, device: str) -> None:
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
 
     def call(path, method, body):
-        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url + path, data=json.dumps(body).encode(), method=method, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
 
-    code, r = call("/generate", "PUT", {"sentences": ["Deep learning is", "The capital of France"],
-                                         "tokens_to_generate": min(300, gen.decoder.max_len - 8), "temperature": 1.0, "add_BOS": True, "top_k": 0,
-                                         "top_p": 0.9, "greedy": False, "all_probs": False, "repetition_penalty": 1.2,
-                                         "min_tokens_to_generate": 2})
+    code, r = call(
+        "/generate",
+        "PUT",
+        {
+            "sentences": ["Deep learning is", "The capital of France"],
+            "tokens_to_generate": min(300, gen.decoder.max_len - 8),
+            "temperature": 1.0,
+            "add_BOS": True,
+            "top_k": 0,
+            "top_p": 0.9,
+            "greedy": False,
+            "all_probs": False,
+            "repetition_penalty": 1.2,
+            "min_tokens_to_generate": 2,
+        },
+    )
     print(f"serve on {device}: PUT /generate -> {code}, keys {sorted(r)}, {len(r['token_ids'][0])} tokens in row 0")
     code, r = call("/v1/completions", "POST", {"model": "bench", "prompt": "Hello", "max_tokens": 16, "temperature": 0})
     print(f"serve on {device}: POST /v1/completions -> {code}, usage {r['usage']}")

@@ -24,8 +24,14 @@ def train_spm(tmp: Path, vocab_size: int = 600, model_type: str = "bpe") -> Path
     text = tmp / "botchan.txt"
     text.write_text("\n".join(botchan_texts(2000)), encoding="utf-8")
     prefix = tmp / f"spm-{model_type}"
-    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(prefix), vocab_size=vocab_size,
-                                   model_type=model_type, minloglevel=2, num_threads=1)
+    spm.SentencePieceTrainer.train(
+        input=str(text),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type=model_type,
+        minloglevel=2,
+        num_threads=1,
+    )
     return prefix.with_suffix(".model")
 
 
@@ -34,8 +40,9 @@ def tokenizer_block(kind: str, path: Path | None = None) -> dict:
     from snakellm.tokenize import encoders
 
     if kind == "gpt2-bpe":
-        t = encoders.load("gpt2-bpe", name="gpt2", vocab_file=str(GPT2_DIR / "vocab.json"),
-                          merges_file=str(GPT2_DIR / "merges.txt"))
+        t = encoders.load(
+            "gpt2-bpe", name="gpt2", vocab_file=str(GPT2_DIR / "vocab.json"), merges_file=str(GPT2_DIR / "merges.txt")
+        )
     else:
         t = encoders.load("sentencepiece", name="spm", model_file=str(path))
     return t.info()

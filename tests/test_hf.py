@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from hf_helpers import GPT2_DIR, botchan_texts, random_checkpoint, tokenizer_block, train_spm
 
 torch = pytest.importorskip("torch")
@@ -46,8 +45,8 @@ EXPORT_CASES = {
 def test_export_loads_in_transformers_with_same_logits_and_greedy(case, tmp_path, spm_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from snakellm.models.load import load
     from snakellm.export.hf import export_hf
+    from snakellm.models.load import load
     from snakellm.serve.generate import Generator, SamplingParams, load_tokenizer
 
     preset, over, kind = EXPORT_CASES[case]
@@ -56,8 +55,13 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy(case, tmp_path
     loaded = load(tmp_path / "run")
     out = export_hf(loaded, tmp_path / "run" / "hf")
     files = sorted(os.listdir(out))
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"} <= set(files)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= set(files)
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(hf).__name__ == ("GPT2LMHeadModel" if arch["style"] == "gpt2" else "LlamaForCausalLM")
     V = tok["vocab_size"]
@@ -79,19 +83,25 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy(case, tmp_path
     gen = Generator(loaded.model, loaded.arch, ours_tok, V)
     prompts = ["It was a fine day", "Botchan"]
     outs = gen.generate(prompts, SamplingParams(max_new_tokens=32, greedy=True, stop_at_eod=False))
-    for p, o in zip(prompts, outs):
+    for o in outs:
         x = torch.tensor([o.prompt_ids])
         with torch.no_grad():
-            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-        assert y[0, x.shape[1]:].tolist() == o.ids
+            y = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert y[0, x.shape[1] :].tolist() == o.ids
 
 
 def test_export_shards_above_the_size_limit(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from snakellm.models.load import load
     from snakellm.export.hf import export_hf
+    from snakellm.models.load import load
 
     tok = tokenizer_block("gpt2-bpe")
     random_checkpoint(tmp_path / "run", {}, tok)
@@ -128,17 +138,60 @@ def _hf_models(spm: Path):
 
     V = 50257
     return {
-        "gpt2-tied": (GPT2Config(vocab_size=V, n_positions=64, n_embd=48, n_layer=2, n_head=4,
-                                 activation_function="gelu", tie_word_embeddings=True), "gpt2"),
-        "gpt2-untied-ffn": (GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=1, n_head=2, n_inner=80,
-                                       activation_function="gelu", tie_word_embeddings=False), "gpt2"),
-        "llama-gqa-untied": (LlamaConfig(vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-                                         rope_theta=10000.0, tie_word_embeddings=False), "spm"),
-        "llama-mha-tied-rope5e5": (LlamaConfig(vocab_size=600, hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                               max_position_embeddings=64, rope_theta=500000.0, rms_norm_eps=1e-6,
-                                               tie_word_embeddings=True), "spm"),
+        "gpt2-tied": (
+            GPT2Config(
+                vocab_size=V,
+                n_positions=64,
+                n_embd=48,
+                n_layer=2,
+                n_head=4,
+                activation_function="gelu",
+                tie_word_embeddings=True,
+            ),
+            "gpt2",
+        ),
+        "gpt2-untied-ffn": (
+            GPT2Config(
+                vocab_size=V,
+                n_positions=32,
+                n_embd=32,
+                n_layer=1,
+                n_head=2,
+                n_inner=80,
+                activation_function="gelu",
+                tie_word_embeddings=False,
+            ),
+            "gpt2",
+        ),
+        "llama-gqa-untied": (
+            LlamaConfig(
+                vocab_size=640,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+            ),
+            "spm",
+        ),
+        "llama-mha-tied-rope5e5": (
+            LlamaConfig(
+                vocab_size=600,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                max_position_embeddings=64,
+                rope_theta=500000.0,
+                rms_norm_eps=1e-6,
+                tie_word_embeddings=True,
+            ),
+            "spm",
+        ),
     }
 
 
@@ -148,8 +201,8 @@ def test_import_roundtrip_identical_tensors_and_logits(case, tmp_path, spm_model
 
     from transformers import AutoModelForCausalLM
 
-    from snakellm.models.load import load
     from snakellm.export.hf import export_hf, import_hf
+    from snakellm.models.load import load
 
     config, tokkind = _hf_models(spm_model)[case]
     torch.manual_seed(3)
@@ -190,8 +243,16 @@ def test_import_rejects_what_it_cannot_compute(tmp_path):
     with pytest.raises(ExportError, match="activation_function 'gelu_new'"):
         arch_from_hf({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 32})
     with pytest.raises(ExportError, match="rope scaling"):
-        arch_from_hf({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1,
-                      "intermediate_size": 64, "max_position_embeddings": 32,
-                      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+        arch_from_hf(
+            {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+                "intermediate_size": 64,
+                "max_position_embeddings": 32,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+            }
+        )
     with pytest.raises(ExportError, match="model_type 'mistral'"):
         arch_from_hf({"model_type": "mistral"})

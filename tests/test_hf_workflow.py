@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import Workspace, age
 from hf_helpers import GPT2_DIR
 
@@ -43,7 +42,7 @@ def test_default_workflow_ends_with_hf_and_samples(default_workflow: Workspace):
     ws = default_workflow
     hf_dir = ws.path("runs/tiny/hf")
     assert (hf_dir / "config.json").is_file() and (hf_dir / "model.safetensors").is_file()
-    samples = [json.loads(l) for l in ws.path("runs/tiny/samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in ws.path("runs/tiny/samples.jsonl").read_text().splitlines()]
     prompts = yaml.safe_load((Path(__file__).parent.parent / "config" / "schema.yaml").read_text())
     default_prompts = prompts["properties"]["generate"]["properties"]["prompts"]["default"]
     assert [s["prompt"] for s in samples] == default_prompts
@@ -90,20 +89,29 @@ def test_import_hf_rule_then_export_and_samples(workspace: Workspace):
     ws = workspace
     src = ws.path("hub/gpt2-small-random")
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                                      activation_function="gelu")).eval()
+    hf = AutoModelForCausalLM.from_config(
+        GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2, activation_function="gelu")
+    ).eval()
     hf.save_pretrained(src)
     for f in ("vocab.json", "merges.txt"):
         shutil.copy(GPT2_DIR / f, src / f)
     (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     shutil.copytree(Path(__file__).parent.parent / "resources" / "corpus", ws.path("resources/corpus"))
-    ws.write_config({
-        "sources": {"botchan": {"kind": "local", "path": "resources/corpus/botchan/*.jsonl", "format": "jsonl",
-                                "shards_per_chunk": 1}},
-        "tokenize": {"tokenizers": []},
-        "import_hf": {"gpt2r": {"hf_dir": "hub/gpt2-small-random"}},
-        "generate": {"max_new_tokens": 8, "prompts": ["Hello"]},
-    })
+    ws.write_config(
+        {
+            "sources": {
+                "botchan": {
+                    "kind": "local",
+                    "path": "resources/corpus/botchan/*.jsonl",
+                    "format": "jsonl",
+                    "shards_per_chunk": 1,
+                }
+            },
+            "tokenize": {"tokenizers": []},
+            "import_hf": {"gpt2r": {"hf_dir": "hub/gpt2-small-random"}},
+            "generate": {"max_new_tokens": 8, "prompts": ["Hello"]},
+        }
+    )
     ws.run("runs/gpt2r/hf", "runs/gpt2r/samples.jsonl")
     summary = json.loads(ws.path("runs/gpt2r/import_summary.json").read_text())
     assert summary["arch"]["style"] == "gpt2" and summary["padded_vocab_size"] == 50304
@@ -122,15 +130,31 @@ def test_import_hf_rule_then_export_and_samples(workspace: Workspace):
 def test_bad_input_is_an_error_before_any_job(workspace: Workspace):
     ws = workspace
     shutil.copytree(Path(__file__).parent.parent / "resources" / "corpus", ws.path("resources/corpus"))
-    base = {"sources": {"botchan": {"kind": "local", "path": "resources/corpus/botchan/*.jsonl", "format": "jsonl",
-                                    "shards_per_chunk": 1}},
-            "tokenizers": {"gpt2": {"kind": "gpt2-bpe", "vocab_file": str(GPT2_DIR / "vocab.json"),
-                                    "merges_file": str(GPT2_DIR / "merges.txt")}}}
+    base = {
+        "sources": {
+            "botchan": {
+                "kind": "local",
+                "path": "resources/corpus/botchan/*.jsonl",
+                "format": "jsonl",
+                "shards_per_chunk": 1,
+            }
+        },
+        "tokenizers": {
+            "gpt2": {
+                "kind": "gpt2-bpe",
+                "vocab_file": str(GPT2_DIR / "vocab.json"),
+                "merges_file": str(GPT2_DIR / "merges.txt"),
+            }
+        },
+    }
     ws.write_config({**base, "import_hf": {"x": {"hf_dir": "no/such/dir"}}})
     out = ws.run("-n", check=False)
     assert out.returncode != 0 and "import_hf.x.hf_dir" in out.stdout + out.stderr
-    run = {"tokenizer": "gpt2", "model": {"preset": "tiny", "position_embedding": "rope"},
-           "train": {"steps": 1, "micro_batch_size": 1, "global_batch_size": 1}}
+    run = {
+        "tokenizer": "gpt2",
+        "model": {"preset": "tiny", "position_embedding": "rope"},
+        "train": {"steps": 1, "micro_batch_size": 1, "global_batch_size": 1},
+    }
     ws.write_config({**base, "runs": {"odd": run}})
     out = ws.run("-n", check=False)
     assert out.returncode != 0 and "runs.odd.model: Hugging Face export" in out.stdout + out.stderr
@@ -142,6 +166,11 @@ def test_bad_input_is_an_error_before_any_job(workspace: Workspace):
 
     for step in ("export-hf", "generate"):
         extra = ["--prompt", "x"] if step == "generate" else [str(ws.path("out"))]
-        p = subprocess.run([sys.executable, "-m", "snakellm.cli", step, str(ws.path("runs/none")), *extra],
-                           capture_output=True, text=True, env=env_with_venv(), timeout=120)
+        p = subprocess.run(
+            [sys.executable, "-m", "snakellm.cli", step, str(ws.path("runs/none")), *extra],
+            capture_output=True,
+            text=True,
+            env=env_with_venv(),
+            timeout=120,
+        )
         assert p.returncode == 2 and "runs/none" in p.stderr, p.stderr

@@ -11,10 +11,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
-
 from conftest import env_with_venv
 from hf_helpers import random_checkpoint, tokenizer_block
 
@@ -36,9 +34,23 @@ def server(tmp_path_factory):
     # seq_length 512: NeMo's documented request asks for 300 new tokens
     random_checkpoint(run, {"seq_length": 512}, tok, seed=11)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "snakellm.cli", "serve", str(run), "--port", "0", "--threads", "1", "--quiet",
-         "--model-name", "tiny"],
-        stderr=subprocess.PIPE, text=True, env=env_with_venv(),
+        [
+            sys.executable,
+            "-m",
+            "snakellm.cli",
+            "serve",
+            str(run),
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--quiet",
+            "--model-name",
+            "tiny",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with_venv(),
     )
     url = None
     deadline = time.time() + 180
@@ -74,16 +86,37 @@ def test_nemo_documented_curl_request(server):
     if not shutil.which("curl"):
         pytest.skip("curl is not installed")
     out = subprocess.run(
-        ["curl", "-s", "-w", "\n%{http_code}", "-X", "PUT", f"{server}/generate", "-H", "Content-Type: application/json",
-         "-d", NEMO_CURL], capture_output=True, text=True, timeout=600, check=True,
+        [
+            "curl",
+            "-s",
+            "-w",
+            "\n%{http_code}",
+            "-X",
+            "PUT",
+            f"{server}/generate",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            NEMO_CURL,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     ).stdout
     body, code = out.rsplit("\n", 1)
     assert code == "200"
     r = json.loads(body)
     assert set(r) == {"sentences", "tokens", "logprob", "token_ids", "offsets"}  # no full_logprob unless all_probs
     assert r["logprob"] is None
-    for prompt, sent, toks, ids, offs in zip(["Deep learning is", "The capital of France"], r["sentences"], r["tokens"],
-                                             r["token_ids"], r["offsets"]):
+    for prompt, sent, toks, ids, offs in zip(
+        ["Deep learning is", "The capital of France"],
+        r["sentences"],
+        r["tokens"],
+        r["token_ids"],
+        r["offsets"],
+        strict=True,
+    ):
         assert ids[0] == 50256  # add_BOS: GPT-2's BOS is <|endoftext|>
         assert sent.startswith("<|endoftext|>" + prompt)
         assert len(toks) == len(ids) == len(offs) and offs == sorted(offs)
@@ -91,11 +124,17 @@ def test_nemo_documented_curl_request(server):
 
 
 def test_nemo_fields_logprobs_and_determinism(server):
-    req = {"sentences": ["Hello there", "A"], "tokens_to_generate": 8, "greedy": True, "compute_logprob": True,
-           "all_probs": True, "end_strings": []}
+    req = {
+        "sentences": ["Hello there", "A"],
+        "tokens_to_generate": 8,
+        "greedy": True,
+        "compute_logprob": True,
+        "all_probs": True,
+        "end_strings": [],
+    }
     code, r = _call(server, "/generate", req)
     assert code == 200
-    for ids, lp, full in zip(r["token_ids"], r["logprob"], r["full_logprob"]):
+    for ids, lp, full in zip(r["token_ids"], r["logprob"], r["full_logprob"], strict=True):
         assert len(lp) == len(ids) - 1 and len(full) == len(ids) - 1 and len(full[0]) == 50257
         assert abs(full[-1][ids[-1]] - lp[-1]) < 1e-5
     code2, r2 = _call(server, "/generate", req)
@@ -104,22 +143,25 @@ def test_nemo_fields_logprobs_and_determinism(server):
     assert _call(server, "/generate", seeded)[1]["token_ids"] == _call(server, "/generate", seeded)[1]["token_ids"]
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"tokens_to_generate": 4}, "sentences"),
-    ({"sentences": "not a list"}, "sentences"),
-    ({"sentences": ["x"] * 129}, "sentences"),
-    ({"sentences": ["x"], "tokens_to_generate": 0}, "tokens_to_generate"),
-    ({"sentences": ["x"], "tokens_to_generate": 10000}, "tokens_to_generate"),
-    ({"sentences": ["x"], "temperature": 0}, "temperature"),
-    ({"sentences": ["x"], "temperature": True}, "temperature"),
-    ({"sentences": ["x"], "top_p": 1.5}, "top_p"),
-    ({"sentences": ["x"], "top_k": -1}, "top_k"),
-    ({"sentences": ["x"], "repetition_penalty": 0.5}, "repetition_penalty"),
-    ({"sentences": ["x"], "greedy": "yes"}, "greedy"),
-    ({"sentences": ["x"], "end_strings": "."}, "end_strings"),
-    ({"sentences": ["x"], "random_seed": -3}, "random_seed"),
-    ({"sentences": ["x"], "min_tokens_to_generate": 1.5}, "min_tokens_to_generate"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"tokens_to_generate": 4}, "sentences"),
+        ({"sentences": "not a list"}, "sentences"),
+        ({"sentences": ["x"] * 129}, "sentences"),
+        ({"sentences": ["x"], "tokens_to_generate": 0}, "tokens_to_generate"),
+        ({"sentences": ["x"], "tokens_to_generate": 10000}, "tokens_to_generate"),
+        ({"sentences": ["x"], "temperature": 0}, "temperature"),
+        ({"sentences": ["x"], "temperature": True}, "temperature"),
+        ({"sentences": ["x"], "top_p": 1.5}, "top_p"),
+        ({"sentences": ["x"], "top_k": -1}, "top_k"),
+        ({"sentences": ["x"], "repetition_penalty": 0.5}, "repetition_penalty"),
+        ({"sentences": ["x"], "greedy": "yes"}, "greedy"),
+        ({"sentences": ["x"], "end_strings": "."}, "end_strings"),
+        ({"sentences": ["x"], "random_seed": -3}, "random_seed"),
+        ({"sentences": ["x"], "min_tokens_to_generate": 1.5}, "min_tokens_to_generate"),
+    ],
+)
 def test_nemo_bad_requests_are_400_naming_the_field(server, body, field):
     code, r = _call(server, "/generate", body)
     assert code == 400 and r["field"] == field and field in r["error"]
@@ -143,13 +185,24 @@ def test_openai_client(server):
     again = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
     assert again.choices[0].text == c.text
     # the NeMo endpoint computes the same greedy continuation
-    nemo = _call(server, "/generate", {"sentences": ["Once upon a time"], "tokens_to_generate": 12, "greedy": True,
-                                        "repetition_penalty": 1.0, "end_strings": []})[1]
+    nemo = _call(
+        server,
+        "/generate",
+        {
+            "sentences": ["Once upon a time"],
+            "tokens_to_generate": 12,
+            "greedy": True,
+            "repetition_penalty": 1.0,
+            "end_strings": [],
+        },
+    )[1]
     assert nemo["sentences"][0] == "Once upon a time" + c.text or c.finish_reason == "stop"
     # stop text is cut off, as OpenAI does
     if len(c.text) > 4:
         stop = c.text[2:4]
-        s = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, stop=[stop])
+        s = client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, stop=[stop]
+        )
         assert s.choices[0].finish_reason == "stop" and stop not in s.choices[0].text
         assert c.text.startswith(s.choices[0].text)
     # several prompts, n, seed
@@ -167,22 +220,24 @@ def test_parallel_clients_get_their_own_answers(server):
     nemo_req = lambda p: {"sentences": [p], "tokens_to_generate": 10, "greedy": True, "end_strings": []}  # noqa: E731
     expected = {p: _call(server, "/generate", nemo_req(p))[1]["sentences"][0] for p in prompts}
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300)
-    expected_oai = {p: client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0).choices[0].text
-                    for p in prompts[:6]}
+    expected_oai = {
+        p: client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0).choices[0].text
+        for p in prompts[:6]
+    }
     results, errors = {}, []
 
     def nemo_worker(p):
         try:
             code, r = _call(server, "/generate", nemo_req(p))
             results[("nemo", p)] = (code, r["sentences"][0])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(e)
 
     def oai_worker(p):
         try:
             r = client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0)
             results[("oai", p)] = (200, r.choices[0].text)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=nemo_worker, args=(p,)) for p in prompts for _ in range(2)]

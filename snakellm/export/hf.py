@@ -48,7 +48,7 @@ _TE_NAMES = {
 
 
 def hf_family(arch: dict[str, Any]) -> str:
-    """"gpt2" or "llama": the HF class that computes exactly what this architecture does."""
+    """ "gpt2" or "llama": the HF class that computes exactly what this architecture does."""
     gpt2 = dict(position_embedding="learned", normalization="LayerNorm", activation="gelu")
     llama = dict(position_embedding="rope", normalization="RMSNorm", activation="swiglu")
     for family, want in (("gpt2", gpt2), ("llama", llama)):
@@ -71,28 +71,57 @@ def hf_config(arch: dict[str, Any], vocab_size: int, specials: dict[str, int], d
     family = hf_family(arch)
     h, n = arch["hidden_size"], arch["num_attention_heads"]
     eos = specials.get("eos_token_id")
-    common = {"vocab_size": vocab_size, "tie_word_embeddings": bool(arch["tie_embeddings"]), "torch_dtype": dtype,
-              "bos_token_id": specials.get("bos_token_id", eos), "eos_token_id": eos, "use_cache": True}
+    common = {
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": bool(arch["tie_embeddings"]),
+        "torch_dtype": dtype,
+        "bos_token_id": specials.get("bos_token_id", eos),
+        "eos_token_id": eos,
+        "use_cache": True,
+    }
     if specials.get("pad_token_id") is not None:
         common["pad_token_id"] = specials["pad_token_id"]
     if family == "gpt2":
         return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
-            "n_layer": arch["num_layers"], "n_embd": h, "n_head": n, "n_inner": arch["ffn_hidden_size"],
-            "n_positions": arch["seq_length"], "n_ctx": arch["seq_length"],
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            **common,
+            "n_layer": arch["num_layers"],
+            "n_embd": h,
+            "n_head": n,
+            "n_inner": arch["ffn_hidden_size"],
+            "n_positions": arch["seq_length"],
+            "n_ctx": arch["seq_length"],
             "activation_function": "gelu",  # exact erf GeLU, as megatron-core's F.gelu (not GPT-2's gelu_new)
-            "layer_norm_epsilon": arch["layernorm_epsilon"], "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0, "initializer_range": arch["init_method_std"], "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "layer_norm_epsilon": arch["layernorm_epsilon"],
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "initializer_range": arch["init_method_std"],
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
         }
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-        "num_hidden_layers": arch["num_layers"], "hidden_size": h, "num_attention_heads": n,
-        "num_key_value_heads": arch["num_query_groups"], "head_dim": h // n,
-        "intermediate_size": arch["ffn_hidden_size"], "max_position_embeddings": arch["seq_length"],
-        "rms_norm_eps": arch["layernorm_epsilon"], "rope_theta": float(arch["rotary_base"]), "rope_scaling": None,
-        "hidden_act": "silu", "attention_bias": bool(arch["bias"]), "mlp_bias": bool(arch["bias"]),
-        "attention_dropout": 0.0, "initializer_range": arch["init_method_std"], "pretraining_tp": 1,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **common,
+        "num_hidden_layers": arch["num_layers"],
+        "hidden_size": h,
+        "num_attention_heads": n,
+        "num_key_value_heads": arch["num_query_groups"],
+        "head_dim": h // n,
+        "intermediate_size": arch["ffn_hidden_size"],
+        "max_position_embeddings": arch["seq_length"],
+        "rms_norm_eps": arch["layernorm_epsilon"],
+        "rope_theta": float(arch["rotary_base"]),
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "attention_bias": bool(arch["bias"]),
+        "mlp_bias": bool(arch["bias"]),
+        "attention_dropout": 0.0,
+        "initializer_range": arch["init_method_std"],
+        "pretraining_tp": 1,
     }
 
 
@@ -104,23 +133,31 @@ def arch_from_hf(config: dict[str, Any], where: str = "config.json") -> dict[str
     if mt == "gpt2":
         act = config.get("activation_function", "gelu_new")
         if act != "gelu":
-            raise ExportError(f"{where}: activation_function {act!r}: snakellm's GPT-2 style computes the exact "
-                              "GeLU ('gelu') only")
+            raise ExportError(
+                f"{where}: activation_function {act!r}: snakellm's GPT-2 style computes the exact GeLU ('gelu') only"
+            )
         if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
             raise ExportError(f"{where}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
         h = config["n_embd"]
-        over = dict(style="gpt2", num_layers=config["n_layer"], hidden_size=h, num_attention_heads=config["n_head"],
-                    ffn_hidden_size=config.get("n_inner") or 4 * h, seq_length=config["n_positions"],
-                    layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
-                    tie_embeddings=config.get("tie_word_embeddings", True),
-                    init_method_std=config.get("initializer_range", 0.02))
+        over = dict(
+            style="gpt2",
+            num_layers=config["n_layer"],
+            hidden_size=h,
+            num_attention_heads=config["n_head"],
+            ffn_hidden_size=config.get("n_inner") or 4 * h,
+            seq_length=config["n_positions"],
+            layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=config.get("tie_word_embeddings", True),
+            init_method_std=config.get("initializer_range", 0.02),
+        )
     elif mt == "llama":
         if config.get("hidden_act", "silu") != "silu":
             raise ExportError(f"{where}: hidden_act {config['hidden_act']!r}: only silu (SwiGLU) is supported")
         rs = config.get("rope_scaling")
         rp = config.get("rope_parameters") or {}
-        if (rs and rs.get("rope_type", rs.get("type")) not in (None, "default")) or \
-                rp.get("rope_type", "default") != "default":
+        if (rs and rs.get("rope_type", rs.get("type")) not in (None, "default")) or rp.get(
+            "rope_type", "default"
+        ) != "default":
             raise ExportError(f"{where}: rope scaling {rs or rp} is not supported (plain RoPE only)")
         h, n = config["hidden_size"], config["num_attention_heads"]
         if config.get("head_dim") not in (None, h // n):
@@ -128,13 +165,20 @@ def arch_from_hf(config: dict[str, Any], where: str = "config.json") -> dict[str
         if bool(config.get("attention_bias", False)) != bool(config.get("mlp_bias", False)):
             raise ExportError(f"{where}: attention_bias and mlp_bias differ; megatron-core biases all linears or none")
         base = config.get("rope_theta", rp.get("rope_theta", 10000.0))
-        over = dict(style="llama", num_layers=config["num_hidden_layers"], hidden_size=h, num_attention_heads=n,
-                    num_query_groups=config.get("num_key_value_heads") or n,
-                    ffn_hidden_size=config["intermediate_size"], seq_length=config["max_position_embeddings"],
-                    layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
-                    rotary_base=int(base) if float(base).is_integer() else base,
-                    tie_embeddings=config.get("tie_word_embeddings", False), bias=bool(config.get("attention_bias")),
-                    init_method_std=config.get("initializer_range", 0.02))
+        over = dict(
+            style="llama",
+            num_layers=config["num_hidden_layers"],
+            hidden_size=h,
+            num_attention_heads=n,
+            num_query_groups=config.get("num_key_value_heads") or n,
+            ffn_hidden_size=config["intermediate_size"],
+            seq_length=config["max_position_embeddings"],
+            layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
+            rotary_base=int(base) if float(base).is_integer() else base,
+            tie_embeddings=config.get("tie_word_embeddings", False),
+            bias=bool(config.get("attention_bias")),
+            init_method_std=config.get("initializer_range", 0.02),
+        )
     else:
         raise ExportError(f"{where}: model_type {mt!r}: import supports gpt2 and llama")
     return resolve(None, over)
@@ -206,8 +250,14 @@ def to_hf(arch: dict[str, Any], m: dict[str, Any], vocab_size: int) -> dict[str,
             else:  # GPT2LMHeadModel always has biases: zeros compute the same
                 h = arch["hidden_size"]
                 z = m[a + "self_attention.linear_proj.weight"].new_zeros
-                out.update({p + "attn.c_attn.bias": z(3 * h), p + "attn.c_proj.bias": z(h),
-                            p + "mlp.c_fc.bias": z(f), p + "mlp.c_proj.bias": z(h)})
+                out.update(
+                    {
+                        p + "attn.c_attn.bias": z(3 * h),
+                        p + "attn.c_proj.bias": z(h),
+                        p + "mlp.c_fc.bias": z(f),
+                        p + "mlp.c_proj.bias": z(h),
+                    }
+                )
             for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
                 put(p + theirs + ".weight", m[a + ours + ".weight"])
                 put(p + theirs + ".bias", m[a + ours + ".bias"])
@@ -217,7 +267,8 @@ def to_hf(arch: dict[str, Any], m: dict[str, Any], vocab_size: int) -> dict[str,
         put("model.embed_tokens.weight", emb)
         for i in range(L):
             a, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            for name, t in zip(("q_proj", "k_proj", "v_proj"), _split_qkv(m[a + "self_attention.linear_qkv.weight"], arch)):
+            qkv_w = _split_qkv(m[a + "self_attention.linear_qkv.weight"], arch)
+            for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_w, strict=True):
                 put(p + f"self_attn.{name}.weight", t)
             put(p + "self_attn.o_proj.weight", m[a + "self_attention.linear_proj.weight"])
             fc1 = m[a + "mlp.linear_fc1.weight"]
@@ -225,7 +276,8 @@ def to_hf(arch: dict[str, Any], m: dict[str, Any], vocab_size: int) -> dict[str,
             put(p + "mlp.up_proj.weight", fc1[f:])
             put(p + "mlp.down_proj.weight", m[a + "mlp.linear_fc2.weight"])
             if arch["bias"]:
-                for name, t in zip(("q_proj", "k_proj", "v_proj"), _split_qkv(m[a + "self_attention.linear_qkv.bias"], arch)):
+                qkv_b = _split_qkv(m[a + "self_attention.linear_qkv.bias"], arch)
+                for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_b, strict=True):
                     put(p + f"self_attn.{name}.bias", t)
                 put(p + "self_attn.o_proj.bias", m[a + "self_attention.linear_proj.bias"])
                 b1 = m[a + "mlp.linear_fc1.bias"]
@@ -266,13 +318,13 @@ def from_hf(arch: dict[str, Any], hf: dict[str, Any], padded_vocab: int) -> dict
         for i in range(L):
             a, p = f"decoder.layers.{i}.", f"transformer.h.{i}."
             w = get(p + "attn.c_attn.weight").t()
-            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(w[:h], w[h:2 * h], w[2 * h:], arch)
+            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(w[:h], w[h : 2 * h], w[2 * h :], arch)
             out[a + "self_attention.linear_proj.weight"] = get(p + "attn.c_proj.weight").t()
             out[a + "mlp.linear_fc1.weight"] = get(p + "mlp.c_fc.weight").t()
             out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.c_proj.weight").t()
             if arch["bias"]:
                 b = get(p + "attn.c_attn.bias")
-                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(b[:h], b[h:2 * h], b[2 * h:], arch)
+                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(b[:h], b[h : 2 * h], b[2 * h :], arch)
                 out[a + "self_attention.linear_proj.bias"] = get(p + "attn.c_proj.bias")
                 out[a + "mlp.linear_fc1.bias"] = get(p + "mlp.c_fc.bias")
                 out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.c_proj.bias")
@@ -288,13 +340,15 @@ def from_hf(arch: dict[str, Any], hf: dict[str, Any], padded_vocab: int) -> dict
         for i in range(L):
             a, p = f"decoder.layers.{i}.", f"model.layers.{i}."
             qkv = [get(p + f"self_attn.{x}.weight") for x in ("q_proj", "k_proj", "v_proj")]
-            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(*qkv, arch)
+            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(qkv[0], qkv[1], qkv[2], arch)
             out[a + "self_attention.linear_proj.weight"] = get(p + "self_attn.o_proj.weight")
-            out[a + "mlp.linear_fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            out[a + "mlp.linear_fc1.weight"] = torch.cat(
+                [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+            )
             out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
             if arch["bias"]:
                 qkvb = [get(p + f"self_attn.{x}.bias") for x in ("q_proj", "k_proj", "v_proj")]
-                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(*qkvb, arch)
+                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(qkvb[0], qkvb[1], qkvb[2], arch)
                 out[a + "self_attention.linear_proj.bias"] = get(p + "self_attn.o_proj.bias")
                 out[a + "mlp.linear_fc1.bias"] = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
                 out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.down_proj.bias")
@@ -315,7 +369,15 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         return text
     s = str(text).strip().upper()
-    for suf, mul in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+    for suf, mul in (
+        ("GIB", 2**30),
+        ("MIB", 2**20),
+        ("KIB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+        ("B", 1),
+    ):
         if s.endswith(suf):
             return int(float(s[: -len(suf)]) * mul)
     return int(s)
@@ -341,7 +403,7 @@ def save_safetensors(out: Path, tensors: dict[str, Any], max_shard_bytes: int) -
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
-    for name, shard in zip(names, shards):
+    for name, shard in zip(names, shards, strict=True):
         save_file(shard, str(out / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in shard})
     write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -382,8 +444,14 @@ def _publish_dir(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
 
 
-def export_hf(loaded, out: str | os.PathLike, *, max_shard_size: str = "5GB", dtype: str = "auto",
-              tokenizer_base: Path | None = None) -> Path:
+def export_hf(
+    loaded,
+    out: str | os.PathLike,
+    *,
+    max_shard_size: str = "5GB",
+    dtype: str = "auto",
+    tokenizer_base: Path | None = None,
+) -> Path:
     """Write ``out/`` (config.json, generation_config.json, safetensors, tokenizer files) from a loaded model."""
     import torch
 
@@ -397,7 +465,9 @@ def export_hf(loaded, out: str | os.PathLike, *, max_shard_size: str = "5GB", dt
     tmp.mkdir(parents=True)
     from snakellm.export.hf_tokenizer import export_tokenizer
 
-    specials = export_tokenizer(tok, tmp, base=tokenizer_base, model_max_length=arch["seq_length"]) if tok.get("kind") else {}
+    specials = (
+        export_tokenizer(tok, tmp, base=tokenizer_base, model_max_length=arch["seq_length"]) if tok.get("kind") else {}
+    )
     tensors = to_hf(arch, megatron_tensors(loaded.model), vocab)
     if dtype != "auto":
         tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -411,8 +481,15 @@ def export_hf(loaded, out: str | os.PathLike, *, max_shard_size: str = "5GB", dt
     if "pad_token_id" in config:
         gen["pad_token_id"] = config["pad_token_id"]
     write_json(tmp / "generation_config.json", gen)
-    write_json(tmp / "snakellm.json", {"source": str(loaded.checkpoint), "iteration": loaded.iteration,
-                                      "arch": arch, "padded_vocab_size": loaded.padded_vocab_size})
+    write_json(
+        tmp / "snakellm.json",
+        {
+            "source": str(loaded.checkpoint),
+            "iteration": loaded.iteration,
+            "arch": arch,
+            "padded_vocab_size": loaded.padded_vocab_size,
+        },
+    )
     _publish_dir(tmp, out)
     return out
 
@@ -450,11 +527,15 @@ def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_
     expected = megatron_tensors(model)
     missing, extra = sorted(set(expected) - set(msd)), sorted(set(msd) - set(expected))
     if missing or extra:
-        raise ExportError(f"{hf_dir}: weights do not fit the architecture (missing {missing[:4]}, unexpected {extra[:4]})")
+        raise ExportError(
+            f"{hf_dir}: weights do not fit the architecture (missing {missing[:4]}, unexpected {extra[:4]})"
+        )
     with torch.no_grad():
         for k, t in expected.items():
             if t.shape != msd[k].shape:
-                raise ExportError(f"{hf_dir}: {k} has shape {tuple(msd[k].shape)}, the architecture needs {tuple(t.shape)}")
+                raise ExportError(
+                    f"{hf_dir}: {k} has shape {tuple(msd[k].shape)}, the architecture needs {tuple(t.shape)}"
+                )
             t.copy_(msd[k])
     save_model_checkpoint(dest, model, arch, padded, tok, 0, extra={"imported_from": str(hf_dir)})
     return {"arch": arch, "padded_vocab_size": padded, "tokenizer": tok, "source": str(hf_dir)}
@@ -487,12 +568,22 @@ def main_export(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="output directory (replaced atomically)")
     p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="weight dtype (auto: the checkpoint's)")
-    p.add_argument("--blend", default=None,
-                   help="blend.json whose tokenizer block names the tokenizer files (default: the checkpoint's run_config)")
-    p.add_argument("--tokenizer-base", default=None,
-                   help="directory that relative tokenizer file paths are relative to (default: the working directory)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weight dtype (auto: the checkpoint's)",
+    )
+    p.add_argument(
+        "--blend",
+        default=None,
+        help="blend.json whose tokenizer block names the tokenizer files (default: the checkpoint's run_config)",
+    )
+    p.add_argument(
+        "--tokenizer-base",
+        default=None,
+        help="directory that relative tokenizer file paths are relative to (default: the working directory)",
+    )
     a = p.parse_args(argv)
     from snakellm.models.load import LoadError, describe_run, load
 
@@ -510,8 +601,13 @@ def main_export(argv: list[str] | None = None) -> int:
     t0 = time.time()
     loaded = load(info["checkpoint_dir"], info["iteration"])
     loaded.tokenizer = tok
-    out = export_hf(loaded, a.out, max_shard_size=a.max_shard_size, dtype=a.dtype,
-                    tokenizer_base=Path(a.tokenizer_base) if a.tokenizer_base else None)
+    out = export_hf(
+        loaded,
+        a.out,
+        max_shard_size=a.max_shard_size,
+        dtype=a.dtype,
+        tokenizer_base=Path(a.tokenizer_base) if a.tokenizer_base else None,
+    )
     _log(f"exported {loaded.checkpoint} ({family}) to {out} in {time.time() - t0:.1f} s")
     return 0
 

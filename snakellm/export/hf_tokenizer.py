@@ -52,7 +52,7 @@ def sentencepiece_tokenizer_json(model_file: str | Path):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE, Unigram
 
-    proto = pb.ModelProto()
+    proto = pb.ModelProto()  # type: ignore[attr-defined]
     proto.ParseFromString(Path(model_file).read_bytes())
     ts, ns = proto.trainer_spec, proto.normalizer_spec
     pieces = [(p.piece, p.score) for p in proto.pieces]
@@ -62,14 +62,18 @@ def sentencepiece_tokenizer_json(model_file: str | Path):
         vocab = {p: i for i, (p, _) in enumerate(pieces)}
         merges: list[tuple[str, str, float]] = []
         for piece, score in pieces:
-            local = [(piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+            local = [
+                (piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab
+            ]
             merges += sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]]))
         ordered = [(a, b) for a, b, _ in sorted(merges, key=lambda x: x[2], reverse=True)]
         tok = Tokenizer(BPE(vocab, ordered, unk_token=ts.unk_piece, fuse_unk=True, byte_fallback=ts.byte_fallback))
     else:
-        raise TokenizerExportError(f"{model_file}: sentencepiece model type {ts.model_type} (char/word) has no "
-                                   "Hugging Face equivalent; use bpe or unigram")
-    norm = []
+        raise TokenizerExportError(
+            f"{model_file}: sentencepiece model type {ts.model_type} (char/word) has no "
+            "Hugging Face equivalent; use bpe or unigram"
+        )
+    norm: list[Any] = []
     if ns.precompiled_charsmap:
         norm.append(normalizers.Precompiled(ns.precompiled_charsmap))
     if ns.remove_extra_whitespaces:
@@ -83,7 +87,9 @@ def sentencepiece_tokenizer_json(model_file: str | Path):
         dec.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(dec)
     # control pieces (<s>, </s>) are special; user-defined symbols are ordinary added tokens
-    tok.add_tokens([AddedToken(p.piece, normalized=False, special=p.type == 3) for p in proto.pieces if p.type in (3, 4)])
+    tok.add_tokens(
+        [AddedToken(p.piece, normalized=False, special=p.type == 3) for p in proto.pieces if p.type in (3, 4)]
+    )
     return tok, proto
 
 
@@ -91,7 +97,9 @@ def _piece(proto, i: int) -> str | None:
     return proto.pieces[i].piece if 0 <= i < len(proto.pieces) else None
 
 
-def export_tokenizer(tok: dict[str, Any], out: Path, *, base: Path | None = None, model_max_length: int | None = None) -> dict:
+def export_tokenizer(
+    tok: dict[str, Any], out: Path, *, base: Path | None = None, model_max_length: int | None = None
+) -> dict:
     """Write the tokenizer files of a blend.json tokenizer block into ``out``; returns special-token ids."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
@@ -139,14 +147,16 @@ def export_tokenizer(tok: dict[str, Any], out: Path, *, base: Path | None = None
         tf = _resolve(files["tokenizer_file"], base)
         shutil.copyfile(tf, out / "tokenizer.json")
         t = Tokenizer.from_file(str(tf))
-        eod = tok.get("eod_token") or t.id_to_token(eod_id)
+        eod = tok.get("eod_token") or t.id_to_token(int(eod_id or 0))
         cfg.update(tokenizer_class="PreTrainedTokenizerFast", eos_token=eod)
         specials = {"eos_token_id": eod_id}
     else:
         raise TokenizerExportError(f"tokenizer kind {kind!r} cannot be exported (gpt2-bpe, sentencepiece, huggingface)")
     write_json(out / "tokenizer_config.json", cfg)
-    write_json(out / "special_tokens_map.json",
-               {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in cfg})
+    write_json(
+        out / "special_tokens_map.json",
+        {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in cfg},
+    )
     return specials
 
 
@@ -168,8 +178,13 @@ def import_tokenizer(hf_dir: Path, out: Path) -> dict:
     if (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
         for f in ("vocab.json", "merges.txt"):
             shutil.copyfile(hf_dir / f, out / f)
-        t = encoders.load("gpt2-bpe", name=hf_dir.name, vocab_file=str(out / "vocab.json"),
-                          merges_file=str(out / "merges.txt"), eod=eos)
+        t = encoders.load(
+            "gpt2-bpe",
+            name=hf_dir.name,
+            vocab_file=str(out / "vocab.json"),
+            merges_file=str(out / "merges.txt"),
+            eod=eos,
+        )
     elif (hf_dir / "tokenizer.model").is_file():
         shutil.copyfile(hf_dir / "tokenizer.model", out / "tokenizer.model")
         t = encoders.load("sentencepiece", name=hf_dir.name, model_file=str(out / "tokenizer.model"), eod=eos)
@@ -177,7 +192,9 @@ def import_tokenizer(hf_dir: Path, out: Path) -> dict:
         shutil.copyfile(hf_dir / "tokenizer.json", out / "tokenizer.json")
         t = encoders.load("huggingface", name=hf_dir.name, tokenizer_file=str(out / "tokenizer.json"), eod=eos)
     else:
-        raise TokenizerExportError(f"{hf_dir}: no tokenizer files (vocab.json+merges.txt, tokenizer.model or tokenizer.json)")
+        raise TokenizerExportError(
+            f"{hf_dir}: no tokenizer files (vocab.json+merges.txt, tokenizer.model or tokenizer.json)"
+        )
     info = t.info()
     info["nemo"] = encoders.nemo_tokenizer(info)
     return info

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from snakellm.io.atomic import write_text
 
@@ -108,7 +108,15 @@ def load_tokenizer(block: dict[str, Any], base: Path | None = None):
         files[k] = str(p)
     if not files:
         raise GenerationError("the checkpoint records no tokenizer files; pass the blend.json (--blend)")
-    return encoders.load(block["kind"], name=block.get("name", ""), eod=block.get("eod_token"), **files)
+    return encoders.load(
+        block["kind"],
+        name=block.get("name", ""),
+        eod=block.get("eod_token"),
+        vocab_file=files.get("vocab_file"),
+        merges_file=files.get("merges_file"),
+        model_file=files.get("model_file"),
+        tokenizer_file=files.get("tokenizer_file"),
+    )
 
 
 def token_strings(tok, ids: Sequence[int]) -> list[str]:
@@ -150,16 +158,28 @@ class Decoder:
         self.out = w.get("output_layer.weight", self.emb)
         self.device = self.emb.device
         self.dtype = self.emb.dtype
-        self.layers = []
+        self.layers: list[dict[str, Any]] = []
         for i in range(arch["num_layers"]):
             p = f"decoder.layers.{i}."
-            self.layers.append({k: w.get(p + n) for k, n in (
-                ("ln1_w", "input_layernorm.weight"), ("ln1_b", "input_layernorm.bias"),
-                ("qkv_w", "self_attention.linear_qkv.weight"), ("qkv_b", "self_attention.linear_qkv.bias"),
-                ("proj_w", "self_attention.linear_proj.weight"), ("proj_b", "self_attention.linear_proj.bias"),
-                ("ln2_w", "pre_mlp_layernorm.weight"), ("ln2_b", "pre_mlp_layernorm.bias"),
-                ("fc1_w", "mlp.linear_fc1.weight"), ("fc1_b", "mlp.linear_fc1.bias"),
-                ("fc2_w", "mlp.linear_fc2.weight"), ("fc2_b", "mlp.linear_fc2.bias"))})
+            self.layers.append(
+                {
+                    k: w.get(p + n)
+                    for k, n in (
+                        ("ln1_w", "input_layernorm.weight"),
+                        ("ln1_b", "input_layernorm.bias"),
+                        ("qkv_w", "self_attention.linear_qkv.weight"),
+                        ("qkv_b", "self_attention.linear_qkv.bias"),
+                        ("proj_w", "self_attention.linear_proj.weight"),
+                        ("proj_b", "self_attention.linear_proj.bias"),
+                        ("ln2_w", "pre_mlp_layernorm.weight"),
+                        ("ln2_b", "pre_mlp_layernorm.bias"),
+                        ("fc1_w", "mlp.linear_fc1.weight"),
+                        ("fc1_b", "mlp.linear_fc1.bias"),
+                        ("fc2_w", "mlp.linear_fc2.weight"),
+                        ("fc2_b", "mlp.linear_fc2.bias"),
+                    )
+                }
+            )
         self.final_w = w["decoder.final_layernorm.weight"]
         self.final_b = w.get("decoder.final_layernorm.bias")
         self.n = arch["num_attention_heads"]
@@ -169,7 +189,9 @@ class Decoder:
         self.rope = arch["position_embedding"] == "rope"
         if self.rope:
             d = self.d
-            self.inv_freq = 1.0 / (arch["rotary_base"] ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
+            self.inv_freq = 1.0 / (
+                arch["rotary_base"] ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d)
+            )
         self.max_len = arch["seq_length"]
 
     def _norm(self, x, w, b):
@@ -227,8 +249,13 @@ class Decoder:
                 q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
             cache[li, 0, :, :, start:end] = k.transpose(1, 2)
             cache[li, 1, :, :, start:end] = v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), cache[li, 0, :, :, :end], cache[li, 1, :, :, :end],
-                                               attn_mask=mask, enable_gqa=per > 1)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                cache[li, 0, :, :, :end],
+                cache[li, 1, :, :, :end],
+                attn_mask=mask,
+                enable_gqa=per > 1,
+            )
             x = x + F.linear(o.transpose(1, 2).reshape(b, t, n * d), L["proj_w"], L["proj_b"])
             h = self._norm(x, L["ln2_w"], L["ln2_b"])
             h = F.linear(h, L["fc1_w"], L["fc1_b"])
@@ -278,8 +305,13 @@ class Generator:
             out.append(([bos_id(self.tok)] if add_bos else []) + ids)
         return out
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, add_bos: bool = False,
-                 prompt_logprobs: bool = False) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams,
+        add_bos: bool = False,
+        prompt_logprobs: bool = False,
+    ) -> list[Completion]:
         import torch
 
         params.check()
@@ -291,19 +323,23 @@ class Generator:
                 raise GenerationError(f"prompt {i} is empty (no tokens); set add_BOS or give some text", "sentences")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise GenerationError(f"prompt {i}: token id {bad[0]} outside the vocabulary of {self.vocab_size}", "sentences")
+                raise GenerationError(
+                    f"prompt {i}: token id {bad[0]} outside the vocabulary of {self.vocab_size}", "sentences"
+                )
         longest = max(map(len, batch))
         if longest + params.max_new_tokens > self.decoder.max_len:
             raise GenerationError(
                 f"tokens_to_generate: a prompt of {longest} tokens + {params.max_new_tokens} new tokens exceeds the "
-                f"model's sequence length {self.decoder.max_len}", "tokens_to_generate")
+                f"model's sequence length {self.decoder.max_len}",
+                "tokens_to_generate",
+            )
         dev = self.decoder.device
         b = len(batch)
         total = longest + params.max_new_tokens
         pad = torch.tensor([longest - len(x) for x in batch], device=dev)
         tokens = torch.zeros(b, total, dtype=torch.long, device=dev)
         for i, ids in enumerate(batch):
-            tokens[i, longest - len(ids):longest] = torch.tensor(ids, dtype=torch.long)
+            tokens[i, longest - len(ids) : longest] = torch.tensor(ids, dtype=torch.long)
         valid = torch.zeros(b, total, dtype=torch.bool, device=dev)
         valid[:, :longest] = torch.arange(longest, device=dev)[None, :] >= pad[:, None]
         cache = self.decoder.new_cache(b, total)
@@ -332,11 +368,13 @@ class Generator:
         rows = torch.arange(b, device=dev)
         with torch.inference_mode():
             positions = (torch.arange(longest, device=dev)[None, :] - pad[:, None]).clamp(min=0)
-            logits = self.decoder.forward(tokens[:, :longest], positions, cache, 0, valid, last_only=not prompt_logprobs)
+            logits = self.decoder.forward(
+                tokens[:, :longest], positions, cache, 0, valid, last_only=not prompt_logprobs
+            )
             if prompt_logprobs:
                 lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:longest, None])[..., 0]
                 for i, ids in enumerate(batch):
-                    p_lp[i] = lp[i, longest - len(ids):].tolist()
+                    p_lp[i] = lp[i, longest - len(ids) :].tolist()
             last = logits[:, -1]
             cur = longest
             for step in range(n_new):
@@ -366,7 +404,7 @@ class Generator:
                     done = done | newly
                 if ends:
                     host_done = done.tolist()
-                    recent = gen_ids[:, max(0, step - 31):step + 1].tolist()
+                    recent = gen_ids[:, max(0, step - 31) : step + 1].tolist()
                     for i in range(b):
                         if not host_done[i] and any(e in self.tok.decode(recent[i]) for e in ends):
                             lengths[i], reason[i], done[i] = step + 1, 2, True
@@ -377,7 +415,7 @@ class Generator:
                 tokens[:, cur] = nxt
                 valid[:, cur] = True
                 positions = (cur - pad)[:, None]
-                last = self.decoder.forward(tokens[:, cur:cur + 1], positions, cache, cur, valid)[:, -1]
+                last = self.decoder.forward(tokens[:, cur : cur + 1], positions, cache, cur, valid)[:, -1]
                 cur += 1
         n = lengths.tolist()
         ids_host = gen_ids.tolist()
@@ -385,9 +423,15 @@ class Generator:
         lp_host = gen_lp.tolist() if gen_lp is not None else None
         full = torch.stack(full_steps, dim=1) if full_steps else None  # [b, steps, V]
         return [
-            Completion(batch[i], ids_host[i][:n[i]], self.continuation(batch[i], ids_host[i][:n[i]]), why[i],
-                       lp_host[i][:n[i]] if lp_host else [], p_lp[i],
-                       full[i, :n[i]].tolist() if full is not None else None)
+            Completion(
+                batch[i],
+                ids_host[i][: n[i]],
+                self.continuation(batch[i], ids_host[i][: n[i]]),
+                why[i],
+                lp_host[i][: n[i]] if lp_host else [],
+                p_lp[i],
+                full[i, : n[i]].tolist() if full is not None else None,
+            )
             for i in range(b)
         ]
 
@@ -397,8 +441,7 @@ class Generator:
             return ""
         head = self.tok.decode(list(prompt))
         full = self.tok.decode(list(prompt) + list(ids))
-        return full[len(head):] if full.startswith(head) else self.tok.decode(list(ids))
-
+        return full[len(head) :] if full.startswith(head) else self.tok.decode(list(ids))
 
     def score(self, rows: Sequence[Sequence[int]], full: bool = False) -> tuple[list[list[float]], list | None]:
         """log p(token_i | tokens_<i) for i >= 1 of each row (one forward, no sampling); all vocab rows if ``full``."""
@@ -410,20 +453,26 @@ class Generator:
         tokens = torch.zeros(b, longest, dtype=torch.long, device=dev)
         pad = torch.tensor([longest - len(r) for r in rows], device=dev)
         for i, r in enumerate(rows):
-            tokens[i, longest - len(r):] = torch.tensor(list(r), dtype=torch.long)
+            tokens[i, longest - len(r) :] = torch.tensor(list(r), dtype=torch.long)
         valid = torch.arange(longest, device=dev)[None, :] >= pad[:, None]
         with torch.inference_mode():
             positions = (torch.arange(longest, device=dev)[None, :] - pad[:, None]).clamp(min=0)
             logits = self.decoder.forward(tokens, positions, self.decoder.new_cache(b, longest), 0, valid)
             lsm = torch.log_softmax(logits[:, :-1], dim=-1)
             chosen = lsm.gather(-1, tokens[:, 1:, None])[..., 0]
-        lps = [chosen[i, longest - len(r):].tolist() for i, r in enumerate(rows)]
-        fulls = [lsm[i, longest - len(r):].tolist() for i, r in enumerate(rows)] if full else None
+        lps = [chosen[i, longest - len(r) :].tolist() for i, r in enumerate(rows)]
+        fulls = [lsm[i, longest - len(r) :].tolist() for i, r in enumerate(rows)] if full else None
         return lps, fulls
 
 
-def load_generator(checkpoint: str, *, blend: str | None = None, device: str = "auto", bf16: bool | None = None,
-                   iteration: int | None = None) -> Generator:
+def load_generator(
+    checkpoint: str,
+    *,
+    blend: str | None = None,
+    device: str = "auto",
+    bf16: bool | None = None,
+    iteration: int | None = None,
+) -> Generator:
     """A :class:`Generator` for a run's checkpoint (the tokenizer from its run_config, or ``blend``)."""
     import torch
 
@@ -453,14 +502,24 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0: off")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
-    g.add_argument("--end-string", dest="end_strings", action="append", default=[], help="stop at this text (repeatable)")
+    g.add_argument(
+        "--end-string", dest="end_strings", action="append", default=[], help="stop at this text (repeatable)"
+    )
     g.add_argument("--seed", type=int, default=None)
 
 
 def params_from_args(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_new_tokens=a.max_new_tokens, min_new_tokens=a.min_new_tokens, greedy=a.greedy,
-                          temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                          repetition_penalty=a.repetition_penalty, end_strings=a.end_strings, seed=a.seed)
+    return SamplingParams(
+        max_new_tokens=a.max_new_tokens,
+        min_new_tokens=a.min_new_tokens,
+        greedy=a.greedy,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        repetition_penalty=a.repetition_penalty,
+        end_strings=a.end_strings,
+        seed=a.seed,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -525,21 +584,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t2 = time.time()
     ntok = sum(len(o.ids) for o in outs)
-    lines = [json.dumps({"prompt": pr, "completion": o.text, "finish_reason": o.finish_reason, "tokens": len(o.ids)},
-                        ensure_ascii=False) for pr, o in zip(prompts, outs)]
-    text = "".join(l + "\n" for l in lines)
+    lines = [
+        json.dumps(
+            {"prompt": pr, "completion": o.text, "finish_reason": o.finish_reason, "tokens": len(o.ids)},
+            ensure_ascii=False,
+        )
+        for pr, o in zip(prompts, outs, strict=True)
+    ]
+    text = "".join(line + "\n" for line in lines)
     if a.out:
         write_text(a.out, text)
     else:
         sys.stdout.write(text)
     if a.markdown:
-        md = [f"# Samples from `{a.checkpoint}`", "",
-              f"{len(prompts)} prompts; {params_summary(params)}; {ntok} tokens in {t2 - t1:.2f} s.", ""]
-        for i, (pr, o) in enumerate(zip(prompts, outs), 1):
+        md = [
+            f"# Samples from `{a.checkpoint}`",
+            "",
+            f"{len(prompts)} prompts; {params_summary(params)}; {ntok} tokens in {t2 - t1:.2f} s.",
+            "",
+        ]
+        for i, (pr, o) in enumerate(zip(prompts, outs, strict=True), 1):
             md += [f"## {i}", "", "```text", pr + o.text, "```", "", f"*{len(o.ids)} tokens, {o.finish_reason}*", ""]
         write_text(a.markdown, "\n".join(md))
-    print(f"[{time.strftime('%H:%M:%S')}] {len(prompts)} prompts, {ntok} new tokens in {t2 - t1:.2f} s "
-          f"({ntok / max(t2 - t1, 1e-9):.1f} tokens/s; loading {t1 - t0:.1f} s)", file=sys.stderr)
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {len(prompts)} prompts, {ntok} new tokens in {t2 - t1:.2f} s "
+        f"({ntok / max(t2 - t1, 1e-9):.1f} tokens/s; loading {t1 - t0:.1f} s)",
+        file=sys.stderr,
+    )
     return 0
 
 

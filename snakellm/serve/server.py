@@ -31,7 +31,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from snakellm.serve.generate import Generator, GenerationError, SamplingParams, token_strings
+from snakellm.serve.generate import GenerationError, Generator, SamplingParams, token_strings
 
 MAX_SENTENCES = 128
 
@@ -76,8 +76,12 @@ def parse_nemo(req: Any) -> tuple[list[str], SamplingParams, dict]:
     top_k = get("top_k", 0, lambda v: _is_num(v) and v >= 0 and float(v).is_integer(), "must be an integer >= 0")
     top_p = get("top_p", 0.9, lambda v: _is_num(v) and 0 <= v <= 1, "must be a number in [0, 1]")
     rp = get("repetition_penalty", 1.2, lambda v: _is_num(v) and v >= 1, "must be a number >= 1.0")
-    ends = get("end_strings", ["<|endoftext|>"], lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-               "must be a list of strings")
+    ends = get(
+        "end_strings",
+        ["<|endoftext|>"],
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "must be a list of strings",
+    )
     mintok = get("min_tokens_to_generate", 0, lambda v: _is_int(v) and v >= 0, "must be an integer >= 0")
     logprob = get("compute_logprob", False, lambda v: isinstance(v, bool), "must be a boolean")
     seed = get("random_seed", None, lambda v: v is None or (_is_int(v) and v >= 0), "must be an integer >= 0 or null")
@@ -86,9 +90,16 @@ def parse_nemo(req: Any) -> tuple[list[str], SamplingParams, dict]:
             raise BadRequest(f"{key} is not supported (p-tuning task ids / RETRO neighbours)", key)
     top_k = int(top_k)
     params = SamplingParams(
-        max_new_tokens=ttg, min_new_tokens=mintok, greedy=greedy, temperature=float(temp), top_k=top_k,
+        max_new_tokens=ttg,
+        min_new_tokens=mintok,
+        greedy=greedy,
+        temperature=float(temp),
+        top_k=top_k,
         # NeMo applies top-k or top-p, never both (top-k wins)
-        top_p=1.0 if top_k > 0 else float(top_p), repetition_penalty=float(rp), end_strings=ends, seed=seed,
+        top_p=1.0 if top_k > 0 else float(top_p),
+        repetition_penalty=float(rp),
+        end_strings=ends,
+        seed=seed,
     )
     return s, params, {"add_bos": add_bos, "all_probs": all_probs, "compute_logprob": logprob}
 
@@ -132,9 +143,12 @@ def parse_openai(req: Any, model_name: str) -> tuple[list[str], SamplingParams, 
     temp = get("temperature", 1.0, lambda v: _is_num(v) and 0 <= v <= 2, "must be a number in [0, 2]")
     top_p = get("top_p", 1.0, lambda v: _is_num(v) and 0 < v <= 1, "must be a number in (0, 1]")
     n = get("n", 1, lambda v: _is_int(v) and 1 <= v <= 16, "must be an integer in [1, 16]")
-    stop = get("stop", [], lambda v: isinstance(v, str) or (isinstance(v, list) and len(v) <= 4 and
-                                                             all(isinstance(x, str) for x in v)),
-               "must be a string or a list of up to 4 strings")
+    stop = get(
+        "stop",
+        [],
+        lambda v: isinstance(v, str) or (isinstance(v, list) and len(v) <= 4 and all(isinstance(x, str) for x in v)),
+        "must be a string or a list of up to 4 strings",
+    )
     seed = get("seed", None, lambda v: v is None or _is_int(v), "must be an integer")
     get("logprobs", None, lambda v: v is None, "is not supported (use PUT /generate with compute_logprob)")
     get("echo", False, lambda v: v is False, "is not supported")
@@ -145,7 +159,10 @@ def parse_openai(req: Any, model_name: str) -> tuple[list[str], SamplingParams, 
     if model not in (None, model_name):
         raise BadRequest(f"model {model!r} is not served here (this server serves {model_name!r})", "model")
     params = SamplingParams(
-        max_new_tokens=max_tokens, greedy=temp == 0, temperature=float(temp) if temp else 1.0, top_p=float(top_p),
+        max_new_tokens=max_tokens,
+        greedy=temp == 0,
+        temperature=float(temp) if temp else 1.0,
+        top_p=float(top_p),
         end_strings=[stop] if isinstance(stop, str) else stop,
         seed=None if seed is None else abs(int(seed)),
     )
@@ -167,9 +184,14 @@ def openai_response(completions, params: SamplingParams, model_name: str, gen: G
         choices.append({"text": text, "index": i, "logprobs": None, "finish_reason": reason})
     pt = sum(len(c.prompt_ids) for c in completions)
     ct = sum(len(c.ids) for c in completions)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": choices,
-            "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}}
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
+    }
 
 
 class App:
@@ -202,7 +224,7 @@ def make_handler(app: App, quiet: bool = False):
         protocol_version = "HTTP/1.1"
         server_version = "snakellm"
 
-        def log_message(self, fmt, *args):  # noqa: A003
+        def log_message(self, fmt, *args):
             if not quiet:
                 sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {self.address_string()} {fmt % args}\n")
 
@@ -228,31 +250,46 @@ def make_handler(app: App, quiet: bool = False):
             except (BadRequest, GenerationError) as e:
                 f = getattr(e, "field", None)
                 if openai:
-                    self._send(400, {"error": {"message": str(e), "type": "invalid_request_error", "param": f,
-                                               "code": None}})
+                    self._send(
+                        400, {"error": {"message": str(e), "type": "invalid_request_error", "param": f, "code": None}}
+                    )
                 else:
                     self._send(400, {"error": str(e), "field": f})
             except Exception as e:  # a bug: say so, keep serving
                 self._send(500, {"error": f"{type(e).__name__}: {e}"})
                 raise
 
-        def do_PUT(self):  # noqa: N802
+        def do_PUT(self):
             if self.path.rstrip("/") == "/generate":
                 self._dispatch(app.nemo, openai=False)
             else:
                 self._send(404, {"error": f"no PUT {self.path} (PUT /generate)"})
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             if self.path.rstrip("/") == "/v1/completions":
                 self._dispatch(app.openai, openai=True)
             else:
-                self._send(404, {"error": {"message": f"no POST {self.path} (POST /v1/completions)",
-                                           "type": "invalid_request_error", "param": None, "code": None}})
+                self._send(
+                    404,
+                    {
+                        "error": {
+                            "message": f"no POST {self.path} (POST /v1/completions)",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    },
+                )
 
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             if self.path.rstrip("/") == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": app.model_name, "object": "model", "created": 0,
-                                                             "owned_by": "snakellm"}]})
+                self._send(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": app.model_name, "object": "model", "created": 0, "owned_by": "snakellm"}],
+                    },
+                )
             elif self.path.rstrip("/") in ("", "/health"):
                 self._send(200, {"status": "ok", "model": app.model_name})
             else:
@@ -296,9 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     name = a.model_name or (d.parent.name if d.name == "checkpoints" else Path(a.checkpoint).name)
     httpd = ThreadingHTTPServer((a.host, a.port), make_handler(App(gen, name), a.quiet))
     httpd.daemon_threads = True
-    host, port = httpd.server_address[:2]
-    print(f"snakellm serve: {name} on http://{host}:{port} (PUT /generate, POST /v1/completions)", file=sys.stderr,
-          flush=True)
+    host, port = a.host, httpd.server_address[1]
+    print(
+        f"snakellm serve: {name} on http://{host}:{port} (PUT /generate, POST /v1/completions)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:
