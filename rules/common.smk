@@ -263,6 +263,38 @@ def get_launch_prefix(wildcards, resources):
     return launch_prefix(resources, config.get("container"))
 
 
+# ---------------------------------------------------------------- export stage: .nemo (rules/export.smk)
+
+EXPORT_NEMO = config["export"]["nemo"]
+_NEMO_TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece")  # what NeMo packs as tokenizer artifacts
+
+
+def _check_export_nemo():
+    """An export that cannot work is a config error before any job runs, not a failure after training."""
+    if not EXPORT_NEMO["enabled"]:
+        return
+    for name, run in RUNS.items():
+        kind = TOKENIZERS[run["tokenizer"]]["kind"]
+        if kind not in _NEMO_TOKENIZER_KINDS:
+            raise WorkflowError(
+                f"invalid config: config key runs.{name}.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece "
+                f"tokenizers, {run['tokenizer']!r} is {kind} (set export.nemo.enabled: false to skip the .nemo)"
+            )
+
+
+_check_export_nemo()
+
+
+def get_export_nemo_args(wildcards):
+    """The export's own settings: part of params, so a change rewrites the .nemo (and nothing else)."""
+    te = EXPORT_NEMO["transformer_engine"]
+    return f"--transformer-engine {str(te).lower()}"
+
+
+def get_export_nemo_targets():
+    return [f"runs/{run}/{run}.nemo" for run in RUNS] if EXPORT_NEMO["enabled"] else []
+
+
 # ---------------------------------------------------------------- Hugging Face export/import, generation
 # (rules/export.smk export_hf/import_hf blocks, rules/evaluate.smk generate)
 
@@ -350,9 +382,33 @@ def get_generate_threads(wildcards):
     return config["generate"]["threads"]
 
 
+def _import_tokenizer_kind(hf_dir):
+    """What import-hf will make of an HF directory's tokenizer (snakellm/export/hf_tokenizer.py)."""
+    has = lambda f: os.path.isfile(os.path.join(hf_dir, f))  # noqa: E731
+    if has("vocab.json") and has("merges.txt"):
+        return "gpt2-bpe"
+    return "sentencepiece" if has("tokenizer.model") else "huggingface"
+
+
+def get_export_nemo_blend(wildcards):
+    """A trained run's .nemo packs the tokenizer of its blend; an import's is recorded with its checkpoint."""
+    return [] if wildcards.run in IMPORTS else [get_train_blend(wildcards)]
+
+
+def get_export_nemo_blend_flag(wildcards):
+    return " ".join(f"--blend {shlex.quote(b)}" for b in get_export_nemo_blend(wildcards))
+
+
 def get_hf_targets():
+    """HF directories and samples of every run and import; imports' .nemo when NeMo can pack their tokenizer."""
     names = list(RUNS) + list(IMPORTS)
     out = [f"runs/{n}/import_summary.json" for n in IMPORTS]
+    if EXPORT_NEMO["enabled"]:
+        out += [
+            f"runs/{n}/{n}.nemo"
+            for n, spec in IMPORTS.items()
+            if _import_tokenizer_kind(spec["hf_dir"]) in _NEMO_TOKENIZER_KINDS
+        ]
     if config["export_hf"]["enabled"]:
         out += [f"runs/{n}/hf" for n in names]
     if config["generate"]["enabled"]:
@@ -365,4 +421,7 @@ def get_hf_targets():
 
 def get_all_targets():
     """What `snakemake` with no target builds: every stage of the default graph."""
-    return get_all_chunk_targets() + get_tokenize_targets() + get_train_targets() + get_hf_targets()
+    return (
+        get_all_chunk_targets() + get_tokenize_targets() + get_train_targets() + get_export_nemo_targets()
+        + get_hf_targets()
+    )

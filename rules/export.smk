@@ -1,5 +1,31 @@
-# Artifacts that leave the workflow: runs/{run}/hf/ (and runs/{run}/{run}.nemo: export_nemo).
-# Paths and flags come from get_* functions in common.smk; the work is in snakellm.export.
+# Artifacts that leave the workflow, made from a run's final checkpoint.
+# Each export is its own block: .nemo here; Hugging Face (export_hf / import_hf) below it.
+
+
+# ---------------------------------------------------------------- .nemo (snakellm/export/nemo.py)
+# runs/{run}/train_summary.json is written last when pretraining finishes, so it stands for the
+# checkpoint: a retrained run rewrites it and the .nemo follows. The blend supplies the tokenizer
+# files that are packed; params carry the export's own settings. The output is written atomically.
+# `snakellm import-nemo FILE.nemo runs/NAME` is the reverse (a CLI step, no rule: its input is
+# a file from outside the workflow).
+
+
+rule export_nemo:
+    input:
+        summary=get_run_done,  # train_summary.json, or an import's import_summary.json
+        blend=get_export_nemo_blend,
+    output:
+        "runs/{run}/{run}.nemo",
+    log:
+        "logs/export_nemo/{run}.log",
+    threads: 2
+    params:
+        args=get_export_nemo_args,
+        blend=get_export_nemo_blend_flag,
+    shell:
+        "snakellm export-nemo runs/{wildcards.run} {output} {params.blend} --threads {threads} "
+        "{params.args} 2> {log}"
+
 
 # ---------------------------------------------------------------- Hugging Face: export_hf, import_hf
 

@@ -50,7 +50,7 @@ def main() -> int:
 
     from snakellm.export.hf import build_for_import, export_hf
     from snakellm.models.architecture import padded_vocab_size, resolve
-    from snakellm.models.load import LoadedModel
+    from snakellm.models.loading import LoadedModel
     from snakellm.serve.generate import Generator, SamplingParams
     from snakellm.tokenize import encoders
 

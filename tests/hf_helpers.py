@@ -54,7 +54,7 @@ def random_checkpoint(run_dir: Path, arch_overrides: dict, tok: dict, seed: int 
 
     from snakellm.export.hf import build_for_import
     from snakellm.models.architecture import padded_vocab_size, resolve
-    from snakellm.models.load import save_model_checkpoint
+    from snakellm.models.loading import save_model_checkpoint
 
     arch = resolve(preset, arch_overrides)
     padded = padded_vocab_size(tok["vocab_size"], arch)

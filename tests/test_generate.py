@@ -11,7 +11,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-llama"])
 def gen(request, tmp_path_factory):
-    from snakellm.models.load import load
+    from snakellm.models.loading import load
     from snakellm.serve.generate import Generator, load_tokenizer
 
     tok = tokenizer_block("gpt2-bpe")

@@ -46,7 +46,7 @@ def test_export_loads_in_transformers_with_same_logits_and_greedy(case, tmp_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from snakellm.export.hf import export_hf
-    from snakellm.models.load import load
+    from snakellm.models.loading import load
     from snakellm.serve.generate import Generator, SamplingParams, load_tokenizer
 
     preset, over, kind = EXPORT_CASES[case]
@@ -101,7 +101,7 @@ def test_export_shards_above_the_size_limit(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from snakellm.export.hf import export_hf
-    from snakellm.models.load import load
+    from snakellm.models.loading import load
 
     tok = tokenizer_block("gpt2-bpe")
     random_checkpoint(tmp_path / "run", {}, tok)
@@ -202,7 +202,7 @@ def test_import_roundtrip_identical_tensors_and_logits(case, tmp_path, spm_model
     from transformers import AutoModelForCausalLM
 
     from snakellm.export.hf import export_hf, import_hf
-    from snakellm.models.load import load
+    from snakellm.models.loading import load
 
     config, tokkind = _hf_models(spm_model)[case]
     torch.manual_seed(3)

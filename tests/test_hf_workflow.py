@@ -52,7 +52,7 @@ def test_default_workflow_ends_with_hf_and_samples(default_workflow: Workspace):
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(hf_dir)
     ids = torch.tensor([tok("The history of the town")["input_ids"]])
-    from snakellm.models.load import load
+    from snakellm.models.loading import load
 
     ours = load(ws.path("runs/tiny"))
     with torch.no_grad():

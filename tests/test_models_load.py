@@ -17,6 +17,8 @@ import pytest
 from conftest import env_with_venv
 from test_train import make_blend, train
 
+pytestmark = pytest.mark.slow  # each test trains or reloads a model (megatron-core import ~4 s)
+
 PROBE = r"""
 import json, sys
 from snakellm import models
@@ -62,7 +64,7 @@ def test_a_trained_run_reloads_with_the_recorded_validation_loss(trained):
 
 
 def test_load_errors_name_what_is_missing(trained, tmp_path):
-    from snakellm.models.load import LoadError, describe_run
+    from snakellm.models.loading import LoadError, describe_run
 
     with pytest.raises(LoadError, match="no such run or checkpoint directory"):
         describe_run(tmp_path / "nope")
@@ -76,7 +78,7 @@ def test_load_errors_name_what_is_missing(trained, tmp_path):
 
 
 def test_describe_run_does_not_import_torch(trained):
-    probe = ("import sys; from snakellm.models.load import describe_run; describe_run(sys.argv[1]); "
+    probe = ("import sys; from snakellm.models.loading import describe_run; describe_run(sys.argv[1]); "
              "print('torch' in sys.modules, 'megatron' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe, str(trained / "runs/r")], capture_output=True, text=True,
                          env=env_with_venv(), check=True).stdout.split()

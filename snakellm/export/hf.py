@@ -510,7 +510,7 @@ def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_
 
     from snakellm.export.hf_tokenizer import import_tokenizer
     from snakellm.models.architecture import padded_vocab_size
-    from snakellm.models.load import save_model_checkpoint
+    from snakellm.models.loading import save_model_checkpoint
 
     hf_dir, dest = Path(hf_dir), Path(dest)
     config, tensors = read_hf_dir(hf_dir)
@@ -585,7 +585,7 @@ def main_export(argv: list[str] | None = None) -> int:
         help="directory that relative tokenizer file paths are relative to (default: the working directory)",
     )
     a = p.parse_args(argv)
-    from snakellm.models.load import LoadError, describe_run, load
+    from snakellm.models.loading import LoadError, describe_run, load
 
     try:
         info = describe_run(a.checkpoint, a.iteration)

@@ -33,7 +33,7 @@ from snakellm.models.presets import PRESETS
 
 if TYPE_CHECKING:
     from snakellm.models.build import build_model
-    from snakellm.models.load import LoadedModel, load, save_model_checkpoint
+    from snakellm.models.loading import LoadedModel, load, save_model_checkpoint
 
 __all__ = [
     "MODEL_KEYS", "PRESETS", "STYLES", "LoadedModel", "ModelConfigError", "ModelSettings", "build_model",
@@ -43,9 +43,9 @@ __all__ = [
 
 _LAZY = {
     "build_model": "snakellm.models.build",
-    "load": "snakellm.models.load",
-    "LoadedModel": "snakellm.models.load",
-    "save_model_checkpoint": "snakellm.models.load",
+    "load": "snakellm.models.loading",
+    "LoadedModel": "snakellm.models.loading",
+    "save_model_checkpoint": "snakellm.models.loading",
 }
 
 

@@ -477,7 +477,7 @@ def load_generator(
     import torch
 
     from snakellm.export.hf import tokenizer_from_blend
-    from snakellm.models.load import describe_run, load
+    from snakellm.models.loading import describe_run, load
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     params = params_from_args(a)
     try:
         params.check()
-        from snakellm.models.load import LoadError, describe_run
+        from snakellm.models.loading import LoadError, describe_run
 
         describe_run(a.checkpoint, a.iteration)
     except (GenerationError, LoadError, ValueError) as e:

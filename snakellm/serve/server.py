@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from pathlib import Path
 
-    from snakellm.models.load import LoadError, locate
+    from snakellm.models.loading import LoadError, locate
 
     try:
         d, _ = locate(a.checkpoint, a.iteration)
