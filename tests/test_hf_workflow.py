@@ -79,7 +79,7 @@ def test_reruns_only_on_checkpoint_or_own_settings(copy_of_default: Workspace):
     # a new checkpoint (the run's summary is written after it) reruns both, nothing else
     age(ws.root, 60, "runs")
     ws.path("runs/tiny/train_summary.json").touch()
-    assert _jobs(ws) == {"generate": 1, "export_hf": 1, "all": 1}
+    assert _jobs(ws) == {"generate": 1, "export_hf": 1, "export_nemo": 1, "all": 1}
 
 
 def test_import_hf_rule_then_export_and_samples(workspace: Workspace):
@@ -112,19 +112,24 @@ def test_import_hf_rule_then_export_and_samples(workspace: Workspace):
             "generate": {"max_new_tokens": 8, "prompts": ["Hello"]},
         }
     )
-    ws.run("runs/gpt2r/hf", "runs/gpt2r/samples.jsonl")
+    ws.run("runs/gpt2r/hf", "runs/gpt2r/samples.jsonl", "runs/gpt2r/gpt2r.nemo")
+    import tarfile
+
+    with tarfile.open(ws.path("runs/gpt2r/gpt2r.nemo")) as tar:  # the .nemo export chained to the import
+        names = tar.getnames()
+    assert "./model_config.yaml" in names and any(n.startswith("./model_weights/") for n in names)
     summary = json.loads(ws.path("runs/gpt2r/import_summary.json").read_text())
     assert summary["arch"]["style"] == "gpt2" and summary["padded_vocab_size"] == 50304
     back = AutoModelForCausalLM.from_pretrained(ws.path("runs/gpt2r/hf")).state_dict()
     orig = hf.state_dict()
     assert back.keys() == orig.keys() and all(torch.equal(back[k], orig[k]) for k in orig)
     assert json.loads(ws.path("runs/gpt2r/samples.jsonl").read_text().splitlines()[0])["tokens"] == 8
-    targets = ("runs/gpt2r/hf", "runs/gpt2r/samples.jsonl")
+    targets = ("runs/gpt2r/hf", "runs/gpt2r/samples.jsonl", "runs/gpt2r/gpt2r.nemo")
     assert _jobs(ws, *targets) == {}
     # the HF weights change -> the import and everything after it rerun
     age(ws.root, 60, "runs")
     (src / "model.safetensors").touch()
-    assert _jobs(ws, *targets) == {"import_hf": 1, "export_hf": 1, "generate": 1}
+    assert _jobs(ws, *targets) == {"import_hf": 1, "export_hf": 1, "generate": 1, "export_nemo": 1}
 
 
 def test_bad_input_is_an_error_before_any_job(workspace: Workspace):
