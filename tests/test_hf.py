@@ -256,3 +256,22 @@ def test_import_rejects_what_it_cannot_compute(tmp_path):
         )
     with pytest.raises(ExportError, match="model_type 'mistral'"):
         arch_from_hf({"model_type": "mistral"})
+
+
+def test_any_tokenizer_json_exports_with_the_same_ids(tmp_path, spm_model):
+    """kind huggingface: the tokenizer.json goes as is, AutoTokenizer gives our ids (and the EOD as eos)."""
+    from transformers import AutoTokenizer
+
+    from snakellm.export.hf_tokenizer import export_tokenizer, sentencepiece_tokenizer_json
+    from snakellm.tokenize import encoders
+
+    tj = tmp_path / "tokenizer.json"
+    sentencepiece_tokenizer_json(spm_model)[0].save(str(tj))  # some tokenizer.json (a Unigram/BPE pipeline)
+    ours = encoders.load("huggingface", name="hf", tokenizer_file=str(tj), eod="</s>")
+    out = tmp_path / "hf"
+    out.mkdir()
+    specials = export_tokenizer(ours.info(), out)
+    at = AutoTokenizer.from_pretrained(out)
+    assert specials["eos_token_id"] == ours.eod_id == at.eos_token_id
+    for t in [t for t in botchan_texts(40) if "<" not in t]:
+        assert at(t)["input_ids"] == ours.encode(t)
