@@ -155,11 +155,10 @@ def serve_check(gen, device: str) -> None:
     """NeMo's PUT /generate and OpenAI's /v1/completions against this device's model, over real HTTP."""
     import threading
     import urllib.request
-    from http.server import ThreadingHTTPServer
 
-    from snakellm.serve.server import App, make_handler
+    from snakellm.serve.server import App, Server, make_handler
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(App(gen, "bench"), quiet=True))
+    httpd = Server(("127.0.0.1", 0), make_handler(App(gen, "bench"), quiet=True))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
 

@@ -219,6 +219,14 @@ class App:
         return openai_response(outs, params, self.model_name, self.gen)
 
 
+class Server(ThreadingHTTPServer):
+    """A thread per request; a listen backlog that many clients connecting at once do not overflow
+    (socketserver's default of 5 resets the connections beyond it while the model is busy)."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 def make_handler(app: App, quiet: bool = False):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -331,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     gen = load_generator(a.checkpoint, blend=a.blend, device=a.device, iteration=a.iteration)
     name = a.model_name or (d.parent.name if d.name == "checkpoints" else Path(a.checkpoint).name)
-    httpd = ThreadingHTTPServer((a.host, a.port), make_handler(App(gen, name), a.quiet))
-    httpd.daemon_threads = True
+    httpd = Server((a.host, a.port), make_handler(App(gen, name), a.quiet))
     host, port = a.host, httpd.server_address[1]
     print(
         f"snakellm serve: {name} on http://{host}:{port} (PUT /generate, POST /v1/completions)",
