@@ -27,6 +27,8 @@ STEPS: dict[str, tuple[str, str]] = {
     "import-hf": ("snakellm.export.import_hf", "turn a Hugging Face GPT-2 / Llama directory into a snakellm checkpoint"),
     "generate": ("snakellm.serve.generate", "sample continuations of prompts from a checkpoint (KV-cached decoding)"),
     "serve": ("snakellm.serve.server", "serve a checkpoint over HTTP: NeMo's PUT /generate and OpenAI's /v1/completions"),
+    "report": ("snakellm.report.cli", "plots and tables for `snakemake --report` (data, tokens, train, any metrics table)"),
+    "dag": ("snakellm.report.dag", "render the workflow's rule graph and job DAG to SVG with Graphviz"),
 }
 
 

@@ -75,6 +75,10 @@ def test_export_errors_before_work(tmp_path):
     (tmp_path / "bad.nemo").write_bytes(b"not a tar at all" * 100)
     p = _cli("import-nemo", "bad.nemo", "runs/x", cwd=tmp_path)
     assert p.returncode == 2 and "bad.nemo: not a .nemo (tar) file" in p.stderr
+    (tmp_path / "runs/full/checkpoints").mkdir(parents=True)
+    (tmp_path / "runs/full/checkpoints/latest_checkpointed_iteration.txt").write_text("5\n")
+    p = _cli("import-nemo", "bad.nemo", "runs/full", cwd=tmp_path)
+    assert p.returncode == 2 and "runs/full/checkpoints already exists and is not empty" in p.stderr
 
 
 def test_huggingface_tokenizer_run_is_a_config_error(workspace):
@@ -90,7 +94,7 @@ def test_huggingface_tokenizer_run_is_a_config_error(workspace):
     p = workspace.run("-n", check=False)
     assert p.returncode != 0
     assert "config key runs.r.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece" in p.stdout + p.stderr
-    cfg["export"] = {"nemo": {"enabled": False}}
+    cfg["export_nemo"] = {"enabled": False}
     workspace.write_config(cfg)
     assert workspace.run("-n").returncode == 0
 
@@ -107,6 +111,6 @@ def test_default_workflow_ends_with_the_nemo(default_workflow):
     assert f"./{cfg['tokenizer']['model'][5:]}" in names
     assert ws.nothing_to_do()
     # the export's own setting reruns the export and nothing else
-    p = ws.run("-n", "--config", "export={nemo: {transformer_engine: true}}")
+    p = ws.run("-n", "--config", "export_nemo={transformer_engine: true}")
     out = p.stdout + p.stderr
     assert "rule export_nemo:" in out and "rule pretrain:" not in out

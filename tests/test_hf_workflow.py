@@ -22,9 +22,10 @@ def _jobs(ws: Workspace, *targets: str) -> dict[str, int]:
     jobs = {}
     for line in (out.stdout + out.stderr).splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job"):
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job", "all"):
             jobs[parts[0]] = int(parts[1])
-    return jobs
+    # the report stage redraws its figures of whatever changed: not this stage's business here
+    return {k: v for k, v in jobs.items() if not k.startswith(("report", "dag"))}
 
 
 @pytest.fixture
@@ -68,10 +69,10 @@ def test_reruns_only_on_checkpoint_or_own_settings(copy_of_default: Workspace):
     cfg = ws.read_config()
     cfg["generate"] = {"max_new_tokens": 12}
     ws.write_config(cfg)
-    assert _jobs(ws) == {"generate": 1, "all": 1}
+    assert _jobs(ws) == {"generate": 1}
     cfg["export_hf"] = {"max_shard_size": "1MB"}
     ws.write_config(cfg)
-    assert _jobs(ws) == {"generate": 1, "export_hf": 1, "all": 1}
+    assert _jobs(ws) == {"generate": 1, "export_hf": 1}
     cfg.pop("generate")
     cfg.pop("export_hf")
     ws.write_config(cfg)
@@ -80,7 +81,7 @@ def test_reruns_only_on_checkpoint_or_own_settings(copy_of_default: Workspace):
     age(ws.root, 60, "runs")
     summary = ws.path("runs/tiny/train_summary.json")
     summary.write_text(summary.read_text() + "\n")  # new content: Snakemake ignores a bare touch of small files
-    assert _jobs(ws) == {"generate": 1, "export_hf": 1, "export_nemo": 1, "all": 1}
+    assert _jobs(ws) == {"generate": 1, "export_hf": 1, "export_nemo": 1}
 
 
 def test_import_hf_rule_then_export_and_samples(workspace: Workspace):

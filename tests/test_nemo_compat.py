@@ -152,7 +152,8 @@ def test_nemo_restore_from_has_our_tensors_and_logits(roundtrip):
     r = roundtrip["root"]
     ours, theirs = _load(r / "ours" / "state.pt"), _load(r / "nemo" / "state.pt")
     assert sorted(ours) == sorted(theirs)
-    assert len(ours) >= 20
+    # gpt2: 2 layers x 12 (+ biases, LayerNorm biases) + 4; llama: 2 x 6 + embedding, output layer, final norm
+    assert len(ours) == {"gpt2": 28, "llama": 15}[roundtrip["style"]]
     unequal = [k for k in ours if not torch.equal(ours[k], theirs[k])]
     assert not unequal, f"tensors differ after NeMo's restore_from: {unequal}"
     lo, ln = _load(r / "ours" / "logits.pt"), _load(r / "nemo" / "logits.pt")
@@ -253,7 +254,34 @@ def test_nemo_save_to_imports_identically(roundtrip):
     assert not all(torch.equal(ours[k], theirs[k]) for k in theirs)  # NeMo's weights, not our originals
     li, ln = _load(r / "imported" / "logits.pt"), _load(r / "nemo" / "resaved_logits.pt")
     assert (li - ln).abs().max().item() < 1e-5
-    rc = json.loads((r / "runs" / "imported" / "checkpoints" / "run_config.json").read_text())["config"]
+    rc = json.loads((r / "runs" / "imported" / "checkpoints" / "run_config.json").read_text())
     arch = CASES[roundtrip["style"]]
-    assert all(rc["model"][k] == v for k, v in arch.items())
+    assert all(rc["config"]["model"][k] == v for k, v in arch.items())
     assert rc["tokenizer"]["vocab_size"] == roundtrip["tok"]["vocab_size"]
+    assert rc["tokenizer"]["eod_id"] == roundtrip["tok"]["eod_id"]
+
+
+def test_default_workflow_nemo_loads_in_nemo(default_workflow, nemo_python: Path, tmp_path: Path):
+    """runs/tiny/tiny.nemo, made by the export_nemo rule from a real training checkpoint, in NeMo."""
+    import torch
+
+    ws = default_workflow
+    nemo_file = ws.path("runs/tiny/tiny.nemo")
+    assert nemo_file.is_file()
+    torch.save(torch.tensor([[5, 17, 99, 250, 3, 1000, 42, 7], [1, 2, 3, 4, 5, 6, 7, 8]]), tmp_path / "batch.pt")
+    run([str(nemo_python), str(REPO / "tests" / "nemo_probe.py"), str(nemo_file), "batch.pt", "nemo"], tmp_path)
+    run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "nemo_helpers.py"),
+            "dump",
+            str(ws.path("runs/tiny")),
+            "batch.pt",
+            "ours",
+        ],
+        tmp_path,
+    )
+    ours, theirs = _load(tmp_path / "ours" / "state.pt"), _load(tmp_path / "nemo" / "state.pt")
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    lo, ln = _load(tmp_path / "ours" / "logits.pt"), _load(tmp_path / "nemo" / "logits.pt")
+    assert (lo - ln).abs().max().item() < 1e-5

@@ -503,7 +503,10 @@ def export_nemo(
         folder = Path(tmpdir) / "nemo"
         folder.mkdir()
         tok_cfg = pack_tokenizer(tok, folder)
+        # bf16 weights are written upcast to fp32 (lossless): NeMo without megatron_amp_O2 keeps fp32
+        # parameters and runs bf16 under autocast, which is what `precision: bf16` asks for
         precision = "bf16" if next(module.parameters()).dtype == torch.bfloat16 else 32
+        module.float()
         cfg = model_config(arch, vocab, tok_cfg, precision=precision, transformer_engine=te)
         (folder / CONFIG_FILE).write_text(yaml.safe_dump(cfg, sort_keys=False))
         save_weights(module, folder / WEIGHTS_DIR, prefix="model.")
@@ -547,6 +550,12 @@ def import_nemo(source: str | os.PathLike, run_dir: str | os.PathLike) -> dict[s
     src, run = Path(source), Path(run_dir)
     if not src.exists():
         raise NemoError(f"{src}: no such file")
+    from snakellm.train import checkpoint as ckpt
+
+    if (run / "checkpoints").exists() and (
+        ckpt.list_iterations(run / "checkpoints") or any((run / "checkpoints").iterdir())
+    ):
+        raise NemoError(f"{run / 'checkpoints'} already exists and is not empty; import into a new run directory")
     with contextlib.ExitStack() as stack:
         if src.is_dir():
             root = src
@@ -572,7 +581,6 @@ def import_nemo(source: str | os.PathLike, run_dir: str | os.PathLike) -> dict[s
             )
         arch = arch_from_config(cfg, str(src))
         from snakellm.models import architecture, save_model_checkpoint
-        from snakellm.train import checkpoint as ckpt
 
         tok = unpack_tokenizer(cfg.get("tokenizer") or {}, root, run / "tokenizer", str(src))
         vocab = architecture.padded_vocab_size(tok["vocab_size"], arch)
@@ -580,8 +588,6 @@ def import_nemo(source: str | os.PathLike, run_dir: str | os.PathLike) -> dict[s
         with model_parallel():
             module = build(arch, vocab, bf16=bf16)
             load_weights(module, weights, prefix="model.")
-            if ckpt.list_iterations(run / "checkpoints"):
-                raise NemoError(f"{run / 'checkpoints'} already holds checkpoints; import into a new run directory")
             path = save_model_checkpoint(run, module, arch, vocab, tok, extra={"imported_from": str(src)})
             nparams = sum(p.numel() for p in module.parameters())
     return {"checkpoint": str(path), "parameters": nparams, "arch": arch, "padded_vocab": vocab}
