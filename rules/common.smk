@@ -295,6 +295,127 @@ def get_export_nemo_targets():
     return [f"runs/{run}/{run}.nemo" for run in RUNS] if EXPORT_NEMO["enabled"] else []
 
 
+# ---------------------------------------------------------------- Hugging Face export/import, generation
+# (rules/export.smk export_hf/import_hf blocks, rules/evaluate.smk generate)
+
+IMPORTS = config.get("import_hf", {})  # {name: {hf_dir, make_vocab_size_divisible_by}}
+
+
+def _check_exports():
+    """Errors before any job runs: an import named like a run, a missing HF directory, a run no HF class computes."""
+    from snakellm.export.hf import ExportError, hf_family
+
+    for name, spec in IMPORTS.items():
+        if name in RUNS:
+            raise WorkflowError(f"invalid config: config key import_hf.{name}: a run of that name exists under runs")
+        if not os.path.isfile(os.path.join(spec["hf_dir"], "config.json")):
+            raise WorkflowError(
+                f"invalid config: config key import_hf.{name}.hf_dir: {spec['hf_dir']!r} has no config.json "
+                "(not a Hugging Face model directory)"
+            )
+    if config["export_hf"]["enabled"]:
+        for name, arch in RUN_MODELS.items():
+            try:
+                hf_family(arch)
+            except ExportError as e:
+                raise WorkflowError(f"invalid config: config key runs.{name}.model: Hugging Face export: {e}") from None
+
+
+_check_exports()
+
+
+def _import_files():
+    """The files of each HF directory, listed once at parse time: an edited weight file reruns the import."""
+    return {
+        name: sorted(os.path.join(spec["hf_dir"], f) for f in os.listdir(spec["hf_dir"])
+                     if os.path.isfile(os.path.join(spec["hf_dir"], f)))
+        for name, spec in IMPORTS.items()
+    }
+
+
+IMPORT_FILES = _import_files()
+
+
+wildcard_constraints:
+    run="|".join(map(__import__("re").escape, list(RUNS) + list(IMPORTS))) or "(?!)",
+
+
+def get_import_hf_files(wildcards):
+    return IMPORT_FILES[wildcards.run]
+
+
+def get_import_hf_dir(wildcards):
+    return IMPORTS[wildcards.run]["hf_dir"]
+
+
+def get_import_hf_args(wildcards):
+    return f"--make-vocab-size-divisible-by {IMPORTS[wildcards.run]['make_vocab_size_divisible_by']}"
+
+
+def get_run_done(wildcards):
+    """The file that says a run's checkpoint is final: train_summary.json, or an import's import_summary.json."""
+    if wildcards.run in IMPORTS:
+        return f"runs/{wildcards.run}/import_summary.json"
+    return f"runs/{wildcards.run}/train_summary.json"
+
+
+def get_export_hf_args(wildcards):
+    e = config["export_hf"]
+    return f"--max-shard-size {shlex.quote(str(e['max_shard_size']))} --dtype {e['dtype']}"
+
+
+def get_generate_args(wildcards):
+    """Every sampling setting and prompt, spelled out: a change reruns the samples, nothing else does."""
+    g = config["generate"]
+    flags = [f"--max-new-tokens {g['max_new_tokens']}", f"--min-new-tokens {g['min_new_tokens']}", f"--seed {g['seed']}"]
+    if g["greedy"]:
+        flags.append("--greedy")
+    else:
+        flags += [f"--temperature {g['temperature']}", f"--top-k {g['top_k']}", f"--top-p {g['top_p']}"]
+    flags.append(f"--repetition-penalty {g['repetition_penalty']}")
+    flags += [f"--end-string {shlex.quote(s)}" for s in g["end_strings"]]
+    flags += [f"--prompt {shlex.quote(p)}" for p in g["prompts"]]
+    return " ".join(flags)
+
+
+def get_generate_threads(wildcards):
+    return config["generate"]["threads"]
+
+
+def _import_tokenizer_kind(hf_dir):
+    """What import-hf will make of an HF directory's tokenizer (snakellm/export/hf_tokenizer.py)."""
+    has = lambda f: os.path.isfile(os.path.join(hf_dir, f))  # noqa: E731
+    if has("vocab.json") and has("merges.txt"):
+        return "gpt2-bpe"
+    return "sentencepiece" if has("tokenizer.model") else "huggingface"
+
+
+def get_export_nemo_blend(wildcards):
+    """A trained run's .nemo packs the tokenizer of its blend; an import's is recorded with its checkpoint."""
+    return [] if wildcards.run in IMPORTS else [get_train_blend(wildcards)]
+
+
+def get_export_nemo_blend_flag(wildcards):
+    return " ".join(f"--blend {shlex.quote(b)}" for b in get_export_nemo_blend(wildcards))
+
+
+def get_hf_targets():
+    """HF directories and samples of every run and import; imports' .nemo when NeMo can pack their tokenizer."""
+    names = list(RUNS) + list(IMPORTS)
+    out = [f"runs/{n}/import_summary.json" for n in IMPORTS]
+    if EXPORT_NEMO["enabled"]:
+        out += [
+            f"runs/{n}/{n}.nemo"
+            for n, spec in IMPORTS.items()
+            if _import_tokenizer_kind(spec["hf_dir"]) in _NEMO_TOKENIZER_KINDS
+        ]
+    if config["export_hf"]["enabled"]:
+        out += [f"runs/{n}/hf" for n in names]
+    if config["generate"]["enabled"]:
+        out += [f"runs/{n}/samples.jsonl" for n in names]
+    return out
+
+
 # ---------------------------------------------------------------- report (rules/report.smk)
 
 import json as _json
@@ -439,5 +560,5 @@ def get_all_targets():
     """What `snakemake` with no target builds: every stage of the default graph and its report figures."""
     return (
         get_all_chunk_targets() + get_tokenize_targets() + get_train_targets() + get_export_nemo_targets()
-        + get_report_targets()
+        + get_hf_targets() + get_report_targets()
     )

@@ -12,8 +12,8 @@
 
 rule export_nemo:
     input:
-        summary="runs/{run}/train_summary.json",
-        blend=get_train_blend,
+        summary=get_run_done,  # train_summary.json, or an import's import_summary.json
+        blend=get_export_nemo_blend,
     output:
         "runs/{run}/{run}.nemo",
     log:
@@ -21,6 +21,41 @@ rule export_nemo:
     threads: 2
     params:
         args=get_export_nemo_args,
+        blend=get_export_nemo_blend_flag,
     shell:
-        "snakellm export-nemo runs/{wildcards.run} {output} --blend {input.blend} --threads {threads} "
+        "snakellm export-nemo runs/{wildcards.run} {output} {params.blend} --threads {threads} "
         "{params.args} 2> {log}"
+
+
+# ---------------------------------------------------------------- Hugging Face: export_hf, import_hf
+
+
+rule export_hf:
+    input:
+        done=get_run_done,
+    output:
+        directory("runs/{run}/hf"),
+    log:
+        "logs/export_hf/{run}.log",
+    benchmark:
+        "benchmarks/export_hf/{run}.tsv"
+    params:
+        args=get_export_hf_args,
+    shell:
+        "snakellm export-hf runs/{wildcards.run} {output} {params.args} 2> {log}"
+
+
+# The checkpoint directory is not an output (as for pretrain): the summary is written
+# after the checkpoint is complete.
+rule import_hf:
+    input:
+        get_import_hf_files,
+    output:
+        "runs/{run}/import_summary.json",
+    log:
+        "logs/import_hf/{run}.log",
+    params:
+        hf_dir=get_import_hf_dir,
+        args=get_import_hf_args,
+    shell:
+        "snakellm import-hf {params.hf_dir:q} runs/{wildcards.run} {params.args} 2> {log}"

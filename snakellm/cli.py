@@ -23,6 +23,10 @@ STEPS: dict[str, tuple[str, str]] = {
     "export-nemo": ("snakellm.export.export_nemo", "write a .nemo (NeMo 1.x mcore GPT) that NeMo's restore_from loads"),
     "import-nemo": ("snakellm.export.import_nemo", "import a .nemo that NeMo's save_to wrote into a model-only checkpoint"),
     "launch": ("snakellm.launch.prefix", "print the srun/torchrun/container command line the pretrain rule runs"),
+    "export-hf": ("snakellm.export.hf", "write a Hugging Face model directory (GPT-2 / Llama) from a checkpoint"),
+    "import-hf": ("snakellm.export.import_hf", "turn a Hugging Face GPT-2 / Llama directory into a snakellm checkpoint"),
+    "generate": ("snakellm.serve.generate", "sample continuations of prompts from a checkpoint (KV-cached decoding)"),
+    "serve": ("snakellm.serve.server", "serve a checkpoint over HTTP: NeMo's PUT /generate and OpenAI's /v1/completions"),
     "report": ("snakellm.report.cli", "plots and tables for `snakemake --report` (data, tokens, train, any metrics table)"),
     "dag": ("snakellm.report.dag", "render the workflow's rule graph and job DAG to SVG with Graphviz"),
 }
