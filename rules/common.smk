@@ -38,17 +38,20 @@ def _write_shard_lists():
     The jobs read their shards from these files, never from the command line
     (one argument is capped at 128 KiB). For an http chunk whose manifest no
     longer matches the shards on disk (one deleted by hand, or removed by
-    `snakellm chunk` for a wrong sha256), the list is touched: its download
-    runs again and fetches what is missing.
+    `snakellm chunk` for a wrong sha256), the list gets a note saying so: its
+    content changed, so its download runs again and fetches what is missing.
     """
+    import datetime
+
     for name, chunks in PLAN.items():
+        http = SOURCES[name]["kind"] == "http"
         for chunk, shards in chunks.items():
-            path = planmod.write_shard_list(shard_list_path(name, chunk), shards)
-            if SOURCES[name]["kind"] == "http":
-                why = planmod.stale_manifest(download_manifest_path(name, chunk))
-                if why:
-                    print(f"{download_manifest_path(name, chunk)}: {why}; downloading again", file=sys.stderr)
-                    os.utime(path)
+            why = planmod.stale_manifest(download_manifest_path(name, chunk)) if http else None
+            note = None
+            if why:
+                print(f"{download_manifest_path(name, chunk)}: {why}; downloading again", file=sys.stderr)
+                note = f"download again ({datetime.datetime.now().isoformat(timespec='seconds')}): {why}"
+            planmod.write_shard_list(shard_list_path(name, chunk), shards, note)
 
 
 def shard_list_path(source, chunk):

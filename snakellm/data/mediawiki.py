@@ -44,6 +44,12 @@ _INTERWIKI = re.compile(r"^:?[a-z]{2,3}(-[a-z]+)*:", re.I)
 _EMPTY_PARENS = re.compile(r"\(\s*[,;:]?\s*\)|\[\s*\]")
 _SPACE_BEFORE_PUNCT = re.compile(r"[ \t]+([,.;:!?)])")
 _BLANKS = re.compile(r"\n{3,}")
+# Removed before parsing: references and comments are never text, and malformed markup
+# inside them (an unclosed '' in a citation) would otherwise make the parser keep them as text.
+_PRE = re.compile(r"<!--.*?(?:-->|$)|<ref\b[^>]*?/>|<ref\b[^>]*>.*?(?:</ref\s*>|$)", re.S | re.I)
+# What malformed markup can leave behind after parsing: stray tags and quote runs.
+_LEFTOVER_TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9]*(?:\s[^<>]*)?/?>")
+_QUOTES = re.compile(r"'{2,}")
 _SPACES = re.compile(r"[ \t\u00a0]{2,}")
 
 
@@ -97,9 +103,52 @@ def _strip(code, drop: frozenset[str]) -> str:
     return "".join(out)
 
 
+def _drop_tables(wikitext: str) -> str:
+    """Remove ``{| ... |}`` tables line by line (nesting counted): a malformed table
+    (an unbalanced quote in a style) would otherwise reach the text as markup."""
+    if "{|" not in wikitext:
+        return wikitext
+    out: list[str] = []
+    depth = 0
+    for line in wikitext.splitlines(keepends=True):
+        stripped = line.lstrip(" :\t")
+        if stripped.startswith("{|"):
+            depth += 1
+        elif depth and stripped.startswith("|}"):
+            depth -= 1
+            tail = stripped[2:]
+            if not depth and tail.strip():
+                out.append(tail)
+        elif not depth:
+            out.append(line)
+    return "".join(out)
+
+
+def _drop_links(wikitext: str, names: frozenset[str]) -> str:
+    """Remove ``[[File:...]]``-style links (nested links in captions included, brackets balanced)."""
+    pat = re.compile(r"\[\[\s*(?:" + "|".join(map(re.escape, sorted(names))) + r")\s*:", re.I)
+    out: list[str] = []
+    pos = 0
+    while m := pat.search(wikitext, pos):
+        out.append(wikitext[pos : m.start()])
+        depth, i = 1, m.end()
+        while depth and i < len(wikitext):
+            if wikitext.startswith("[[", i):
+                depth, i = depth + 1, i + 2
+            elif wikitext.startswith("]]", i):
+                depth, i = depth - 1, i + 2
+            else:
+                nxt = min((j for j in (wikitext.find("[[", i), wikitext.find("]]", i)) if j >= 0), default=len(wikitext))
+                i = nxt
+        pos = i
+    out.append(wikitext[pos:])
+    return "".join(out)
+
+
 def clean_wikitext(wikitext: str, drop_namespaces: frozenset[str] = DROP_LINK_NAMESPACES) -> str:
     """The running text of an article's wikitext: markup, templates, tables and references removed."""
-    text = _strip(mwparserfromhell.parse(wikitext), drop_namespaces)
+    text = _strip(mwparserfromhell.parse(_drop_links(_drop_tables(_PRE.sub("", wikitext)), drop_namespaces)), drop_namespaces)
+    text = _QUOTES.sub("", _LEFTOVER_TAG.sub("", text))
     text = _EMPTY_PARENS.sub("", text)
     text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)
     text = _SPACES.sub(" ", text)

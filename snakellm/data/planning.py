@@ -139,23 +139,28 @@ def plan_source(spec: dict, base: str | os.PathLike = ".") -> dict[str, list[str
     return {chunk_name(i): c for i, c in enumerate(chunks)}
 
 
-def write_shard_list(path: str | os.PathLike, shards: list[str]) -> Path:
+def write_shard_list(path: str | os.PathLike, shards: list[str], note: str | None = None) -> Path:
     """Write a chunk's shard list (one per line) unless the file already holds exactly that list.
 
     The workflow hands shard lists to ``snakellm download``/``snakellm chunk``
     in these files instead of on the command line: Linux caps one argument at
     128 KiB, about 1,500 SlimPajama URLs. Rewriting only on a change keeps the
-    file's mtime, so an unchanged chunk is never rebuilt because of it, and a
+    file as it is, so an unchanged chunk is never rebuilt because of it, and a
     changed list (a shard appended, a new ``shards_per_chunk``) reruns exactly
-    the chunks whose list changed.
+    the chunks whose list changed. ``note`` forces a rewrite with the note as a
+    ``#`` comment line: the content changes, so the job that reads the list runs
+    again (Snakemake ignores a newer mtime when a small file's checksum is the
+    same), and the note stays until the list itself changes.
     """
     path = Path(path)
-    text = "".join(s + "\n" for s in shards)
+    body = "".join(s + "\n" for s in shards)
     try:
-        if path.read_text(encoding="utf-8") == text:
+        old = path.read_text(encoding="utf-8")
+        if note is None and "".join(ln for ln in old.splitlines(True) if not ln.startswith("#")) == body:
             return path
     except (OSError, UnicodeDecodeError):
         pass
+    text = "".join(f"# {ln}\n" for ln in (note or "").splitlines()) + body
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text, encoding="utf-8")
