@@ -130,6 +130,7 @@ def test_japanese_dump(tmp_path):
     assert json.loads(out.read_text()) == {"text": "東京都は日本の首都である。", "title": "東京", "id": "1"}
 
 
+@pytest.mark.slow
 def test_chunk_of_two_dump_files_and_a_truncated_dump(tmp_path):
     out = tmp_path / "c.jsonl"
     st = chunkmod.build_chunk([str(TABLES), str(EXCERPT)], str(out), fmt="mediawiki", workers=2, show_progress=False)
@@ -148,12 +149,15 @@ def _words(text: str) -> collections.Counter:
     return collections.Counter(re.findall(r"\w+", text.lower()))
 
 
+@pytest.mark.slow
 def test_text_matches_wikiextractor(excerpt_pages):
-    """Same articles, same words as WikiExtractor 3.1 (NeMo's GPT-2 recipe): multiset Jaccard per article.
+    """Same articles, same words as WikiExtractor 3.1 (what NeMo's GPT-2 recipe runs), word multisets per article.
 
-    Bar: median >= 0.90, every article >= 0.70. The remaining differences are
-    deliberate or WikiExtractor's: it keeps section headings with a period, drops
-    lists and some link labels, expands a few templates (e.g. {{lang}}).
+    Bars (measured: recall median 1.00, lowest 0.98; Jaccard median 0.94 over 92 prose articles):
+    every word WikiExtractor keeps is in our text (recall >= 0.95 per article, median >= 0.99), and
+    where WikiExtractor keeps at least half of our words (prose articles) the multiset Jaccard
+    median is >= 0.90. Differences are deliberate or WikiExtractor's: it drops lists (whole
+    disambiguation pages and lists of names come out nearly empty) and keeps headings with a period.
     """
     wx = pytest.importorskip("wikiextractor.extract")
     raw = {}
@@ -162,16 +166,72 @@ def test_text_matches_wikiextractor(excerpt_pages):
             if el.tag.endswith("}page"):
                 f = {c.tag.rsplit("}", 1)[1]: c.text for c in el.iter()}
                 raw[f["title"]] = f["text"] or ""
-    scores = {}
+    recall, jaccard = {}, {}
     for p in excerpt_pages:
         if p.skip:
             continue
         out = io.StringIO()
         wx.Extractor(p.id, "1", "", p.title, raw[p.title].splitlines(True)).extract(out, html_safe=False)
         theirs = out.getvalue().split("\n", 2)[2].rsplit("</doc>", 1)[0]  # <doc ...> and the title line off
-        a, b = _words(p.text), _words(theirs)
-        scores[p.title] = sum((a & b).values()) / max(1, sum((a | b).values()))
-    assert len(scores) == 106
-    worst = min(scores, key=scores.get)
-    assert statistics.median(scores.values()) >= 0.90, statistics.median(scores.values())
-    assert scores[worst] >= 0.70, (worst, scores[worst])
+        ours, them = _words(p.text), _words(theirs)
+        both = sum((ours & them).values())
+        if sum(them.values()) >= 20:
+            recall[p.title] = both / sum(them.values())
+        if sum(them.values()) >= sum(ours.values()) / 2:
+            jaccard[p.title] = both / sum((ours | them).values())
+    assert len(recall) >= 100 and len(jaccard) >= 80
+    worst = min(recall, key=recall.get)
+    assert recall[worst] >= 0.95, (worst, recall[worst])
+    assert statistics.median(recall.values()) >= 0.99
+    assert statistics.median(jaccard.values()) >= 0.90, statistics.median(jaccard.values())
+
+
+@pytest.mark.slow
+def test_wikipedia_excerpts_through_the_workflow_to_bin_idx(workspace):
+    """Two real dump files -> two chunks -> GPT-2 BPE Megatron .bin/.idx, as in config/examples/wikipedia-gpt2-124m.yaml."""
+    import shutil
+
+    from snakellm.tokenize.indexed import IndexedReader
+    from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, OpenAIGPT2
+
+    root = workspace.root
+    shutil.copytree(WIKI, root / "resources" / "wikipedia")
+    shutil.copytree(REPO / "resources" / "tokenizers" / "gpt2", root / "resources" / "tokenizers" / "gpt2")
+    workspace.write_config(
+        {
+            "sources": {
+                "wikipedia": {
+                    "kind": "local",
+                    "path": "resources/wikipedia/enwiki-*.xml.bz2",
+                    "format": "mediawiki",
+                    "shards_per_chunk": 1,
+                }
+            },
+            "tokenizers": {
+                "gpt2": {
+                    "kind": "gpt2-bpe",
+                    "vocab_file": "resources/tokenizers/gpt2/vocab.json",
+                    "merges_file": "resources/tokenizers/gpt2/merges.txt",
+                    "vocab_size": 50257,
+                }
+            },
+            "tokenize": {"tokenizers": ["gpt2"], "threads": 1},
+        }
+    )
+    workspace.run("data/tokens/gpt2/blend.json")
+    # natural order: enwiki-pages-articles-excerpt before enwiki-table-markup-excerpt
+    ref = OpenAIGPT2(GPT2_VOCAB, GPT2_MERGES)
+    for chunk, n_docs in (("chunk-00000", 106), ("chunk-00001", 5)):
+        docs = [json.loads(x) for x in workspace.path(f"data/jsonl/wikipedia/{chunk}.jsonl").read_text().splitlines()]
+        assert len(docs) == n_docs and all(set(d) == {"text", "title", "id"} for d in docs)
+        reader = IndexedReader(workspace.path(f"data/tokens/gpt2/wikipedia/{chunk}_text_document"))
+        assert len(reader) == n_docs
+        for i in (0, n_docs - 1):
+            assert reader.document(i).tolist() == ref.encode(docs[i]["text"]) + [50256]
+    stats = json.loads(workspace.path("data/jsonl/wikipedia/chunk-00000.stats.json").read_text())
+    assert stats["skipped_by_reason"] == {"namespace": 1, "redirect": 99} and stats["rejected"] == 0
+    blend = json.loads(workspace.path("data/tokens/gpt2/blend.json").read_text())
+    assert blend["data_prefix"][1::2] == [
+        "data/tokens/gpt2/wikipedia/chunk-00000_text_document",
+        "data/tokens/gpt2/wikipedia/chunk-00001_text_document",
+    ]
