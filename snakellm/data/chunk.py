@@ -43,6 +43,7 @@ REASONS = (
     "invalid_utf8",
     "invalid_unicode",
     "invalid_json",
+    "unsupported_json",
     "not_object",
     "missing_key",
     "not_string",
@@ -105,16 +106,27 @@ def check_against_manifest(shard: str, exp: Expected) -> None:
     raise ManifestMismatchError(f"shard {shard}{where} {problem}{removed}")
 
 
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _classify_bad_json(line: bytes) -> str:
+    """Why orjson refused a line: not UTF-8, not JSON, a lone surrogate, or valid JSON it cannot hold."""
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError:
         return "invalid_utf8"
     try:
-        json.loads(s)  # accepts lone surrogate escapes that orjson refuses
-        return "invalid_unicode"
-    except ValueError:
+        obj = json.loads(s, parse_constant=_no_constant)  # NaN/Infinity: not JSON (RFC 8259)
+    except (ValueError, RecursionError):
         return "invalid_json"
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "invalid_unicode"  # a lone surrogate escape (\ud800): no UTF-8 text can hold it
+    # e.g. 1e400 (beyond a double) or nesting deeper than 1024: valid JSON that orjson, and
+    # therefore the tokenize step, cannot read; quarantined under its own reason
+    return "unsupported_json"
 
 
 def _text_documents(path: str, fmt: str, counts: Counter[str]) -> Iterator[tuple[int, bytes]]:
