@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from snakellm.data import chunk as chunkmod
-from snakellm.io.readers import DamagedShardError
+from snakellm.io.readers import DamagedShardError, compression_of
 
 EXAMPLES = int(os.environ.get("SNAKELLM_FUZZ_EXAMPLES", "150"))
 BOM = b"\xef\xbb\xbf"
@@ -190,7 +190,7 @@ def test_chunk_never_loses_a_line_silently(tmp_path_factory, shards, fmt):
     per_shard_lines = []
     for p, (_, blob) in zip(paths, shards):
         try:
-            data = ref_decompress(blob, chunkmod.compression_of(p, fmt))
+            data = ref_decompress(blob, compression_of(p, fmt))
         except DamagedShardError:
             damaged = p
             break

@@ -34,7 +34,7 @@ from typing import BinaryIO, Iterator
 import orjson
 
 from snakellm.io.atomic import atomic_group
-from snakellm.io.readers import BOM, DamagedShardError, compression_of, detect_compression, iter_lines, open_shard
+from snakellm.io.readers import BOM, compression_of, detect_compression, open_shard, shard_lines
 from snakellm.io.progress import progress
 
 FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki")
@@ -191,42 +191,41 @@ def _process_shard(
         fr.write(dumps(rec) + b"\n")
 
     if fmt.startswith("jsonl"):
-        with open_shard(shard, fmt, comp) as fh:
-            for lineno, line in enumerate(iter_lines(fh), start=1):
-                lines += 1
-                bytes_in += len(line)
-                if line.startswith(BOM):  # a file exported on Windows (or several of them concatenated)
-                    line = line[3:]
-                    counts["boms_stripped"] += 1
-                # Hot loop: no copies of the line on the accepted path (orjson ignores the
-                # trailing newline; isspace() stops at the first non-space byte instead of
-                # building a stripped copy).
-                if line.isspace() or not line:
-                    reject(lineno, "blank_line", line.rstrip(b"\r\n"))
-                    continue
-                try:
-                    obj = loads(line)
-                except JSONDecodeError:
-                    body = line.rstrip(b"\r\n")
-                    reject(lineno, _classify_bad_json(body), body)
-                    continue
-                if type(obj) is not dict:
-                    reject(lineno, "not_object", line.rstrip(b"\r\n"))
-                    continue
-                text = obj.get(key)
-                if text is None and key not in obj:
-                    reject(lineno, "missing_key", line.rstrip(b"\r\n"))
-                elif type(text) is not str:
-                    reject(lineno, "not_string", line.rstrip(b"\r\n"))
-                elif not text or text.isspace():
-                    reject(lineno, "empty_text", line.rstrip(b"\r\n"))
-                else:
-                    if line[-1:] != b"\n" or line[-2:] == b"\r\n":
-                        line = line.rstrip(b"\r\n") + b"\n"
-                        counts["line_endings_normalized"] += 1
-                    fo.write(line)
-                    bytes_out += len(line)
-                    docs += 1
+        for lineno, line in enumerate(shard_lines(shard, fmt, comp), start=1):
+            lines += 1
+            bytes_in += len(line)
+            if line.startswith(BOM):  # a file exported on Windows (or several of them concatenated)
+                line = line[3:]
+                counts["boms_stripped"] += 1
+            # Hot loop: no copies of the line on the accepted path (orjson ignores the
+            # trailing newline; isspace() stops at the first non-space byte instead of
+            # building a stripped copy).
+            if line.isspace() or not line:
+                reject(lineno, "blank_line", line.rstrip(b"\r\n"))
+                continue
+            try:
+                obj = loads(line)
+            except JSONDecodeError:
+                body = line.rstrip(b"\r\n")
+                reject(lineno, _classify_bad_json(body), body)
+                continue
+            if type(obj) is not dict:
+                reject(lineno, "not_object", line.rstrip(b"\r\n"))
+                continue
+            text = obj.get(key)
+            if text is None and key not in obj:
+                reject(lineno, "missing_key", line.rstrip(b"\r\n"))
+            elif type(text) is not str:
+                reject(lineno, "not_string", line.rstrip(b"\r\n"))
+            elif not text or text.isspace():
+                reject(lineno, "empty_text", line.rstrip(b"\r\n"))
+            else:
+                if line[-1:] != b"\n" or line[-2:] == b"\r\n":
+                    line = line.rstrip(b"\r\n") + b"\n"
+                    counts["line_endings_normalized"] += 1
+                fo.write(line)
+                bytes_out += len(line)
+                docs += 1
     elif fmt == "mediawiki":
         from snakellm.data.mediawiki import iter_pages  # mwparserfromhell only where it is needed
 

@@ -83,6 +83,7 @@ class _ZstdRaw(io.RawIOBase):
         self._pending = b""  # compressed bytes not yet fed
         self._pos = 0  # compressed offset of the start of _pending
         self._out = b""
+        self._off = 0  # bytes of _out already handed out by readinto
         self._eof = False
 
     def readable(self) -> bool:
@@ -117,11 +118,23 @@ class _ZstdRaw(io.RawIOBase):
             self._out = out
 
     def readinto(self, b) -> int:  # type: ignore[override]
-        self._fill()
-        n = min(len(b), len(self._out))
-        b[:n] = self._out[:n]
-        self._out = self._out[n:]
+        if self._off >= len(self._out):
+            self._out, self._off = b"", 0
+            self._fill()
+        n = min(len(b), len(self._out) - self._off)
+        b[:n] = memoryview(self._out)[self._off : self._off + n]
+        self._off += n
         return n
+
+    def next_block(self) -> bytes:
+        """The next piece of decompressed output as produced (no copies; b"" at the end)."""
+        if self._off:
+            out, self._out, self._off = self._out[self._off :], b"", 0
+            if out:
+                return out
+        self._fill()
+        out, self._out = self._out, b""
+        return out
 
     def close(self) -> None:
         self._raw.close()
@@ -175,7 +188,22 @@ def open_shard(path: str, fmt: str | None = None, compression: str | None = None
     return io.BufferedReader(stream, buffer_size=READ_SIZE)  # type: ignore[return-value]
 
 
-def iter_lines(fh: BinaryIO, block: int = READ_SIZE) -> Iterator[bytes]:
+def shard_lines(path: str, fmt: str | None = None, compression: str | None = None) -> Iterator[bytes]:
+    """The lines of a shard (see :func:`iter_lines`), decompressed by its magic bytes.
+
+    zstd output goes to the line splitter as each frame piece is decoded, without
+    the copies a BufferedReader would make (the hot path of ``snakellm chunk``).
+    """
+    comp = compression or detect_compression(path, fmt)
+    if comp == "zstd":
+        with _ZstdRaw(path, open(path, "rb")) as z:
+            yield from iter_lines(z)
+        return
+    with open_shard(path, fmt, comp) as fh:
+        yield from iter_lines(fh)
+
+
+def iter_lines(fh: BinaryIO | _ZstdRaw, block: int = READ_SIZE) -> Iterator[bytes]:
     r"""The lines of a stream with their terminators, splitting on ``\n``, ``\r\n`` and a lone ``\r``.
 
     Files exported on old Macs end lines with CR alone; reading them by ``\n``
@@ -183,7 +211,8 @@ def iter_lines(fh: BinaryIO, block: int = READ_SIZE) -> Iterator[bytes]:
     yielded as is. A very long line is collected in pieces (no quadratic copying).
     """
     pending: list[bytes] = []  # an unterminated line, in pieces
-    while buf := fh.read(block):
+    read = fh.next_block if isinstance(fh, _ZstdRaw) else lambda: fh.read(block)
+    while buf := read():
         if pending and pending[-1].endswith(b"\r"):
             # a line ending in \r at a block edge: \r\n split in two, or a lone \r
             if buf.startswith(b"\n"):
