@@ -8,6 +8,7 @@ import sys
 
 from snakemake.exceptions import WorkflowError
 
+from snakellm.config import resolve as resolvemod
 from snakellm.config import validate as cfgmod
 from snakellm.data import planning as planmod
 
@@ -130,25 +131,10 @@ TOKENIZE_DEFAULT = config["tokenize"].get("tokenizers", list(TOKENIZERS))
 TRAINED_TOKENIZERS = [n for n, t in TOKENIZERS.items() if t["kind"] == "sentencepiece" and "model_file" not in t]
 
 
-def _check_tokenizers():
-    for name in TOKENIZE_DEFAULT:
-        if name not in TOKENIZERS:
-            raise WorkflowError(
-                f"invalid config: config key tokenize.tokenizers: unknown tokenizer {name!r} "
-                f"(configured: {', '.join(TOKENIZERS) or 'none'})"
-            )
-    for name, t in TOKENIZERS.items():
-        if "train" in t and name not in TRAINED_TOKENIZERS:
-            raise WorkflowError(
-                f"invalid config: config key tokenizers.{name}.train: only a sentencepiece tokenizer "
-                "without model_file is trained"
-            )
-        for s in t.get("train", {}).get("sample", {}).get("sources", []):
-            if s not in SOURCES:
-                raise WorkflowError(f"invalid config: config key tokenizers.{name}.train.sample.sources: unknown source {s!r}")
-
-
-_check_tokenizers()
+try:
+    resolvemod.check_tokenizers(config)
+except cfgmod.ConfigError as e:
+    raise WorkflowError(f"invalid config: {e}") from None
 
 
 wildcard_constraints:
@@ -261,32 +247,12 @@ def get_tokenize_targets():
 
 from types import SimpleNamespace
 
-from snakellm.models import architecture as modelsmod
-
 RUNS = config.get("runs", {})  # {name: {tokenizer, model, train, parallel}}
-
-
-def _resolve_runs():
-    resolved = {}
-    for name, run in RUNS.items():
-        if run["tokenizer"] not in TOKENIZERS:
-            raise WorkflowError(
-                f"invalid config: config key runs.{name}.tokenizer: unknown tokenizer {run['tokenizer']!r} "
-                f"(configured: {', '.join(TOKENIZERS) or 'none'})"
-            )
-        model = dict(run["model"])
-        try:
-            m = modelsmod.resolve(model.pop("preset", None), model)
-            modelsmod.check_parallel(m, run["parallel"]["tp"], run["parallel"]["pp"])
-        except modelsmod.ModelConfigError as e:
-            raise WorkflowError(f"invalid config: config key runs.{name}.model: {e}") from None
-        resolved[name] = m
-    return resolved
-
-
-RUN_MODELS = _resolve_runs()  # {run: complete architecture dict}
-# None leaves the profile's `retries` in force (a rule-level 0 would override it)
-TRAIN_RETRIES = max((r["train"]["retries"] for r in RUNS.values() if r["train"]["retries"] is not None), default=None)
+try:
+    RUN_MODELS = resolvemod.resolve_runs(config)  # {run: complete architecture dict}
+except cfgmod.ConfigError as e:
+    raise WorkflowError(f"invalid config: {e}") from None
+TRAIN_RETRIES = resolvemod.train_retries(config)
 
 
 wildcard_constraints:
@@ -302,35 +268,9 @@ def get_train_data(wildcards):
     return get_blend_data(SimpleNamespace(tokenizer=RUNS[wildcards.run]["tokenizer"]))
 
 
-def _flag(name, value):
-    opt = "--" + name.replace("_", "-")
-    if isinstance(value, bool):
-        return opt if value else f"--no-{name.replace('_', '-')}"
-    return f"{opt} {shlex.quote(str(value))}"
-
-
-_TRAIN_FLAGS = (
-    "steps", "micro_batch_size", "global_batch_size", "lr", "min_lr", "warmup_steps", "decay_steps", "lr_decay_style",
-    "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed", "split", "precision", "save_interval",
-    "keep_last", "eval_interval", "eval_iters", "log_interval", "max_time", "resume", "on_config_change",
-)
-
-
 def get_train_args(wildcards):
-    """Every `snakellm train` setting of the run, spelled out and fully resolved (the preset expanded).
-
-    This string is the rule's params, so the run reruns exactly when one of its own
-    settings changes; whether old checkpoints are resumed is then decided by
-    `snakellm train` from the settings stored with them.
-    """
-    run = RUNS[wildcards.run]
-    t, p = run["train"], run["parallel"]
-    flags = [_flag(k, v) for k, v in RUN_MODELS[wildcards.run].items()]
-    flags += [_flag(k, t[k]) for k in _TRAIN_FLAGS if t.get(k) is not None]
-    flags += [_flag("tp", p["tp"]), _flag("pp", p["pp"]), _flag("loss", p["loss"]), _flag("compile", p["compile"])]
-    if p.get("num_workers") is not None:
-        flags.append(_flag("num_workers", p["num_workers"]))
-    return " ".join(flags)
+    """Every `snakellm train` setting of the run (snakellm.config.resolve.train_flags): reruns on its own settings."""
+    return resolvemod.train_flags(RUNS[wildcards.run], RUN_MODELS[wildcards.run])
 
 
 def get_train_threads(wildcards):
@@ -341,7 +281,7 @@ def get_train_targets():
     return [f"runs/{run}/train_summary.json" for run in RUNS]
 
 
-# ---------------------------------------------------------------- launch (snakellm/launch.py)
+# ---------------------------------------------------------------- launch (snakellm/launch/prefix.py)
 
 
 def get_launch_prefix(wildcards, resources):

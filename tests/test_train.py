@@ -145,6 +145,7 @@ def reference(synth) -> dict[int, float]:
 # ----------------------------------------------------------------------------- exact resume
 
 
+@pytest.mark.slow
 def test_sigkill_then_two_reruns_match_an_uninterrupted_run(synth, reference):
     """Killed with SIGKILL, rerun and killed again, rerun to the end: the same losses, bit for bit."""
     rc, _, seen = start_and_signal(synth, "kill", 12, signal.SIGKILL, *RESUME)
@@ -166,6 +167,7 @@ def test_sigkill_then_two_reruns_match_an_uninterrupted_run(synth, reference):
     assert not list((synth / "runs/kill/checkpoints").glob(".iter_*"))  # no partial save left behind
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigusr1_stop_cleanly_with_a_checkpoint_and_resume_exactly(synth, reference):
     for sig, at in ((signal.SIGTERM, 6), (signal.SIGUSR1, 0)):
         at = at or latest(synth, "stop") + 6
@@ -180,6 +182,7 @@ def test_sigterm_and_sigusr1_stop_cleanly_with_a_checkpoint_and_resume_exactly(s
     assert losses(synth, "stop") == reference
 
 
+@pytest.mark.slow
 def test_max_time_stops_cleanly_with_a_checkpoint(synth):
     proc = train(synth, "maxtime", "--steps", "100000", "--save-interval", "100000", "--max-time", "12",
                  "--eval-iters", "0", check=False)
@@ -192,6 +195,7 @@ def test_max_time_stops_cleanly_with_a_checkpoint(synth):
 # ----------------------------------------------------------------------------- settings and checkpoints
 
 
+@pytest.mark.slow
 def test_changed_settings_fail_clearly_or_archive_the_old_checkpoints(synth):
     train(synth, "change", "--steps", "4", "--warmup-steps", "1", "--save-interval", "2")
     # operational settings (intervals, logging, keep_last, max_time) are compatible: resume at the end
@@ -292,6 +296,7 @@ def test_help_lists_every_setting():
 # ----------------------------------------------------------------------------- the default run learns
 
 
+@pytest.mark.slow
 def test_default_tiny_settings_learn(synth):
     """config/config.yaml's tiny run (its model and training settings) on the synthetic blend: the loss falls."""
     run = yaml.safe_load((REPO / "config/config.yaml").read_text())["runs"]["tiny"]
@@ -320,6 +325,7 @@ def test_default_tiny_settings_learn(synth):
     assert list((synth / "runs/default/tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_llama_style_model_trains_and_counts_its_parameters(synth):
     train(synth, "llama", "--preset", "tiny-llama", "--seq-length", "64", "--steps", "3", "--warmup-steps", "1", "--save-interval", "3")
     s = json.loads((synth / "runs/llama/train_summary.json").read_text())

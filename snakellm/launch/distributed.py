@@ -50,7 +50,9 @@ def _int(env: Mapping[str, str], name: str) -> int:
 
 def _split_top_level(s: str) -> list[str]:
     """Split a Slurm hostlist on commas that are not inside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    cur: list[str] = []
     for ch in s:
         if ch == "[":
             depth += 1

@@ -29,7 +29,9 @@ import queue
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from snakellm.io.atomic import write_json, write_text
 
@@ -37,7 +39,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.json"
 BEST = "best.json"
 LIVE_METRICS = "metrics.live.jsonl"
-_ITER_RE = re.compile(r"^iter_(\d{7})$")
+ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
 class CheckpointError(RuntimeError):
@@ -59,7 +61,7 @@ def list_iterations(ckpt_dir: str | os.PathLike) -> list[int]:
         return []
     its = []
     for p in d.iterdir():
-        m = _ITER_RE.match(p.name)
+        m = ITER_RE.match(p.name)
         if m and p.is_dir() and is_complete(p):
             its.append(int(m.group(1)))
     return sorted(its)
@@ -104,8 +106,10 @@ def read_run_config(ckpt_dir: str | os.PathLike) -> dict | None:
         raise CheckpointError(f"{p}: not valid JSON: {e}") from None
 
 
-def write_run_config(ckpt_dir: str | os.PathLike, fingerprint: str, config: dict) -> None:
-    write_json(Path(ckpt_dir) / RUN_CONFIG, {"fingerprint": fingerprint, "config": config})
+def write_run_config(ckpt_dir: str | os.PathLike, fingerprint: str, config: dict, **extra: object) -> None:
+    """The settings the checkpoints were made with (``config``, fingerprinted) and what describes
+    them without being part of the trajectory (``extra``: the tokenizer, the blend path)."""
+    write_json(Path(ckpt_dir) / RUN_CONFIG, {"fingerprint": fingerprint, "config": config, **extra})
 
 
 def archive(ckpt_dir: str | os.PathLike) -> Path:
@@ -126,7 +130,7 @@ def read_best(ckpt_dir: str | os.PathLike) -> dict | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def prune(ckpt_dir: str | os.PathLike, keep_last: int, keep: set[int] = frozenset()) -> list[int]:
+def prune(ckpt_dir: str | os.PathLike, keep_last: int, keep: set[int] | frozenset[int] = frozenset()) -> list[int]:
     """Delete complete checkpoints except the newest ``keep_last`` and those in ``keep``; return the deleted."""
     d = Path(ckpt_dir)
     its = list_iterations(d)
@@ -219,3 +223,55 @@ def load_common(ckpt_dir: str | os.PathLike, iteration: int) -> dict:
     from megatron.core import dist_checkpointing
 
     return dist_checkpointing.load_common_state_dict(str(Path(ckpt_dir) / iter_name(iteration)))
+
+
+# --------------------------------------------------------------- the manager the Trainer uses
+
+
+class CheckpointManager:
+    """Save (keep the newest ``keep_last`` + the best by validation loss, prune the rest) and restore.
+
+    What goes into a checkpoint is the caller's: ``sharded_state(is_loading)``
+    returns the sharded state dict (model, optimizer, RNG... or only a
+    fine-tune's adapters), ``common_state(step)`` the plain extras saved with it
+    (iteration, scheduler, metadata). The manager owns the directory's layout
+    and its invariants (see the module docstring); it keeps ``best`` in
+    ``best.json``.
+    """
+
+    def __init__(self, ckpt_dir: str | os.PathLike, *, keep_last: int,
+                 sharded_state: Callable[[bool], dict[str, Any]], common_state: Callable[[int], dict[str, Any]],
+                 rank: int, barrier: Callable[[], None], log: Callable[[str], None] = lambda _msg: None,
+                 best: dict[str, Any] | None = None):
+        self.dir = Path(ckpt_dir)
+        self.keep_last = keep_last
+        self.sharded_state = sharded_state
+        self.common_state = common_state
+        self.rank = rank
+        self.barrier = barrier
+        self.log = log
+        self.best = best
+
+    def save(self, step: int, val_loss: float | None) -> Path:
+        """Collective. ``val_loss`` (if any) may make this the best checkpoint, which pruning keeps."""
+        if val_loss is not None and (self.best is None or val_loss < self.best["val_loss"]):
+            self.best = {"iteration": step, "val_loss": val_loss}
+        sd = self.sharded_state(False)
+        sd.update(self.common_state(step))
+        t0 = time.time()
+        path = save(self.dir, step, sd, rank=self.rank, barrier=self.barrier)
+        if self.rank == 0:
+            if self.best is not None:
+                write_json(self.dir / BEST, self.best)
+            gone = prune(self.dir, self.keep_last, {self.best["iteration"]} if self.best else set())
+            self.log(f"saved {path} in {time.time() - t0:.1f}s" + (f"; removed {len(gone)} older" if gone else ""))
+        self.barrier()
+        return path
+
+    def restore(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(loaded sharded state, common state) of ``iter_{step}``; the caller puts them into its objects."""
+        loaded = load(self.dir, step, self.sharded_state(True))
+        common = load_common(self.dir, step)
+        if int(common["iteration"]) != step:
+            raise CheckpointError(f"{iter_name(step)} holds iteration {common['iteration']}")
+        return loaded, common

@@ -33,7 +33,8 @@ class MixedPrecisionAdamW:
     def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
                  eps: float, clip_grad: float, fused: bool | None = None):
         self.clip_grad = clip_grad
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
@@ -63,7 +64,7 @@ class MixedPrecisionAdamW:
 
         grads = []
         for p, m in self._pairs:
-            g = p.main_grad
+            g = p.main_grad  # type: ignore[attr-defined]  # set by megatron-core DDP
             m.grad = g if g.dtype == torch.float32 else g.float()
             grads.append(m.grad)
         norm_grads = [g for g, keep in zip(grads, self._norm_mask) if keep]

@@ -1,0 +1,100 @@
+"""Starting torch.distributed and megatron-core's parallel state, on CPU or GPU.
+
+Everything that runs a megatron-core model (training, fine-tuning, export,
+generation, serving) starts the same way: a process group (gloo on the CPU,
+NCCL on GPUs), megatron-core's model-parallel groups, its RNG tracker, and on a
+machine without CUDA two small shims (megatron-core asks ``torch.cuda`` for the
+current device in places that also work on the CPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from snakellm.launch.distributed import DistEnv
+
+
+def install_cpu_shims(torch: Any) -> None:
+    """megatron-core asks torch.cuda for the current device in places that also work on the CPU."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def pick_device(torch: Any, requested: str, local_rank: int = 0) -> Any:
+    """``auto``/``cpu``/``cuda`` (or ``cuda:N``) -> a torch.device; one GPU per rank, by local rank."""
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {requested}: no CUDA device is available")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        install_cpu_shims(torch)
+        return torch.device("cpu")
+    if ":" in requested:
+        device = torch.device(requested)
+    else:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_process_group(torch: Any, dist: DistEnv, device: Any, timeout_s: float | None = None) -> None:
+    """gloo on CPU, NCCL on GPU. A single process gets an in-memory store, so that concurrent
+    single-process runs on one machine never meet on a TCP port."""
+    cuda = device.type == "cuda"
+    store = torch.distributed.HashStore() if dist.world_size == 1 else None
+    kwargs: dict[str, Any] = {"device_id": device} if cuda else {}
+    if timeout_s:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    torch.distributed.init_process_group(
+        backend="nccl" if cuda else "gloo", rank=dist.rank, world_size=dist.world_size, store=store, **kwargs
+    )
+
+
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int | None = None, cuda: bool = False) -> None:
+    """megatron-core's parallel groups and its RNG tracker.
+
+    On a GPU the tracker is seeded by ``model_parallel_cuda_manual_seed`` (here if
+    ``seed`` is given, else by the caller after seeding the other generators); the
+    CPU gets megatron's plain (inference) tracker, since the CUDA one needs a GPU.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tp, pp)
+    if not cuda:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    elif seed is not None:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def ensure_single_process(device: str = "cpu", seed: int = 1234) -> Any:
+    """For tools that run one process (export, generation, serving): start what is not started yet.
+
+    Returns the torch.device used. A no-op when a process group and megatron-core's
+    parallel state already exist (e.g. inside a training job).
+    """
+    import torch
+
+    from megatron.core import parallel_state
+
+    dev = pick_device(torch, device)
+    if not torch.distributed.is_initialized():
+        single = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1", master_port=0,
+                         launcher="single")
+        init_process_group(torch, single, dev)
+    if not parallel_state.model_parallel_is_initialized():
+        init_model_parallel(1, 1, seed=seed, cuda=dev.type == "cuda")
+    return dev
+
+
+def shutdown() -> None:
+    """Tear down megatron-core's groups and the process group (safe to call when nothing runs)."""
+    import contextlib
+
+    import torch
+
+    with contextlib.suppress(Exception):
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    with contextlib.suppress(Exception):
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

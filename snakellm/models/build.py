@@ -1,0 +1,125 @@
+"""Build a megatron-core ``GPTModel`` from a resolved architecture.
+
+Layer spec: Transformer Engine's when ``transformer_engine`` imports and we run
+on CUDA (cluster containers); otherwise megatron-core's local spec with its core
+attention replaced by :class:`snakellm.models.attention` 's SDPA class (flash /
+cuDNN kernels on a GPU, no [b, h, s, s] score tensor anywhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from snakellm.models.architecture import ModelConfigError
+from snakellm.models.attention import sdpa_attention_class
+from snakellm.models.loss import cross_entropy
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def build_model(cfg: dict[str, Any], vocab: int, *, tp: int = 1, device: str = "cpu", bf16: bool = False,
+                fused_loss: str = "auto", compile_layers: bool = False, use_te: bool | None = None,
+                attention_backend: str = "auto"):
+    """Build a megatron-core GPTModel (model-parallel state must be initialised).
+
+    ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (compiled
+    loss on CUDA with TP=1), "compiled", "eager" (the same math uncompiled) or
+    "megatron" (megatron-core's own vocab-parallel cross-entropy; the only one
+    that supports TP > 1).
+    """
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer import TransformerConfig
+
+    cuda = device.startswith("cuda")
+    if use_te is None:
+        use_te = cuda and have_transformer_engine()
+    swiglu = cfg["activation"] == "swiglu"
+    tcfg = TransformerConfig(
+        num_layers=cfg["num_layers"],
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg["num_query_groups"],
+        ffn_hidden_size=cfg["ffn_hidden_size"],
+        tensor_model_parallel_size=tp,
+        normalization=cfg["normalization"],
+        layernorm_epsilon=cfg["layernorm_epsilon"],
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=cfg["bias"],
+        add_qkv_bias=cfg["bias"],
+        hidden_dropout=cfg["hidden_dropout"],
+        attention_dropout=cfg["attention_dropout"],
+        init_method_std=cfg["init_method_std"],
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=not cuda,
+        # megatron-core's fusions are torch.compile'd: worth it on a GPU, a
+        # minute of compile time for nothing on the CPU
+        bias_activation_fusion=cuda and cfg["bias"] and not swiglu,
+        bias_dropout_fusion=cuda,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(normalization=cfg["normalization"])
+    else:
+        spec = get_gpt_layer_local_spec(normalization=cfg["normalization"])
+        spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class(attention_backend)
+
+    if fused_loss == "auto":
+        fused_loss = "compiled" if (cuda and tp == 1) else ("eager" if tp == 1 else "megatron")
+    if fused_loss != "megatron" and tp != 1:
+        raise ModelConfigError(f"loss {fused_loss!r} needs tensor parallel size 1 (got {tp}); use 'megatron'")
+    loss_fn = None
+    if fused_loss == "compiled":
+        loss_fn = torch.compile(cross_entropy, dynamic=False)
+    elif fused_loss == "eager":
+        loss_fn = cross_entropy
+    elif fused_loss != "megatron":
+        raise ModelConfigError(f"unknown loss implementation {fused_loss!r}")
+
+    class SnakeGPTModel(GPTModel):
+        def compute_language_model_loss(self, labels, logits):
+            if loss_fn is None:
+                return super().compute_language_model_loss(labels, logits)
+            return loss_fn(logits, labels)
+
+    model = SnakeGPTModel(
+        config=tcfg,
+        transformer_layer_spec=spec,
+        vocab_size=vocab,
+        max_sequence_length=cfg["seq_length"],
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg["tie_embeddings"],
+        position_embedding_type="learned_absolute" if cfg["position_embedding"] == "learned" else "rope",
+        rotary_base=cfg["rotary_base"],
+    )
+    if bf16:
+        # what Megatron-LM's Float16Module does: every parameter in bf16, norms included
+        # (torch's LayerNorm/RMSNorm are created in fp32 whatever params_dtype says)
+        model.bfloat16()
+    if cuda:
+        model.cuda(torch.cuda.current_device())
+    if compile_layers:
+        for layer in model.decoder.layers:
+            layer.compile(dynamic=False)
+    return model, tcfg

@@ -1,0 +1,144 @@
+"""Get a trained model back: :func:`load` (and :func:`save_model_checkpoint`, its inverse for imports).
+
+Export, generation, serving, fine-tuning and evaluation read checkpoints only
+through :func:`load`, so there is one place that knows how a run records its
+architecture and tokenizer:
+
+* ``checkpoints/run_config.json``: ``config.model`` (the resolved architecture),
+  ``config.padded_vocab`` and, next to the config, ``tokenizer`` (the blend's
+  tokenizer block: kind, files, vocab size, EOD id) and ``blend``;
+* ``checkpoints/iter_NNNNNNN/``: a megatron.core.dist_checkpointing directory;
+  only its ``model`` part is read, so a training checkpoint (with optimizer
+  and RNG states) and a model-only one (written by an import) load alike.
+
+Runs trained before the tokenizer was recorded are still loadable: the
+tokenizer then comes from the blend named in ``train_summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snakellm.models.architecture import MODEL_KEYS, ModelConfigError, padded_vocab_size, resolve
+from snakellm.train import checkpoint as ckpt
+
+
+class LoadError(RuntimeError):
+    """The path holds no loadable checkpoint; the message says what is missing."""
+
+
+@dataclass
+class LoadedModel:
+    """A megatron-core GPTModel with what it was trained with."""
+
+    model: Any  # megatron.core.models.gpt.GPTModel (eval mode)
+    arch: dict[str, Any]
+    padded_vocab_size: int
+    tokenizer: dict[str, Any]
+    iteration: int
+    checkpoint: Path
+    run_dir: Path
+    device: Any = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's true vocabulary size (rows past it are Megatron's padding)."""
+        return int(self.tokenizer.get("vocab_size") or self.padded_vocab_size)
+
+
+def locate(path: str | os.PathLike, iteration: int | None = None) -> tuple[Path, int]:
+    """(checkpoints dir, iteration) for a run dir, a checkpoints dir or an ``iter_NNNNNNN`` dir."""
+    p = Path(path)
+    if ckpt.ITER_RE.match(p.name):
+        if iteration is not None and int(p.name[5:]) != iteration:
+            raise LoadError(f"{p} is iteration {int(p.name[5:])}, not {iteration}")
+        if not ckpt.is_complete(p):
+            raise LoadError(f"{p} is not a complete checkpoint (no metadata.json/common.pt)")
+        return p.parent, int(p.name[5:])
+    ckpt_dir = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not ckpt_dir.is_dir():
+        raise LoadError(f"{path}: no such run or checkpoint directory")
+    if iteration is None:
+        latest = ckpt.latest_iteration(ckpt_dir)
+        if latest is None:
+            raise LoadError(f"{ckpt_dir}: no checkpoint saved yet (no {ckpt.TRACKER})")
+        iteration = latest
+    if not ckpt.is_complete(ckpt_dir / ckpt.iter_name(iteration)):
+        have = ", ".join(map(str, ckpt.list_iterations(ckpt_dir))) or "none"
+        raise LoadError(f"{ckpt_dir}: no complete checkpoint for iteration {iteration} (have: {have})")
+    return ckpt_dir, iteration
+
+
+def describe_run(path: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
+    """Everything :func:`load` needs except torch: checkpoint, architecture, vocab, tokenizer (torch-free)."""
+    ckpt_dir, it = locate(path, iteration)
+    rc = ckpt.read_run_config(ckpt_dir)
+    if rc is None:
+        raise LoadError(f"{ckpt_dir / ckpt.RUN_CONFIG} is missing: the checkpoint's architecture is unknown")
+    cfg = rc.get("config", {})
+    try:
+        arch = resolve(None, {k: v for k, v in cfg.get("model", {}).items() if k in MODEL_KEYS})
+    except ModelConfigError as e:
+        raise LoadError(f"{ckpt_dir / ckpt.RUN_CONFIG}: {e}") from None
+    tokenizer = rc.get("tokenizer") or _tokenizer_from_summary(ckpt_dir.parent)
+    vocab = cfg.get("padded_vocab") or padded_vocab_size(int(tokenizer["vocab_size"]), arch)
+    return {"checkpoint_dir": ckpt_dir, "iteration": it, "arch": arch, "padded_vocab_size": int(vocab),
+            "tokenizer": tokenizer, "run_dir": ckpt_dir.parent}
+
+
+def _tokenizer_from_summary(run_dir: Path) -> dict[str, Any]:
+    summary = run_dir / "train_summary.json"
+    if summary.is_file():
+        blend = json.loads(summary.read_text()).get("blend")
+        if blend and Path(blend).is_file():
+            return dict(json.loads(Path(blend).read_text())["tokenizer"])
+    raise LoadError(f"{run_dir}: the run's tokenizer is not recorded (no tokenizer in run_config.json, no blend)")
+
+
+def load(path: str | os.PathLike, iteration: int | None = None, device: str = "cpu", bf16: bool = False,
+         **build_options: Any) -> LoadedModel:
+    """The model of ``path`` at ``iteration`` (default: the latest), ready for inference.
+
+    Starts a single-process group and megatron-core's parallel state if none
+    is running (export, generation); inside a training or fine-tuning job it
+    uses the job's. ``build_options`` go to :func:`snakellm.models.build.build_model`
+    (e.g. ``attention_backend``).
+    """
+    info = describe_run(path, iteration)
+    from snakellm.launch.runtime import ensure_single_process
+    from snakellm.models.build import build_model
+
+    dev = ensure_single_process(device)
+    model, _ = build_model(info["arch"], info["padded_vocab_size"], device=str(dev), bf16=bf16, **build_options)
+    loaded = ckpt.load(info["checkpoint_dir"], info["iteration"], {"model": model.sharded_state_dict()})
+    model.load_state_dict(loaded["model"], strict=True)
+    model.eval()
+    return LoadedModel(model=model, arch=info["arch"], padded_vocab_size=info["padded_vocab_size"],
+                       tokenizer=info["tokenizer"], iteration=info["iteration"], checkpoint=info["checkpoint_dir"]
+                       / ckpt.iter_name(info["iteration"]), run_dir=info["run_dir"], device=dev)
+
+
+def save_model_checkpoint(path: str | os.PathLike, model: Any, arch: dict[str, Any], padded_vocab: int,
+                          tokenizer: dict[str, Any], iteration: int = 0, extra: dict[str, Any] | None = None) -> Path:
+    """Write a model-only checkpoint that :func:`load` (and fine-tuning) read: the inverse for imports.
+
+    ``path`` is a run dir (``runs/NAME``; the checkpoint goes to its
+    ``checkpoints/``) or a checkpoints dir. Writes ``iter_{N:07d}/`` through a
+    ``.partial`` directory, the tracker, and ``run_config.json`` with the
+    architecture and the tokenizer.
+    """
+    import torch
+
+    p = Path(path)
+    ckpt_dir = p if p.name == "checkpoints" else p / "checkpoints"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    config = {"model": {k: arch[k] for k in MODEL_KEYS}, "padded_vocab": int(padded_vocab), **(extra or {})}
+    ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tokenizer)
+    state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
+    barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return ckpt.save(ckpt_dir, iteration, state, rank=rank, barrier=barrier)

@@ -1,0 +1,191 @@
+"""What a training job is asked to do, checked before torch is imported (torch-free).
+
+:func:`make_request` turns the parsed ``snakellm train`` arguments into a
+:class:`TrainRequest`: the resolved architecture, the blend, the world and its
+data-parallel size, the accumulation steps. Everything that can be wrong with
+the request (model shape, batch sizes versus the world size, tensor/pipeline
+sizes, the blend, a required but missing checkpoint) is an :class:`RequestError`
+with the numbers, in milliseconds.
+
+:func:`decide_resume` then compares the settings fingerprint stored with the
+checkpoints to this request's: resume, start fresh, move the old checkpoints
+aside, or refuse. Only :data:`snakellm.train.settings.TRAJECTORY_KEYS`, the
+architecture and the data enter the fingerprint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from snakellm import models
+from snakellm.launch import distributed as distmod
+from snakellm.train import checkpoint as ckpt
+from snakellm.train.dataset import Blend, check_splits, read_blend
+from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings, from_namespace
+
+
+class RequestError(ValueError):
+    """A request that cannot run, found before training starts."""
+
+
+def parse_duration(text: str | float | None) -> float | None:
+    """Seconds from ``3600``, ``90m``, ``2h``, ``HH:MM:SS`` or Slurm's ``D-HH:MM:SS``."""
+    if text in (None, "", "none", "null"):
+        return None
+    s = str(text).strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", s)
+    if m:
+        return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d{2})(?::(\d{2}))?", s)
+    if m:
+        d, a, b, c = m.groups()
+        h, mi, se = (int(a), int(b), int(c)) if c is not None else (0, int(a), int(b))
+        return (int(d or 0) * 24 + h) * 3600 + mi * 60 + se
+    raise RequestError(f"max time {text!r}: expected seconds, 90m, 2h, HH:MM:SS or D-HH:MM:SS")
+
+
+@dataclass
+class TrainRequest:
+    """A checked pretraining request: settings, architecture, data and the world it runs in."""
+
+    args: argparse.Namespace
+    train: TrainSettings
+    parallel: ParallelSettings
+    model: dict[str, Any]
+    blend: Blend
+    vocab: int  # padded
+    dist: distmod.DistEnv
+    dp: int
+    num_micro: int
+    decay_steps: int
+    max_time: float | None
+    run_dir: Path
+    ckpt_dir: Path
+    run_name: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_positive(t: TrainSettings) -> None:
+    if t.steps < 1:
+        raise RequestError(f"--steps must be >= 1, got {t.steps}")
+    for name in ("micro_batch_size", "global_batch_size", "save_interval", "log_interval", "eval_interval"):
+        if getattr(t, name) < 1:
+            raise RequestError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(t, name)}")
+    if t.keep_last < 1:
+        raise RequestError(
+            f"--keep-last must be >= 1 (the latest checkpoint is what a restart resumes from), got {t.keep_last}"
+        )
+    if t.eval_iters < 0:
+        raise RequestError(f"--eval-iters must be >= 0, got {t.eval_iters}")
+
+
+def data_parallel_size(world: int, tp: int, pp: int, gbs: int, mbs: int) -> tuple[int, int]:
+    """(data-parallel size, accumulation steps), or a RequestError that shows the arithmetic."""
+    if world % (tp * pp):
+        raise RequestError(
+            f"world size {world} is not divisible by tensor parallel size {tp} x pipeline parallel size {pp} "
+            f"(= {tp * pp})"
+        )
+    dp = world // (tp * pp)
+    if gbs % (mbs * dp):
+        raise RequestError(
+            f"global batch size {gbs} is not divisible by micro batch size {mbs} x data-parallel size {dp} "
+            f"(= {mbs * dp}; data-parallel size = world size {world} / (tp {tp} x pp {pp})): "
+            f"choose a global batch size that is a multiple of {mbs * dp}"
+        )
+    return dp, gbs // (mbs * dp)
+
+
+def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) -> TrainRequest:
+    """Check ``snakellm train``'s arguments against each other, the blend and the launcher's world."""
+    t = from_namespace(TrainSettings, args)
+    par = from_namespace(ParallelSettings, args)
+    overrides = {k: getattr(args, k) for k in models.MODEL_KEYS if getattr(args, k, None) is not None}
+    model = models.resolve(args.preset, overrides)
+    _check_positive(t)
+    dist = distmod.detect(env)
+    models.check_parallel(model, par.tp, par.pp)
+    dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
+    decay = t.decay_steps if t.decay_steps is not None else t.steps
+    if not 0 <= t.warmup_steps <= decay:
+        raise RequestError(f"--warmup-steps {t.warmup_steps} must be between 0 and the decay steps {decay}")
+    if t.min_lr > t.lr:
+        raise RequestError(f"--min-lr {t.min_lr} is above --lr {t.lr}")
+    max_time = parse_duration(t.max_time)
+    blend = read_blend(args.blend)
+    check_splits(blend, t.split, t.eval_iters > 0)
+    vocab = models.padded_vocab_size(blend.vocab_size, model, par.tp)
+    run_dir = Path(args.run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    req = TrainRequest(args, t, par, model, blend, vocab, dist, dp, num_micro, decay, max_time, run_dir, ckpt_dir,
+                       args.run_name or run_dir.name)
+    # a required resume is decided here, before anything heavy starts
+    latest = ckpt.latest_iteration(ckpt_dir)  # inconsistent checkpoint directories are errors in every mode
+    if t.resume == "require" and latest is None:
+        raise RequestError(
+            f"--resume require: no checkpoint to resume from in {ckpt_dir} "
+            f"({'directory missing' if not ckpt_dir.exists() else 'no ' + ckpt.TRACKER})"
+        )
+    return req
+
+
+def run_config(req: TrainRequest, precision: str) -> dict[str, Any]:
+    """The settings that define the training trajectory: fingerprinted and stored with the checkpoints."""
+    t = req.train
+    cfg: dict[str, Any] = {k: getattr(t, k) for k in TRAJECTORY_KEYS if k not in ("decay_steps", "precision")}
+    cfg.update(decay_steps=req.decay_steps, precision=precision, model=req.model, padded_vocab=req.vocab,
+               data=req.blend.fingerprint_items())
+    return cfg
+
+
+def fingerprint(cfg: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def diff_settings(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every setting that differs, nested keys dotted."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        o, n = old.get(k, "<unset>"), new.get(k, "<unset>")
+        if isinstance(o, dict) and isinstance(n, dict):
+            out += diff_settings(o, n, f"{prefix}{k}.")
+        elif o != n:
+            out.append(f"{prefix}{k}: {o!r} -> {n!r}")
+    return out
+
+
+def decide_resume(ckpt_dir: Path, t: TrainSettings, cfg: dict[str, Any], fp: str) -> tuple[str, int | None, str]:
+    """("resume", iteration, why) | ("fresh", None, why) | ("archive", None, why); RequestError to refuse."""
+    latest = ckpt.latest_iteration(ckpt_dir)
+    if t.resume == "never":
+        return ("archive" if ckpt.list_iterations(ckpt_dir) else "fresh"), None, "--resume never"
+    if latest is None:
+        if t.resume == "require":
+            raise RequestError(f"--resume require: no checkpoint to resume from in {ckpt_dir}")
+        # nothing saved yet (a run stopped before its first checkpoint): its run_config.json and
+        # live metrics are simply rewritten
+        return "fresh", None, "no checkpoint yet"
+    stored = ckpt.read_run_config(ckpt_dir)
+    problems = []
+    if stored is None:
+        problems.append(f"{ckpt_dir / ckpt.RUN_CONFIG} is missing, so the checkpoints' settings are unknown")
+    elif stored.get("fingerprint") != fp:
+        problems += diff_settings(stored.get("config", {}), cfg) or ["settings fingerprint differs"]
+    if latest > t.steps:
+        problems.append(f"the latest checkpoint is at iteration {latest}, past --steps {t.steps}")
+    if not problems:
+        return "resume", latest, f"latest checkpoint {ckpt.iter_name(latest)}"
+    what = "; ".join(problems[:8]) + ("; ..." if len(problems) > 8 else "")
+    if t.resume == "require" or t.on_config_change == "error":
+        raise RequestError(
+            f"the checkpoints in {ckpt_dir} (latest iteration {latest}) were made with other settings: {what}. "
+            "Restore the settings to resume, or start fresh with --on-config-change archive "
+            "(config: train.on_config_change: archive), which moves the old checkpoints aside"
+        )
+    return "archive", None, f"settings changed: {what}"

@@ -1,0 +1,160 @@
+"""Training settings: the one source of every ``runs.*.train`` and ``runs.*.parallel`` key.
+
+Each setting is a dataclass field with its type, default, help text and two
+facts about it:
+
+* ``trajectory``: changing it makes old checkpoints a different training run
+  (the batch size, the schedule, the seed ...). Only these enter the settings
+  fingerprint stored with checkpoints; everything else (intervals, keep_last,
+  max_time, workers, logging) may change between restarts.
+* ``cli``: whether ``snakellm train`` takes it as a flag (``retries`` is a
+  Snakemake rule setting, not a trainer one).
+
+From these dataclasses come the ``snakellm train`` flags (:func:`add_arguments`),
+the pretrain rule's command line (:func:`to_flags`), the fingerprinted keys
+(:data:`TRAJECTORY_KEYS`), and a test checks that ``config/schema.yaml`` has
+exactly these keys with exactly these defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def setting(default: Any, help: str, *, trajectory: bool = False, choices: tuple[Any, ...] | None = None,
+            cli: bool = True, flag: str | None = None) -> Any:
+    """A dataclass field carrying what the CLI, the rule and the resume logic need to know."""
+    meta = {"help": help, "trajectory": trajectory, "choices": choices, "cli": cli, "flag": flag}
+    return field(default=default, metadata=meta)
+
+
+REQUIRED: Any = dataclasses.MISSING
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """``runs.<name>.train``: steps, batch, optimizer, schedule, checkpoints, stopping."""
+
+    steps: int = setting(REQUIRED, "optimizer steps (iterations) in total")
+    micro_batch_size: int = setting(REQUIRED, "sequences per rank per forward pass")
+    global_batch_size: int = setting(
+        REQUIRED, "sequences per step: micro batch x data-parallel size x gradient accumulation steps", trajectory=True
+    )
+    lr: float = setting(6.0e-4, "peak learning rate (AdamW)", trajectory=True)
+    min_lr: float = setting(6.0e-5, "learning rate at the end of the decay", trajectory=True)
+    warmup_steps: int = setting(0, "linear warmup steps", trajectory=True)
+    decay_steps: int | None = setting(
+        None, "step at which min-lr is reached (default: --steps); set it to extend a run later without changing "
+        "its schedule", trajectory=True)
+    lr_decay_style: str = setting("cosine", "learning-rate decay after warmup", trajectory=True,
+                                  choices=("cosine", "linear", "constant"))
+    weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)", trajectory=True)
+    adam_beta1: float = setting(0.9, "AdamW beta1", trajectory=True)
+    adam_beta2: float = setting(0.95, "AdamW beta2", trajectory=True)
+    adam_eps: float = setting(1.0e-8, "AdamW epsilon", trajectory=True)
+    clip_grad: float = setting(1.0, "gradient-norm clip (0: off)", trajectory=True)
+    seed: int = setting(1234, "seeds the weights, the data order and dropout", trajectory=True)
+    split: str = setting("969,30,1", "train,valid,test shares of each token file's documents (Megatron --split)",
+                         trajectory=True)
+    precision: str = setting("auto", "auto: bf16 with fp32 master weights on GPU, fp32 on CPU", trajectory=True,
+                             choices=("auto", "bf16", "fp32"))
+    save_interval: int = setting(1000, "checkpoint every N steps (and at the end)")
+    keep_last: int = setting(2, "keep the newest K checkpoints, plus the best by validation loss")
+    eval_interval: int = setting(1000, "validation loss every N steps (and at every checkpoint)")
+    eval_iters: int = setting(10, "validation batches per evaluation (0: none)")
+    log_interval: int = setting(10, "metrics are fetched from the device and written every N steps")
+    max_time: str | float | None = setting(
+        None, "stop cleanly (checkpoint, exit status 75) after this long: seconds, 90m, 2h, HH:MM:SS, D-HH:MM:SS")
+    resume: str = setting("auto", "auto: from the latest checkpoint if any; require: fail without one; never: move "
+                          "checkpoints aside and start fresh", choices=("auto", "require", "never"))
+    on_config_change: str = setting(
+        "archive", "checkpoints made with other trajectory settings: move them to checkpoints.old-<time>/ and "
+        "start fresh (archive), or fail (error)", choices=("archive", "error"))
+    retries: int | None = setting(
+        None, "attempts Snakemake adds after a failed or stopped (exit 75) attempt, each resuming from the latest "
+        "checkpoint (null: the profile's `retries`)", cli=False)
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """``runs.<name>.parallel``: how the ranks split the model and the work."""
+
+    tp: int = setting(1, "tensor-parallel size (GPU only)")
+    pp: int = setting(1, "pipeline-parallel size (must be 1)")
+    threads: int = setting(2, "CPU threads of the job (torch intra-op threads on CPU)")
+    num_workers: int | None = setting(None, "data-loader workers per rank (null: 2 on GPU, 0 on CPU)")
+    loss: str = setting("auto", "cross-entropy: compiled (fused; GPU default), eager, or megatron-core's "
+                        "vocab-parallel one (needed for tp > 1)", choices=("auto", "compiled", "eager", "megatron"))
+    compile: bool = setting(False, "torch.compile each transformer layer (GPU)")
+
+
+TRAJECTORY_KEYS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(TrainSettings) if f.metadata["trajectory"]
+)
+
+
+def _base_type(tp: Any) -> Any:
+    """``int | None`` -> int; ``str | float | None`` -> str (parsed later); ``bool`` stays bool."""
+    hints = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    real = [h for h in hints if h is not type(None)]
+    return str if len(real) != 1 else real[0]
+
+
+def _resolved_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def add_arguments(group: Any, cls: type, *, required: bool = True) -> None:
+    """Add one ``--flag`` per CLI field of ``cls`` to an argparse parser or group."""
+    hints = _resolved_types(cls)
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        if not m.get("cli", True):
+            continue
+        opt = "--" + (m.get("flag") or f.name).replace("_", "-")
+        typ = _base_type(hints[f.name])
+        kw: dict[str, Any] = {"dest": f.name, "help": m.get("help")}
+        if typ is bool:
+            kw.update(action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            kw.update(type=typ, choices=m.get("choices"))
+            if f.default is dataclasses.MISSING:
+                kw["required"] = required
+            else:
+                kw["default"] = f.default
+        group.add_argument(opt, **kw)
+
+
+def from_namespace(cls: type, ns: argparse.Namespace) -> Any:
+    """The dataclass from parsed arguments (non-CLI fields take their defaults)."""
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if f.metadata["cli"]})
+
+
+def to_flags(cls: type, values: dict[str, Any], exclude: tuple[str, ...] = ()) -> str:
+    """The ``snakellm train`` flags for a config section (defaults filled), as one shell-quoted string.
+
+    ``None`` values are left out (the CLI's own default is then also None).
+    """
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        if not m.get("cli", True) or f.name in exclude or f.name not in values or values[f.name] is None:
+            continue
+        opt = "--" + (m.get("flag") or f.name).replace("_", "-")
+        v = values[f.name]
+        if isinstance(v, bool):
+            out.append(opt if v else "--no-" + opt[2:])
+        else:
+            out += [opt, str(v)]
+    return shlex.join(out)
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """Field -> default (required fields left out): what the schema's defaults must equal."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}

@@ -1,0 +1,64 @@
+"""Validation loss and early stopping, separate from the loop that calls them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+class Validator:
+    """Mean loss over a fixed set of validation micro-batches, averaged over data-parallel ranks.
+
+    ``make_batches`` returns a fresh iterable each call (the same batches every
+    time, so validation losses of different steps compare); ``loss_fn(model,
+    batch)`` is the training loss function, evaluated in ``eval()`` mode
+    without gradients.
+    """
+
+    def __init__(self, model: Any, make_batches: Callable[[], Iterable[dict[str, Any]]],
+                 loss_fn: Callable[[Any, dict[str, Any]], Any], *, to_device: Callable[[dict[str, Any]], dict[str, Any]],
+                 dp_group: Any = None, dp_size: int = 1):
+        self.model = model
+        self.make_batches = make_batches
+        self.loss_fn = loss_fn
+        self.to_device = to_device
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+
+    def __call__(self) -> float | None:
+        import torch
+
+        self.model.eval()
+        total, count = None, 0
+        with torch.no_grad():
+            for b in self.make_batches():
+                loss = self.loss_fn(self.model, self.to_device(b)).detach()
+                total = loss if total is None else total + loss
+                count += 1
+        self.model.train()
+        if total is None:
+            return None
+        total = total / count
+        torch.distributed.all_reduce(total, group=self.dp_group)
+        return float(total.item()) / self.dp_size
+
+
+class EarlyStopping:
+    """Stop when the validation loss has not improved for ``patience`` evaluations (None: never)."""
+
+    def __init__(self, patience: int | None, min_delta: float = 0.0):
+        self.patience = patience
+        self.min_delta = min_delta
+        self.best: float | None = None
+        self.bad_evals = 0
+
+    def __call__(self, val_loss: float | None) -> str | None:
+        if self.patience is None or val_loss is None:
+            return None
+        if self.best is None or val_loss < self.best - self.min_delta:
+            self.best, self.bad_evals = val_loss, 0
+            return None
+        self.bad_evals += 1
+        if self.bad_evals >= self.patience:
+            return f"early stopping: validation loss {self.best:.4f} not improved for {self.bad_evals} evaluations"
+        return None
