@@ -23,7 +23,6 @@ import gzip
 import json
 import os
 import re
-from pathlib import Path
 
 import orjson
 import pytest
@@ -44,16 +43,36 @@ texts = st.text(min_size=0, max_size=40)
 valid_doc = st.builds(lambda t, a: json.dumps({KEY: t + "x"}, ensure_ascii=a).encode(), texts, st.booleans())
 any_doc = st.builds(
     lambda d, a: json.dumps(d, ensure_ascii=a).encode(),
-    st.dictionaries(st.sampled_from([KEY, "meta", "id"]), st.one_of(texts, st.integers(), st.none(), st.lists(st.integers(), max_size=2)), max_size=3),
+    st.dictionaries(
+        st.sampled_from([KEY, "meta", "id"]),
+        st.one_of(texts, st.integers(), st.none(), st.lists(st.integers(), max_size=2)),
+        max_size=3,
+    ),
     st.booleans(),
 )
-json_value = st.builds(lambda v: json.dumps(v).encode(), st.one_of(st.integers(), texts, st.lists(st.integers(), max_size=3), st.none()))
+json_value = st.builds(
+    lambda v: json.dumps(v).encode(), st.one_of(st.integers(), texts, st.lists(st.integers(), max_size=3), st.none())
+)
 tricky = st.sampled_from(
     [
-        b'{"text": "lone \\ud800 surrogate"}', b'{"text": "ok", "x": NaN}', b'{"text": "big", "x": 1e400}',
-        b'{"text": "   "}', b'{"text": ""}', b"", b"   ", b"\t", b'{"text": "caf\xe9"}', b"\xff\xfe{}", b'{"text": "a"} trailing',
-        b'{"text": "\\u2028 line separator"}', b'{"text": "x"}\x00', BOM + b'{"text": "inner bom"}', b"\x0b",
-        b'{"text": "tab\\tand\\nnewline escaped"}', b"[1, 2]", b'"just a string"',
+        b'{"text": "lone \\ud800 surrogate"}',
+        b'{"text": "ok", "x": NaN}',
+        b'{"text": "big", "x": 1e400}',
+        b'{"text": "   "}',
+        b'{"text": ""}',
+        b"",
+        b"   ",
+        b"\t",
+        b'{"text": "caf\xe9"}',
+        b"\xff\xfe{}",
+        b'{"text": "a"} trailing',
+        b'{"text": "\\u2028 line separator"}',
+        b'{"text": "x"}\x00',
+        BOM + b'{"text": "inner bom"}',
+        b"\x0b",
+        b'{"text": "tab\\tand\\nnewline escaped"}',
+        b"[1, 2]",
+        b'"just a string"',
     ]
 )
 raw_bytes = st.binary(max_size=30)
@@ -84,7 +103,7 @@ def shard(draw) -> tuple[str, bytes]:
     elif comp.startswith("zstd"):
         c = zstandard.ZstdCompressor(write_checksum=comp == "zstd-checksum", write_content_size=draw(st.booleans()))
         cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=3))) if comp == "zstd-multi" else []
-        pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+        pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
         blob = b"".join(c.compress(p) for p in pieces)
     else:
         blob = body
@@ -188,7 +207,7 @@ def test_chunk_never_loses_a_line_silently(tmp_path_factory, shards, fmt):
     # the reference: what must come out, or which shard must fail
     want_out, want_rej, damaged = b"", [], None
     per_shard_lines = []
-    for p, (_, blob) in zip(paths, shards):
+    for p, (_, blob) in zip(paths, shards, strict=True):
         try:
             data = ref_decompress(blob, compression_of(p, fmt))
         except DamagedShardError:

@@ -18,8 +18,8 @@ import statistics
 import xml.etree.ElementTree as ET
 
 import pytest
-
 from conftest import REPO
+
 from snakellm.data import chunk as chunkmod
 from snakellm.data.mediawiki import clean_wikitext, iter_pages
 
@@ -91,8 +91,13 @@ def _dump(pages: list[tuple[str, int, str, bool]], encoding: str = "utf-8", lang
 
 
 GERMAN = [
-    ("Straße", 0, "Eine '''Straße''' ist ein [[Verkehrsweg]].{{Belege}}<ref>Quelle</ref>\n"
-     "[[Datei:Strasse.jpg|mini|Ein Bild]]\n[[Kategorie:Verkehr]]", False),
+    (
+        "Straße",
+        0,
+        "Eine '''Straße''' ist ein [[Verkehrsweg]].{{Belege}}<ref>Quelle</ref>\n"
+        "[[Datei:Strasse.jpg|mini|Ein Bild]]\n[[Kategorie:Verkehr]]",
+        False,
+    ),
     ("Kategorie:Verkehr", 14, "Kategorieseite", False),
     ("Strasse", 0, "#WEITERLEITUNG [[Straße]]", True),
     ("Übermut", 0, "'''Übermut''' - größer als Mut: ÄÖÜ äöü ß.", False),
@@ -191,8 +196,9 @@ def test_wikipedia_excerpts_through_the_workflow_to_bin_idx(workspace):
     """Two real dump files -> two chunks -> GPT-2 BPE Megatron .bin/.idx, as in config/examples/wikipedia-gpt2-124m.yaml."""
     import shutil
 
-    from snakellm.tokenize.indexed import IndexedReader
     from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, OpenAIGPT2
+
+    from snakellm.tokenize.indexed import IndexedReader
 
     root = workspace.root
     shutil.copytree(WIKI, root / "resources" / "wikipedia")

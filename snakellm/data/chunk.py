@@ -26,16 +26,17 @@ import shutil
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import orjson
 
 from snakellm.io.atomic import atomic_group
-from snakellm.io.readers import BOM, compression_of, detect_compression, open_shard, shard_lines
 from snakellm.io.progress import progress
+from snakellm.io.readers import BOM, compression_of, detect_compression, open_shard, shard_lines
 
 FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki")
 REASONS = (
@@ -325,11 +326,11 @@ def build_chunk(
                     bar.update(os.path.getsize(shard))
             else:
                 parts = [(f"{tmp_out}.{i}.part", f"{tmp_rej}.{i}.part") for i in range(len(shards))]
-                jobs = [(s, fmt, key, po, pr, expected.get(s)) for s, (po, pr) in zip(shards, parts)]
+                jobs = [(s, fmt, key, po, pr, expected.get(s)) for s, (po, pr) in zip(shards, parts, strict=True)]
                 try:
                     with ProcessPoolExecutor(workers) as pool:
                         # map() yields in shard order; parts are appended as soon as their turn comes
-                        for (po, pr), res in zip(parts, pool.map(_shard_to_parts, jobs)):
+                        for (po, pr), res in zip(parts, pool.map(_shard_to_parts, jobs), strict=True):
                             _append_file(po, fo)
                             _append_file(pr, fr)
                             per_shard.append(res)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import mwparserfromhell
 from mwparserfromhell.definitions import is_visible
@@ -138,7 +138,9 @@ def _drop_links(wikitext: str, names: frozenset[str]) -> str:
             elif wikitext.startswith("]]", i):
                 depth, i = depth - 1, i + 2
             else:
-                nxt = min((j for j in (wikitext.find("[[", i), wikitext.find("]]", i)) if j >= 0), default=len(wikitext))
+                nxt = min(
+                    (j for j in (wikitext.find("[[", i), wikitext.find("]]", i)) if j >= 0), default=len(wikitext)
+                )
                 i = nxt
         pos = i
     out.append(wikitext[pos:])
@@ -147,7 +149,9 @@ def _drop_links(wikitext: str, names: frozenset[str]) -> str:
 
 def clean_wikitext(wikitext: str, drop_namespaces: frozenset[str] = DROP_LINK_NAMESPACES) -> str:
     """The running text of an article's wikitext: markup, templates, tables and references removed."""
-    text = _strip(mwparserfromhell.parse(_drop_links(_drop_tables(_PRE.sub("", wikitext)), drop_namespaces)), drop_namespaces)
+    text = _strip(
+        mwparserfromhell.parse(_drop_links(_drop_tables(_PRE.sub("", wikitext)), drop_namespaces)), drop_namespaces
+    )
     text = _QUOTES.sub("", _LEFTOVER_TAG.sub("", text))
     text = _EMPTY_PARENS.sub("", text)
     text = _SPACE_BEFORE_PUNCT.sub(r"\1", text)

@@ -17,7 +17,8 @@ import gzip
 import io
 import lzma
 import zlib
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import zstandard
 
@@ -68,7 +69,9 @@ def detect_compression(path: str, fmt: str | None = None) -> str:
     declared = compression_of(path, fmt)
     if found == "none" and declared != "none":
         what = f"first bytes {head.hex(' ')}" if head else "the file is empty"
-        raise DamagedShardError(f"{path}: not a {_NAMES[declared]} file ({what}); expected {_NAMES[declared]} magic bytes")
+        raise DamagedShardError(
+            f"{path}: not a {_NAMES[declared]} file ({what}); expected {_NAMES[declared]} magic bytes"
+        )
     return found
 
 
@@ -117,7 +120,7 @@ class _ZstdRaw(io.RawIOBase):
                 self._pos += len(feed)
             self._out = out
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b) -> int:
         if self._off >= len(self._out):
             self._out, self._off = b"", 0
             self._fill()
@@ -144,13 +147,13 @@ class _ZstdRaw(io.RawIOBase):
 class _Checked(io.RawIOBase):
     """A stdlib decompressor (gzip, bz2, xz) whose failures become DamagedShardError naming the shard."""
 
-    def __init__(self, path: str, comp: str, stream: BinaryIO) -> None:
+    def __init__(self, path: str, comp: str, stream: io.BufferedIOBase) -> None:
         self._path, self._comp, self._stream = path, comp, stream
 
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b) -> int:
         try:
             data = self._stream.read(len(b))
         except EOFError as e:
@@ -178,14 +181,14 @@ def open_shard(path: str, fmt: str | None = None, compression: str | None = None
     if comp == "zstd":
         stream = _ZstdRaw(path, raw)
     elif comp == "gzip":
-        stream = _Checked(path, comp, gzip.GzipFile(fileobj=raw, mode="rb"))  # type: ignore[arg-type]
+        stream = _Checked(path, comp, gzip.GzipFile(fileobj=raw, mode="rb"))
     elif comp == "bz2":
-        stream = _Checked(path, comp, bz2.BZ2File(raw))  # type: ignore[arg-type]
+        stream = _Checked(path, comp, bz2.BZ2File(raw))
     elif comp == "xz":
-        stream = _Checked(path, comp, lzma.LZMAFile(raw))  # type: ignore[arg-type]
+        stream = _Checked(path, comp, lzma.LZMAFile(raw))
     else:
-        return io.BufferedReader(raw, buffer_size=READ_SIZE)  # type: ignore[arg-type]
-    return io.BufferedReader(stream, buffer_size=READ_SIZE)  # type: ignore[return-value]
+        return io.BufferedReader(raw, buffer_size=READ_SIZE)
+    return io.BufferedReader(stream, buffer_size=READ_SIZE)
 
 
 def shard_lines(path: str, fmt: str | None = None, compression: str | None = None) -> Iterator[bytes]:
