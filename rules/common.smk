@@ -64,7 +64,10 @@ def download_manifest_path(source, chunk):
 
 
 PLAN = _plan_all()  # {source: {chunk: [shard path or URL, ...]}}
-_write_shard_lists()
+if workflow.is_main_process:
+    # only the controlling process: a job-side Snakemake (a Slurm job re-parsing this file)
+    # must not rewrite a list, or note a manifest stale while another job rewrites it
+    _write_shard_lists()
 
 
 wildcard_constraints:
