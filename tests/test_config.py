@@ -78,6 +78,7 @@ def test_snakemake_refuses_a_bad_config_before_any_job(workspace, mutate, messag
     assert not (workspace.root / "data").exists()  # nothing ran
 
 
+@pytest.mark.slow
 def test_60000_shards_5000_per_chunk_plan_and_dry_run_through_list_files(workspace):
     # 5,000 SlimPajama URLs are ~560 KB: far over Linux's 128 KiB per argument. The jobs
     # read their shard lists from data/plan/{source}/{chunk}.list, never from the command line.

@@ -29,6 +29,7 @@ def test_slimpajama_example_plans_75_jobs_per_stage(workspace):
     assert counts["blend"] == 1 and counts["pretrain"] == 1
 
 
+@pytest.mark.slow
 def test_wikipedia_example_plans_one_chunk_per_dump_file(workspace):
     cfg = yaml.safe_load((REPO / "config" / "examples" / "wikipedia-gpt2-124m.yaml").read_text())
     src = cfg["sources"]["wikipedia"]
