@@ -10,10 +10,14 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/tokenize.smk"
 include: "rules/train.smk"
+include: "rules/report.smk"
 
 
 rule all:

@@ -21,6 +21,8 @@ STEPS: dict[str, tuple[str, str]] = {
     "train": ("snakellm.train.cli", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
     "plan": ("snakellm.data.plan_cli", "print the chunk plan of the configured sources"),
     "launch": ("snakellm.launch.prefix", "print the srun/torchrun/container command line the pretrain rule runs"),
+    "report": ("snakellm.report.cli", "plots and tables for `snakemake --report` (data, tokens, train, any metrics table)"),
+    "dag": ("snakellm.report.dag", "render the workflow's rule graph and job DAG to SVG with Graphviz"),
 }
 
 

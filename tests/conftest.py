@@ -56,8 +56,8 @@ class Workspace:
             raise AssertionError(f"snakemake failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}")
         return proc
 
-    def nothing_to_do(self) -> bool:
-        out = self.run("-n")
+    def nothing_to_do(self, *targets: str) -> bool:
+        out = self.run("-n", *targets)
         return "Nothing to be done" in (out.stdout + out.stderr)
 
     def age(self, seconds: float = 60.0) -> None:

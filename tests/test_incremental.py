@@ -41,7 +41,7 @@ def test_first_build_has_every_document_and_rerun_has_nothing_to_do(built):
     assert total == 62  # every WikiText-2 test article
     assert json.loads(built.path(f"{BOTCHAN}.stats.json").read_text())["documents"] == 149
     before = built.snapshot()
-    assert built.nothing_to_do()
+    assert built.nothing_to_do("data")
     built.run("data")
     assert built.changed(before) == set()
 
@@ -82,7 +82,7 @@ def test_changing_shards_per_chunk_reruns_only_that_source(built):
     lists = {f"data/plan/wikitext/chunk-0000{i}.list" for i in range(4)}
     assert changed == set().union(lists, *(outputs(f"data/jsonl/wikitext/chunk-0000{i}") for i in range(4)))
     assert not any("botchan" in p for p in changed)
-    assert built.nothing_to_do()
+    assert built.nothing_to_do("data")
 
 
 def test_unrelated_config_edit_reruns_nothing(built):

@@ -160,6 +160,12 @@ def test_sigkill_then_two_reruns_match_an_uninterrupted_run(synth, reference):
     proc = train(synth, "kill", *RESUME)
     assert f"resumed from runs/kill/checkpoints/iter_{second:07d}" in proc.stderr
     assert losses(synth, "kill") == reference  # exact: model, optimizer, schedule, RNG and data position
+    # each resumed session is marked in the metrics, and the report shows three sessions
+    recs = [json.loads(line) for line in (synth / "runs/kill/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r.get("resumed")] == [first, second]
+    from snakellm.report import train as report_train
+
+    assert report_train.segments(recs) == [(1, first), (first + 1, second), (second + 1, 40)]
     summary = json.loads((synth / "runs/kill/train_summary.json").read_text())
     assert summary["iteration"] == 40 and summary["checkpoint"].endswith("iter_0000040")
     ckpts = sorted(p.name for p in (synth / "runs/kill/checkpoints").glob("iter_*"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 
 import pytest
@@ -91,11 +92,17 @@ def test_http_source_downloads_chunks_and_a_rerun_fetches_nothing(ws, srv):
     assert total_docs == 62  # every WikiText-2 test article
     assert len(srv.seen()) == 16 + 2 + 1  # each shard once, plus the 429, the 503 and the resumed tail
     assert [r.range for r in srv.seen(CHUNKS["chunk-00002"][1])] == [None, f"bytes={half}-"]
+    # the report's download table counts those retries (from the download jobs' logs)
+    ws.run("results/report/data/web.download.html")
+    page = ws.path("results/report/data/web.download.html").read_text()
+    assert '<td>total</td><td class="num">16</td>' in page  # 16 shards
+    assert re.search(r'<td class="num">19</td><td class="num">3</td>', page)  # 19 requests, 3 retries
+    assert "HTTP 429" in page and "HTTP 503" in page
 
     ws.age()
     before = ws.snapshot()
     srv.clear()
-    assert ws.nothing_to_do()
+    assert ws.nothing_to_do(*TARGETS)
     ws.run(*TARGETS)
     assert ws.changed(before) == set()
     assert srv.seen() == [], "a rerun sent requests"

@@ -161,6 +161,16 @@ def truncate_live_metrics(ckpt_dir: str | os.PathLike, iteration: int) -> None:
     write_text(p, "".join(l + "\n" for l in keep))
 
 
+def mark_resumed(ckpt_dir: str | os.PathLike, iteration: int) -> None:
+    """Record that a new session continues from ``iteration``: ``{"step": N, "resumed": true}``.
+
+    merge_metrics folds it into step N's record; the report draws a dashed line there
+    and counts the run's sessions (snakellm/report/train.py).
+    """
+    with open(Path(ckpt_dir) / LIVE_METRICS, "a") as fh:
+        fh.write(json.dumps({"step": iteration, "resumed": True}) + "\n")
+
+
 # --------------------------------------------------------------- save / load (torch)
 
 

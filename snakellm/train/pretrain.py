@@ -232,6 +232,7 @@ def _restore(req: TrainRequest, manager: ckpt.CheckpointManager, it: int, module
     manager.best = meta.get("best")
     if rank0:
         ckpt.truncate_live_metrics(req.ckpt_dir, it)
+        ckpt.mark_resumed(req.ckpt_dir, it)
     log(f"resumed from {req.ckpt_dir / ckpt.iter_name(it)} (iteration {it}, "
         f"{it * req.train.global_batch_size} samples consumed)", rank0)
     return it

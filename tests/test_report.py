@@ -1,0 +1,483 @@
+"""Reports and DAG pictures.
+
+* the data, tokens, train and table steps on real step outputs (a chunk with bad lines
+  made by the real `snakellm chunk`), checked for the figures a reader should see;
+* the job DAG of a 60,000-shard source collapses to a readable picture;
+* the report of the default workflow (`snakemake --report`), opened in headless Chromium
+  like a person would: categories, every plot decodes as an image, tables hold the
+  workflow's real figures, clicking through shows them; screenshots are kept under
+  test-artifacts/report/ (or $SNAKELLM_ARTIFACTS/report/) and the path is printed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+from chromium import find_chromium
+from conftest import BIN, REPO, SNAKEFILE, Workspace, env_with_venv
+
+pytestmark = []
+NEEDS_DOT = pytest.mark.skipif(
+    shutil.which("dot") is None, reason="Graphviz dot missing: bash scripts/setup-report-tools.sh"
+)
+NEEDS_CHROMIUM = pytest.mark.skipif(
+    find_chromium() is None, reason="chromium missing: bash scripts/setup-report-tools.sh"
+)
+
+
+def snakellm(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [str(BIN / "snakellm"), *args],
+        cwd=cwd,
+        env=env_with_venv(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def svg_text(path: Path) -> str:
+    root = ET.parse(path).getroot()  # well-formed SVG, or this raises
+    assert root.tag.endswith("svg")
+    return " ".join(t for t in root.itertext())
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_data_report_counts_rejections_by_reason_with_example_lines(tmp_path):
+    shard = tmp_path / "s1.jsonl"
+    good = [json.dumps({"text": f"document {i}"}) for i in range(5)]
+    shard.write_text(
+        "\n".join(
+            [
+                good[0],
+                "{not json",
+                good[1],
+                json.dumps({"other": "x"}),
+                "",
+                good[2],
+                json.dumps({"text": "   "}),
+                good[3],
+                "[1, 2]",
+                good[4],
+                "{broken again",
+            ]
+        )
+        + "\n"
+    )
+    shard2 = tmp_path / "s2.jsonl"
+    shard2.write_text(json.dumps({"text": "fine"}) + "\n")
+    for chunk, shards in (("chunk-00000", [shard]), ("chunk-00001", [shard2])):
+        snakellm(
+            "chunk",
+            *map(str, shards),
+            "--output",
+            f"d/{chunk}.jsonl",
+            "--source",
+            "web",
+            "--chunk",
+            chunk,
+            "--no-progress",
+            cwd=tmp_path,
+        )
+    stats = json.loads((tmp_path / "d/chunk-00000.stats.json").read_text())
+    snakellm(
+        "report",
+        "data",
+        "d/chunk-00000.stats.json",
+        "d/chunk-00001.stats.json",
+        "--source",
+        "web",
+        "--table",
+        "r/web.html",
+        "--plot",
+        "r/web.svg",
+        cwd=tmp_path,
+    )
+    page = (tmp_path / "r/web.html").read_text()
+    # every reason the chunk step counted is a column and a row, with its count and the bad line itself
+    for reason, n in stats["rejected_by_reason"].items():
+        assert n and f"<th>{reason}</th>" in page
+        assert re.search(rf"<td>{reason}</td><td class=\"num\">{n}</td>", page), reason
+    assert "{broken again" in page and "s1.jsonl:11" in page  # example content with shard and line number
+    assert f'<td class="num">{stats["lines_read"] + 1}</td>' in page  # total lines read over both chunks
+    text = svg_text(tmp_path / "r/web.svg")
+    assert "invalid_json" in text and "rejected lines per chunk" in text
+    snakellm(
+        "report",
+        "data-overview",
+        "d/chunk-00000.stats.json",
+        "d/chunk-00001.stats.json",
+        "--output",
+        "r/o.html",
+        cwd=tmp_path,
+    )
+    assert '<td class="num">6</td>' in (tmp_path / "r/o.html").read_text()  # 5 + 1 documents
+
+
+def test_bad_report_input_names_the_file(tmp_path):
+    (tmp_path / "x.stats.json").write_text('{"chunk": "c"}')
+    proc = subprocess.run(
+        [
+            str(BIN / "snakellm"),
+            "report",
+            "data",
+            "x.stats.json",
+            "--source",
+            "s",
+            "--table",
+            "t.html",
+            "--plot",
+            "p.svg",
+        ],
+        cwd=tmp_path,
+        env=env_with_venv(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "x.stats.json: not a chunk stats file (no documents" in proc.stderr
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_download_report_reads_manifests_and_counts_retries_from_the_log(tmp_path):
+    from snakellm.report import data
+
+    man = {
+        "source": "web",
+        "chunk": "chunk-00000",
+        "size": 300,
+        "shards": [
+            {"url": "http://127.0.0.1:8/a.jsonl", "path": "a", "size": 100, "sha256": "0"},
+            {"url": "http://127.0.0.1:8/b.jsonl", "path": "b", "size": 200, "sha256": "1"},
+        ],
+    }
+    (tmp_path / "m.json").write_text(json.dumps(man))
+    # the lines `snakellm download` writes (see snakellm/data/download.py)
+    (tmp_path / "d.log").write_text(
+        "http://127.0.0.1:8/a.jsonl: HTTP 429 Too Many Requests; retry 1/8 in 0.50s from byte 0\n"
+        "http://127.0.0.1:8/a.jsonl: HTTP 503 Service Unavailable; retry 2/8 in 1.00s from byte 0\n"
+        "m.json: 2 shards, 0.0 MB (0.0 MB fetched in 4 requests, 0 shards already complete) in 1.5 s\n"
+    )
+    page = data.download_table("web", [str(tmp_path / "m.json")], [str(tmp_path / "d.log")])
+    assert '<td>chunk-00000</td><td class="num">2</td><td class="num">300</td>' in page
+    assert '<td class="num">4</td><td class="num">2</td>' in page  # requests, retries
+    assert "HTTP 429 Too Many Requests" in page and "127.0.0.1:8" in page
+
+
+# ---------------------------------------------------------------- generic tables (later stages)
+
+
+def test_table_step_renders_metrics_json_and_samples_jsonl(tmp_path):
+    (tmp_path / "metrics.json").write_text(json.dumps({"task": "squad", "exact_match": 0.5, "rouge": {"f1": 0.25}}))
+    (tmp_path / "samples.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"q{i}", "output": "<b>a</b>"}) + "\n" for i in range(60))
+    )
+    snakellm(
+        "report",
+        "table",
+        "metrics.json",
+        "samples.jsonl",
+        "--title",
+        "Evaluation: squad",
+        "--output",
+        "t.html",
+        "--max-rows",
+        "10",
+        cwd=tmp_path,
+    )
+    page = (tmp_path / "t.html").read_text()
+    assert '<td>rouge.f1</td><td class="num">0.25</td>' in page
+    assert "<td>q9</td>" in page and "<td>q10</td>" not in page and "50 more records not shown" in page
+    assert "&lt;b&gt;a&lt;/b&gt;" in page and "<b>a</b>" not in page  # model output is text, never markup
+
+
+@pytest.mark.slow
+def test_a_registered_table_is_a_report_output_with_its_category(tmp_path):
+    """The plug-in point for later stages: register_report_table(...) in a rules file."""
+    ws = Workspace(tmp_path)
+    shutil.copytree(REPO / "resources" / "corpus" / "botchan", tmp_path / "corpus")
+    ws.write_config(
+        {"sources": {"b": {"kind": "local", "path": "corpus/*.jsonl", "format": "jsonl", "shards_per_chunk": 1}}}
+    )
+    (tmp_path / "eval.smk").write_text(
+        'include: "%s"\n\n'
+        'rule fake_eval:\n    input: "data/jsonl/b/chunk-00000.stats.json"\n    output: "runs/x/eval/metrics.json"\n'
+        '    shell: "cp {input} {output}"\n\n'
+        'register_report_table("eval", "x-squad", "runs/x/eval/metrics.json", "Evaluation of x on SQuAD", category="Evaluation")\n\n'
+        "rule everything:\n    input: get_all_targets()\n".replace("%s", str(SNAKEFILE))
+    )
+    cmd = [
+        str(BIN / "snakemake"),
+        "-s",
+        str(tmp_path / "eval.smk"),
+        "-d",
+        str(tmp_path),
+        "--configfile",
+        str(ws.config_path),
+        "--replace-workflow-config",
+        "-c",
+        "2",
+        "--nocolor",
+        "everything",
+        "--omit-from",
+        "dag",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    page = (tmp_path / "results/report/tables/eval/x-squad.html").read_text()
+    assert "Evaluation of x on SQuAD" in page and '<td>documents</td><td class="num">149</td>' in page
+
+
+# ---------------------------------------------------------------- DAG pictures
+
+
+@pytest.mark.slow
+@NEEDS_DOT
+def test_dag_of_a_60000_shard_source_collapses_repeated_chunks(tmp_path):
+    cfg = {
+        "sources": {
+            "slim": {
+                "kind": "http",
+                "format": "jsonl.zst",
+                "shards_per_chunk": 800,
+                "url": "https://example.invalid/train/chunk{1..10}/example_train_{0..5999}.jsonl.zst",
+            }
+        },
+        "tokenizers": {
+            "gpt2": {
+                "kind": "gpt2-bpe",
+                "vocab_file": str(REPO / "resources/tokenizers/gpt2/vocab.json"),
+                "merges_file": str(REPO / "resources/tokenizers/gpt2/merges.txt"),
+            }
+        },
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    t0 = time.time()
+    snakellm(
+        "dag",
+        "--rulegraph",
+        "rg.svg",
+        "--jobs",
+        "jobs.svg",
+        "--dot",
+        "--snakefile",
+        str(SNAKEFILE),
+        "--",
+        "--configfile",
+        "c.yaml",
+        "--replace-workflow-config",
+        cwd=tmp_path,
+    )
+    took = time.time() - t0
+    dot = (tmp_path / "jobs.dot").read_text()
+    nodes = re.findall(r"^\t(\w+)\[label", dot, re.MULTILINE)
+    assert len(nodes) < 40, len(nodes)  # 75 downloads + 75 chunks + 75 tokenize ... collapsed
+    text = svg_text(tmp_path / "jobs.svg")
+    assert text.count("… 72 more chunks") == 3  # download, chunk, tokenize: chunks 2 .. 73 of 75
+    assert "(chunk-00002 … chunk-00073)" in text and "chunk-00074" in text and "chunk-00000" in text
+    assert re.search(r"snakellm job DAG: \d+ jobs \(216 per-chunk jobs collapsed\)", text)
+    assert "blend" in svg_text(tmp_path / "rg.svg")
+    print(f"60,000-shard DAG pictures in {took:.1f} s")
+
+
+def test_collapse_keeps_edges_between_collapsed_groups():
+    from snakellm.report.dag import collapse_chunks, parse_dot
+
+    head = "digraph snakemake_dag {\n    graph[bgcolor=white];\n"
+    nodes = ['\t0[label = "all", color = "0", style="rounded"];']
+    edges = []
+    for i in range(6):
+        nodes.append(f'\t{1 + i}[label = "chunk\\nchunk: chunk-{i:05d}\\nsource: s", color = "1", style="rounded"];')
+        nodes.append(f'\t{10 + i}[label = "tokenize\\ntokenizer: t", color = "2", style="rounded"];')
+        edges += [f"\t{1 + i} -> {10 + i}", f"\t{10 + i} -> 20"]
+    nodes.append('\t20[label = "blend", color = "3", style="rounded"];')
+    edges.append("\t20 -> 0")
+    out, hidden = collapse_chunks(head + "\n".join(nodes + edges) + "\n}\n", head=2, tail=1)
+    _, kept, kept_edges, _ = parse_dot(out)
+    assert hidden == 6  # chunks 2, 3, 4 of each rule
+    labels = {n: lab for n, (lab, _, _) in kept.items()}
+    more = [n for n, lab in labels.items() if "3 more chunks" in lab]
+    assert len(more) == 2
+    chunk_more = next(n for n in more if labels[n].startswith("chunk"))
+    tok_more = next(n for n in more if labels[n].startswith("tokenize"))
+    assert (chunk_more, tok_more) in kept_edges and (tok_more, "20") in kept_edges
+    assert ("1", "10") in kept_edges and ("6", "15") in kept_edges  # first and last chunk stay as they were
+
+
+# ---------------------------------------------------------------- the whole report, in a browser
+
+
+def artifacts_dir() -> Path:
+    base = Path(os.environ.get("SNAKELLM_ARTIFACTS", REPO / "test-artifacts"))
+    d = base / "report"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+CHECK_RESULTS = """
+(async () => {
+  const out = {};
+  for (const [path, r] of Object.entries(results)) {
+    const rec = {mime: r.mime_type, caption: r.caption.length, labels: r.labels};
+    if (r.mime_type.startsWith("image/")) {
+      const img = new Image();
+      const ok = await new Promise(res => { img.onload = () => res(true); img.onerror = () => res(false); img.src = r.data_uri; });
+      rec.loaded = ok; rec.width = img.naturalWidth; rec.height = img.naturalHeight;
+    } else {
+      rec.data = r.data_uri;
+    }
+    out[path] = rec;
+  }
+  return out;
+})()
+"""
+
+CLICK = """
+((text) => {
+  const els = [...document.querySelectorAll('nav a, nav li, nav td, nav span, nav div')]
+    .filter(e => e.textContent.trim() === text && e.offsetParent !== null);
+  if (!els.length) return false;
+  els[els.length - 1].click();
+  return true;
+})(%s)
+"""
+
+SHOW = """
+((label) => {
+  const row = [...document.querySelectorAll('nav tr, nav li')].find(e => e.textContent.trim().startsWith(label));
+  if (!row) return "no row " + label;
+  const links = row.querySelectorAll('a');
+  if (!links.length) return "no link in row " + label;
+  links[0].click();  // the eye: show the result
+  return "ok";
+})(%s)
+"""
+
+
+def _decode(uri: str) -> str:
+    return base64.b64decode(uri.split(",", 1)[1]).decode()
+
+
+@pytest.mark.slow
+@NEEDS_DOT
+@NEEDS_CHROMIUM
+def test_report_of_the_default_workflow_in_headless_chromium(default_workflow, tmp_path, capsys):
+    from chromium import Chromium
+
+    ws = default_workflow
+    t0 = time.time()
+    ws.run("--report", "report.html")
+    report = ws.path("report.html")
+    assert report.stat().st_size > 100_000
+    summary = json.loads(ws.path("runs/tiny/train_summary.json").read_text())
+    blend = json.loads(ws.path("data/tokens/spm2k/blend.json").read_text())
+    shots = artifacts_dir()
+    with Chromium(tmp_path / "profile") as c:
+        c.open(report.as_uri())
+        for _ in range(100):
+            if c.js("document.querySelector('nav') !== null && typeof categories !== 'undefined'"):
+                break
+            time.sleep(0.1)
+        assert set(c.js("Object.keys(categories)")) == {"DAG", "Data", "Tokens", "Training"}
+        assert c.js("Object.keys(categories['Training'])") == ["tiny"]
+        assert set(c.js("Object.keys(categories['Data'])")) == {"All sources", "wikitext", "botchan"}
+        assert set(c.js("Object.keys(categories['Tokens'])")) == {"All tokenizers", "gpt2", "spm2k"}
+        got = c.js(CHECK_RESULTS)
+        names = {Path(p).name for p in got}
+        expected = {
+            "rulegraph.svg",
+            "jobs.svg",
+            "overview.html",
+            "overview.svg",
+            "wikitext.chunks.html",
+            "wikitext.chunks.svg",
+            "botchan.chunks.svg",
+            "spm2k.tokens.html",
+            "spm2k.blend.svg",
+            "spm2k.doc_tokens.svg",
+            "spm2k.tokenizer.html",
+            "gpt2.tokenizer.html",
+            "tiny.loss.svg",
+            "tiny.lr.svg",
+            "tiny.grad_norm.svg",
+            "tiny.throughput.svg",
+            "tiny.summary.html",
+        }
+        assert expected <= names, expected - names
+        for path, r in got.items():
+            assert r["caption"] > 50, f"{path}: no caption"
+            if r["mime"].startswith("image/"):
+                assert r["loaded"] and r["width"] > 200 and r["height"] > 100, f"broken image {path}: {r}"
+            else:
+                assert r["mime"] == "text/html" and "<table>" in _decode(r["data"]), path
+        # the tables hold the workflow's real figures
+        page = {"/".join(Path(p).parts[-2:]): _decode(r["data"]) for p, r in got.items() if "data" in r}
+        assert f"{summary['final_val_loss']:.4g}" in page["train/tiny.summary.html"]
+        assert "iter_0000300" in page["train/tiny.summary.html"]  # the kept checkpoints
+        assert f"{blend['tokens']:,}" in page["tokens/spm2k.tokens.html"]
+        assert "<td>all</td>" in page["data/overview.html"] and "<td>spm2k</td>" in page["tokens/overview.html"]
+        assert '<span class="piece">' in page["tokens/spm2k.tokenizer.html"]
+
+        # click through like a person and keep what it looked like
+        c.screenshot(shots / "01-start.png")
+        assert c.js(CLICK % json.dumps("Training")), "no Training category in the menu"
+        time.sleep(0.3)
+        assert c.js(SHOW % json.dumps("1. loss")) == "ok"
+        time.sleep(0.5)
+        shown = c.js(
+            "[...document.querySelectorAll('img')].filter(i => i.src.includes('image/svg')).map(i => [i.complete, i.naturalWidth])"
+        )
+        assert any(ok and w > 200 for ok, w in shown), shown
+        c.screenshot(shots / "02-training-loss.png")
+        c.js("app.setView({navbarMode: 'menu'})")
+        assert c.js(CLICK % json.dumps("Data"))
+        time.sleep(0.3)
+        assert c.js(CLICK % json.dumps("wikitext"))
+        time.sleep(0.3)
+        assert c.js(SHOW % json.dumps("documents and rejected lines per chunk")) == "ok"
+        time.sleep(0.5)
+        c.screenshot(shots / "03-data-wikitext.png")
+        c.js("app.setView({navbarMode: 'menu'})")
+        assert c.js(CLICK % json.dumps("DAG"))
+        time.sleep(0.3)
+        assert c.js(SHOW % json.dumps("rule graph")) == "ok"
+        time.sleep(0.5)
+        c.screenshot(shots / "04-rulegraph.png")
+        c.js("app.setView({navbarMode: 'menu'})")
+        assert c.js(CLICK % json.dumps("Tokens"))
+        time.sleep(0.3)
+        assert c.js(CLICK % json.dumps("spm2k"))
+        time.sleep(0.3)
+        assert c.js(SHOW % json.dumps("tokens per source and chunk (table)")) == "ok"
+        time.sleep(1.0)
+        assert c.js("document.querySelectorAll('iframe').length") == 1  # the table page, shown in the report
+        c.screenshot(shots / "05-tokens-table.png")
+    for name in (
+        "01-start.png",
+        "02-training-loss.png",
+        "03-data-wikitext.png",
+        "04-rulegraph.png",
+        "05-tokens-table.png",
+    ):
+        assert (shots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shutil.copy(report, shots / "report.html")
+    with capsys.disabled():
+        print(f"\nreport screenshots ({time.time() - t0:.0f} s): {shots}/0[1-5]-*.png, report: {shots}/report.html")
