@@ -172,4 +172,5 @@ def test_deleted_or_damaged_shard_is_fetched_again_by_the_next_run(ws, srv):
     ws.run(*TARGETS)
     assert [r.path for r in srv.seen()] == ["/" + CHUNKS["chunk-00002"][0]]
     assert bad.read_bytes() == (srv.root / CHUNKS["chunk-00002"][0]).read_bytes()
-    assert ws.nothing_to_do()
+    dry = ws.run("-n", *TARGETS)
+    assert "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout
