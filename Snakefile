@@ -17,6 +17,7 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/tokenize.smk"
 include: "rules/train.smk"
+include: "rules/export.smk"
 include: "rules/report.smk"
 
 

@@ -296,6 +296,38 @@ def get_launch_prefix(wildcards, resources):
     return launch_prefix(resources, config.get("container"))
 
 
+# ---------------------------------------------------------------- export stage: .nemo (rules/export.smk)
+
+EXPORT_NEMO = config["export_nemo"]
+_NEMO_TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece")  # what NeMo packs as tokenizer artifacts
+
+
+def _check_export_nemo():
+    """An export that cannot work is a config error before any job runs, not a failure after training."""
+    if not EXPORT_NEMO["enabled"]:
+        return
+    for name, run in RUNS.items():
+        kind = TOKENIZERS[run["tokenizer"]]["kind"]
+        if kind not in _NEMO_TOKENIZER_KINDS:
+            raise WorkflowError(
+                f"invalid config: config key runs.{name}.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece "
+                f"tokenizers, {run['tokenizer']!r} is {kind} (set export_nemo.enabled: false to skip the .nemo)"
+            )
+
+
+_check_export_nemo()
+
+
+def get_export_nemo_args(wildcards):
+    """The export's own settings: part of params, so a change rewrites the .nemo (and nothing else)."""
+    te = EXPORT_NEMO["transformer_engine"]
+    return f"--transformer-engine {str(te).lower()}"
+
+
+def get_export_nemo_targets():
+    return [f"runs/{run}/{run}.nemo" for run in RUNS] if EXPORT_NEMO["enabled"] else []
+
+
 # ---------------------------------------------------------------- report (rules/report.smk)
 
 import json as _json
@@ -438,4 +470,7 @@ def get_report_targets():
 
 def get_all_targets():
     """What `snakemake` with no target builds: every stage of the default graph and its report figures."""
-    return get_all_chunk_targets() + get_tokenize_targets() + get_train_targets() + get_report_targets()
+    return (
+        get_all_chunk_targets() + get_tokenize_targets() + get_train_targets() + get_export_nemo_targets()
+        + get_report_targets()
+    )

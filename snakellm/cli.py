@@ -20,6 +20,8 @@ STEPS: dict[str, tuple[str, str]] = {
     "blend": ("snakellm.tokenize.blend", "write Megatron's data_prefix blend for a tokenizer"),
     "train": ("snakellm.train.cli", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
     "plan": ("snakellm.data.plan_cli", "print the chunk plan of the configured sources"),
+    "export-nemo": ("snakellm.export.export_nemo", "write a .nemo (NeMo 1.x mcore GPT) that NeMo's restore_from loads"),
+    "import-nemo": ("snakellm.export.import_nemo", "import a .nemo that NeMo's save_to wrote into a model-only checkpoint"),
     "launch": ("snakellm.launch.prefix", "print the srun/torchrun/container command line the pretrain rule runs"),
     "report": ("snakellm.report.cli", "plots and tables for `snakemake --report` (data, tokens, train, any metrics table)"),
     "dag": ("snakellm.report.dag", "render the workflow's rule graph and job DAG to SVG with Graphviz"),
