@@ -4,6 +4,7 @@
 
 import os
 import shlex
+import sys
 
 from snakemake.exceptions import WorkflowError
 
@@ -28,20 +29,45 @@ def _plan_all():
         if not chunks:
             where = spec.get("path") or spec.get("url") or spec.get("urls")
             raise WorkflowError(f"invalid config: config key sources.{name}: no shards found for {where!r}")
-        # Snakemake runs a job as `bash -c "<command>"`, and Linux caps one argument at
-        # 128 KiB: a chunk's shard list must fit on its command line with room to spare.
-        longest = max(sum(len(s) + 3 for s in shards) for shards in chunks.values())
-        if longest > 110_000:
-            raise WorkflowError(
-                f"invalid config: config key sources.{name}.shards_per_chunk: "
-                f"{spec['shards_per_chunk']} shards make a {longest // 1024} KiB command line "
-                f"(the limit is 128 KiB); use fewer shards per chunk"
-            )
         plans[name] = chunks
     return plans
 
 
+def _write_shard_lists():
+    """Each chunk's shard list goes to data/plan/{source}/{chunk}.list (rewritten only when it changed).
+
+    The jobs read their shards from these files, never from the command line
+    (one argument is capped at 128 KiB). For an http chunk whose manifest no
+    longer matches the shards on disk (one deleted by hand, or removed by
+    `snakellm chunk` for a wrong sha256), the list gets a note saying so: its
+    content changed, so its download runs again and fetches what is missing.
+    """
+    import datetime
+
+    for name, chunks in PLAN.items():
+        http = SOURCES[name]["kind"] == "http"
+        for chunk, shards in chunks.items():
+            why = planmod.stale_manifest(download_manifest_path(name, chunk)) if http else None
+            note = None
+            if why:
+                print(f"{download_manifest_path(name, chunk)}: {why}; downloading again", file=sys.stderr)
+                note = f"download again ({datetime.datetime.now().isoformat(timespec='seconds')}): {why}"
+            planmod.write_shard_list(shard_list_path(name, chunk), shards, note)
+
+
+def shard_list_path(source, chunk):
+    return f"data/plan/{source}/{chunk}.list"
+
+
+def download_manifest_path(source, chunk):
+    return f"data/raw/{source}/{chunk}.manifest.json"
+
+
 PLAN = _plan_all()  # {source: {chunk: [shard path or URL, ...]}}
+if workflow.is_main_process:
+    # only the controlling process: a job-side Snakemake (a Slurm job re-parsing this file)
+    # must not rewrite a list, or note a manifest stale while another job rewrites it
+    _write_shard_lists()
 
 
 wildcard_constraints:
@@ -58,14 +84,21 @@ def get_raw_dir(wildcards):
 
 
 def get_chunk_input(wildcards):
-    """A local chunk reads its shards; an http chunk reads its download manifest."""
+    """A local chunk reads its shard list and the shards; an http chunk its download manifest."""
     if SOURCES[wildcards.source]["kind"] == "http":
-        return [f"data/raw/{wildcards.source}/{wildcards.chunk}.manifest.json"]
-    return PLAN[wildcards.source][wildcards.chunk]
+        return [download_manifest_path(wildcards.source, wildcards.chunk)]
+    return [shard_list_path(wildcards.source, wildcards.chunk)] + PLAN[wildcards.source][wildcards.chunk]
 
 
-def get_download_urls(wildcards):
-    return PLAN[wildcards.source][wildcards.chunk]
+def get_chunk_shards_option(wildcards):
+    """How `snakellm chunk` finds its shards: a file, never a list on the command line."""
+    if SOURCES[wildcards.source]["kind"] == "http":
+        return f"--manifest {download_manifest_path(wildcards.source, wildcards.chunk)}"
+    return f"--shard-list {shard_list_path(wildcards.source, wildcards.chunk)}"
+
+
+def get_download_url_list(wildcards):
+    return shard_list_path(wildcards.source, wildcards.chunk)
 
 
 def get_download_options(wildcards):

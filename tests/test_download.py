@@ -65,9 +65,10 @@ class Run:
         """The manifest lists every shard with the server's exact bytes, size and sha256."""
         man = json.loads(self.manifest.read_text())
         assert [s["url"] for s in man["shards"]] == [self.srv.url(r) for r in rels]
-        for rel, entry, path in zip(rels, man["shards"], _read_manifest(str(self.manifest))):
+        for rel, entry, (path, exp) in zip(rels, man["shards"], _read_manifest(str(self.manifest))):
             want = self.served(rel)
             assert Path(path) == self.local(rel)
+            assert (exp.size, exp.sha256, exp.url) == (len(want), sha256(want), self.srv.url(rel))
             assert Path(path).read_bytes() == want
             assert entry["size"] == len(want)
             assert entry["sha256"] == sha256(want)
@@ -101,6 +102,31 @@ def test_snakellm_chunk_reads_the_manifest(run, srv, tmp_path):
     stats = json.loads(out.with_name("c.stats.json").read_text())
     assert [Path(s["shard"]) for s in stats["per_shard"]] == [run.local(r) for r in SHARDS]
     assert stats["documents"] > 0 and stats["rejected"] == 0
+    assert [s["sha256"] for s in stats["per_shard"]] == [sha256(run.served(r)) for r in SHARDS]
+
+
+def test_snakellm_chunk_checks_shards_against_the_manifest(run, srv, tmp_path, capsys):
+    assert run(SHARDS)[0] == 0
+    out = tmp_path / "c.jsonl"
+    args = ["--manifest", str(run.manifest), "-o", str(out), "--format", "jsonl.zst", "--no-progress"]
+    # same size, one flipped bit: named with its URL and both hashes, removed so that the next run fetches it
+    bad = run.local(SHARDS[1])
+    raw = bytearray(bad.read_bytes())
+    raw[100] ^= 1
+    bad.write_bytes(bytes(raw))
+    assert chunk.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"shard {bad} ({srv.url(SHARDS[1])}) has sha256 {sha256(bytes(raw))}" in err
+    assert f"the manifest recorded {sha256(run.served(SHARDS[1]))}" in err and "the next run downloads it again" in err
+    assert not bad.exists() and not out.exists()
+    # gone: the message says so (the workflow downloads it again at its next start)
+    assert chunk.main(args) == 1
+    assert f"shard {bad} ({srv.url(SHARDS[1])}) listed in the manifest is missing" in capsys.readouterr().err
+    # cut short: the size is wrong
+    assert run(SHARDS)[0] == 0
+    bad.write_bytes(run.served(SHARDS[1])[:-10])
+    assert chunk.main(args) == 1
+    assert f"is {len(run.served(SHARDS[1])) - 10} bytes, the manifest recorded {len(run.served(SHARDS[1]))}" in capsys.readouterr().err
 
 
 def test_complete_shards_are_never_fetched_again(run, srv):

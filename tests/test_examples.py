@@ -63,3 +63,23 @@ def test_8b_example_dry_runs_with_its_8_node_srun_line(workspace):
     line = launch_prefix({"mpi": "srun", "nodes": 8, "tasks": 64, "cpus_per_task": 8}, cfg["container"], "/work")
     assert line.startswith("srun --nodes=8 --ntasks=64 --ntasks-per-node=8 --cpus-per-task=8 --kill-on-bad-exit=1 "
                            "--container-image=nvcr.io/nvidia/pytorch:25.04-py3")
+
+
+@pytest.mark.slow
+def test_wikipedia_example_plans_one_chunk_per_dump_file(workspace):
+    cfg = yaml.safe_load((REPO / "config" / "examples" / "wikipedia-gpt2-124m.yaml").read_text())
+    src = cfg["sources"]["wikipedia"]
+    assert src["format"] == "mediawiki"
+    dumps = workspace.root / "dumps"
+    dumps.mkdir()
+    for name in ("enwiki-latest-pages-articles1.xml-p1p41242.bz2", "enwiki-latest-pages-articles10.xml-p4045403p5399366.bz2",
+                 "enwiki-latest-pages-articles2.xml-p41243p151573.bz2", "enwiki-latest-pages-articles-multistream-index.txt.bz2"):
+        (dumps / name).write_bytes(b"")
+    src["path"] = str(dumps / src["path"].rsplit("/", 1)[1].split("   #")[0])
+    shutil.copytree(REPO / "resources" / "tokenizers", workspace.root / "resources" / "tokenizers")
+    workspace.write_config(cfg)
+    lists = workspace.run("-n", "data")
+    assert lists.stdout.count("rule chunk:") == 3  # the multistream index is not a dump
+    order = [(workspace.root / f"data/plan/wikipedia/chunk-0000{i}.list").read_text().strip().rsplit("/", 1)[1] for i in range(3)]
+    assert order == ["enwiki-latest-pages-articles1.xml-p1p41242.bz2", "enwiki-latest-pages-articles2.xml-p41243p151573.bz2",
+                     "enwiki-latest-pages-articles10.xml-p4045403p5399366.bz2"]
