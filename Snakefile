@@ -18,6 +18,7 @@ include: "rules/data.smk"
 include: "rules/tokenize.smk"
 include: "rules/train.smk"
 include: "rules/export.smk"
+include: "rules/finetune.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
 

@@ -284,6 +284,155 @@ def get_train_targets():
     return [f"runs/{run}/train_summary.json" for run in RUNS]
 
 
+# ---------------------------------------------------------------- fine-tuning stage (rules/finetune.smk, rules/evaluate.smk)
+
+SFT_DATA = config.get("sft_data", {})  # {task: {path, format, template, ...}}
+FINETUNES = config.get("finetune", {})  # {name: {run, data, method, lora, ptuning, examples, train, parallel, evaluate}}
+
+
+def _check_finetunes():
+    for name, ft in FINETUNES.items():
+        if ft["run"] not in RUNS:
+            raise WorkflowError(
+                f"invalid config: config key finetune.{name}.run: unknown run {ft['run']!r} (runs: {', '.join(RUNS) or 'none'})"
+            )
+        if ft["data"] not in SFT_DATA:
+            raise WorkflowError(
+                f"invalid config: config key finetune.{name}.data: unknown sft_data {ft['data']!r} "
+                f"(sft_data: {', '.join(SFT_DATA) or 'none'})"
+            )
+        t = ft["train"]
+        if t["global_batch_size"] % t["micro_batch_size"]:
+            raise WorkflowError(
+                f"invalid config: config key finetune.{name}.train: global_batch_size {t['global_batch_size']} is not "
+                f"a multiple of micro_batch_size {t['micro_batch_size']}"
+            )
+
+
+_check_finetunes()
+
+
+wildcard_constraints:
+    task="|".join(map(__import__("re").escape, SFT_DATA)) or "(?!)",
+    ft="|".join(map(__import__("re").escape, FINETUNES)) or "(?!)",
+    which="base|tuned",
+
+
+def get_sft_source(wildcards):
+    return SFT_DATA[wildcards.task]["path"]
+
+
+def get_sft_args(wildcards):
+    """`snakellm prepare-sft` options of one data set: editing another reruns nothing."""
+    d = SFT_DATA[wildcards.task]
+    opts = ["--format", d["format"], "--split", d["split"], "--seed", str(d["seed"]),
+            "--input-key", d["input_key"], "--output-key", d["output_key"]]
+    if d.get("template") is not None:
+        opts += ["--template", d["template"]]
+    if d.get("limit") is not None:
+        opts += ["--limit", str(d["limit"])]
+    return shlex.join(opts)
+
+
+def _ft(wildcards):
+    ft = FINETUNES[wildcards.ft]
+    if ft["run"] != wildcards.run:
+        raise WorkflowError(f"finetune {wildcards.ft} is based on run {ft['run']}, not {wildcards.run}")
+    return ft
+
+
+def get_finetune_input(wildcards):
+    ft = _ft(wildcards)
+    d = f"data/sft/{ft['data']}"
+    return {
+        "base": f"runs/{ft['run']}/train_summary.json",
+        "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
+        "train": f"{d}/train.jsonl",
+        "validation": f"{d}/validation.jsonl",
+    }
+
+
+def _example_flags(ex):
+    flags = ["--template", ex["template"], "--truncation-method", ex["truncation_method"]]
+    flags += ["--add-bos" if ex["add_bos"] else "--no-add-bos", "--add-eos" if ex["add_eos"] else "--no-add-eos"]
+    flags += ["--answer-only-loss" if ex["answer_only_loss"] else "--no-answer-only-loss"]
+    if ex.get("max_seq_length") is not None:
+        flags += ["--max-seq-length", str(ex["max_seq_length"])]
+    return flags
+
+
+def get_finetune_args(wildcards):
+    """Every `snakellm finetune` setting, spelled out: the rule reruns exactly when one changes."""
+    ft = _ft(wildcards)
+    flags = ["--method", ft["method"]] + _example_flags(ft["examples"])
+    flags += ["--packing" if ft["examples"]["packing"] else "--no-packing"]
+    if ft["method"] == "lora":
+        lo = ft["lora"]
+        flags += ["--lora-rank", str(lo["rank"]), "--lora-dropout", str(lo["dropout"]),
+                  "--lora-targets", ",".join(lo["targets"]), "--lora-column-init", lo["column_init"],
+                  "--lora-row-init", lo["row_init"]]
+        if lo.get("alpha") is not None:
+            flags += ["--lora-alpha", str(lo["alpha"])]
+        if lo.get("layers"):
+            flags += ["--lora-layers", ",".join(map(str, lo["layers"]))]
+    elif ft["method"] == "ptuning":
+        pt = ft["ptuning"]
+        flags += ["--virtual-tokens", str(pt["virtual_tokens"]), "--prompt-encoder", pt["encoder"],
+                  "--prompt-encoder-hidden", str(pt["hidden"])]
+    for k, v in ft["train"].items():
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    flags += ["--tp", str(ft["parallel"]["tp"])]
+    return shlex.join(flags)
+
+
+def get_finetune_threads(wildcards):
+    return FINETUNES[wildcards.ft]["parallel"]["threads"]
+
+
+def get_evaluate_input(wildcards):
+    ft = _ft(wildcards)
+    inp = {
+        "base": f"runs/{ft['run']}/train_summary.json",
+        "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
+        "test": f"data/sft/{ft['data']}/test.jsonl",
+    }
+    if wildcards.which == "tuned":
+        inp["finetune"] = f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
+    return inp
+
+
+def get_evaluate_args(wildcards):
+    """The model (base run, + adapter / prompt table, or the full fine-tune's model) and the options."""
+    ft = _ft(wildcards)
+    d = f"runs/{ft['run']}/finetune/{wildcards.ft}"
+    flags = ["--base", f"runs/{ft['run']}", "--label", wildcards.which]
+    if wildcards.which == "tuned":
+        if ft["method"] == "lora":
+            flags += ["--adapter", f"{d}/adapter"]
+        elif ft["method"] == "ptuning":
+            flags += ["--prompt", f"{d}/prompt"]
+        else:
+            flags[1] = f"{d}/model"
+    flags += _example_flags(ft["examples"])
+    ev = ft["evaluate"]
+    flags += ["--tokens-to-generate", str(ev["tokens_to_generate"]), "--batch-size", str(ev["batch_size"])]
+    if ev.get("limit") is not None:
+        flags += ["--limit", str(ev["limit"])]
+    flags += ["--tp", str(ft["parallel"]["tp"])]
+    return shlex.join(flags)
+
+
+def get_finetune_targets():
+    out = []
+    for name, ft in FINETUNES.items():
+        d = f"runs/{ft['run']}"
+        out += [f"{d}/finetune/{name}/finetune_summary.json"]
+        out += [f"{d}/eval/{name}/{w}/{f}" for w in ("base", "tuned") for f in ("metrics.json", "predictions.jsonl")]
+        if ft["method"] == "lora":
+            out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
+    return out
+
+
 # ---------------------------------------------------------------- launch (snakellm/launch/prefix.py)
 
 
@@ -593,5 +742,5 @@ def get_all_targets():
     """What `snakemake` with no target builds: every stage of the default graph and its report figures."""
     return (
         get_all_chunk_targets() + get_tokenize_targets() + get_train_targets() + get_export_nemo_targets()
-        + get_hf_targets() + get_report_targets()
+        + get_hf_targets() + get_finetune_targets() + get_report_targets()
     )

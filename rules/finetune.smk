@@ -1,0 +1,63 @@
+# prepare_sft: a SQuAD json / jsonl -> data/sft/{task}/{train,validation,test}.jsonl (+ rejected, stats)
+# finetune:    a pretrained run + a data set -> runs/{run}/finetune/{ft}/ (LoRA, full SFT or p-tuning)
+# export_peft: a LoRA adapter in Hugging Face PEFT format
+#
+# As for pretrain, the checkpoint directory is not an output: a killed or stopped
+# finetune resumes from it (exit status 75 = stopped with a checkpoint, rerun to resume).
+
+
+rule prepare_sft:
+    input:
+        get_sft_source,
+    output:
+        multiext(
+            "data/sft/{task}/",
+            "train.jsonl",
+            "validation.jsonl",
+            "test.jsonl",
+            "rejected.jsonl",
+            "stats.json",
+        ),
+    log:
+        "logs/prepare_sft/{task}.log",
+    params:
+        out=subpath(output[0], parent=True),
+        args=get_sft_args,
+    shell:
+        "snakellm prepare-sft {input} {params.out} {params.args} 2> {log}"
+
+
+rule finetune:
+    input:
+        unpack(get_finetune_input),
+    output:
+        summary="runs/{run}/finetune/{ft}/finetune_summary.json",
+        metrics="runs/{run}/finetune/{ft}/metrics.jsonl",
+    log:
+        "logs/finetune/{run}/{ft}.log",
+    benchmark:
+        "benchmarks/finetune/{run}/{ft}.tsv"
+    threads: get_finetune_threads
+    params:
+        launch=get_launch_prefix,
+        args=get_finetune_args,
+        data=subpath(input.train, parent=True),
+        out=subpath(output.summary, parent=True),
+    shell:
+        "{params.launch} snakellm finetune --base runs/{wildcards.run} --blend {input.blend} --data-dir {params.data} "
+        "--out-dir {params.out} --threads {threads} --no-progress {params.args} 2> {log}"
+
+
+rule export_peft:
+    input:
+        "runs/{run}/finetune/{ft}/finetune_summary.json",
+    output:
+        "runs/{run}/finetune/{ft}/hf_peft/adapter_config.json",
+        "runs/{run}/finetune/{ft}/hf_peft/adapter_model.safetensors",
+    log:
+        "logs/export_peft/{run}/{ft}.log",
+    params:
+        out=subpath(output[0], parent=True),
+    shell:
+        "snakellm lora export-peft --adapter runs/{wildcards.run}/finetune/{wildcards.ft}/adapter "
+        "--out {params.out} 2> {log}"

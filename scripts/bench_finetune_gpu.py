@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""GPU fine-tuning throughput of `snakellm finetune`: LoRA and full SFT of llama-1b at sequence 2048.
+
+Makes a llama-1b base checkpoint with random weights (the speed does not depend on
+them) and SFT examples that fill the whole sequence (Botchan text as the prompt,
+GPT-2 BPE, the vocabulary padded to 50304 as in scripts/bench_train_gpu.py), then
+runs the real `snakellm finetune` once per method with no checkpoints and reads
+tokens/s per step from its metrics.jsonl: the median over the steps after the
+warm-up ones. MFU uses pretraining's formula (6 N + 12 L h s per token over the
+989.4 TFLOP/s bf16 peak of an H100/H200), so it compares with `snakellm train`'s
+figure for the same model, which --pretrain measures in the same run.
+
+    python scripts/bench_finetune_gpu.py                        # lora + full on one GPU
+    python scripts/bench_finetune_gpu.py --pretrain             # and snakellm train's llama-1b beside them
+    python scripts/bench_finetune_gpu.py --preset tiny --seq-length 128 --steps 4 --device cpu   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GPT2 = {
+    "kind": "gpt2-bpe",
+    "name": "gpt2",
+    "vocab_size": 50257,
+    "eod_id": 50256,
+    "eod_token": "<|endoftext|>",
+    "files": {
+        "vocab_file": str(REPO / "resources/tokenizers/gpt2/vocab.json"),
+        "merges_file": str(REPO / "resources/tokenizers/gpt2/merges.txt"),
+    },
+}
+METHODS = {
+    "lora": ["--method", "lora", "--lora-rank", "32", "--lora-targets", "linear_qkv"],
+    "lora-all": [
+        "--method",
+        "lora",
+        "--lora-rank",
+        "32",
+        "--lora-targets",
+        "linear_qkv,linear_proj,linear_fc1,linear_fc2",
+    ],
+    "full": ["--method", "full"],
+}
+
+
+def make_base(root: Path, preset: str, seq: int, device: str) -> Path:
+    """A model-only checkpoint of random weights (what `snakellm finetune --base` reads), made in a subprocess."""
+    run = root / "base"
+    if (run / "checkpoints" / "latest_checkpointed_iteration.txt").exists():
+        return run
+    code = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+from snakellm.finetune import runtime
+from snakellm.finetune.cli import save_model
+from snakellm import models
+from snakellm.models.build import build_model
+if __name__ == "__main__":
+    rt = runtime.start({device!r}, 1)
+    arch = models.resolve({preset!r}, {{"seq_length": {seq}}})
+    vocab = models.padded_vocab_size(50257, arch)
+    gpt, _ = build_model(arch, vocab, device=str(rt.device), bf16=rt.cuda)
+    save_model(gpt, __import__("pathlib").Path({str(run)!r}), arch, vocab, {GPT2!r}, rt)
+    runtime.stop()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return run
+
+
+def make_data(root: Path, n: int) -> tuple[Path, Path]:
+    blend = root / "blend.json"
+    blend.write_text(json.dumps({"data_prefix": [], "tokenizer": GPT2}))
+    text = (REPO / "resources/corpus/botchan/botchan.jsonl").read_text()
+    docs = [json.loads(line)["text"] for line in text.splitlines()]
+    long = " ".join(docs)
+    d = root / "sft"
+    d.mkdir(parents=True, exist_ok=True)
+    recs = []
+    for i in range(n):  # a different window of the book each, far longer than the sequence (truncated: left)
+        start = (i * 997) % max(1, len(long) - 20000)
+        recs.append({"input": long[start : start + 16000], "output": "the answer is " + str(i)})
+    for split in ("train", "validation"):
+        (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return blend, d
+
+
+def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> dict:
+    odir = out / name
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakellm.cli",
+        "finetune",
+        "--base",
+        str(base),
+        "--blend",
+        str(blend),
+        "--data-dir",
+        str(data),
+        "--out-dir",
+        str(odir),
+        *METHODS[name],
+        "--steps",
+        str(a.steps),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--global-batch-size",
+        str(a.global_batch_size),
+        "--max-seq-length",
+        str(a.seq_length),
+        "--truncation-method",
+        "left",
+        "--pad-to-max",
+        "--eval-interval",
+        str(a.steps + 1),
+        "--eval-examples",
+        "1",
+        "--no-checkpoints",
+        "--no-progress",
+        "--device",
+        a.device,
+        "--lr",
+        "1e-4",
+    ]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return {"method": name, "error": proc.returncode}
+    recs = [json.loads(line) for line in (odir / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in recs if r["step"] > a.warmup_steps and "tokens_per_s" in r] or recs
+    tps = statistics.median(r["tokens_per_s"] for r in steady)
+    summary = json.loads((odir / "finetune_summary.json").read_text())
+    res = {
+        "method": name,
+        "tokens_per_s": round(tps),
+        "wall_s": round(time.time() - t0, 1),
+        "trainable_parameters": summary["trainable_parameters"],
+        "total_parameters": summary["total_parameters"],
+    }
+    if steady[0].get("mfu") is not None:
+        res["mfu"] = round(statistics.median(r["mfu"] for r in steady), 4)
+        # frozen weights skip their weight gradients: 2/3 of the work of 6 N, plus 6 per trainable parameter
+        n, t = summary["total_parameters"], summary["trainable_parameters"]
+        if t < n:
+            res["mfu_adapter"] = round(
+                res["mfu"] * (summary["flops_per_token"] * 2 / 3 + 6 * t) / summary["flops_per_token"], 4
+            )
+    return res
+
+
+def run_pretrain(a, root: Path) -> dict:
+    """`snakellm train` on the same model, sequence and batch (random GPT-2 ids, bench_train_gpu's data)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_train_gpu import make_data as make_tokens
+
+    blend = make_tokens(root / "pretrain", a.steps * a.global_batch_size * (a.seq_length + 1) * 2)
+    run_dir = root / "runs" / "pretrain"
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakellm.cli",
+        "train",
+        "--blend",
+        str(blend),
+        "--run-dir",
+        str(run_dir),
+        "--preset",
+        a.preset,
+        "--seq-length",
+        str(a.seq_length),
+        "--steps",
+        str(a.steps),
+        "--global-batch-size",
+        str(a.global_batch_size),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--no-checkpoints",
+        "--no-tensorboard",
+        "--no-progress",
+        "--split",
+        "100,0,0",
+        "--device",
+        a.device,
+        "--resume",
+        "never",
+    ]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return {"method": "pretrain", "error": proc.returncode}
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in recs if r["step"] > a.warmup_steps and r.get("tokens_per_s")] or recs
+    res = {"method": "pretrain", "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steady))}
+    if steady[0].get("mfu") is not None:
+        res["mfu"] = round(statistics.median(r["mfu"] for r in steady), 4)
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--methods", default="lora,full", help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup-steps", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument(
+        "--pretrain", action="store_true", help="also snakellm train (scripts/bench_train_gpu.py) on the same model"
+    )
+    p.add_argument("--workdir", default="/tmp/snakellm-bench-ft")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--timeout", type=float, default=400)
+    a = p.parse_args(argv)
+    root, out = Path(a.workdir), Path(a.out)
+    root.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    base = make_base(root, a.preset, a.seq_length, a.device)
+    blend, data = make_data(root, max(64, a.global_batch_size * 2))
+    results = [run_method(m, a, base, blend, data, root / "runs") for m in a.methods.split(",")]
+    for r in results:
+        print(json.dumps(r), flush=True)
+    if a.pretrain:
+        results.append(run_pretrain(a, root))
+        print(json.dumps(results[-1]), flush=True)
+    (out / "bench_finetune.json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Evaluation of base and fine-tuned models."""

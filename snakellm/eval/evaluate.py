@@ -1,0 +1,205 @@
+"""``snakellm evaluate``: greedy generation on a test split, NeMo's and SQuAD's metrics.
+
+For each ``{input, output[, answers]}`` example (prepare-sft's test split) the
+model generates greedily from the prompt (the same template, BOS/EOS and
+truncation as in training) for up to ``--tokens-to-generate`` tokens or EOD.
+Then, as NeMo's ``MegatronGPTSFTModel`` test pass does,
+``pred = decode(generated ids)`` and ``label = decode(answer ids)`` are compared
+by ``exact_string_match`` (raw equality); SQuAD's normalised exact match and F1
+take the best over every gold answer; ``answer_only_loss`` is the token-mean
+loss on the answer tokens given the prompt (teacher forcing).
+
+The model is the base run alone or with what ``snakellm finetune`` wrote:
+``--adapter DIR`` (LoRA), ``--prompt DIR`` (p-tuning) or a full fine-tune's
+``model/`` directory as ``--base``. Outputs: ``metrics.json`` and
+``predictions.jsonl`` (``{input, pred, label, answers}`` per example, NeMo's
+``*_inputs_preds_labels.jsonl`` fields plus the gold list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from snakellm.io.atomic import atomic_group
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from snakellm.finetune.cli import add_data_arguments
+
+    p = argparse.ArgumentParser(
+        prog="snakellm evaluate",
+        description="Greedy generation on a test split: NeMo's exact_string_match, SQuAD EM/F1 and answer-only "
+        "loss -> metrics.json + predictions.jsonl ({input, pred, label}).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--base", required=True, help="pretrained run (or a full fine-tune's model/ directory)")
+    p.add_argument("--blend", default=None, help="a blend.json whose tokenizer to use (default: the run's own)")
+    p.add_argument("--test", required=True, help="test split jsonl ({input, output[, answers]})")
+    p.add_argument("--out-dir", required=True, help="directory for metrics.json and predictions.jsonl")
+    p.add_argument("--adapter", default=None, help="LoRA adapter directory (finetune's adapter/)")
+    p.add_argument("--prompt", default=None, help="p-tuning directory (finetune's prompt/)")
+    p.add_argument("--label", default=None, help="name of the evaluated model in metrics.json")
+    p.add_argument("--tokens-to-generate", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
+    add_data_arguments(p)
+    return p
+
+
+def attach_artifacts(rt, gpt, arch: dict, adapter: str | None, prompt: str | None):
+    """Put a saved LoRA adapter or p-tuning prompt table onto the base model; returns (virtual tokens, config)."""
+    import torch
+    from safetensors.torch import load_file
+
+    if adapter:
+        from snakellm.finetune.lora import LoRAAdapters, LoRAConfig, load_full_tensors
+
+        conf = json.loads((Path(adapter) / "adapter_config.json").read_text())
+        lc = dict(conf["lora"])
+        lc["targets"] = tuple(lc["targets"])
+        lc["layers"] = tuple(lc["layers"]) if lc.get("layers") else None
+        ad = LoRAAdapters(gpt, LoRAConfig(**lc))
+        load_full_tensors(ad, load_file(str(Path(adapter) / "adapter.safetensors")))
+        return 0, conf, ad
+    if prompt:
+        from snakellm.finetune.ptuning import PTuning, PTuningConfig
+
+        conf = json.loads((Path(prompt) / "prompt_config.json").read_text())
+        pt = PTuning(
+            gpt,
+            PTuningConfig(**conf["ptuning"]),
+            arch["hidden_size"],
+            gpt.embedding.word_embeddings.weight.dtype,
+            gpt.embedding.word_embeddings.weight.device,
+        )
+        table = load_file(str(Path(prompt) / "virtual_tokens.safetensors"))["prompt_table"]
+        pt.table = table.to(device=rt.device, dtype=torch.float32)
+        return pt.cfg.virtual_tokens, conf, pt
+    return 0, None, None
+
+
+def evaluate(a: argparse.Namespace) -> dict:
+    from snakellm.finetune import dataset as ds
+    from snakellm.finetune import runtime
+    from snakellm.finetune.generate import greedy
+    from snakellm.finetune.metrics import exact_string_match, squad_scores
+
+    rt = runtime.start(a.device, a.tp, a.threads)
+    torch = rt.torch
+    try:
+        bf16 = (a.precision == "bf16") or (a.precision == "auto" and rt.cuda)
+        gpt, _, arch, vocab, ck, tok_info = runtime.load_base(rt, a.base, bf16=bf16, seq_length=a.max_seq_length)
+        seq = a.max_seq_length or arch["seq_length"]
+        tok = runtime.load_tokenizer(a.blend, fallback=tok_info)
+        virtual, conf, _extra = attach_artifacts(rt, gpt, arch, a.adapter, a.prompt)
+        ex_cfg = (conf or {}).get("examples") or {}
+        template = ex_cfg.get("template", a.template)
+        enc = ds.Encoder(
+            tok,
+            seq + 1,
+            template,
+            ex_cfg.get("add_bos", a.add_bos),
+            ex_cfg.get("add_eos", a.add_eos),
+            ex_cfg.get("truncation_method", a.truncation_method),
+            reserved=virtual,
+        )
+        records = ds.read_jsonl(a.test)
+        if a.limit:
+            records = records[: a.limit]
+        exs = enc.encode_all(records)
+        for e in exs:
+            e.context = [int(tok.eod_id)] * virtual + e.context
+
+        class _Gathered:
+            def __init__(self, m):
+                self.m = m
+
+            def eval(self):
+                self.m.eval()
+
+            def __call__(self, tokens, pos, mask):
+                return self.m(tokens, pos, mask, runtime_gather_output=True)
+
+        gen = greedy(
+            _Gathered(gpt),
+            [e.context for e in exs],
+            max_new_tokens=a.tokens_to_generate,
+            eos_id=tok.eod_id,
+            pad_id=tok.eod_id,
+            max_length=seq,
+            batch_size=a.batch_size,
+            device=rt.device,
+        )
+        eos = [] if not ex_cfg.get("add_eos", a.add_eos) else [tok.eod_id]
+        preds = [tok.decode(g[: a.tokens_to_generate]) for g in gen]
+        labels = [
+            tok.decode(e.answer[: len(e.answer) - len(eos)] if eos and e.answer[-1:] == eos else e.answer) for e in exs
+        ]
+        golds = [r.get("answers") or [r["output"]] for r in records]
+        # answer-only loss, teacher forced
+        tot = torch.zeros(2, dtype=torch.float64)
+        gpt.eval()
+        with torch.no_grad():
+            for k in range(0, len(exs), a.batch_size):
+                b = ds.collate(exs[k : k + a.batch_size], tok.eod_id, True)
+                b = {kk: v.to(rt.device) for kk, v in b.items()}
+                per_tok = gpt(b["tokens"], b["position_ids"], None, labels=b["labels"])
+                m = b["loss_mask"]
+                tot += torch.tensor([float((per_tok.float() * m).sum()), float(m.sum())], dtype=torch.float64)
+        metrics = {
+            "model": a.label or ("lora" if a.adapter else "ptuning" if a.prompt else "base"),
+            "checkpoint": str(ck),
+            "adapter": a.adapter,
+            "prompt": a.prompt,
+            "examples": len(exs),
+            "exact_string_match": exact_string_match(preds, labels),
+            **squad_scores(preds, golds),
+            "answer_only_loss": float(tot[0] / tot[1].clamp(min=1)),
+            "tokens_to_generate": a.tokens_to_generate,
+            "context_truncated": enc.stats.context_truncated,
+        }
+        if rt.rank == 0:
+            out = Path(a.out_dir)
+            with atomic_group(out / "predictions.jsonl", out / "metrics.json") as (p_tmp, m_tmp):
+                p_tmp.write_text(
+                    "".join(
+                        json.dumps({"input": r["input"], "pred": p, "label": lab, "answers": g}, ensure_ascii=False)
+                        + "\n"
+                        for r, p, lab, g in zip(records, preds, labels, golds, strict=False)
+                    ),
+                    encoding="utf-8",
+                )
+                m_tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        return metrics
+    finally:
+        runtime.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from snakellm.finetune.dataset import SFTFormatError
+    from snakellm.finetune.runtime import BaseModelError
+
+    a = build_parser().parse_args(argv)
+    try:
+        m = evaluate(a)
+    except (SFTFormatError, BaseModelError, FileNotFoundError) as e:
+        print(f"snakellm evaluate: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"snakellm evaluate: {m['model']}: exact_string_match {m['exact_string_match']:.4f}, SQuAD EM "
+        f"{m['squad_exact_match']:.4f} F1 {m['squad_f1']:.4f}, answer-only loss {m['answer_only_loss']:.4f} "
+        f"({m['examples']} examples)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""``snakellm prepare-sft``: SQuAD json or any jsonl -> ``{input, output}`` jsonl splits.
+
+The shape NeMo's SFT datasets read (``GPTSFTDataset``: one JSON object per line,
+``prompt_template: "{input} {output}"``, ``label_key: output``). From a SQuAD
+file every answerable question becomes one record: the rendered prompt as
+``input``, the first answer as ``output`` (what the model is trained on and
+what NeMo's ``exact_string_match`` compares against) and every gold answer in
+``answers`` (what SQuAD's EM/F1 score against). Unanswerable (SQuAD 2.0
+``is_impossible``) questions are skipped and counted.
+
+Bad records are never dropped silently: each goes to ``rejected.jsonl`` with
+its place (``file:line`` or ``article/paragraph/question``) and reason, and
+``stats.json`` counts them by reason. The split is a seeded shuffle, so the
+same input and seed always give the same files (byte for byte).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from snakellm.io.atomic import atomic_group
+
+SPLITS = ("train", "validation", "test")
+DEFAULT_SQUAD_TEMPLATE = "Context: {context} Question: {question} Answer:"
+
+
+class SFTDataError(ValueError):
+    """Input that cannot be read at all (not a quarantinable record), phrased with the file."""
+
+
+class _Format(dict):
+    """str.format_map mapping that reports unknown fields by name."""
+
+    def __missing__(self, key: str) -> str:
+        raise KeyError(key)
+
+
+def _nonempty_str(v: Any) -> bool:
+    return isinstance(v, str) and bool(v.strip())
+
+
+def squad_records(path: str, template: str) -> Iterator[tuple[str, dict | None, str | None, Any]]:
+    """(place, record or None, reject reason or None, raw) for every question of a SQuAD json."""
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SFTDataError(f"{path}: not a readable SQuAD JSON file: {e}") from None
+    data = obj.get("data") if isinstance(obj, dict) else None
+    if not isinstance(data, list):
+        raise SFTDataError(f"{path}: a SQuAD file needs a top-level 'data' list of articles")
+    for ai, art in enumerate(data):
+        paras = art.get("paragraphs") if isinstance(art, dict) else None
+        if not isinstance(paras, list):
+            yield f"{path}:data[{ai}]", None, "article without a paragraphs list", art
+            continue
+        for pi, para in enumerate(paras):
+            where = f"{path}:data[{ai}].paragraphs[{pi}]"
+            context = para.get("context") if isinstance(para, dict) else None
+            qas = para.get("qas") if isinstance(para, dict) else None
+            if not _nonempty_str(context) or not isinstance(qas, list):
+                yield where, None, "paragraph without a context string or a qas list", para
+                continue
+            for qi, qa in enumerate(qas):
+                place = f"{where}.qas[{qi}]"
+                if not isinstance(qa, dict):
+                    yield place, None, "question is not an object", qa
+                    continue
+                if qa.get("is_impossible") is True:
+                    yield place, None, "unanswerable", None
+                    continue
+                question, answers = qa.get("question"), qa.get("answers")
+                if not _nonempty_str(question):
+                    yield place, None, "missing or non-string question", qa
+                    continue
+                if not isinstance(answers, list) or not answers:
+                    yield place, None, "no answers", qa
+                    continue
+                texts = [a.get("text") if isinstance(a, dict) else None for a in answers]
+                if not all(_nonempty_str(t) for t in texts):
+                    yield place, None, "empty or non-string answer text", qa
+                    continue
+                try:
+                    prompt = template.format_map(
+                        _Format(context=context, question=question, title=art.get("title", ""))
+                    )
+                except KeyError as e:
+                    raise SFTDataError(
+                        f"prompt template {template!r}: unknown field {e} (fields: context, question, title)"
+                    ) from None
+                rec = {"input": prompt, "output": texts[0], "answers": texts}
+                if isinstance(qa.get("id"), str):
+                    rec["id"] = qa["id"]
+                yield place, rec, None, None
+
+
+def jsonl_records(
+    path: str, input_key: str, output_key: str, template: str | None
+) -> Iterator[tuple[str, dict | None, str | None, Any]]:
+    """Records of a jsonl file with configurable keys; ``output`` may be a string or a list of gold answers."""
+    try:
+        fh = open(path, "rb")
+    except OSError as e:
+        raise SFTDataError(f"{path}: cannot open: {e}") from None
+    with fh:
+        for n, raw in enumerate(fh, 1):
+            place = f"{path}:{n}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield place, None, "not valid UTF-8", raw.decode("utf-8", "replace")
+                continue
+            if not text.strip():
+                yield place, None, "blank line", text
+                continue
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                yield place, None, "not valid JSON", text.rstrip("\n")
+                continue
+            if not isinstance(obj, dict):
+                yield place, None, "not a JSON object", obj
+                continue
+            if input_key not in obj or output_key not in obj:
+                missing = [k for k in (input_key, output_key) if k not in obj]
+                yield place, None, f"missing key {', '.join(missing)}", obj
+                continue
+            inp, out = obj[input_key], obj[output_key]
+            answers = out if isinstance(out, list) else [out]
+            if not _nonempty_str(inp):
+                yield place, None, f"empty or non-string {input_key}", obj
+                continue
+            if not answers or not all(_nonempty_str(a) for a in answers):
+                yield place, None, f"empty or non-string {output_key}", obj
+                continue
+            if template:
+                fields = {k: v for k, v in obj.items() if isinstance(v, str)}
+                try:
+                    inp = template.format_map(_Format(fields))
+                except KeyError as e:
+                    raise SFTDataError(
+                        f"{place}: prompt template {template!r} names field {e}, not in the record"
+                    ) from None
+            rec = {"input": inp, "output": answers[0], "answers": answers}
+            yield place, rec, None, None
+
+
+def split_counts(n: int, split: list[float]) -> list[int]:
+    """Records per split from shares (any positive numbers; normalised), rounding down, rest to train."""
+    total = sum(split)
+    counts = [int(n * s / total) for s in split]
+    counts[0] += n - sum(counts)
+    return counts
+
+
+def parse_split(text: str) -> list[float]:
+    parts = [p for p in str(text).replace("/", ",").split(",") if p.strip()]
+    try:
+        vals = [float(p) for p in parts]
+    except ValueError:
+        raise SFTDataError(f"split {text!r}: expected three numbers, e.g. 80,10,10") from None
+    if len(vals) != 3 or any(v < 0 for v in vals) or vals[0] <= 0:
+        raise SFTDataError(f"split {text!r}: expected train,validation,test shares (train > 0), e.g. 80,10,10")
+    return vals
+
+
+def prepare(
+    source: str,
+    out_dir: str,
+    *,
+    fmt: str = "squad",
+    template: str | None = None,
+    input_key: str = "input",
+    output_key: str = "output",
+    split: str = "80,10,10",
+    seed: int = 1234,
+    limit: int | None = None,
+) -> dict:
+    """Write ``{train,validation,test}.jsonl``, ``rejected.jsonl`` and ``stats.json`` under ``out_dir``."""
+    if fmt == "squad":
+        it = squad_records(source, template or DEFAULT_SQUAD_TEMPLATE)
+    elif fmt == "jsonl":
+        it = jsonl_records(source, input_key, output_key, template)
+    else:
+        raise SFTDataError(f"unknown format {fmt!r} (squad, jsonl)")
+    shares = parse_split(split)
+    good: list[dict] = []
+    rejected: list[dict] = []
+    reasons: Counter[str] = Counter()
+    skipped: Counter[str] = Counter()
+    seen = 0
+    for place, rec, reason, raw in it:
+        seen += 1
+        if rec is not None:
+            good.append(rec)
+        elif reason == "unanswerable":
+            skipped[reason] += 1
+        else:
+            reasons[str(reason)] += 1
+            rejected.append({"where": place, "reason": reason, "content": raw})
+    if not good:
+        raise SFTDataError(f"{source}: no usable records ({seen} seen: {dict(reasons) or dict(skipped)})")
+    order = list(range(len(good)))
+    random.Random(seed).shuffle(order)
+    if limit is not None:
+        order = order[:limit]
+    counts = split_counts(len(order), shares)
+    splits: dict[str, list[dict]] = {}
+    start = 0
+    for name, c in zip(SPLITS, counts, strict=False):
+        splits[name] = [good[i] for i in order[start : start + c]]
+        start += c
+    stats = {
+        "source": source,
+        "format": fmt,
+        "records": seen,
+        "accepted": len(good),
+        "used": len(order),
+        "skipped": dict(skipped),
+        "rejected": sum(reasons.values()),
+        "rejected_by_reason": dict(sorted(reasons.items())),
+        "splits": {k: len(v) for k, v in splits.items()},
+        "seed": seed,
+        "split": shares,
+    }
+    if seen != len(good) + sum(reasons.values()) + sum(skipped.values()):
+        raise RuntimeError("record accounting mismatch")  # pragma: no cover (a bug, never bad input)
+    out = Path(out_dir)
+    names = [out / f"{s}.jsonl" for s in SPLITS] + [out / "rejected.jsonl", out / "stats.json"]
+    with atomic_group(*names) as tmps:
+        for s, tmp in zip(SPLITS, tmps, strict=False):
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in splits[s]), encoding="utf-8")
+        tmps[3].write_text(
+            "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rejected), encoding="utf-8"
+        )
+        tmps[4].write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="snakellm prepare-sft",
+        description="SQuAD json (or jsonl with configurable keys) -> {input, output} jsonl train/validation/test "
+        "splits for fine-tuning, plus rejected.jsonl and stats.json (bad records quarantined with a count).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("source", help="a SQuAD-format .json or a .jsonl file")
+    p.add_argument(
+        "out_dir", help="directory for train.jsonl, validation.jsonl, test.jsonl, rejected.jsonl, stats.json"
+    )
+    p.add_argument("--format", dest="fmt", default="squad", choices=("squad", "jsonl"))
+    p.add_argument(
+        "--template",
+        default=None,
+        help=f"prompt template; squad fields: context, question, title (default {DEFAULT_SQUAD_TEMPLATE!r}); "
+        "jsonl: any string field of the record (default: the input key's value as is)",
+    )
+    p.add_argument("--input-key", default="input", help="jsonl: key of the prompt")
+    p.add_argument(
+        "--output-key", default="output", help="jsonl: key of the answer (a string or a list of gold answers)"
+    )
+    p.add_argument("--split", default="80,10,10", help="train,validation,test shares")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the shuffle before splitting")
+    p.add_argument("--limit", type=int, default=None, help="use only this many records (after the shuffle)")
+    a = p.parse_args(argv)
+    try:
+        stats = prepare(
+            a.source,
+            a.out_dir,
+            fmt=a.fmt,
+            template=a.template,
+            input_key=a.input_key,
+            output_key=a.output_key,
+            split=a.split,
+            seed=a.seed,
+            limit=a.limit,
+        )
+    except SFTDataError as e:
+        print(f"snakellm prepare-sft: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"snakellm prepare-sft: {stats['accepted']} records ({stats['splits']}), {stats['rejected']} rejected, "
+        f"{sum(stats['skipped'].values())} skipped (unanswerable)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

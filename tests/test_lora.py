@@ -1,0 +1,124 @@
+"""LoRA on megatron-core linears: zero-start, merge, and Hugging Face PEFT logits (CPU, random tiny models)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from snakellm.finetune import runtime  # noqa: E402
+from snakellm.models import architecture as models  # noqa: E402
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def rt():
+    r = runtime.start("cpu", 1, threads=1, seed=3)
+    yield r
+    runtime.stop()
+
+
+def _model(style: str, seed: int = 3):
+    from megatron.core import tensor_parallel
+
+    arch = models.resolve("tiny" if style == "gpt2" else "tiny-llama", {"seq_length": 32})
+    torch.manual_seed(seed)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    from snakellm.models.build import build_model
+
+    gpt, _ = build_model(arch, VOCAB, fused_loss="eager")
+    return gpt.eval(), arch
+
+
+def _logits(gpt, tokens):
+    pos = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return gpt(tokens, pos, None).float()
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -> None:
+    from hf_reference import to_hf
+    from peft import PeftModel
+    from safetensors.torch import save_file
+
+    from snakellm.finetune.lora import TARGETS, LoRAAdapters, LoRAConfig, full_tensors, load_full_tensors, merge
+    from snakellm.finetune.peft_export import write_peft
+
+    gpt, arch = _model(style)
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    base = _logits(gpt, tokens)
+    hf = to_hf(gpt, arch, VOCAB)
+    with torch.no_grad():
+        assert torch.allclose(hf(tokens).logits.float(), base, atol=2e-5), "reference conversion"
+    base_weights = {k: v.clone() for k, v in gpt.state_dict().items() if torch.is_tensor(v)}
+
+    cfg = LoRAConfig(rank=4, alpha=8.0, targets=TARGETS, layers=None, seed=11)
+    ad = LoRAAdapters(gpt, cfg)
+    assert len(list(ad.named_adapters())) == 4 * arch["num_layers"]
+    assert torch.equal(_logits(gpt, tokens), base)  # B starts at zero (NeMo's row_init: zero)
+    a_std = torch.cat([m.a.flatten() for _, m in ad.named_adapters()]).std().item()
+    assert 0.05 < a_std < 0.3  # xavier-normal A
+    with torch.no_grad():  # a trained-looking adapter
+        g = torch.Generator().manual_seed(5)
+        for _, m in ad.named_adapters():
+            m.b.copy_(torch.randn(m.b.shape, generator=g) * 0.05)
+    tuned = _logits(gpt, tokens)
+    assert (tuned - base).abs().max() > 1e-2
+
+    # the adapter as an artifact, alone: reload into a fresh copy of the base
+    tensors = full_tensors(ad)
+    adir = tmp_path / "adapter"
+    adir.mkdir()
+    save_file(tensors, str(adir / "adapter.safetensors"))
+    (adir / "adapter_config.json").write_text(json.dumps({"lora": cfg.as_dict(), "model": arch, "padded_vocab": VOCAB}))
+    gpt2_, _ = _model(style)
+    ad2 = LoRAAdapters(gpt2_, cfg)
+    load_full_tensors(ad2, tensors)
+    assert torch.equal(_logits(gpt2_, tokens), tuned)
+
+    # PEFT format onto the Hugging Face base: the same logits
+    write_peft(adir, tmp_path / "peft")
+    conf = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert conf["peft_type"] == "LORA" and conf["r"] == 4 and conf["lora_alpha"] == 8.0
+    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        peft_logits = peft_model(tokens).logits.float()
+    assert torch.allclose(peft_logits, tuned, atol=2e-5), (peft_logits - tuned).abs().max()
+
+    # merged into the base: the same logits, adapters gone, only adapted weights changed
+    merge(gpt, ad)
+    assert torch.allclose(_logits(gpt, tokens), tuned, atol=2e-5)
+    changed = {k for k, v in gpt.state_dict().items() if torch.is_tensor(v) and not torch.equal(v, base_weights[k])}
+    assert changed == {
+        f"decoder.layers.{i}.{s}.{t}.weight"
+        for i in range(arch["num_layers"])
+        for s, t in (
+            ("self_attention", "linear_qkv"),
+            ("self_attention", "linear_proj"),
+            ("mlp", "linear_fc1"),
+            ("mlp", "linear_fc2"),
+        )
+    }
+
+
+def test_lora_options_checked_and_layer_selection(rt) -> None:
+    from snakellm.finetune.lora import LoRAAdapters, LoRAConfig
+
+    with pytest.raises(ValueError, match="targets"):
+        LoRAConfig(targets=("linear_q",))
+    with pytest.raises(ValueError, match="column_init"):
+        LoRAConfig(column_init="orthogonal")
+    gpt, arch = _model("gpt2")
+    ad = LoRAAdapters(gpt, LoRAConfig(rank=2, targets=("linear_qkv", "linear_fc2"), layers=(2,)))
+    assert sorted(n for n, _ in ad.named_adapters()) == [
+        "decoder.layers.1.mlp.linear_fc2",
+        "decoder.layers.1.self_attention.linear_qkv",
+    ]
+    ad.remove()
+    with pytest.raises(ValueError, match="layers 1..2"):
+        LoRAAdapters(gpt, LoRAConfig(layers=(3,)))
