@@ -79,11 +79,19 @@ def job_counts(out: str) -> dict[str, int]:
 def bench_config(source: dict) -> str:
     """One source plus the GPT-2 tokenizer: the whole data graph (download/chunk/tokenize/blend)."""
     tok = REPO / "resources" / "tokenizers" / "gpt2"
-    return yaml.safe_dump({
-        "sources": {"sp": source},
-        "tokenizers": {"gpt2": {"kind": "gpt2-bpe", "vocab_file": str(tok / "vocab.json"),
-                                "merges_file": str(tok / "merges.txt"), "vocab_size": 50257}},
-    })
+    return yaml.safe_dump(
+        {
+            "sources": {"sp": source},
+            "tokenizers": {
+                "gpt2": {
+                    "kind": "gpt2-bpe",
+                    "vocab_file": str(tok / "vocab.json"),
+                    "merges_file": str(tok / "merges.txt"),
+                    "vocab_size": 50257,
+                }
+            },
+        }
+    )
 
 
 def make_local_shards(root: Path, n: int) -> None:
@@ -99,7 +107,9 @@ def make_local_shards(root: Path, n: int) -> None:
 def line(name: str, seconds: float, mb: float, ref: str) -> None:
     verdict = "OK " if seconds < BAR_S else "SLOW"
     cpu = CPU.get("last", 0.0)
-    print(f"  {verdict} {name:<34} {seconds:6.1f} s ({cpu:5.1f} s CPU)  {mb:7.0f} MB peak   (bar < {BAR_S:.0f} s; {ref})")
+    print(
+        f"  {verdict} {name:<34} {seconds:6.1f} s ({cpu:5.1f} s CPU)  {mb:7.0f} MB peak   (bar < {BAR_S:.0f} s; {ref})"
+    )
 
 
 def main() -> None:
@@ -119,8 +129,9 @@ def main() -> None:
         http = base / "http"
         http.mkdir(exist_ok=True)
         url = f"http://127.0.0.1:9/chunk{{1..{n_dirs}}}/example_train_{{0..{per_dir - 1}}}.jsonl.zst"
-        (http / "config.yaml").write_text(bench_config(
-            {"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": a.per_chunk}))
+        (http / "config.yaml").write_text(
+            bench_config({"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": a.per_chunk})
+        )
         s, mb, out = snakemake(http, "-n")
         print(f"http source  jobs: {job_counts(out)}")
         line("http: snakemake -n", s, mb, "per-shard reference 86 s / 1.7 GB")
@@ -130,9 +141,16 @@ def main() -> None:
         t = time.perf_counter()
         make_local_shards(local / "shards", a.shards)
         print(f"local source: wrote {a.shards} shard files in {time.perf_counter() - t:.1f} s")
-        (local / "config.yaml").write_text(bench_config({
-            "kind": "local", "path": "shards/chunk*/example_train_*.jsonl.zst", "format": "jsonl.zst",
-            "shards_per_chunk": a.per_chunk}))
+        (local / "config.yaml").write_text(
+            bench_config(
+                {
+                    "kind": "local",
+                    "path": "shards/chunk*/example_train_*.jsonl.zst",
+                    "format": "jsonl.zst",
+                    "shards_per_chunk": a.per_chunk,
+                }
+            )
+        )
         s, mb, out = snakemake(local, "-n")
         print(f"local source jobs: {job_counts(out)}")
         line("local: snakemake -n", s, mb, "per-chunk prototype 16.6 s")
@@ -149,7 +167,8 @@ def main() -> None:
                 f'SH = glob_wildcards("{local}/shards/{{d}}/example_train_{{i}}.jsonl.zst")\n'
                 "rule all:\n    input: expand('out/{d}/{i}.jsonl', zip, d=SH.d, i=SH.i)\n"
                 f"rule one:\n    input: '{local}/shards/{{d}}/example_train_{{i}}.jsonl.zst'\n"
-                "    output: 'out/{d}/{i}.jsonl'\n    shell: 'zstd -dc {input} > {output}'\n")
+                "    output: 'out/{d}/{i}.jsonl'\n    shell: 'zstd -dc {input} > {output}'\n"
+            )
             s, mb, out = snakemake(naive, "-n", snakefile=naive / "Snakefile")
             line("naive one-job-per-shard: -n", s, mb, "the thing to beat")
     finally:

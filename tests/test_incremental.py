@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import zstandard
-
 from conftest import small_config
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ import shutil
 
 import pytest
 import zstandard
-
 from conftest import REPO
 from httpserver import ShardServer
+
 from snakellm.data.planning import url_to_relpath
 
 pytestmark = pytest.mark.slow
@@ -116,7 +116,10 @@ def test_http_source_downloads_chunks_and_a_rerun_fetches_nothing(ws, srv):
     assert srv.seen() == [], "re-planning chunks downloaded shards again"
     mans = [json.loads(ws.path(f"data/raw/web/chunk-0000{i}.manifest.json").read_text()) for i in range(4)]
     assert [len(m["shards"]) for m in mans] == [4, 4, 4, 4]
-    assert sum(json.loads(ws.path(f"data/jsonl/web/chunk-0000{i}.stats.json").read_text())["documents"] for i in range(4)) == 62
+    assert (
+        sum(json.loads(ws.path(f"data/jsonl/web/chunk-0000{i}.stats.json").read_text())["documents"] for i in range(4))
+        == 62
+    )
 
 
 def test_failed_shard_fails_its_job_naming_the_url_and_the_retry_fetches_only_it(ws, srv):

@@ -187,8 +187,13 @@ def _process_shard(
 
     def reject(lineno: int, reason: str, raw: bytes, **extra: object) -> None:
         reasons[reason] += 1
-        rec = {"shard": shard, "line": lineno, "reason": reason, **extra,
-               "content": raw.decode("utf-8", "backslashreplace")}
+        rec = {
+            "shard": shard,
+            "line": lineno,
+            "reason": reason,
+            **extra,
+            "content": raw.decode("utf-8", "backslashreplace"),
+        }
         fr.write(dumps(rec) + b"\n")
 
     if fmt.startswith("jsonl"):
@@ -259,8 +264,17 @@ def _process_shard(
             fo.write(rec)
             bytes_out += len(rec)
             docs += 1
-    res = {"shard": shard, "compression": comp, "lines": lines, "documents": docs, "bytes_in": bytes_in,
-           "bytes_out": bytes_out, "reasons": dict(reasons), "skipped": dict(skipped), **counts}
+    res = {
+        "shard": shard,
+        "compression": comp,
+        "lines": lines,
+        "documents": docs,
+        "bytes_in": bytes_in,
+        "bytes_out": bytes_out,
+        "reasons": dict(reasons),
+        "skipped": dict(skipped),
+        **counts,
+    }
     if expected is not None:
         res["sha256"] = expected.sha256  # checked above
     return res
@@ -317,9 +331,13 @@ def build_chunk(
     workers = max(1, min(workers, len(shards)))
 
     with atomic_group(out_p, rej_p, stats_p) as (tmp_out, tmp_rej, tmp_stats):
-        with open(tmp_out, "wb", buffering=1 << 22) as fo, open(tmp_rej, "wb") as fr, progress(
-            total=total_size, unit="B", unit_scale=True, desc=f"chunk {source}/{chunk}", enabled=show_progress
-        ) as bar:
+        with (
+            open(tmp_out, "wb", buffering=1 << 22) as fo,
+            open(tmp_rej, "wb") as fr,
+            progress(
+                total=total_size, unit="B", unit_scale=True, desc=f"chunk {source}/{chunk}", enabled=show_progress
+            ) as bar,
+        ):
             if workers == 1:
                 for shard in shards:
                     per_shard.append(_process_shard(shard, fmt, key, fo, fr, expected.get(shard)))
@@ -355,8 +373,11 @@ def build_chunk(
         declared = {s: compression_of(s, fmt) for s in shards}
         mismatched = [r["shard"] for r in per_shard if r["compression"] != declared[r["shard"]]]
         for s in mismatched[:10]:
-            print(f"snakellm chunk: note: {s} is {next(r['compression'] for r in per_shard if r['shard'] == s)}, "
-                  f"not {declared[s]} as format {fmt} and its name say; read as what it is", file=sys.stderr)
+            print(
+                f"snakellm chunk: note: {s} is {next(r['compression'] for r in per_shard if r['shard'] == s)}, "
+                f"not {declared[s]} as format {fmt} and its name say; read as what it is",
+                file=sys.stderr,
+            )
         lines_read = sum(r["lines"] for r in per_shard)
         docs = sum(r["documents"] for r in per_shard)
         bytes_in = sum(r.pop("bytes_in") for r in per_shard)
@@ -430,12 +451,23 @@ def main(argv: list[str] | None = None) -> int:
         "or MediaWiki XML dumps) into one validated jsonl file, quarantining bad lines with their shard, line number "
         "and reason. A truncated or corrupt shard fails the job naming the shard.",
     )
-    p.add_argument("shards", nargs="*", help="shard files in chunk order (a *.manifest.json stands for the shards it lists)")
-    p.add_argument("--manifest", action="append", default=[],
-                   help="download manifest(s) listing the shards; each shard is checked against the size and sha256 "
-                   "recorded there before it is read (a damaged one is removed, so the next run downloads it again)")
-    p.add_argument("--shard-list", action="append", default=[], metavar="FILE",
-                   help="file(s) listing shard paths, one per line (for lists too long for a command line)")
+    p.add_argument(
+        "shards", nargs="*", help="shard files in chunk order (a *.manifest.json stands for the shards it lists)"
+    )
+    p.add_argument(
+        "--manifest",
+        action="append",
+        default=[],
+        help="download manifest(s) listing the shards; each shard is checked against the size and sha256 "
+        "recorded there before it is read (a damaged one is removed, so the next run downloads it again)",
+    )
+    p.add_argument(
+        "--shard-list",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="file(s) listing shard paths, one per line (for lists too long for a command line)",
+    )
     p.add_argument("-o", "--output", required=True, help="the chunk's .jsonl")
     p.add_argument("--rejected", help="default: {output stem}.rejected.jsonl")
     p.add_argument("--stats", help="default: {output stem}.stats.json")
@@ -470,8 +502,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no shards given (positional files, --shard-list or --manifest)")
     try:
         st = build_chunk(
-            shards, a.output, fmt=a.format, key=a.key, rejected=a.rejected, stats=a.stats,
-            source=a.source, chunk=a.chunk, workers=a.threads, show_progress=not a.no_progress, expected=expected,
+            shards,
+            a.output,
+            fmt=a.format,
+            key=a.key,
+            rejected=a.rejected,
+            stats=a.stats,
+            source=a.source,
+            chunk=a.chunk,
+            workers=a.threads,
+            show_progress=not a.no_progress,
+            expected=expected,
         )
     except (FileNotFoundError, ValueError, VerificationError, ManifestMismatchError) as e:
         print(f"snakellm chunk: error: {e}", file=sys.stderr)

@@ -34,11 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schema", default=str(SCHEMA), help=argparse.SUPPRESS)
     p.add_argument("--source", action="append", help="only these sources")
     p.add_argument("--json", action="store_true", help="print {source: {chunk: [shards]}} as JSON")
-    p.add_argument("--nodes", type=int, default=int(os.environ.get("SNAKELLM_TRAIN_NODES") or 1),
-                   help="nodes of a training job (default: $SNAKELLM_TRAIN_NODES, else 1)")
-    p.add_argument("--gpus-per-node", type=int, default=int(os.environ.get("SNAKELLM_TRAIN_GPUS_PER_NODE") or 1),
-                   help="ranks (GPUs) per node (default: $SNAKELLM_TRAIN_GPUS_PER_NODE, else 1)")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the fits/does-not-fit line")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=int(os.environ.get("SNAKELLM_TRAIN_NODES") or 1),
+        help="nodes of a training job (default: $SNAKELLM_TRAIN_NODES, else 1)",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=int(os.environ.get("SNAKELLM_TRAIN_GPUS_PER_NODE") or 1),
+        help="ranks (GPUs) per node (default: $SNAKELLM_TRAIN_GPUS_PER_NODE, else 1)",
+    )
+    p.add_argument(
+        "--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the fits/does-not-fit line"
+    )
     p.add_argument("--run", action="append", help="only these runs")
     a = p.parse_args(argv)
     try:
@@ -46,11 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     except (cfgmod.ConfigError, OSError) as e:
         print(f"snakellm plan: {a.config}: {e}", file=sys.stderr)
         return 1
-    plans = {
-        name: plan.plan_source(spec)
-        for name, spec in cfg["sources"].items()
-        if not a.source or name in a.source
-    }
+    plans = {name: plan.plan_source(spec) for name, spec in cfg["sources"].items() if not a.source or name in a.source}
     if a.json:
         json.dump(plans, sys.stdout, indent=1)
         print()
@@ -79,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-def run_plan(name: str, run: dict[str, Any], cfg: dict[str, Any], nodes: int, per_node: int,
-             gpu_gib: float) -> list[str]:
+def run_plan(
+    name: str, run: dict[str, Any], cfg: dict[str, Any], nodes: int, per_node: int, gpu_gib: float
+) -> list[str]:
     """Model, parallel layout, batch check and memory per GPU of one run (torch-free)."""
     from snakellm import models as arch_mod
     from snakellm.models import memory
@@ -96,25 +103,49 @@ def run_plan(name: str, run: dict[str, Any], cfg: dict[str, Any], nodes: int, pe
     dp = world // (tp * pp)
     gbs, mbs = int(train["global_batch_size"]), int(train["micro_batch_size"])
     if gbs % (mbs * dp):
-        raise ValueError(f"global batch size {gbs} is not divisible by micro batch size {mbs} x data-parallel size "
-                         f"{dp} (= {mbs * dp}; {nodes} nodes x {per_node} GPUs / (tp {tp} x pp {pp})): choose a "
-                         f"multiple of {mbs * dp}")
+        raise ValueError(
+            f"global batch size {gbs} is not divisible by micro batch size {mbs} x data-parallel size "
+            f"{dp} (= {mbs * dp}; {nodes} nodes x {per_node} GPUs / (tp {tp} x pp {pp})): choose a "
+            f"multiple of {mbs * dp}"
+        )
     tok = (cfg.get("tokenizers") or {}).get(run.get("tokenizer"), {})
-    out = [f"run {name}: {world} ranks = {nodes} nodes x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "
-           f"micro batch {mbs} x dp {dp} x {gbs // (mbs * dp)} accumulation steps"]
+    out = [
+        f"run {name}: {world} ranks = {nodes} nodes x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "
+        f"micro batch {mbs} x dp {dp} x {gbs // (mbs * dp)} accumulation steps"
+    ]
     if not tok.get("vocab_size"):
         return out + [f"  memory: tokenizer {run.get('tokenizer')!r} names no vocab_size; not estimated"]
     vocab = arch_mod.padded_vocab_size(int(tok["vocab_size"]), arch, tp)
     out.append(f"  model: {arch_mod.describe(arch, vocab)}")
-    est = memory.estimate(arch, vocab, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, num_micro_batches=gbs // (mbs * dp),
-                          sequence_parallel=False, distributed_optimizer=False)
+    est = memory.estimate(
+        arch,
+        vocab,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch_size=mbs,
+        num_micro_batches=gbs // (mbs * dp),
+        sequence_parallel=False,
+        distributed_optimizer=False,
+    )
     out += ["  " + line for line in est.lines(gpu_gib)]
     if tp > 1 or dp > 1:
-        alt = memory.estimate(arch, vocab, tp=tp, pp=pp, dp=dp, micro_batch_size=mbs,
-                              num_micro_batches=gbs // (mbs * dp), sequence_parallel=tp > 1, distributed_optimizer=True)
-        out.append(f"  (megatron-core's sequence parallelism + distributed optimizer would make it "
-                   f"{alt.total / memory.GiB:.2f} GiB: optimizer {alt.optimizer / memory.GiB:.2f} GiB, activations "
-                   f"{alt.activations / memory.GiB:.2f} GiB)")
+        alt = memory.estimate(
+            arch,
+            vocab,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            micro_batch_size=mbs,
+            num_micro_batches=gbs // (mbs * dp),
+            sequence_parallel=tp > 1,
+            distributed_optimizer=True,
+        )
+        out.append(
+            f"  (megatron-core's sequence parallelism + distributed optimizer would make it "
+            f"{alt.total / memory.GiB:.2f} GiB: optimizer {alt.optimizer / memory.GiB:.2f} GiB, activations "
+            f"{alt.activations / memory.GiB:.2f} GiB)"
+        )
     return out
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,9 @@ def detect(env: Mapping[str, str] | None = None) -> DistEnv:
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
         local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
         # SLURM_TASKS_PER_NODE looks like "4(x2)" or "4,3"; the step's own count is simpler
-        local_world = _int(env, "SLURM_STEP_TASKS_PER_NODE") if env.get("SLURM_STEP_TASKS_PER_NODE", "").isdigit() else 0
+        local_world = (
+            _int(env, "SLURM_STEP_TASKS_PER_NODE") if env.get("SLURM_STEP_TASKS_PER_NODE", "").isdigit() else 0
+        )
         if not local_world:
             m = re.match(r"(\d+)", env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
             local_world = int(m.group(1)) if m else 1

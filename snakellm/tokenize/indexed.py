@@ -151,7 +151,7 @@ class IndexedWriter:
             if not f.closed:
                 f.close()
 
-    def __enter__(self) -> "IndexedWriter":
+    def __enter__(self) -> IndexedWriter:
         return self
 
     def __exit__(self, *exc) -> None:
