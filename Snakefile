@@ -24,6 +24,6 @@ include: "rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         get_all_targets(),
-    default_target: True

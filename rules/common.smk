@@ -12,9 +12,10 @@ from snakellm.config import resolve as resolvemod
 from snakellm.config import validate as cfgmod
 from snakellm.data import planning as planmod
 
-
 try:
-    cfgmod.validate(config, cfgmod.load_schema(workflow.source_path("../config/schema.yaml")))
+    cfgmod.validate(
+        config, cfgmod.load_schema(workflow.source_path("../config/schema.yaml"))
+    )
 except cfgmod.ConfigError as e:
     raise WorkflowError(f"invalid config: {e}") from None
 
@@ -28,7 +29,9 @@ def _plan_all():
         chunks = planmod.plan_source(spec)
         if not chunks:
             where = spec.get("path") or spec.get("url") or spec.get("urls")
-            raise WorkflowError(f"invalid config: config key sources.{name}: no shards found for {where!r}")
+            raise WorkflowError(
+                f"invalid config: config key sources.{name}: no shards found for {where!r}"
+            )
         plans[name] = chunks
     return plans
 
@@ -47,10 +50,17 @@ def _write_shard_lists():
     for name, chunks in PLAN.items():
         http = SOURCES[name]["kind"] == "http"
         for chunk, shards in chunks.items():
-            why = planmod.stale_manifest(download_manifest_path(name, chunk)) if http else None
+            why = (
+                planmod.stale_manifest(download_manifest_path(name, chunk))
+                if http
+                else None
+            )
             note = None
             if why:
-                print(f"{download_manifest_path(name, chunk)}: {why}; downloading again", file=sys.stderr)
+                print(
+                    f"{download_manifest_path(name, chunk)}: {why}; downloading again",
+                    file=sys.stderr,
+                )
                 note = f"download again ({datetime.datetime.now().isoformat(timespec='seconds')}): {why}"
             planmod.write_shard_list(shard_list_path(name, chunk), shards, note)
 
@@ -87,7 +97,9 @@ def get_chunk_input(wildcards):
     """A local chunk reads its shard list and the shards; an http chunk its download manifest."""
     if SOURCES[wildcards.source]["kind"] == "http":
         return [download_manifest_path(wildcards.source, wildcards.chunk)]
-    return [shard_list_path(wildcards.source, wildcards.chunk)] + PLAN[wildcards.source][wildcards.chunk]
+    return [shard_list_path(wildcards.source, wildcards.chunk)] + PLAN[
+        wildcards.source
+    ][wildcards.chunk]
 
 
 def get_chunk_shards_option(wildcards):
@@ -123,7 +135,9 @@ def chunk_outputs(source, chunk):
 
 
 def get_all_chunk_targets():
-    return [p for s, chunks in PLAN.items() for c in chunks for p in chunk_outputs(s, c)]
+    return [
+        p for s, chunks in PLAN.items() for c in chunks for p in chunk_outputs(s, c)
+    ]
 
 
 # ---------------------------------------------------------------- tokenize stage (rules/tokenize.smk)
@@ -131,7 +145,11 @@ def get_all_chunk_targets():
 TOKENIZERS = config["tokenizers"]  # {name: spec}
 TOKENIZE_THREADS = config["tokenize"]["threads"]
 TOKENIZE_DEFAULT = config["tokenize"].get("tokenizers", list(TOKENIZERS))
-TRAINED_TOKENIZERS = [n for n, t in TOKENIZERS.items() if t["kind"] == "sentencepiece" and "model_file" not in t]
+TRAINED_TOKENIZERS = [
+    n
+    for n, t in TOKENIZERS.items()
+    if t["kind"] == "sentencepiece" and "model_file" not in t
+]
 
 
 try:
@@ -167,7 +185,9 @@ def get_tokenizer_options(wildcards):
     if t["kind"] == "gpt2-bpe":
         opts += ["--vocab-file", files[0], "--merges-file", files[1]]
     elif t["kind"] == "huggingface":
-        opts += ["--tokenizer-file", files[0]] + (["--add-special-tokens"] if t.get("add_special_tokens") else [])
+        opts += ["--tokenizer-file", files[0]] + (
+            ["--add-special-tokens"] if t.get("add_special_tokens") else []
+        )
     else:
         opts += ["--model-file", files[0]]
     if "eod" in t:
@@ -184,7 +204,9 @@ def _train_sample(tokenizer):
     pairs = []
     for s in sample.get("sources") or list(SOURCES):
         chunks = sorted(PLAN[s])
-        pairs += [(s, f"data/jsonl/{s}/{c}.jsonl") for c in (chunks[:n] if n else chunks)]
+        pairs += [
+            (s, f"data/jsonl/{s}/{c}.jsonl") for c in (chunks[:n] if n else chunks)
+        ]
     return pairs
 
 
@@ -194,7 +216,11 @@ def get_train_tokenizer_input(wildcards):
 
 def get_train_tokenizer_keys(wildcards):
     """One --key per sampled chunk, in input order (sources may keep their text under different keys)."""
-    return shlex.join(a for s, _ in _train_sample(wildcards.tokenizer) for a in ("--key", SOURCES[s]["key"]))
+    return shlex.join(
+        a
+        for s, _ in _train_sample(wildcards.tokenizer)
+        for a in ("--key", SOURCES[s]["key"])
+    )
 
 
 def get_train_tokenizer_options(wildcards):
@@ -202,9 +228,20 @@ def get_train_tokenizer_options(wildcards):
     t = TOKENIZERS[wildcards.tokenizer]
     tr = t["train"]
     opts = [
-        "--vocab-size", str(t["vocab_size"]), "--model-type", tr["model_type"],
-        "--character-coverage", str(tr["character_coverage"]), "--max-sentence-length", str(tr["max_sentence_length"]),
-        "--max-bytes", str(tr["sample"]["max_bytes"]), "--seed", str(tr["sample"]["seed"]), "--threads", str(tr["threads"]),
+        "--vocab-size",
+        str(t["vocab_size"]),
+        "--model-type",
+        tr["model_type"],
+        "--character-coverage",
+        str(tr["character_coverage"]),
+        "--max-sentence-length",
+        str(tr["max_sentence_length"]),
+        "--max-bytes",
+        str(tr["sample"]["max_bytes"]),
+        "--seed",
+        str(tr["sample"]["seed"]),
+        "--threads",
+        str(tr["threads"]),
     ]
     opts += ["--byte-fallback"] if tr["byte_fallback"] else []
     for sym in tr["user_defined_symbols"]:
@@ -219,12 +256,19 @@ def get_train_tokenizer_threads(wildcards):
 
 
 def get_blend_stats(wildcards):
-    return [f"{tokens_prefix(wildcards.tokenizer, s, c)}.stats.json" for s, chunks in PLAN.items() for c in chunks]
+    return [
+        f"{tokens_prefix(wildcards.tokenizer, s, c)}.stats.json"
+        for s, chunks in PLAN.items()
+        for c in chunks
+    ]
 
 
 def get_blend_data(wildcards):
     return [
-        f"{tokens_prefix(wildcards.tokenizer, s, c)}{ext}" for s, chunks in PLAN.items() for c in chunks for ext in (".bin", ".idx")
+        f"{tokens_prefix(wildcards.tokenizer, s, c)}{ext}"
+        for s, chunks in PLAN.items()
+        for c in chunks
+        for ext in (".bin", ".idx")
     ]
 
 
@@ -242,7 +286,12 @@ def get_tokenize_targets():
         p
         for name in TOKENIZE_DEFAULT
         for p in [get_blend(name), f"data/tokens/{name}/blend.txt"]
-        + [f"{tokens_prefix(name, s, c)}{ext}" for s, chunks in PLAN.items() for c in chunks for ext in (".bin", ".idx", ".stats.json")]
+        + [
+            f"{tokens_prefix(name, s, c)}{ext}"
+            for s, chunks in PLAN.items()
+            for c in chunks
+            for ext in (".bin", ".idx", ".stats.json")
+        ]
     ]
 
 
@@ -287,7 +336,9 @@ def get_train_targets():
 # ---------------------------------------------------------------- fine-tuning stage (rules/finetune.smk, rules/evaluate.smk)
 
 SFT_DATA = config.get("sft_data", {})  # {task: {path, format, template, ...}}
-FINETUNES = config.get("finetune", {})  # {name: {run, data, method, lora, ptuning, examples, train, parallel, evaluate}}
+FINETUNES = config.get(
+    "finetune", {}
+)  # {name: {run, data, method, lora, ptuning, examples, train, parallel, evaluate}}
 
 
 def _check_finetunes():
@@ -325,8 +376,18 @@ def get_sft_source(wildcards):
 def get_sft_args(wildcards):
     """`snakellm prepare-sft` options of one data set: editing another reruns nothing."""
     d = SFT_DATA[wildcards.task]
-    opts = ["--format", d["format"], "--split", d["split"], "--seed", str(d["seed"]),
-            "--input-key", d["input_key"], "--output-key", d["output_key"]]
+    opts = [
+        "--format",
+        d["format"],
+        "--split",
+        d["split"],
+        "--seed",
+        str(d["seed"]),
+        "--input-key",
+        d["input_key"],
+        "--output-key",
+        d["output_key"],
+    ]
     if d.get("template") is not None:
         opts += ["--template", d["template"]]
     if d.get("limit") is not None:
@@ -337,7 +398,9 @@ def get_sft_args(wildcards):
 def _ft(wildcards):
     ft = FINETUNES[wildcards.ft]
     if ft["run"] != wildcards.run:
-        raise WorkflowError(f"finetune {wildcards.ft} is based on run {ft['run']}, not {wildcards.run}")
+        raise WorkflowError(
+            f"finetune {wildcards.ft} is based on run {ft['run']}, not {wildcards.run}"
+        )
     return ft
 
 
@@ -353,9 +416,19 @@ def get_finetune_input(wildcards):
 
 
 def _example_flags(ex):
-    flags = ["--template", ex["template"], "--truncation-method", ex["truncation_method"]]
-    flags += ["--add-bos" if ex["add_bos"] else "--no-add-bos", "--add-eos" if ex["add_eos"] else "--no-add-eos"]
-    flags += ["--answer-only-loss" if ex["answer_only_loss"] else "--no-answer-only-loss"]
+    flags = [
+        "--template",
+        ex["template"],
+        "--truncation-method",
+        ex["truncation_method"],
+    ]
+    flags += [
+        "--add-bos" if ex["add_bos"] else "--no-add-bos",
+        "--add-eos" if ex["add_eos"] else "--no-add-eos",
+    ]
+    flags += [
+        "--answer-only-loss" if ex["answer_only_loss"] else "--no-answer-only-loss"
+    ]
     if ex.get("max_seq_length") is not None:
         flags += ["--max-seq-length", str(ex["max_seq_length"])]
     return flags
@@ -368,17 +441,32 @@ def get_finetune_args(wildcards):
     flags += ["--packing" if ft["examples"]["packing"] else "--no-packing"]
     if ft["method"] == "lora":
         lo = ft["lora"]
-        flags += ["--lora-rank", str(lo["rank"]), "--lora-dropout", str(lo["dropout"]),
-                  "--lora-targets", ",".join(lo["targets"]), "--lora-column-init", lo["column_init"],
-                  "--lora-row-init", lo["row_init"]]
+        flags += [
+            "--lora-rank",
+            str(lo["rank"]),
+            "--lora-dropout",
+            str(lo["dropout"]),
+            "--lora-targets",
+            ",".join(lo["targets"]),
+            "--lora-column-init",
+            lo["column_init"],
+            "--lora-row-init",
+            lo["row_init"],
+        ]
         if lo.get("alpha") is not None:
             flags += ["--lora-alpha", str(lo["alpha"])]
         if lo.get("layers"):
             flags += ["--lora-layers", ",".join(map(str, lo["layers"]))]
     elif ft["method"] == "ptuning":
         pt = ft["ptuning"]
-        flags += ["--virtual-tokens", str(pt["virtual_tokens"]), "--prompt-encoder", pt["encoder"],
-                  "--prompt-encoder-hidden", str(pt["hidden"])]
+        flags += [
+            "--virtual-tokens",
+            str(pt["virtual_tokens"]),
+            "--prompt-encoder",
+            pt["encoder"],
+            "--prompt-encoder-hidden",
+            str(pt["hidden"]),
+        ]
     for k, v in ft["train"].items():
         flags += [f"--{k.replace('_', '-')}", str(v)]
     flags += ["--tp", str(ft["parallel"]["tp"])]
@@ -397,7 +485,9 @@ def get_evaluate_input(wildcards):
         "test": f"data/sft/{ft['data']}/test.jsonl",
     }
     if wildcards.which == "tuned":
-        inp["finetune"] = f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
+        inp["finetune"] = (
+            f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
+        )
     return inp
 
 
@@ -415,7 +505,12 @@ def get_evaluate_args(wildcards):
             flags[1] = f"{d}/model"
     flags += _example_flags(ft["examples"])
     ev = ft["evaluate"]
-    flags += ["--tokens-to-generate", str(ev["tokens_to_generate"]), "--batch-size", str(ev["batch_size"])]
+    flags += [
+        "--tokens-to-generate",
+        str(ev["tokens_to_generate"]),
+        "--batch-size",
+        str(ev["batch_size"]),
+    ]
     if ev.get("limit") is not None:
         flags += ["--limit", str(ev["limit"])]
     flags += ["--tp", str(ft["parallel"]["tp"])]
@@ -427,7 +522,11 @@ def get_finetune_targets():
     for name, ft in FINETUNES.items():
         d = f"runs/{ft['run']}"
         out += [f"{d}/finetune/{name}/finetune_summary.json"]
-        out += [f"{d}/eval/{name}/{w}/{f}" for w in ("base", "tuned") for f in ("metrics.json", "predictions.jsonl")]
+        out += [
+            f"{d}/eval/{name}/{w}/{f}"
+            for w in ("base", "tuned")
+            for f in ("metrics.json", "predictions.jsonl")
+        ]
         if ft["method"] == "lora":
             out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
     return out
@@ -439,7 +538,8 @@ def get_finetune_targets():
 def get_launch_prefix(wildcards, resources):
     """`srun ...` (Slurm profile, mpi="srun"), `torchrun ...` (tasks > 1) or "" in front of a
     training command, plus the configured container. Taking `resources` keeps it out of
-    Snakemake's params rerun trigger: changing profile or node count retrains nothing."""
+    Snakemake's params rerun trigger: changing profile or node count retrains nothing.
+    """
     from snakellm.launch.prefix import launch_prefix
 
     return launch_prefix(resources, config.get("container"))
@@ -448,7 +548,10 @@ def get_launch_prefix(wildcards, resources):
 # ---------------------------------------------------------------- export stage: .nemo (rules/export.smk)
 
 EXPORT_NEMO = config["export_nemo"]
-_NEMO_TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece")  # what NeMo packs as tokenizer artifacts
+_NEMO_TOKENIZER_KINDS = (
+    "gpt2-bpe",
+    "sentencepiece",
+)  # what NeMo packs as tokenizer artifacts
 
 
 def _check_export_nemo():
@@ -489,7 +592,9 @@ def _check_exports():
 
     for name, spec in IMPORTS.items():
         if name in RUNS:
-            raise WorkflowError(f"invalid config: config key import_hf.{name}: a run of that name exists under runs")
+            raise WorkflowError(
+                f"invalid config: config key import_hf.{name}: a run of that name exists under runs"
+            )
         if not os.path.isfile(os.path.join(spec["hf_dir"], "config.json")):
             raise WorkflowError(
                 f"invalid config: config key import_hf.{name}.hf_dir: {spec['hf_dir']!r} has no config.json "
@@ -500,7 +605,9 @@ def _check_exports():
             try:
                 hf_family(arch)
             except ExportError as e:
-                raise WorkflowError(f"invalid config: config key runs.{name}.model: Hugging Face export: {e}") from None
+                raise WorkflowError(
+                    f"invalid config: config key runs.{name}.model: Hugging Face export: {e}"
+                ) from None
 
 
 _check_exports()
@@ -509,8 +616,11 @@ _check_exports()
 def _import_files():
     """The files of each HF directory, listed once at parse time: an edited weight file reruns the import."""
     return {
-        name: sorted(os.path.join(spec["hf_dir"], f) for f in os.listdir(spec["hf_dir"])
-                     if os.path.isfile(os.path.join(spec["hf_dir"], f)))
+        name: sorted(
+            os.path.join(spec["hf_dir"], f)
+            for f in os.listdir(spec["hf_dir"])
+            if os.path.isfile(os.path.join(spec["hf_dir"], f))
+        )
         for name, spec in IMPORTS.items()
     }
 
@@ -543,17 +653,27 @@ def get_run_done(wildcards):
 
 def get_export_hf_args(wildcards):
     e = config["export_hf"]
-    return f"--max-shard-size {shlex.quote(str(e['max_shard_size']))} --dtype {e['dtype']}"
+    return (
+        f"--max-shard-size {shlex.quote(str(e['max_shard_size']))} --dtype {e['dtype']}"
+    )
 
 
 def get_generate_args(wildcards):
     """Every sampling setting and prompt, spelled out: a change reruns the samples, nothing else does."""
     g = config["generate"]
-    flags = [f"--max-new-tokens {g['max_new_tokens']}", f"--min-new-tokens {g['min_new_tokens']}", f"--seed {g['seed']}"]
+    flags = [
+        f"--max-new-tokens {g['max_new_tokens']}",
+        f"--min-new-tokens {g['min_new_tokens']}",
+        f"--seed {g['seed']}",
+    ]
     if g["greedy"]:
         flags.append("--greedy")
     else:
-        flags += [f"--temperature {g['temperature']}", f"--top-k {g['top_k']}", f"--top-p {g['top_p']}"]
+        flags += [
+            f"--temperature {g['temperature']}",
+            f"--top-k {g['top_k']}",
+            f"--top-p {g['top_p']}",
+        ]
     flags.append(f"--repetition-penalty {g['repetition_penalty']}")
     flags += [f"--end-string {shlex.quote(s)}" for s in g["end_strings"]]
     flags += [f"--prompt {shlex.quote(p)}" for p in g["prompts"]]
@@ -578,7 +698,9 @@ def get_export_nemo_blend(wildcards):
 
 
 def get_export_nemo_blend_flag(wildcards):
-    return " ".join(f"--blend {shlex.quote(b)}" for b in get_export_nemo_blend(wildcards))
+    return " ".join(
+        f"--blend {shlex.quote(b)}" for b in get_export_nemo_blend(wildcards)
+    )
 
 
 def get_hf_targets():
@@ -607,10 +729,14 @@ HTTP_SOURCES = [s for s, spec in SOURCES.items() if spec["kind"] == "http"]
 
 # Later stages add their metrics and samples to the report here, at parse time, from
 # their own rules/*.smk (see register_report_table); rule report_table renders each entry.
-REPORT_TABLES = {}  # {"{stage}/{name}": {"files", "title", "note", "category", "subcategory", "figure"}}
+REPORT_TABLES = (
+    {}
+)  # {"{stage}/{name}": {"files", "title", "note", "category", "subcategory", "figure"}}
 
 
-def register_report_table(stage, name, files, title, note="", category=None, subcategory=None, figure="table"):
+def register_report_table(
+    stage, name, files, title, note="", category=None, subcategory=None, figure="table"
+):
     """Put FILES (a metrics.json, a predictions/samples .jsonl, a .csv/.tsv; or a list of them)
     into `snakemake --report` as one HTML table: results/report/tables/{stage}/{name}.html,
     shown under CATEGORY (default: the stage, capitalised) / SUBCATEGORY (default: NAME).
@@ -659,19 +785,28 @@ def get_report_table_labels(wildcards):
 
 
 def get_report_data_stats(wildcards):
-    return [f"data/jsonl/{wildcards.source}/{c}.stats.json" for c in PLAN[wildcards.source]]
+    return [
+        f"data/jsonl/{wildcards.source}/{c}.stats.json" for c in PLAN[wildcards.source]
+    ]
 
 
 def get_report_data_rejected(wildcards):
-    return [f"data/jsonl/{wildcards.source}/{c}.rejected.jsonl" for c in PLAN[wildcards.source]]
+    return [
+        f"data/jsonl/{wildcards.source}/{c}.rejected.jsonl"
+        for c in PLAN[wildcards.source]
+    ]
 
 
 def get_report_all_stats(wildcards):
-    return [f"data/jsonl/{s}/{c}.stats.json" for s, chunks in PLAN.items() for c in chunks]
+    return [
+        f"data/jsonl/{s}/{c}.stats.json" for s, chunks in PLAN.items() for c in chunks
+    ]
 
 
 def get_report_download_manifests(wildcards):
-    return [f"data/raw/{wildcards.source}/{c}.manifest.json" for c in PLAN[wildcards.source]]
+    return [
+        f"data/raw/{wildcards.source}/{c}.manifest.json" for c in PLAN[wildcards.source]
+    ]
 
 
 def get_report_download_logs(wildcards):
@@ -684,7 +819,11 @@ def get_report_tokens_stats(wildcards):
 
 
 def get_report_tokens_idx(wildcards):
-    return [f"{tokens_prefix(wildcards.tokenizer, s, c)}.idx" for s, chunks in PLAN.items() for c in chunks]
+    return [
+        f"{tokens_prefix(wildcards.tokenizer, s, c)}.idx"
+        for s, chunks in PLAN.items()
+        for c in chunks
+    ]
 
 
 def get_report_tokens_blends(wildcards):
@@ -708,11 +847,24 @@ def get_report_tokenizer_key(wildcards):
 
 
 def get_report_tokenizer_train_stats(wildcards):
-    return [f"tokenizers/{wildcards.tokenizer}/tokenizer.stats.json"] if wildcards.tokenizer in TRAINED_TOKENIZERS else []
+    return (
+        [f"tokenizers/{wildcards.tokenizer}/tokenizer.stats.json"]
+        if wildcards.tokenizer in TRAINED_TOKENIZERS
+        else []
+    )
 
 
 def get_report_tokenizer_train_flag(wildcards):
-    return "--train-stats " + get_report_tokenizer_train_stats(wildcards)[0] if wildcards.tokenizer in TRAINED_TOKENIZERS else ""
+    return (
+        f"--train-stats {get_report_tokenizer_train_stats(wildcards)[0]}"
+        if wildcards.tokenizer in TRAINED_TOKENIZERS
+        else ""
+    )
+
+
+def get_main_snakefile(wildcards):
+    """The Snakefile `snakellm dag` draws (the one this workflow was started with)."""
+    return workflow.main_snakefile
 
 
 def get_dag_config(wildcards):
@@ -722,15 +874,33 @@ def get_dag_config(wildcards):
 
 def get_report_targets():
     """Every report output of the default graph (results/report/...)."""
-    out = [f"{REPORT}/workflow/rulegraph.svg", f"{REPORT}/workflow/jobs.svg", f"{REPORT}/data/overview.html"]
-    out += [f"{REPORT}/data/{s}.chunks.{ext}" for s in SOURCES for ext in ("html", "svg")]
+    out = [
+        f"{REPORT}/workflow/rulegraph.svg",
+        f"{REPORT}/workflow/jobs.svg",
+        f"{REPORT}/data/overview.html",
+    ]
+    out += [
+        f"{REPORT}/data/{s}.chunks.{ext}" for s in SOURCES for ext in ("html", "svg")
+    ]
     out += [f"{REPORT}/data/{s}.download.html" for s in HTTP_SOURCES]
     if TOKENIZE_DEFAULT:
         out += [f"{REPORT}/tokens/overview.html", f"{REPORT}/tokens/overview.svg"]
     for t in TOKENIZE_DEFAULT:
-        out += [f"{REPORT}/tokens/{t}.{what}" for what in ("tokens.html", "blend.svg", "doc_tokens.svg", "tokenizer.html")]
+        out += [
+            f"{REPORT}/tokens/{t}.{what}"
+            for what in ("tokens.html", "blend.svg", "doc_tokens.svg", "tokenizer.html")
+        ]
     for run in RUNS:
-        out += [f"{REPORT}/train/{run}.{what}" for what in ("loss.svg", "lr.svg", "grad_norm.svg", "throughput.svg", "summary.html")]
+        out += [
+            f"{REPORT}/train/{run}.{what}"
+            for what in (
+                "loss.svg",
+                "lr.svg",
+                "grad_norm.svg",
+                "throughput.svg",
+                "summary.html",
+            )
+        ]
     out += [f"{REPORT}/tables/{key}.html" for key in REPORT_TABLES]
     return out
 
@@ -741,6 +911,11 @@ def get_report_targets():
 def get_all_targets():
     """What `snakemake` with no target builds: every stage of the default graph and its report figures."""
     return (
-        get_all_chunk_targets() + get_tokenize_targets() + get_train_targets() + get_export_nemo_targets()
-        + get_hf_targets() + get_finetune_targets() + get_report_targets()
+        get_all_chunk_targets()
+        + get_tokenize_targets()
+        + get_train_targets()
+        + get_export_nemo_targets()
+        + get_hf_targets()
+        + get_finetune_targets()
+        + get_report_targets()
     )

@@ -11,6 +11,8 @@ rule generate:
         markdown="runs/{run}/samples.md",
     log:
         "logs/generate/{run}.log",
+    conda:
+        "../envs/train.yaml"
     threads: get_generate_threads
     params:
         args=get_generate_args,
@@ -31,6 +33,8 @@ rule evaluate_finetune:
         predictions="runs/{run}/eval/{ft}/{which}/predictions.jsonl",
     log:
         "logs/evaluate/{run}/{ft}/{which}.log",
+    conda:
+        "../envs/train.yaml"
     threads: get_finetune_threads
     params:
         args=get_evaluate_args,

@@ -18,6 +18,8 @@ rule export_nemo:
         "runs/{run}/{run}.nemo",
     log:
         "logs/export_nemo/{run}.log",
+    conda:
+        "../envs/train.yaml"
     threads: 2
     params:
         args=get_export_nemo_args,
@@ -39,6 +41,8 @@ rule export_hf:
         "logs/export_hf/{run}.log",
     benchmark:
         "benchmarks/export_hf/{run}.tsv"
+    conda:
+        "../envs/train.yaml"
     params:
         args=get_export_hf_args,
     shell:
@@ -54,6 +58,8 @@ rule import_hf:
         "runs/{run}/import_summary.json",
     log:
         "logs/import_hf/{run}.log",
+    conda:
+        "../envs/train.yaml"
     params:
         hf_dir=get_import_hf_dir,
         args=get_import_hf_args,

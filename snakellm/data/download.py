@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 from urllib.error import HTTPError, URLError
 from urllib.parse import urlsplit
 from urllib.request import Request, urlopen
@@ -319,7 +320,7 @@ class _Part:
 
     url: str
     final: Path
-    fh: object  # the open, locked .part file
+    fh: BinaryIO  # the open, locked .part file
     bar: _Progress
     offset: int = 0
     hasher: hashlib._Hash = field(default_factory=hashlib.sha256)
@@ -443,7 +444,7 @@ def _open(req: Request, timeout: float) -> Iterator[http.client.HTTPResponse]:
         resp = urlopen(req, timeout=timeout)
     except HTTPError as e:
         status, reason = e.code, e.reason
-        hdrs = e.headers or {}
+        hdrs: Any = e.headers or {}
         ra = retry_after_seconds(hdrs.get("Retry-After"))
         crange = hdrs.get("Content-Range")
         with contextlib.suppress(Exception):
@@ -457,8 +458,8 @@ def _open(req: Request, timeout: float) -> Iterator[http.client.HTTPResponse]:
     except http.client.InvalidURL as e:
         raise ShardError(req.full_url, f"invalid URL: {e}") from None
     except (URLError, OSError, http.client.HTTPException) as e:
-        reason = e.reason if isinstance(e, URLError) else e
-        raise _Retryable(f"{type(reason).__name__}: {reason}") from None
+        cause: object = e.reason if isinstance(e, URLError) else e
+        raise _Retryable(f"{type(cause).__name__}: {cause}") from None
     with resp:
         yield resp
 

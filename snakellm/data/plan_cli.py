@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(map(len, chunks.values()))
         print(f"{name}: {n} shards -> {len(chunks)} chunks of <= {cfg['sources'][name]['shards_per_chunk']}")
         items = list(chunks.items())
-        shown = items if len(items) <= 3 else items[:2] + [None] + items[-1:]
+        shown: list[tuple[str, list[str]] | None] = list(items) if len(items) <= 3 else [*items[:2], None, items[-1]]
         for item in shown:
             if item is None:
                 print(f"  ... {len(items) - 3} more")

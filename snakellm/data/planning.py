@@ -97,8 +97,7 @@ def list_http_shards(spec: dict) -> list[str]:
     for t in templates:
         urls.extend(expand_braces(t))
     urls.extend(spec.get("urls") or [])
-    seen: set[str] = set()
-    unique = [u for u in urls if not (u in seen or seen.add(u))]
+    unique = list(dict.fromkeys(urls))  # first occurrence wins, order kept
     return natural_sorted(unique)
 
 

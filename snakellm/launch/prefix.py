@@ -128,6 +128,7 @@ def geometry(resources: Mapping[str, Any]) -> tuple[int, int, int, int | None]:
     if tasks is None and per_node is None:
         tasks = nodes
     if tasks is None:
+        assert per_node is not None
         tasks = nodes * per_node
     if per_node is None:
         if tasks % nodes:

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -104,7 +105,7 @@ def train(
 
     t0 = time.perf_counter()
     sentences, sample = sample_sentences(inputs, max_bytes, seed)
-    settings = {
+    settings: dict[str, Any] = {
         "vocab_size": vocab_size,
         "model_type": model_type,
         "character_coverage": character_coverage,
