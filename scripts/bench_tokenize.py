@@ -190,14 +190,14 @@ def main() -> int:
         # ------------------------------------------------------------------ SentencePiece 32k BPE
         import sentencepiece as spm
 
-        from snakellm.tokenize.sentencepiece_trainer import train
+        from snakellm.tokenize.sentencepiece_trainer import train_sentencepiece
 
         sample = work / "sample.jsonl"
         with open(sample, "wb") as fh:
             for d in documents():
                 fh.write(orjson.dumps({"text": d}) + b"\n")
         model = work / "spm32k.model"
-        train(
+        train_sentencepiece(
             [(str(sample), "text")],
             str(model),
             str(work / "spm32k.vocab"),

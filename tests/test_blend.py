@@ -18,7 +18,7 @@ from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, corpus, write_jsonl
 from snakellm.tokenize import encoders as T
 from snakellm.tokenize.blend import BlendError, build_blend, main
 from snakellm.tokenize.encode import tokenize_file
-from snakellm.tokenize.sentencepiece_trainer import train
+from snakellm.tokenize.sentencepiece_trainer import train_sentencepiece
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -100,7 +100,7 @@ def test_blend_refuses_mixed_tokenizers_and_unweighted_sources(tokenized, tmp_pa
         build_blend(stats, {"wikitext": 1.0})
     # a chunk tokenized by another tokenizer cannot join this blend
     model = tmp_path / "sp.model"
-    train(
+    train_sentencepiece(
         [(str(root / "data/jsonl/botchan/chunk-00000.jsonl"), "text")],
         str(model),
         str(tmp_path / "v"),

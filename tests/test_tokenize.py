@@ -24,7 +24,7 @@ from tokenizers import models
 
 from snakellm.tokenize import encoders as T
 from snakellm.tokenize.encode import TokenizeError, main, tokenize_file
-from snakellm.tokenize.sentencepiece_trainer import train
+from snakellm.tokenize.sentencepiece_trainer import train_sentencepiece
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -107,7 +107,7 @@ def test_threads_and_batch_size_do_not_change_the_output(tmp_path, wiki_jsonl, g
 def test_sentencepiece_chunk_is_byte_identical_to_megatron(tmp_path, wiki_jsonl):
     botchan = write_jsonl(tmp_path / "botchan.jsonl", corpus()["botchan"], key="content")
     model = tmp_path / "sp.model"
-    train(
+    train_sentencepiece(
         [(str(botchan), "content")], str(model), str(tmp_path / "sp.vocab"), str(tmp_path / "sp.json"), vocab_size=2000
     )
     prefix = str(tmp_path / "sp_text_document")
@@ -141,7 +141,9 @@ def test_documents_without_tokens_follow_preprocess_data(tmp_path):
     """A document that encodes to nothing gets no EOD and no sequence; its document index repeats."""
     model = tmp_path / "sp.model"
     src = write_jsonl(tmp_path / "b.jsonl", corpus()["botchan"])
-    train([(str(src), "text")], str(model), str(tmp_path / "sp.vocab"), str(tmp_path / "sp.json"), vocab_size=500)
+    train_sentencepiece(
+        [(str(src), "text")], str(model), str(tmp_path / "sp.vocab"), str(tmp_path / "sp.json"), vocab_size=500
+    )
     texts = ["first document", "\u200b", "third document"]  # NFKC drops the zero-width space: no ids
     write_jsonl(tmp_path / "c.jsonl", texts)
     tok = T.load("sentencepiece", model_file=str(model))

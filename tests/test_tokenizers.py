@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from snakellm.tokenize import encoders as T
-from snakellm.tokenize.sentencepiece_trainer import TrainError, sample_sentences, train, vocab_text
+from snakellm.tokenize.sentencepiece_trainer import TrainError, sample_sentences, train_sentencepiece, vocab_text
 
 EXTRA = [
     "Hello world",
@@ -132,7 +132,7 @@ def chunk_files(tmp_path_factory):
 )
 def test_sentencepiece_ids_identical_to_sentencepiece(tmp_path, chunk_files, texts, settings):
     model = tmp_path / "tokenizer.model"
-    st = train(
+    st = train_sentencepiece(
         chunk_files, str(model), str(tmp_path / "tokenizer.vocab"), str(tmp_path / "s.json"), threads=2, **settings
     )
     assert st["vocab_size"] == settings["vocab_size"] and st["sample"]["keep_probability"] == 1.0
@@ -148,7 +148,9 @@ def test_sentencepiece_training_is_deterministic_and_writes_sentencepiece_vocab(
     outs = []
     for run in ("a", "b"):
         d = tmp_path / run
-        train(chunk_files, str(d / "m.model"), str(d / "m.vocab"), str(d / "m.json"), vocab_size=800, threads=2)
+        train_sentencepiece(
+            chunk_files, str(d / "m.model"), str(d / "m.vocab"), str(d / "m.json"), vocab_size=800, threads=2
+        )
         outs.append(((d / "m.model").read_bytes(), (d / "m.vocab").read_text()))
     assert outs[0] == outs[1]
     # the .vocab is byte-for-byte what SentencePiece writes itself with a model_prefix
@@ -179,7 +181,7 @@ def test_sentencepiece_sample_is_seeded_and_capped(chunk_files):
 
 
 def test_sentencepiece_user_symbols_and_training_errors(tmp_path, chunk_files):
-    train(
+    train_sentencepiece(
         chunk_files,
         str(tmp_path / "m.model"),
         str(tmp_path / "m.vocab"),
@@ -192,7 +194,7 @@ def test_sentencepiece_user_symbols_and_training_errors(tmp_path, chunk_files):
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "m.model"))
     assert sp.piece_to_id("<ctx>") != sp.unk_id() and "<ctx>" in sp.encode("a <ctx> b", out_type=str)
     with pytest.raises(TrainError, match="input not found"):
-        train(
+        train_sentencepiece(
             [("missing.jsonl", "text")],
             str(tmp_path / "x.model"),
             str(tmp_path / "x.vocab"),
@@ -200,7 +202,7 @@ def test_sentencepiece_user_symbols_and_training_errors(tmp_path, chunk_files):
             vocab_size=600,
         )
     with pytest.raises(TrainError, match="x.model: SentencePiece training failed"):
-        train(
+        train_sentencepiece(
             chunk_files[1:],
             str(tmp_path / "x.model"),
             str(tmp_path / "x.vocab"),

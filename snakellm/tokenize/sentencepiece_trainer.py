@@ -84,7 +84,7 @@ def sample_sentences(inputs: list[tuple[str, str]], max_bytes: int, seed: int) -
     return sentences, {"inputs": per_input, "sentences": len(sentences), "bytes": nbytes, "keep_probability": keep}
 
 
-def train(
+def train_sentencepiece(
     inputs: list[tuple[str, str]],
     model: str,
     vocab: str,
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model
     stem = model[: -len(".model")] if model.endswith(".model") else model
     try:
-        st = train(
+        st = train_sentencepiece(
             list(zip(a.inputs, keys)),
             model,
             a.vocab or stem + ".vocab",
