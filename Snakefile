@@ -17,12 +17,13 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/tokenize.smk"
 include: "rules/train.smk"
+include: "rules/export.smk"
 include: "rules/finetune.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         get_all_targets(),
-    default_target: True

@@ -4,6 +4,7 @@
 
 import os
 import shlex
+import sys
 
 from snakemake.exceptions import WorkflowError
 
@@ -11,9 +12,10 @@ from snakellm.config import resolve as resolvemod
 from snakellm.config import validate as cfgmod
 from snakellm.data import planning as planmod
 
-
 try:
-    cfgmod.validate(config, cfgmod.load_schema(workflow.source_path("../config/schema.yaml")))
+    cfgmod.validate(
+        config, cfgmod.load_schema(workflow.source_path("../config/schema.yaml"))
+    )
 except cfgmod.ConfigError as e:
     raise WorkflowError(f"invalid config: {e}") from None
 
@@ -27,21 +29,55 @@ def _plan_all():
         chunks = planmod.plan_source(spec)
         if not chunks:
             where = spec.get("path") or spec.get("url") or spec.get("urls")
-            raise WorkflowError(f"invalid config: config key sources.{name}: no shards found for {where!r}")
-        # Snakemake runs a job as `bash -c "<command>"`, and Linux caps one argument at
-        # 128 KiB: a chunk's shard list must fit on its command line with room to spare.
-        longest = max(sum(len(s) + 3 for s in shards) for shards in chunks.values())
-        if longest > 110_000:
             raise WorkflowError(
-                f"invalid config: config key sources.{name}.shards_per_chunk: "
-                f"{spec['shards_per_chunk']} shards make a {longest // 1024} KiB command line "
-                f"(the limit is 128 KiB); use fewer shards per chunk"
+                f"invalid config: config key sources.{name}: no shards found for {where!r}"
             )
         plans[name] = chunks
     return plans
 
 
+def _write_shard_lists():
+    """Each chunk's shard list goes to data/plan/{source}/{chunk}.list (rewritten only when it changed).
+
+    The jobs read their shards from these files, never from the command line
+    (one argument is capped at 128 KiB). For an http chunk whose manifest no
+    longer matches the shards on disk (one deleted by hand, or removed by
+    `snakellm chunk` for a wrong sha256), the list gets a note saying so: its
+    content changed, so its download runs again and fetches what is missing.
+    """
+    import datetime
+
+    for name, chunks in PLAN.items():
+        http = SOURCES[name]["kind"] == "http"
+        for chunk, shards in chunks.items():
+            why = (
+                planmod.stale_manifest(download_manifest_path(name, chunk))
+                if http
+                else None
+            )
+            note = None
+            if why:
+                print(
+                    f"{download_manifest_path(name, chunk)}: {why}; downloading again",
+                    file=sys.stderr,
+                )
+                note = f"download again ({datetime.datetime.now().isoformat(timespec='seconds')}): {why}"
+            planmod.write_shard_list(shard_list_path(name, chunk), shards, note)
+
+
+def shard_list_path(source, chunk):
+    return f"data/plan/{source}/{chunk}.list"
+
+
+def download_manifest_path(source, chunk):
+    return f"data/raw/{source}/{chunk}.manifest.json"
+
+
 PLAN = _plan_all()  # {source: {chunk: [shard path or URL, ...]}}
+if workflow.is_main_process:
+    # only the controlling process: a job-side Snakemake (a Slurm job re-parsing this file)
+    # must not rewrite a list, or note a manifest stale while another job rewrites it
+    _write_shard_lists()
 
 
 wildcard_constraints:
@@ -58,14 +94,23 @@ def get_raw_dir(wildcards):
 
 
 def get_chunk_input(wildcards):
-    """A local chunk reads its shards; an http chunk reads its download manifest."""
+    """A local chunk reads its shard list and the shards; an http chunk its download manifest."""
     if SOURCES[wildcards.source]["kind"] == "http":
-        return [f"data/raw/{wildcards.source}/{wildcards.chunk}.manifest.json"]
-    return PLAN[wildcards.source][wildcards.chunk]
+        return [download_manifest_path(wildcards.source, wildcards.chunk)]
+    return [shard_list_path(wildcards.source, wildcards.chunk)] + PLAN[
+        wildcards.source
+    ][wildcards.chunk]
 
 
-def get_download_urls(wildcards):
-    return PLAN[wildcards.source][wildcards.chunk]
+def get_chunk_shards_option(wildcards):
+    """How `snakellm chunk` finds its shards: a file, never a list on the command line."""
+    if SOURCES[wildcards.source]["kind"] == "http":
+        return f"--manifest {download_manifest_path(wildcards.source, wildcards.chunk)}"
+    return f"--shard-list {shard_list_path(wildcards.source, wildcards.chunk)}"
+
+
+def get_download_url_list(wildcards):
+    return shard_list_path(wildcards.source, wildcards.chunk)
 
 
 def get_download_options(wildcards):
@@ -90,7 +135,9 @@ def chunk_outputs(source, chunk):
 
 
 def get_all_chunk_targets():
-    return [p for s, chunks in PLAN.items() for c in chunks for p in chunk_outputs(s, c)]
+    return [
+        p for s, chunks in PLAN.items() for c in chunks for p in chunk_outputs(s, c)
+    ]
 
 
 # ---------------------------------------------------------------- tokenize stage (rules/tokenize.smk)
@@ -98,7 +145,11 @@ def get_all_chunk_targets():
 TOKENIZERS = config["tokenizers"]  # {name: spec}
 TOKENIZE_THREADS = config["tokenize"]["threads"]
 TOKENIZE_DEFAULT = config["tokenize"].get("tokenizers", list(TOKENIZERS))
-TRAINED_TOKENIZERS = [n for n, t in TOKENIZERS.items() if t["kind"] == "sentencepiece" and "model_file" not in t]
+TRAINED_TOKENIZERS = [
+    n
+    for n, t in TOKENIZERS.items()
+    if t["kind"] == "sentencepiece" and "model_file" not in t
+]
 
 
 try:
@@ -134,7 +185,9 @@ def get_tokenizer_options(wildcards):
     if t["kind"] == "gpt2-bpe":
         opts += ["--vocab-file", files[0], "--merges-file", files[1]]
     elif t["kind"] == "huggingface":
-        opts += ["--tokenizer-file", files[0]] + (["--add-special-tokens"] if t.get("add_special_tokens") else [])
+        opts += ["--tokenizer-file", files[0]] + (
+            ["--add-special-tokens"] if t.get("add_special_tokens") else []
+        )
     else:
         opts += ["--model-file", files[0]]
     if "eod" in t:
@@ -151,7 +204,9 @@ def _train_sample(tokenizer):
     pairs = []
     for s in sample.get("sources") or list(SOURCES):
         chunks = sorted(PLAN[s])
-        pairs += [(s, f"data/jsonl/{s}/{c}.jsonl") for c in (chunks[:n] if n else chunks)]
+        pairs += [
+            (s, f"data/jsonl/{s}/{c}.jsonl") for c in (chunks[:n] if n else chunks)
+        ]
     return pairs
 
 
@@ -161,7 +216,11 @@ def get_train_tokenizer_input(wildcards):
 
 def get_train_tokenizer_keys(wildcards):
     """One --key per sampled chunk, in input order (sources may keep their text under different keys)."""
-    return shlex.join(a for s, _ in _train_sample(wildcards.tokenizer) for a in ("--key", SOURCES[s]["key"]))
+    return shlex.join(
+        a
+        for s, _ in _train_sample(wildcards.tokenizer)
+        for a in ("--key", SOURCES[s]["key"])
+    )
 
 
 def get_train_tokenizer_options(wildcards):
@@ -169,9 +228,20 @@ def get_train_tokenizer_options(wildcards):
     t = TOKENIZERS[wildcards.tokenizer]
     tr = t["train"]
     opts = [
-        "--vocab-size", str(t["vocab_size"]), "--model-type", tr["model_type"],
-        "--character-coverage", str(tr["character_coverage"]), "--max-sentence-length", str(tr["max_sentence_length"]),
-        "--max-bytes", str(tr["sample"]["max_bytes"]), "--seed", str(tr["sample"]["seed"]), "--threads", str(tr["threads"]),
+        "--vocab-size",
+        str(t["vocab_size"]),
+        "--model-type",
+        tr["model_type"],
+        "--character-coverage",
+        str(tr["character_coverage"]),
+        "--max-sentence-length",
+        str(tr["max_sentence_length"]),
+        "--max-bytes",
+        str(tr["sample"]["max_bytes"]),
+        "--seed",
+        str(tr["sample"]["seed"]),
+        "--threads",
+        str(tr["threads"]),
     ]
     opts += ["--byte-fallback"] if tr["byte_fallback"] else []
     for sym in tr["user_defined_symbols"]:
@@ -186,12 +256,19 @@ def get_train_tokenizer_threads(wildcards):
 
 
 def get_blend_stats(wildcards):
-    return [f"{tokens_prefix(wildcards.tokenizer, s, c)}.stats.json" for s, chunks in PLAN.items() for c in chunks]
+    return [
+        f"{tokens_prefix(wildcards.tokenizer, s, c)}.stats.json"
+        for s, chunks in PLAN.items()
+        for c in chunks
+    ]
 
 
 def get_blend_data(wildcards):
     return [
-        f"{tokens_prefix(wildcards.tokenizer, s, c)}{ext}" for s, chunks in PLAN.items() for c in chunks for ext in (".bin", ".idx")
+        f"{tokens_prefix(wildcards.tokenizer, s, c)}{ext}"
+        for s, chunks in PLAN.items()
+        for c in chunks
+        for ext in (".bin", ".idx")
     ]
 
 
@@ -209,7 +286,12 @@ def get_tokenize_targets():
         p
         for name in TOKENIZE_DEFAULT
         for p in [get_blend(name), f"data/tokens/{name}/blend.txt"]
-        + [f"{tokens_prefix(name, s, c)}{ext}" for s, chunks in PLAN.items() for c in chunks for ext in (".bin", ".idx", ".stats.json")]
+        + [
+            f"{tokens_prefix(name, s, c)}{ext}"
+            for s, chunks in PLAN.items()
+            for c in chunks
+            for ext in (".bin", ".idx", ".stats.json")
+        ]
     ]
 
 
@@ -254,7 +336,9 @@ def get_train_targets():
 # ---------------------------------------------------------------- fine-tuning stage (rules/finetune.smk, rules/evaluate.smk)
 
 SFT_DATA = config.get("sft_data", {})  # {task: {path, format, template, ...}}
-FINETUNES = config.get("finetune", {})  # {name: {run, data, method, lora, ptuning, examples, train, parallel, evaluate}}
+FINETUNES = config.get(
+    "finetune", {}
+)  # {name: {run, data, method, lora, ptuning, examples, train, parallel, evaluate}}
 
 
 def _check_finetunes():
@@ -292,8 +376,18 @@ def get_sft_source(wildcards):
 def get_sft_args(wildcards):
     """`snakellm prepare-sft` options of one data set: editing another reruns nothing."""
     d = SFT_DATA[wildcards.task]
-    opts = ["--format", d["format"], "--split", d["split"], "--seed", str(d["seed"]),
-            "--input-key", d["input_key"], "--output-key", d["output_key"]]
+    opts = [
+        "--format",
+        d["format"],
+        "--split",
+        d["split"],
+        "--seed",
+        str(d["seed"]),
+        "--input-key",
+        d["input_key"],
+        "--output-key",
+        d["output_key"],
+    ]
     if d.get("template") is not None:
         opts += ["--template", d["template"]]
     if d.get("limit") is not None:
@@ -304,7 +398,9 @@ def get_sft_args(wildcards):
 def _ft(wildcards):
     ft = FINETUNES[wildcards.ft]
     if ft["run"] != wildcards.run:
-        raise WorkflowError(f"finetune {wildcards.ft} is based on run {ft['run']}, not {wildcards.run}")
+        raise WorkflowError(
+            f"finetune {wildcards.ft} is based on run {ft['run']}, not {wildcards.run}"
+        )
     return ft
 
 
@@ -320,9 +416,19 @@ def get_finetune_input(wildcards):
 
 
 def _example_flags(ex):
-    flags = ["--template", ex["template"], "--truncation-method", ex["truncation_method"]]
-    flags += ["--add-bos" if ex["add_bos"] else "--no-add-bos", "--add-eos" if ex["add_eos"] else "--no-add-eos"]
-    flags += ["--answer-only-loss" if ex["answer_only_loss"] else "--no-answer-only-loss"]
+    flags = [
+        "--template",
+        ex["template"],
+        "--truncation-method",
+        ex["truncation_method"],
+    ]
+    flags += [
+        "--add-bos" if ex["add_bos"] else "--no-add-bos",
+        "--add-eos" if ex["add_eos"] else "--no-add-eos",
+    ]
+    flags += [
+        "--answer-only-loss" if ex["answer_only_loss"] else "--no-answer-only-loss"
+    ]
     if ex.get("max_seq_length") is not None:
         flags += ["--max-seq-length", str(ex["max_seq_length"])]
     return flags
@@ -335,17 +441,32 @@ def get_finetune_args(wildcards):
     flags += ["--packing" if ft["examples"]["packing"] else "--no-packing"]
     if ft["method"] == "lora":
         lo = ft["lora"]
-        flags += ["--lora-rank", str(lo["rank"]), "--lora-dropout", str(lo["dropout"]),
-                  "--lora-targets", ",".join(lo["targets"]), "--lora-column-init", lo["column_init"],
-                  "--lora-row-init", lo["row_init"]]
+        flags += [
+            "--lora-rank",
+            str(lo["rank"]),
+            "--lora-dropout",
+            str(lo["dropout"]),
+            "--lora-targets",
+            ",".join(lo["targets"]),
+            "--lora-column-init",
+            lo["column_init"],
+            "--lora-row-init",
+            lo["row_init"],
+        ]
         if lo.get("alpha") is not None:
             flags += ["--lora-alpha", str(lo["alpha"])]
         if lo.get("layers"):
             flags += ["--lora-layers", ",".join(map(str, lo["layers"]))]
     elif ft["method"] == "ptuning":
         pt = ft["ptuning"]
-        flags += ["--virtual-tokens", str(pt["virtual_tokens"]), "--prompt-encoder", pt["encoder"],
-                  "--prompt-encoder-hidden", str(pt["hidden"])]
+        flags += [
+            "--virtual-tokens",
+            str(pt["virtual_tokens"]),
+            "--prompt-encoder",
+            pt["encoder"],
+            "--prompt-encoder-hidden",
+            str(pt["hidden"]),
+        ]
     for k, v in ft["train"].items():
         flags += [f"--{k.replace('_', '-')}", str(v)]
     flags += ["--tp", str(ft["parallel"]["tp"])]
@@ -364,7 +485,9 @@ def get_evaluate_input(wildcards):
         "test": f"data/sft/{ft['data']}/test.jsonl",
     }
     if wildcards.which == "tuned":
-        inp["finetune"] = f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
+        inp["finetune"] = (
+            f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
+        )
     return inp
 
 
@@ -382,7 +505,12 @@ def get_evaluate_args(wildcards):
             flags[1] = f"{d}/model"
     flags += _example_flags(ft["examples"])
     ev = ft["evaluate"]
-    flags += ["--tokens-to-generate", str(ev["tokens_to_generate"]), "--batch-size", str(ev["batch_size"])]
+    flags += [
+        "--tokens-to-generate",
+        str(ev["tokens_to_generate"]),
+        "--batch-size",
+        str(ev["batch_size"]),
+    ]
     if ev.get("limit") is not None:
         flags += ["--limit", str(ev["limit"])]
     flags += ["--tp", str(ft["parallel"]["tp"])]
@@ -394,7 +522,11 @@ def get_finetune_targets():
     for name, ft in FINETUNES.items():
         d = f"runs/{ft['run']}"
         out += [f"{d}/finetune/{name}/finetune_summary.json"]
-        out += [f"{d}/eval/{name}/{w}/{f}" for w in ("base", "tuned") for f in ("metrics.json", "predictions.jsonl")]
+        out += [
+            f"{d}/eval/{name}/{w}/{f}"
+            for w in ("base", "tuned")
+            for f in ("metrics.json", "predictions.jsonl")
+        ]
         if ft["method"] == "lora":
             out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
     return out
@@ -406,10 +538,186 @@ def get_finetune_targets():
 def get_launch_prefix(wildcards, resources):
     """`srun ...` (Slurm profile, mpi="srun"), `torchrun ...` (tasks > 1) or "" in front of a
     training command, plus the configured container. Taking `resources` keeps it out of
-    Snakemake's params rerun trigger: changing profile or node count retrains nothing."""
+    Snakemake's params rerun trigger: changing profile or node count retrains nothing.
+    """
     from snakellm.launch.prefix import launch_prefix
 
     return launch_prefix(resources, config.get("container"))
+
+
+# ---------------------------------------------------------------- export stage: .nemo (rules/export.smk)
+
+EXPORT_NEMO = config["export_nemo"]
+_NEMO_TOKENIZER_KINDS = (
+    "gpt2-bpe",
+    "sentencepiece",
+)  # what NeMo packs as tokenizer artifacts
+
+
+def _check_export_nemo():
+    """An export that cannot work is a config error before any job runs, not a failure after training."""
+    if not EXPORT_NEMO["enabled"]:
+        return
+    for name, run in RUNS.items():
+        kind = TOKENIZERS[run["tokenizer"]]["kind"]
+        if kind not in _NEMO_TOKENIZER_KINDS:
+            raise WorkflowError(
+                f"invalid config: config key runs.{name}.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece "
+                f"tokenizers, {run['tokenizer']!r} is {kind} (set export_nemo.enabled: false to skip the .nemo)"
+            )
+
+
+_check_export_nemo()
+
+
+def get_export_nemo_args(wildcards):
+    """The export's own settings: part of params, so a change rewrites the .nemo (and nothing else)."""
+    te = EXPORT_NEMO["transformer_engine"]
+    return f"--transformer-engine {str(te).lower()}"
+
+
+def get_export_nemo_targets():
+    return [f"runs/{run}/{run}.nemo" for run in RUNS] if EXPORT_NEMO["enabled"] else []
+
+
+# ---------------------------------------------------------------- Hugging Face export/import, generation
+# (rules/export.smk export_hf/import_hf blocks, rules/evaluate.smk generate)
+
+IMPORTS = config.get("import_hf", {})  # {name: {hf_dir, make_vocab_size_divisible_by}}
+
+
+def _check_exports():
+    """Errors before any job runs: an import named like a run, a missing HF directory, a run no HF class computes."""
+    from snakellm.export.hf import ExportError, hf_family
+
+    for name, spec in IMPORTS.items():
+        if name in RUNS:
+            raise WorkflowError(
+                f"invalid config: config key import_hf.{name}: a run of that name exists under runs"
+            )
+        if not os.path.isfile(os.path.join(spec["hf_dir"], "config.json")):
+            raise WorkflowError(
+                f"invalid config: config key import_hf.{name}.hf_dir: {spec['hf_dir']!r} has no config.json "
+                "(not a Hugging Face model directory)"
+            )
+    if config["export_hf"]["enabled"]:
+        for name, arch in RUN_MODELS.items():
+            try:
+                hf_family(arch)
+            except ExportError as e:
+                raise WorkflowError(
+                    f"invalid config: config key runs.{name}.model: Hugging Face export: {e}"
+                ) from None
+
+
+_check_exports()
+
+
+def _import_files():
+    """The files of each HF directory, listed once at parse time: an edited weight file reruns the import."""
+    return {
+        name: sorted(
+            os.path.join(spec["hf_dir"], f)
+            for f in os.listdir(spec["hf_dir"])
+            if os.path.isfile(os.path.join(spec["hf_dir"], f))
+        )
+        for name, spec in IMPORTS.items()
+    }
+
+
+IMPORT_FILES = _import_files()
+
+
+wildcard_constraints:
+    run="|".join(map(__import__("re").escape, list(RUNS) + list(IMPORTS))) or "(?!)",
+
+
+def get_import_hf_files(wildcards):
+    return IMPORT_FILES[wildcards.run]
+
+
+def get_import_hf_dir(wildcards):
+    return IMPORTS[wildcards.run]["hf_dir"]
+
+
+def get_import_hf_args(wildcards):
+    return f"--make-vocab-size-divisible-by {IMPORTS[wildcards.run]['make_vocab_size_divisible_by']}"
+
+
+def get_run_done(wildcards):
+    """The file that says a run's checkpoint is final: train_summary.json, or an import's import_summary.json."""
+    if wildcards.run in IMPORTS:
+        return f"runs/{wildcards.run}/import_summary.json"
+    return f"runs/{wildcards.run}/train_summary.json"
+
+
+def get_export_hf_args(wildcards):
+    e = config["export_hf"]
+    return (
+        f"--max-shard-size {shlex.quote(str(e['max_shard_size']))} --dtype {e['dtype']}"
+    )
+
+
+def get_generate_args(wildcards):
+    """Every sampling setting and prompt, spelled out: a change reruns the samples, nothing else does."""
+    g = config["generate"]
+    flags = [
+        f"--max-new-tokens {g['max_new_tokens']}",
+        f"--min-new-tokens {g['min_new_tokens']}",
+        f"--seed {g['seed']}",
+    ]
+    if g["greedy"]:
+        flags.append("--greedy")
+    else:
+        flags += [
+            f"--temperature {g['temperature']}",
+            f"--top-k {g['top_k']}",
+            f"--top-p {g['top_p']}",
+        ]
+    flags.append(f"--repetition-penalty {g['repetition_penalty']}")
+    flags += [f"--end-string {shlex.quote(s)}" for s in g["end_strings"]]
+    flags += [f"--prompt {shlex.quote(p)}" for p in g["prompts"]]
+    return " ".join(flags)
+
+
+def get_generate_threads(wildcards):
+    return config["generate"]["threads"]
+
+
+def _import_tokenizer_kind(hf_dir):
+    """What import-hf will make of an HF directory's tokenizer (snakellm/export/hf_tokenizer.py)."""
+    has = lambda f: os.path.isfile(os.path.join(hf_dir, f))  # noqa: E731
+    if has("vocab.json") and has("merges.txt"):
+        return "gpt2-bpe"
+    return "sentencepiece" if has("tokenizer.model") else "huggingface"
+
+
+def get_export_nemo_blend(wildcards):
+    """A trained run's .nemo packs the tokenizer of its blend; an import's is recorded with its checkpoint."""
+    return [] if wildcards.run in IMPORTS else [get_train_blend(wildcards)]
+
+
+def get_export_nemo_blend_flag(wildcards):
+    return " ".join(
+        f"--blend {shlex.quote(b)}" for b in get_export_nemo_blend(wildcards)
+    )
+
+
+def get_hf_targets():
+    """HF directories and samples of every run and import; imports' .nemo when NeMo can pack their tokenizer."""
+    names = list(RUNS) + list(IMPORTS)
+    out = [f"runs/{n}/import_summary.json" for n in IMPORTS]
+    if EXPORT_NEMO["enabled"]:
+        out += [
+            f"runs/{n}/{n}.nemo"
+            for n, spec in IMPORTS.items()
+            if _import_tokenizer_kind(spec["hf_dir"]) in _NEMO_TOKENIZER_KINDS
+        ]
+    if config["export_hf"]["enabled"]:
+        out += [f"runs/{n}/hf" for n in names]
+    if config["generate"]["enabled"]:
+        out += [f"runs/{n}/samples.jsonl" for n in names]
+    return out
 
 
 # ---------------------------------------------------------------- report (rules/report.smk)
@@ -421,10 +729,14 @@ HTTP_SOURCES = [s for s, spec in SOURCES.items() if spec["kind"] == "http"]
 
 # Later stages add their metrics and samples to the report here, at parse time, from
 # their own rules/*.smk (see register_report_table); rule report_table renders each entry.
-REPORT_TABLES = {}  # {"{stage}/{name}": {"files", "title", "note", "category", "subcategory", "figure"}}
+REPORT_TABLES = (
+    {}
+)  # {"{stage}/{name}": {"files", "title", "note", "category", "subcategory", "figure"}}
 
 
-def register_report_table(stage, name, files, title, note="", category=None, subcategory=None, figure="table"):
+def register_report_table(
+    stage, name, files, title, note="", category=None, subcategory=None, figure="table"
+):
     """Put FILES (a metrics.json, a predictions/samples .jsonl, a .csv/.tsv; or a list of them)
     into `snakemake --report` as one HTML table: results/report/tables/{stage}/{name}.html,
     shown under CATEGORY (default: the stage, capitalised) / SUBCATEGORY (default: NAME).
@@ -473,19 +785,28 @@ def get_report_table_labels(wildcards):
 
 
 def get_report_data_stats(wildcards):
-    return [f"data/jsonl/{wildcards.source}/{c}.stats.json" for c in PLAN[wildcards.source]]
+    return [
+        f"data/jsonl/{wildcards.source}/{c}.stats.json" for c in PLAN[wildcards.source]
+    ]
 
 
 def get_report_data_rejected(wildcards):
-    return [f"data/jsonl/{wildcards.source}/{c}.rejected.jsonl" for c in PLAN[wildcards.source]]
+    return [
+        f"data/jsonl/{wildcards.source}/{c}.rejected.jsonl"
+        for c in PLAN[wildcards.source]
+    ]
 
 
 def get_report_all_stats(wildcards):
-    return [f"data/jsonl/{s}/{c}.stats.json" for s, chunks in PLAN.items() for c in chunks]
+    return [
+        f"data/jsonl/{s}/{c}.stats.json" for s, chunks in PLAN.items() for c in chunks
+    ]
 
 
 def get_report_download_manifests(wildcards):
-    return [f"data/raw/{wildcards.source}/{c}.manifest.json" for c in PLAN[wildcards.source]]
+    return [
+        f"data/raw/{wildcards.source}/{c}.manifest.json" for c in PLAN[wildcards.source]
+    ]
 
 
 def get_report_download_logs(wildcards):
@@ -498,7 +819,11 @@ def get_report_tokens_stats(wildcards):
 
 
 def get_report_tokens_idx(wildcards):
-    return [f"{tokens_prefix(wildcards.tokenizer, s, c)}.idx" for s, chunks in PLAN.items() for c in chunks]
+    return [
+        f"{tokens_prefix(wildcards.tokenizer, s, c)}.idx"
+        for s, chunks in PLAN.items()
+        for c in chunks
+    ]
 
 
 def get_report_tokens_blends(wildcards):
@@ -522,11 +847,24 @@ def get_report_tokenizer_key(wildcards):
 
 
 def get_report_tokenizer_train_stats(wildcards):
-    return [f"tokenizers/{wildcards.tokenizer}/tokenizer.stats.json"] if wildcards.tokenizer in TRAINED_TOKENIZERS else []
+    return (
+        [f"tokenizers/{wildcards.tokenizer}/tokenizer.stats.json"]
+        if wildcards.tokenizer in TRAINED_TOKENIZERS
+        else []
+    )
 
 
 def get_report_tokenizer_train_flag(wildcards):
-    return "--train-stats " + get_report_tokenizer_train_stats(wildcards)[0] if wildcards.tokenizer in TRAINED_TOKENIZERS else ""
+    return (
+        f"--train-stats {get_report_tokenizer_train_stats(wildcards)[0]}"
+        if wildcards.tokenizer in TRAINED_TOKENIZERS
+        else ""
+    )
+
+
+def get_main_snakefile(wildcards):
+    """The Snakefile `snakellm dag` draws (the one this workflow was started with)."""
+    return workflow.main_snakefile
 
 
 def get_dag_config(wildcards):
@@ -536,15 +874,33 @@ def get_dag_config(wildcards):
 
 def get_report_targets():
     """Every report output of the default graph (results/report/...)."""
-    out = [f"{REPORT}/workflow/rulegraph.svg", f"{REPORT}/workflow/jobs.svg", f"{REPORT}/data/overview.html"]
-    out += [f"{REPORT}/data/{s}.chunks.{ext}" for s in SOURCES for ext in ("html", "svg")]
+    out = [
+        f"{REPORT}/workflow/rulegraph.svg",
+        f"{REPORT}/workflow/jobs.svg",
+        f"{REPORT}/data/overview.html",
+    ]
+    out += [
+        f"{REPORT}/data/{s}.chunks.{ext}" for s in SOURCES for ext in ("html", "svg")
+    ]
     out += [f"{REPORT}/data/{s}.download.html" for s in HTTP_SOURCES]
     if TOKENIZE_DEFAULT:
         out += [f"{REPORT}/tokens/overview.html", f"{REPORT}/tokens/overview.svg"]
     for t in TOKENIZE_DEFAULT:
-        out += [f"{REPORT}/tokens/{t}.{what}" for what in ("tokens.html", "blend.svg", "doc_tokens.svg", "tokenizer.html")]
+        out += [
+            f"{REPORT}/tokens/{t}.{what}"
+            for what in ("tokens.html", "blend.svg", "doc_tokens.svg", "tokenizer.html")
+        ]
     for run in RUNS:
-        out += [f"{REPORT}/train/{run}.{what}" for what in ("loss.svg", "lr.svg", "grad_norm.svg", "throughput.svg", "summary.html")]
+        out += [
+            f"{REPORT}/train/{run}.{what}"
+            for what in (
+                "loss.svg",
+                "lr.svg",
+                "grad_norm.svg",
+                "throughput.svg",
+                "summary.html",
+            )
+        ]
     out += [f"{REPORT}/tables/{key}.html" for key in REPORT_TABLES]
     return out
 
@@ -555,6 +911,11 @@ def get_report_targets():
 def get_all_targets():
     """What `snakemake` with no target builds: every stage of the default graph and its report figures."""
     return (
-        get_all_chunk_targets() + get_tokenize_targets() + get_train_targets() + get_finetune_targets()
+        get_all_chunk_targets()
+        + get_tokenize_targets()
+        + get_train_targets()
+        + get_export_nemo_targets()
+        + get_hf_targets()
+        + get_finetune_targets()
         + get_report_targets()
     )

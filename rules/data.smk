@@ -2,20 +2,23 @@
 
 
 rule download:
+    input:
+        urls=get_download_url_list,
     output:
         manifest="data/raw/{source}/{chunk}.manifest.json",
-    params:
-        dest=get_raw_dir,
-        urls=get_download_urls,
-        options=get_download_options,
     log:
         "logs/download/{source}/{chunk}.log",
+    conda:
+        "../envs/data.yaml"
     resources:
         downloads=1,
+    params:
+        dest=get_raw_dir,
+        options=get_download_options,
     shell:
         "snakellm download --dest {params.dest} --manifest {output.manifest} "
         "--source {wildcards.source} --chunk {wildcards.chunk} {params.options} "
-        "{params.urls:q} 2> {log}"
+        "--url-file {input.urls} 2> {log}"
 
 
 rule chunk:
@@ -25,16 +28,19 @@ rule chunk:
         jsonl="data/jsonl/{source}/{chunk}.jsonl",
         stats="data/jsonl/{source}/{chunk}.stats.json",
         rejected="data/jsonl/{source}/{chunk}.rejected.jsonl",
-    params:
-        format=get_source_format,
-        key=get_source_key,
-    threads: 2
     log:
         "logs/chunk/{source}/{chunk}.log",
     benchmark:
         "benchmarks/chunk/{source}/{chunk}.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: 2
+    params:
+        shards=get_chunk_shards_option,
+        format=get_source_format,
+        key=get_source_key,
     shell:
-        "snakellm chunk {input:q} --output {output.jsonl} --stats {output.stats} "
+        "snakellm chunk {params.shards} --output {output.jsonl} --stats {output.stats} "
         "--rejected {output.rejected} --format {params.format} --key {params.key:q} "
         "--source {wildcards.source} --chunk {wildcards.chunk} --threads {threads} 2> {log}"
 

@@ -1,3 +1,26 @@
+# Evaluation and samples of the trained (or imported) models.
+
+# ---------------------------------------------------------------- generate
+
+
+rule generate:
+    input:
+        done=get_run_done,
+    output:
+        samples="runs/{run}/samples.jsonl",
+        markdown="runs/{run}/samples.md",
+    log:
+        "logs/generate/{run}.log",
+    conda:
+        "../envs/train.yaml"
+    threads: get_generate_threads
+    params:
+        args=get_generate_args,
+    shell:
+        "snakellm generate runs/{wildcards.run} --device auto --threads {threads} "
+        "--out {output.samples} --markdown {output.markdown} {params.args} 2> {log}"
+
+
 # evaluate: greedy generation on a fine-tune's test split, for the base model and the tuned one side by side
 # -> runs/{run}/eval/{ft}/{base,tuned}/metrics.json + predictions.jsonl
 
@@ -10,6 +33,8 @@ rule evaluate_finetune:
         predictions="runs/{run}/eval/{ft}/{which}/predictions.jsonl",
     log:
         "logs/evaluate/{run}/{ft}/{which}.log",
+    conda:
+        "../envs/train.yaml"
     threads: get_finetune_threads
     params:
         args=get_evaluate_args,

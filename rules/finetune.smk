@@ -20,6 +20,8 @@ rule prepare_sft:
         ),
     log:
         "logs/prepare_sft/{task}.log",
+    conda:
+        "../envs/train.yaml"
     params:
         out=subpath(output[0], parent=True),
         args=get_sft_args,
@@ -37,6 +39,8 @@ rule finetune:
         "logs/finetune/{run}/{ft}.log",
     benchmark:
         "benchmarks/finetune/{run}/{ft}.tsv"
+    conda:
+        "../envs/train.yaml"
     threads: get_finetune_threads
     params:
         launch=get_launch_prefix,
@@ -56,6 +60,8 @@ rule export_peft:
         "runs/{run}/finetune/{ft}/hf_peft/adapter_model.safetensors",
     log:
         "logs/export_peft/{run}/{ft}.log",
+    conda:
+        "../envs/train.yaml"
     params:
         out=subpath(output[0], parent=True),
     shell:

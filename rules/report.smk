@@ -40,10 +40,13 @@ rule dag:
         ),
     log:
         "logs/report/dag.log",
+    conda:
+        "../envs/data.yaml"
     params:
         config=get_dag_config,
+        snakefile=get_main_snakefile,
     shell:
-        "snakellm dag --rulegraph {output.rulegraph} --jobs {output.jobs} --snakefile {workflow.main_snakefile:q} "
+        "snakellm dag --rulegraph {output.rulegraph} --jobs {output.jobs} --snakefile {params.snakefile:q} "
         "--config-json {params.config:q} 2> {log}"
 
 
@@ -68,6 +71,8 @@ rule report_data:
         ),
     log:
         "logs/report/data/{source}.log",
+    conda:
+        "../envs/data.yaml"
     shell:
         "snakellm report data {input.stats:q} --source {wildcards.source} --table {output.table} "
         "--plot {output.plot} 2> {log}"
@@ -86,6 +91,8 @@ rule report_data_overview:
         ),
     log:
         "logs/report/data/overview.log",
+    conda:
+        "../envs/data.yaml"
     shell:
         "snakellm report data-overview {input:q} --output {output} 2> {log}"
 
@@ -104,6 +111,8 @@ rule report_download:
         ),
     log:
         "logs/report/download/{source}.log",
+    conda:
+        "../envs/data.yaml"
     shell:
         "snakellm report download {input.manifests:q} --logs {input.logs:q} "
         "--source {wildcards.source} --output {output} 2> {log}"
@@ -138,6 +147,8 @@ rule report_tokens:
         ),
     log:
         "logs/report/tokens/{tokenizer}.log",
+    conda:
+        "../envs/data.yaml"
     shell:
         "snakellm report tokens --blend {input.blend} --stats {input.stats:q} --idx {input.idx:q} "
         "--table {output.table} --blend-plot {output.blend} --lengths-plot {output.lengths} 2> {log}"
@@ -163,6 +174,8 @@ rule report_tokens_overview:
         ),
     log:
         "logs/report/tokens/overview.log",
+    conda:
+        "../envs/data.yaml"
     shell:
         "snakellm report tokens-overview {input:q} --table {output.table} --plot {output.plot} 2> {log}"
 
@@ -182,6 +195,8 @@ rule report_tokenizer:
         ),
     log:
         "logs/report/tokenizer/{tokenizer}.log",
+    conda:
+        "../envs/data.yaml"
     params:
         tokenizer=get_tokenizer_options,
         key=get_report_tokenizer_key,
@@ -233,6 +248,8 @@ rule report_train:
         ),
     log:
         "logs/report/train/{run}.log",
+    conda:
+        "../envs/data.yaml"
     params:
         prefix=subpath(output.loss, strip_suffix=".loss.svg"),
     shell:
@@ -254,6 +271,8 @@ rule report_table:
         ),
     log:
         "logs/report/tables/{stage}/{name}.log",
+    conda:
+        "../envs/data.yaml"
     params:
         title=get_report_table_title,
         note=get_report_table_note,

@@ -9,16 +9,18 @@ rule train_tokenizer:
         model="tokenizers/{tokenizer}/tokenizer.model",
         vocab="tokenizers/{tokenizer}/tokenizer.vocab",
         stats="tokenizers/{tokenizer}/tokenizer.stats.json",
-    params:
-        key_flags=get_train_tokenizer_keys,
-        options=get_train_tokenizer_options,
-    wildcard_constraints:
-        tokenizer="|".join(map(__import__("re").escape, TRAINED_TOKENIZERS)) or "(?!)",
-    threads: get_train_tokenizer_threads
     log:
         "logs/train_tokenizer/{tokenizer}.log",
     benchmark:
         "benchmarks/train_tokenizer/{tokenizer}.tsv"
+    wildcard_constraints:
+        tokenizer="|".join(map(__import__("re").escape, TRAINED_TOKENIZERS)) or "(?!)",
+    conda:
+        "../envs/data.yaml"
+    threads: get_train_tokenizer_threads
+    params:
+        key_flags=get_train_tokenizer_keys,
+        options=get_train_tokenizer_options,
     shell:
         "snakellm train-tokenizer {input:q} {params.key_flags} --model {output.model} --vocab {output.vocab} "
         "--stats {output.stats} {params.options} 2> {log}"
@@ -29,16 +31,23 @@ rule tokenize:
         jsonl="data/jsonl/{source}/{chunk}.jsonl",
         tokenizer=get_tokenizer_files,
     output:
-        multiext("data/tokens/{tokenizer}/{source}/{chunk}_text_document", ".bin", ".idx", ".stats.json"),
-    params:
-        prefix=subpath(output[0], strip_suffix=".bin"),
-        tokenizer=get_tokenizer_options,
-        key=get_source_key,
-    threads: TOKENIZE_THREADS
+        multiext(
+            "data/tokens/{tokenizer}/{source}/{chunk}_text_document",
+            ".bin",
+            ".idx",
+            ".stats.json",
+        ),
     log:
         "logs/tokenize/{tokenizer}/{source}/{chunk}.log",
     benchmark:
         "benchmarks/tokenize/{tokenizer}/{source}/{chunk}.tsv"
+    conda:
+        "../envs/data.yaml"
+    threads: TOKENIZE_THREADS
+    params:
+        prefix=subpath(output[0], strip_suffix=".bin"),
+        tokenizer=get_tokenizer_options,
+        key=get_source_key,
     shell:
         "snakellm tokenize {input.jsonl} {params.prefix} --key {params.key:q} --threads {threads} "
         "--source {wildcards.source} --chunk {wildcards.chunk} {params.tokenizer} 2> {log}"
@@ -51,9 +60,11 @@ rule blend:
     output:
         json="data/tokens/{tokenizer}/blend.json",
         txt="data/tokens/{tokenizer}/blend.txt",
-    params:
-        weights=get_blend_weights,
     log:
         "logs/blend/{tokenizer}.log",
+    conda:
+        "../envs/data.yaml"
+    params:
+        weights=get_blend_weights,
     shell:
         "snakellm blend {input.stats:q} --output {output.json} --text {output.txt} {params.weights} 2> {log}"

@@ -17,15 +17,17 @@ rule pretrain:
     output:
         summary="runs/{run}/train_summary.json",
         metrics="runs/{run}/metrics.jsonl",
-    params:
-        launch=get_launch_prefix,
-        args=get_train_args,
-    threads: get_train_threads
-    retries: TRAIN_RETRIES
     log:
         "logs/pretrain/{run}.log",
     benchmark:
         "benchmarks/pretrain/{run}.tsv"
+    retries: TRAIN_RETRIES
+    conda:
+        "../envs/train.yaml"
+    threads: get_train_threads
+    params:
+        launch=get_launch_prefix,
+        args=get_train_args,
     shell:
         "{params.launch} snakellm train --blend {input.blend} --run-dir runs/{wildcards.run} "
         "--run-name {wildcards.run} --threads {threads} {params.args} 2> {log}"

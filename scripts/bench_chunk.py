@@ -33,8 +33,8 @@ def shipped_docs() -> list[bytes]:
     d = zstandard.ZstdDecompressor()
     for p in sorted((REPO / "resources/corpus/wikitext").rglob("*.jsonl.zst")):
         with d.stream_reader(open(p, "rb")) as r:
-            docs += [l for l in r.read().splitlines() if l]
-    docs += [l for l in (REPO / "resources/corpus/botchan/botchan.jsonl").read_bytes().splitlines() if l]
+            docs += [ln for ln in r.read().splitlines() if ln]
+    docs += [ln for ln in (REPO / "resources/corpus/botchan/botchan.jsonl").read_bytes().splitlines() if ln]
     return docs
 
 
@@ -79,17 +79,33 @@ def main() -> None:
         results = []
         for threads in (1, 2):
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "snakellm.data.chunk", *shards, "-o", str(tmp / "out.jsonl"),
-                            "--format", "jsonl.zst", "--threads", str(threads), "--no-progress"],
-                           check=True, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "snakellm.data.chunk",
+                    *shards,
+                    "-o",
+                    str(tmp / "out.jsonl"),
+                    "--format",
+                    "jsonl.zst",
+                    "--threads",
+                    str(threads),
+                    "--no-progress",
+                ],
+                check=True,
+                stderr=subprocess.DEVNULL,
+            )
             results.append((threads, time.perf_counter() - t))
             st = json.loads((tmp / "out.stats.json").read_text())
             assert st["documents"] + st["rejected"] == st["lines_read"] and st["bytes_in"] == total
         print(f"  zstd -dc > /dev/null  {total / 1e6 / zs:8.1f} MB/s  ({zs:.2f} s)")
         print(f"  zstd -dc > file       {total / 1e6 / zf:8.1f} MB/s  ({zf:.2f} s)")
         for threads, ck in results:
-            print(f"  snakellm chunk -t{threads}    {total / 1e6 / ck:8.1f} MB/s  ({ck:.2f} s, {st['documents']} documents "
-                  f"validated, {ck / zs:.1f}x zstd's time)")
+            print(
+                f"  snakellm chunk -t{threads}    {total / 1e6 / ck:8.1f} MB/s  ({ck:.2f} s, {st['documents']} documents "
+                f"validated, {ck / zs:.1f}x zstd's time)"
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

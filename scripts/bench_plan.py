@@ -11,6 +11,10 @@ this machine before (one job per shard: 86 s and 1.7 GB dry-run; a per-chunk
 prototype with 60,000 local files: 16.6 s dry-run, 15.9 s no-op). `--naive` also
 measures the one-job-per-shard Snakefile in this run (slow: minutes, GBs).
 
+Shard lists reach the jobs through data/plan/{source}/{chunk}.list files (no command-line
+ceiling): `--per-chunk 5000` checks the 60,000-shard / 12-chunk case. CPU seconds are printed
+next to wall time: on a loaded machine they are the figure to compare.
+
 usage: .venv/bin/python scripts/bench_plan.py [--shards 60000] [--per-chunk 800] [--naive] [--keep DIR]
 """
 
@@ -19,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -35,8 +38,11 @@ BIN = Path(sys.executable).parent
 BAR_S = 20.0
 
 
+CPU: dict[str, float] = {}  # CPU seconds (user + sys) of the last snakemake call: robust on a loaded machine
+
+
 def snakemake(workdir: Path, *args: str, snakefile: Path = REPO / "Snakefile") -> tuple[float, float, str]:
-    """Run snakemake; return (seconds, peak RSS in MB of this child, output)."""
+    """Run snakemake; return (seconds, peak RSS in MB of this child, output); CPU["last"] = its CPU seconds."""
     cmd = [str(BIN / "snakemake"), "-s", str(snakefile), "-d", str(workdir), "--nocolor", "-c2", *args]
     if snakefile == REPO / "Snakefile":
         cmd += ["--configfile", str(workdir / "config.yaml"), "--replace-workflow-config"]
@@ -46,13 +52,15 @@ def snakemake(workdir: Path, *args: str, snakefile: Path = REPO / "Snakefile") -
         "import resource,subprocess,sys,time;t=time.perf_counter();"
         "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
         "sys.stdout.write(p.stdout+p.stderr);"
-        "sys.stderr.write(f'@@{time.perf_counter()-t} {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}@@');"
+        "r=resource.getrusage(resource.RUSAGE_CHILDREN);"
+        "sys.stderr.write(f'@@{time.perf_counter()-t} {r.ru_maxrss} {r.ru_utime+r.ru_stime}@@');"
         "sys.exit(p.returncode)"
     )
     p = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, env=env, cwd=workdir)
-    m = re.search(r"@@([\d.]+) (\d+)@@", p.stderr)
+    m = re.search(r"@@([\d.]+) (\d+) ([\d.]+)@@", p.stderr)
     if p.returncode != 0 or not m:
         sys.exit(f"snakemake failed: {' '.join(cmd)}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    CPU["last"] = float(m.group(3))
     return float(m.group(1)), int(m.group(2)) / 1024, p.stdout
 
 
@@ -71,11 +79,19 @@ def job_counts(out: str) -> dict[str, int]:
 def bench_config(source: dict) -> str:
     """One source plus the GPT-2 tokenizer: the whole data graph (download/chunk/tokenize/blend)."""
     tok = REPO / "resources" / "tokenizers" / "gpt2"
-    return yaml.safe_dump({
-        "sources": {"sp": source},
-        "tokenizers": {"gpt2": {"kind": "gpt2-bpe", "vocab_file": str(tok / "vocab.json"),
-                                "merges_file": str(tok / "merges.txt"), "vocab_size": 50257}},
-    })
+    return yaml.safe_dump(
+        {
+            "sources": {"sp": source},
+            "tokenizers": {
+                "gpt2": {
+                    "kind": "gpt2-bpe",
+                    "vocab_file": str(tok / "vocab.json"),
+                    "merges_file": str(tok / "merges.txt"),
+                    "vocab_size": 50257,
+                }
+            },
+        }
+    )
 
 
 def make_local_shards(root: Path, n: int) -> None:
@@ -90,7 +106,10 @@ def make_local_shards(root: Path, n: int) -> None:
 
 def line(name: str, seconds: float, mb: float, ref: str) -> None:
     verdict = "OK " if seconds < BAR_S else "SLOW"
-    print(f"  {verdict} {name:<34} {seconds:6.1f} s  {mb:7.0f} MB peak   (bar < {BAR_S:.0f} s; {ref})")
+    cpu = CPU.get("last", 0.0)
+    print(
+        f"  {verdict} {name:<34} {seconds:6.1f} s ({cpu:5.1f} s CPU)  {mb:7.0f} MB peak   (bar < {BAR_S:.0f} s; {ref})"
+    )
 
 
 def main() -> None:
@@ -110,8 +129,9 @@ def main() -> None:
         http = base / "http"
         http.mkdir(exist_ok=True)
         url = f"http://127.0.0.1:9/chunk{{1..{n_dirs}}}/example_train_{{0..{per_dir - 1}}}.jsonl.zst"
-        (http / "config.yaml").write_text(bench_config(
-            {"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": a.per_chunk}))
+        (http / "config.yaml").write_text(
+            bench_config({"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": a.per_chunk})
+        )
         s, mb, out = snakemake(http, "-n")
         print(f"http source  jobs: {job_counts(out)}")
         line("http: snakemake -n", s, mb, "per-shard reference 86 s / 1.7 GB")
@@ -121,9 +141,16 @@ def main() -> None:
         t = time.perf_counter()
         make_local_shards(local / "shards", a.shards)
         print(f"local source: wrote {a.shards} shard files in {time.perf_counter() - t:.1f} s")
-        (local / "config.yaml").write_text(bench_config({
-            "kind": "local", "path": "shards/chunk*/example_train_*.jsonl.zst", "format": "jsonl.zst",
-            "shards_per_chunk": a.per_chunk}))
+        (local / "config.yaml").write_text(
+            bench_config(
+                {
+                    "kind": "local",
+                    "path": "shards/chunk*/example_train_*.jsonl.zst",
+                    "format": "jsonl.zst",
+                    "shards_per_chunk": a.per_chunk,
+                }
+            )
+        )
         s, mb, out = snakemake(local, "-n")
         print(f"local source jobs: {job_counts(out)}")
         line("local: snakemake -n", s, mb, "per-chunk prototype 16.6 s")
@@ -140,7 +167,8 @@ def main() -> None:
                 f'SH = glob_wildcards("{local}/shards/{{d}}/example_train_{{i}}.jsonl.zst")\n'
                 "rule all:\n    input: expand('out/{d}/{i}.jsonl', zip, d=SH.d, i=SH.i)\n"
                 f"rule one:\n    input: '{local}/shards/{{d}}/example_train_{{i}}.jsonl.zst'\n"
-                "    output: 'out/{d}/{i}.jsonl'\n    shell: 'zstd -dc {input} > {output}'\n")
+                "    output: 'out/{d}/{i}.jsonl'\n    shell: 'zstd -dc {input} > {output}'\n"
+            )
             s, mb, out = snakemake(naive, "-n", snakefile=naive / "Snakefile")
             line("naive one-job-per-shard: -n", s, mb, "the thing to beat")
     finally:

@@ -31,8 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SEQ = 1024
 VOCAB = 50257
-REFERENCE = {"llm.c (H100)": (475_000, 0.38), "megatron-core local spec (measured)": (121_000, 0.106),
-             "local spec + SDPA core attention (measured)": (308_000, 0.268)}
+REFERENCE = {
+    "llm.c (H100)": (475_000, 0.38),
+    "megatron-core local spec (measured)": (121_000, 0.106),
+    "local spec + SDPA core attention (measured)": (308_000, 0.268),
+}
 
 # name -> extra `snakellm train` arguments (on top of the common ones below)
 VARIANTS: dict[str, list[str]] = {
@@ -45,8 +48,15 @@ VARIANTS: dict[str, list[str]] = {
     "fused-compile-mbs64": ["--micro-batch-size", "64", "--loss", "compiled", "--compile"],
     "fused-flash-mbs32": ["--micro-batch-size", "32", "--loss", "compiled", "--attention-backend", "flash"],
     "fused-cudnn": ["--micro-batch-size", "16", "--loss", "compiled", "--attention-backend", "cudnn"],
-    "fused-compile-cudnn-mbs32": ["--micro-batch-size", "32", "--loss", "compiled", "--compile",
-                                  "--attention-backend", "cudnn"],
+    "fused-compile-cudnn-mbs32": [
+        "--micro-batch-size",
+        "32",
+        "--loss",
+        "compiled",
+        "--compile",
+        "--attention-backend",
+        "cudnn",
+    ],
 }
 DEFAULT = ["megatron-loss", "fused", "fused-mbs32", "fused-mbs64", "fused-compile-mbs64"]
 
@@ -70,11 +80,15 @@ def make_data(root: Path, tokens: int, seed: int = 0) -> Path:
         ids[-1] = VOCAB - 1  # <|endoftext|>
         builder.add_document(torch.from_numpy(ids), [doc])
     builder.finalize(f"{prefix}.idx")
-    blend.write_text(json.dumps({
-        "data_prefix": [1.0, str(prefix)],
-        "tokenizer": {"name": "gpt2", "kind": "gpt2-bpe", "vocab_size": VOCAB, "eod_id": VOCAB - 1},
-        "tokens": tokens,
-    }))
+    blend.write_text(
+        json.dumps(
+            {
+                "data_prefix": [1.0, str(prefix)],
+                "tokenizer": {"name": "gpt2", "kind": "gpt2-bpe", "vocab_size": VOCAB, "eod_id": VOCAB - 1},
+                "tokens": tokens,
+            }
+        )
+    )
     return blend
 
 
@@ -87,32 +101,77 @@ def run_variant(name: str, extra: list[str], args, blend: Path, out: Path) -> di
     mbs = int(extra[extra.index("--micro-batch-size") + 1])
     gbs = args.global_batch_size
     cmd = [
-        "snakellm", "train", "--blend", str(blend), "--run-dir", str(run_dir), "--preset", args.preset,
-        "--seq-length", str(args.seq_length),
-        "--steps", str(args.steps), "--global-batch-size", str(gbs), "--log-interval", str(args.log_interval),
-        "--eval-iters", "0", "--no-checkpoints", "--no-tensorboard", "--no-progress", "--lr", "6e-4",
-        "--warmup-steps", "2", "--split", "100,0,0", "--precision", "bf16", *extra,
+        "snakellm",
+        "train",
+        "--blend",
+        str(blend),
+        "--run-dir",
+        str(run_dir),
+        "--preset",
+        args.preset,
+        "--seq-length",
+        str(args.seq_length),
+        "--steps",
+        str(args.steps),
+        "--global-batch-size",
+        str(gbs),
+        "--log-interval",
+        str(args.log_interval),
+        "--eval-iters",
+        "0",
+        "--no-checkpoints",
+        "--no-tensorboard",
+        "--no-progress",
+        "--lr",
+        "6e-4",
+        "--warmup-steps",
+        "2",
+        "--split",
+        "100,0,0",
+        "--precision",
+        "bf16",
+        *extra,
     ]
     if args.profile and name == args.profile:
         cmd += ["--profile-steps", f"{args.steps}:{args.steps}"]
     if args.nproc > 1:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-                  "-m", "snakellm.cli"] + cmd[1:]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            "-m",
+            "snakellm.cli",
+        ] + cmd[1:]
     else:
         launch = [sys.executable, "-m", "snakellm.cli"] + cmd[1:]
     log = out / f"{name}-np{args.nproc}.log"
     t0 = time.time()
     with open(log, "w") as fh:
-        proc = subprocess.run(launch, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.run(
+            launch,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            timeout=args.timeout,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     wall = time.time() - t0
-    res = {"variant": name, "nproc": args.nproc, "micro_batch_size": mbs, "global_batch_size": gbs,
-           "args": extra, "rc": proc.returncode, "wall_s": round(wall, 1), "log": str(log)}
+    res = {
+        "variant": name,
+        "nproc": args.nproc,
+        "micro_batch_size": mbs,
+        "global_batch_size": gbs,
+        "args": extra,
+        "rc": proc.returncode,
+        "wall_s": round(wall, 1),
+        "log": str(log),
+    }
     metrics = run_dir / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.exists():
         res["error"] = log.read_text()[-3000:]
         return res
-    recs = [json.loads(l) for l in metrics.read_text().splitlines()]
+    recs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
     windows: dict[float, list[int]] = {}
     for r in recs:
         if "tokens_per_s" in r:
@@ -120,14 +179,21 @@ def run_variant(name: str, extra: list[str], args, blend: Path, out: Path) -> di
     per_window = [(min(steps), tps) for tps, steps in windows.items()]
     per_window.sort()
     skip_to = args.warmup_steps
-    steady = [tps for first, tps in per_window if first > skip_to and not (args.profile == name and first + args.log_interval > args.steps)]
+    steady = [
+        tps
+        for first, tps in per_window
+        if first > skip_to and not (args.profile == name and first + args.log_interval > args.steps)
+    ]
     tps = statistics.median(steady) if steady else None
     summary = json.loads((run_dir / "train_summary.json").read_text())
     flops = summary["flops_per_token"]
     res.update(
-        tokens_per_s=tps, windows=[round(t) for t in steady],
+        tokens_per_s=tps,
+        windows=[round(t) for t in steady],
         mfu=tps * flops / (args.peak_tflops * 1e12 * args.nproc) if tps else None,
-        step_s=gbs * args.seq_length / tps if tps else None, params=summary["params"], flops_per_token=flops,
+        step_s=gbs * args.seq_length / tps if tps else None,
+        params=summary["params"],
+        flops_per_token=flops,
         final_loss=summary["final_loss"],
     )
     prof = run_dir / "profile.txt"
@@ -137,8 +203,9 @@ def run_variant(name: str, extra: list[str], args, blend: Path, out: Path) -> di
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--variants", default=",".join(DEFAULT), help="comma-separated names (see --list)")
     p.add_argument("--list", action="store_true", help="print the variants and exit")
     p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes); global batch scales with it")
@@ -147,8 +214,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--log-interval", type=int, default=2)
     p.add_argument("--warmup-steps", type=int, default=6, help="steps left out of the median (compilation)")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="sequences per step (default 256 per GPU: 262K tokens, llm.c uses 512)")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="sequences per step (default 256 per GPU: 262K tokens, llm.c uses 512)",
+    )
     p.add_argument("--peak-tflops", type=float, default=989.4, help="per-GPU dense bf16 peak for MFU")
     p.add_argument("--profile", default=None, help="variant whose last step is profiled (kernel table saved)")
     p.add_argument("--workdir", default="/tmp/snakellm-bench")
@@ -165,30 +236,39 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO))
     os.chdir(REPO)
     t0 = time.time()
-    blend = make_data(Path(args.workdir) / "data",
-                      int(args.steps * args.global_batch_size * (args.seq_length + 1) * 1.05))
+    blend = make_data(
+        Path(args.workdir) / "data", int(args.steps * args.global_batch_size * (args.seq_length + 1) * 1.05)
+    )
     print(f"data ready in {time.time() - t0:.1f}s", flush=True)
     results = []
     for name in args.variants.split(","):
         r = run_variant(name, VARIANTS[name], args, blend, out)
         results.append(r)
-        msg = (f"{name}: {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}, {r['step_s'] * 1e3:.0f} ms/step "
-               f"(windows {r['windows']})" if r.get("tokens_per_s") else f"{name}: FAILED rc={r['rc']}\n{r.get('error', '')}")
+        msg = (
+            f"{name}: {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.1%}, {r['step_s'] * 1e3:.0f} ms/step "
+            f"(windows {r['windows']})"
+            if r.get("tokens_per_s")
+            else f"{name}: FAILED rc={r['rc']}\n{r.get('error', '')}"
+        )
         print(msg + f" [{r['wall_s']}s]", flush=True)
         (out / "bench.json").write_text(json.dumps(results, indent=2))
 
     import torch
 
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    print(f"\n{args.preset}, seq {args.seq_length}, bf16, {args.nproc} x {dev}, torch {torch.__version__}, "
-          f"global batch {args.global_batch_size} x {args.seq_length} tokens")
+    print(
+        f"\n{args.preset}, seq {args.seq_length}, bf16, {args.nproc} x {dev}, torch {torch.__version__}, "
+        f"global batch {args.global_batch_size} x {args.seq_length} tokens"
+    )
     print(f"{'variant':34s} {'mbs':>4s} {'tokens/s':>12s} {'per GPU':>10s} {'MFU':>7s}")
     for name, (tps, mfu) in REFERENCE.items():
         print(f"{'[ref] ' + name:34s} {'':>4s} {tps:>12,.0f} {tps:>10,.0f} {mfu:>7.1%}")
     for r in results:
         if r.get("tokens_per_s"):
-            print(f"{r['variant']:34s} {r['micro_batch_size']:>4d} {r['tokens_per_s']:>12,.0f} "
-                  f"{r['tokens_per_s'] / args.nproc:>10,.0f} {r['mfu']:>7.1%}")
+            print(
+                f"{r['variant']:34s} {r['micro_batch_size']:>4d} {r['tokens_per_s']:>12,.0f} "
+                f"{r['tokens_per_s'] / args.nproc:>10,.0f} {r['mfu']:>7.1%}"
+            )
         else:
             print(f"{r['variant']:34s} {r['micro_batch_size']:>4d} {'failed':>12s}")
     return 0 if all(r.get("tokens_per_s") for r in results) else 1

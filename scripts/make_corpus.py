@@ -30,12 +30,12 @@ def wikitext_articles(path: Path) -> list[dict]:
         m = re.match(r"^ = ([^=].*[^=]) = $", line)
         if m:
             if title is not None:
-                arts.append({"text": "\n".join(l.strip() for l in lines if l.strip()), "meta": {"title": title}})
+                arts.append({"text": "\n".join(ln.strip() for ln in lines if ln.strip()), "meta": {"title": title}})
             title, lines = m.group(1), []
         else:
             lines.append(line)
     if title is not None:
-        arts.append({"text": "\n".join(l.strip() for l in lines if l.strip()), "meta": {"title": title}})
+        arts.append({"text": "\n".join(ln.strip() for ln in lines if ln.strip()), "meta": {"title": title}})
     return arts
 
 

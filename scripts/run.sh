@@ -4,5 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+# Graphviz draws the DAG pictures of the report (apt, once; instant afterwards)
+bash scripts/setup-report-tools.sh
 export PATH="$PWD/.venv/bin:$PATH"
 exec snakemake --profile profiles/default "$@"

@@ -15,17 +15,44 @@ import sys
 STEPS: dict[str, tuple[str, str]] = {
     "download": ("snakellm.data.download", "fetch a chunk's http shards with retries, resume and a sha256 manifest"),
     "chunk": ("snakellm.data.chunk", "stream a chunk's shards into one validated jsonl (+ rejected lines, stats)"),
-    "train-tokenizer": ("snakellm.tokenize.sentencepiece_trainer", "train a SentencePiece tokenizer on a sample of the chunks"),
+    "train-tokenizer": (
+        "snakellm.tokenize.sentencepiece_trainer",
+        "train a SentencePiece tokenizer on a sample of the chunks",
+    ),
     "tokenize": ("snakellm.tokenize.encode", "tokenize a chunk into Megatron .bin/.idx (MMIDIDX)"),
     "blend": ("snakellm.tokenize.blend", "write Megatron's data_prefix blend for a tokenizer"),
     "train": ("snakellm.train.cli", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
     "prepare-sft": ("snakellm.finetune.sft_data", "SQuAD json / jsonl -> {input, output} train/validation/test splits"),
-    "finetune": ("snakellm.finetune.cli", "LoRA, full SFT or p-tuning of a pretrained run (answer-only loss, resumable)"),
+    "finetune": (
+        "snakellm.finetune.cli",
+        "LoRA, full SFT or p-tuning of a pretrained run (answer-only loss, resumable)",
+    ),
     "evaluate": ("snakellm.eval.evaluate", "greedy generation on a test split: exact_string_match, SQuAD EM/F1, loss"),
-    "lora": ("snakellm.finetune.adapters_cli", "merge a LoRA adapter into its base, or write it in Hugging Face PEFT format"),
+    "lora": (
+        "snakellm.finetune.adapters_cli",
+        "merge a LoRA adapter into its base, or write it in Hugging Face PEFT format",
+    ),
     "plan": ("snakellm.data.plan_cli", "print the chunk plan of the configured sources"),
+    "export-nemo": ("snakellm.export.export_nemo", "write a .nemo (NeMo 1.x mcore GPT) that NeMo's restore_from loads"),
+    "import-nemo": (
+        "snakellm.export.import_nemo",
+        "import a .nemo that NeMo's save_to wrote into a model-only checkpoint",
+    ),
     "launch": ("snakellm.launch.prefix", "print the srun/torchrun/container command line the pretrain rule runs"),
-    "report": ("snakellm.report.cli", "plots and tables for `snakemake --report` (data, tokens, train, any metrics table)"),
+    "export-hf": ("snakellm.export.hf", "write a Hugging Face model directory (GPT-2 / Llama) from a checkpoint"),
+    "import-hf": (
+        "snakellm.export.import_hf",
+        "turn a Hugging Face GPT-2 / Llama directory into a snakellm checkpoint",
+    ),
+    "generate": ("snakellm.serve.generate", "sample continuations of prompts from a checkpoint (KV-cached decoding)"),
+    "serve": (
+        "snakellm.serve.server",
+        "serve a checkpoint over HTTP: NeMo's PUT /generate and OpenAI's /v1/completions",
+    ),
+    "report": (
+        "snakellm.report.cli",
+        "plots and tables for `snakemake --report` (data, tokens, train, any metrics table)",
+    ),
     "dag": ("snakellm.report.dag", "render the workflow's rule graph and job DAG to SVG with Graphviz"),
 }
 

@@ -47,9 +47,18 @@ class Workspace:
 
     def run(self, *args: str, check: bool = True, cores: int = 2, timeout: float = 900) -> subprocess.CompletedProcess:
         cmd = [
-            str(BIN / "snakemake"), "-s", str(SNAKEFILE), "-d", str(self.root),
-            "--configfile", str(self.config_path), "--replace-workflow-config",
-            "-c", str(cores), "--nocolor", *args,
+            str(BIN / "snakemake"),
+            "-s",
+            str(SNAKEFILE),
+            "-d",
+            str(self.root),
+            "--configfile",
+            str(self.config_path),
+            "--replace-workflow-config",
+            "-c",
+            str(cores),
+            "--nocolor",
+            *args,
         ]
         proc = subprocess.run(cmd, cwd=self.root, env=env_with_venv(), capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:

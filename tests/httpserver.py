@@ -74,7 +74,7 @@ class ShardServer:
 
     # -------------------------------------------------------------- test API
 
-    def __enter__(self) -> "ShardServer":
+    def __enter__(self) -> ShardServer:
         self._thread.start()
         return self
 

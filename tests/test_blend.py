@@ -13,12 +13,12 @@ import warnings
 
 import numpy as np
 import pytest
+from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, corpus, write_jsonl
 
 from snakellm.tokenize import encoders as T
 from snakellm.tokenize.blend import BlendError, build_blend, main
 from snakellm.tokenize.encode import tokenize_file
-from snakellm.tokenize.sentencepiece_trainer import train
-from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, corpus, write_jsonl
+from snakellm.tokenize.sentencepiece_trainer import train_sentencepiece
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -61,7 +61,9 @@ def tokenized(tmp_path_factory, gpt2):
 def test_blend_weights_are_tokens_times_source_weight_normalised(tokenized, monkeypatch):
     root, stats = tokenized
     monkeypatch.chdir(root)
-    assert main([*stats, "-o", "data/tokens/gpt2/blend.json", "--weight", "wikitext=1.0", "--weight", "botchan=0.5"]) == 0
+    assert (
+        main([*stats, "-o", "data/tokens/gpt2/blend.json", "--weight", "wikitext=1.0", "--weight", "botchan=0.5"]) == 0
+    )
     blend = json.loads((root / "data/tokens/gpt2/blend.json").read_text())
     tokens = [json.loads((root / s).read_text())["tokens"] for s in stats]
     raw = [tokens[0], tokens[1], tokens[2] * 0.5]
@@ -73,7 +75,13 @@ def test_blend_weights_are_tokens_times_source_weight_normalised(tokenized, monk
     assert blend["sources"]["botchan"]["share"] == pytest.approx(expect[2])
     assert blend["sources"]["wikitext"]["chunks"] == 2 and blend["sources"]["botchan"]["weight"] == 0.5
     tok = blend["tokenizer"]
-    assert (tok["name"], tok["kind"], tok["vocab_size"], tok["eod_id"], tok["dtype"]) == ("gpt2", "gpt2-bpe", 50257, 50256, "uint16")
+    assert (tok["name"], tok["kind"], tok["vocab_size"], tok["eod_id"], tok["dtype"]) == (
+        "gpt2",
+        "gpt2-bpe",
+        50257,
+        50256,
+        "uint16",
+    )
     assert tok["files"] == {"vocab_file": str(GPT2_VOCAB), "merges_file": str(GPT2_MERGES)}
     assert tok["megatron_args"][:2] == ["--tokenizer-type", "GPT2BPETokenizer"]
     assert tok["nemo"]["type"] == "GPT2BPETokenizer"
@@ -86,17 +94,33 @@ def test_blend_weights_are_tokens_times_source_weight_normalised(tokenized, monk
 def test_blend_refuses_mixed_tokenizers_and_unweighted_sources(tokenized, tmp_path, monkeypatch, capsys):
     root, stats = tokenized
     monkeypatch.chdir(root)
-    with pytest.raises(BlendError, match=r"botchan/chunk-00000_text_document.stats.json: source 'botchan' has no weight"):
+    with pytest.raises(
+        BlendError, match=r"botchan/chunk-00000_text_document.stats.json: source 'botchan' has no weight"
+    ):
         build_blend(stats, {"wikitext": 1.0})
     # a chunk tokenized by another tokenizer cannot join this blend
     model = tmp_path / "sp.model"
-    train([(str(root / "data/jsonl/botchan/chunk-00000.jsonl"), "text")], str(model), str(tmp_path / "v"), str(tmp_path / "s"), vocab_size=500)
+    train_sentencepiece(
+        [(str(root / "data/jsonl/botchan/chunk-00000.jsonl"), "text")],
+        str(model),
+        str(tmp_path / "v"),
+        str(tmp_path / "s"),
+        vocab_size=500,
+    )
     sp = T.load("sentencepiece", model_file=str(model))
-    tokenize_file(str(root / "data/jsonl/botchan/chunk-00000.jsonl"), str(tmp_path / "sp"), sp, source="botchan", show_progress=False)
+    tokenize_file(
+        str(root / "data/jsonl/botchan/chunk-00000.jsonl"),
+        str(tmp_path / "sp"),
+        sp,
+        source="botchan",
+        show_progress=False,
+    )
     other = str(tmp_path / "sp.stats.json")
     with pytest.raises(BlendError, match=rf"{other}: tokenized with a different tokenizer than {stats[0]}"):
         build_blend([stats[0], other], WEIGHTS)
-    assert main([stats[0], other, "-o", str(tmp_path / "b.json"), "--weight", "wikitext=1", "--weight", "botchan=1"]) == 1
+    assert (
+        main([stats[0], other, "-o", str(tmp_path / "b.json"), "--weight", "wikitext=1", "--weight", "botchan=1"]) == 1
+    )
     assert "different tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "b.json").exists() and not (tmp_path / "blend.txt").exists()
 

@@ -32,7 +32,7 @@ def test_zstd_gzip_plain_shards_concatenate_in_order(tmp_path):
     out = tmp_path / "out" / "chunk-00000.jsonl"
     # each shard's compression comes from its own suffix when the format says plain jsonl
     st = chunkmod.build_chunk([str(zs), str(gz), str(pl)], str(out), fmt="jsonl", show_progress=False)
-    lines = [json.loads(l) for l in out.read_text().splitlines()]
+    lines = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert [d["text"] for d in lines] == ["first document", "second one", "from gzip", "plain"]
     assert lines[1]["meta"] == {"x": 1}  # the document is kept whole
     assert st["documents"] == 4 and st["rejected"] == 0 and st["lines_read"] == 4
@@ -68,8 +68,8 @@ def test_every_bad_line_is_quarantined_with_shard_line_and_reason(tmp_path):
     shard.write_bytes(b"\n".join(lines) + b"\n")
     out = tmp_path / "c.jsonl"
     st = chunkmod.build_chunk([str(shard)], str(out), fmt="jsonl", show_progress=False)
-    assert [json.loads(l)["text"] for l in out.read_text().splitlines()] == ["ok 1", "ok 2"]
-    rej = [json.loads(l) for l in (tmp_path / "c.rejected.jsonl").read_text().splitlines()]
+    assert [json.loads(ln)["text"] for ln in out.read_text().splitlines()] == ["ok 1", "ok 2"]
+    rej = [json.loads(ln) for ln in (tmp_path / "c.rejected.jsonl").read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rej] == [
         (2, "invalid_json"),
         (3, "missing_key"),
@@ -86,8 +86,14 @@ def test_every_bad_line_is_quarantined_with_shard_line_and_reason(tmp_path):
     assert "\\xe9" in rej[4]["content"]  # the raw bytes stay recoverable
     assert st["lines_read"] == 11 and st["documents"] == 2 and st["rejected"] == 9
     assert st["rejected_by_reason"] == {
-        "blank_line": 1, "invalid_utf8": 1, "invalid_unicode": 1, "invalid_json": 1,
-        "not_object": 1, "missing_key": 1, "not_string": 2, "empty_text": 1,
+        "blank_line": 1,
+        "invalid_utf8": 1,
+        "invalid_unicode": 1,
+        "invalid_json": 1,
+        "not_object": 1,
+        "missing_key": 1,
+        "not_string": 2,
+        "empty_text": 1,
     }
 
 
@@ -104,12 +110,17 @@ def test_plain_text_formats(tmp_path):
     (tmp_path / "blocks.txt").write_text("para one\nline two\n\n\n  \npara two\n\n")
     (tmp_path / "empty.txt").write_text("  \n")
     st = chunkmod.build_chunk(
-        [str(tmp_path / "one.txt"), str(tmp_path / "empty.txt")], str(tmp_path / "t.jsonl"), fmt="text", show_progress=False
+        [str(tmp_path / "one.txt"), str(tmp_path / "empty.txt")],
+        str(tmp_path / "t.jsonl"),
+        fmt="text",
+        show_progress=False,
     )
     assert st["documents"] == 1 and st["rejected_by_reason"] == {"empty_text": 1}
     assert json.loads((tmp_path / "t.jsonl").read_text())["text"] == "A whole file\nis one document.\n"
-    chunkmod.build_chunk([str(tmp_path / "blocks.txt")], str(tmp_path / "b.jsonl"), fmt="text-blocks", show_progress=False)
-    docs = [json.loads(l)["text"] for l in (tmp_path / "b.jsonl").read_text().splitlines()]
+    chunkmod.build_chunk(
+        [str(tmp_path / "blocks.txt")], str(tmp_path / "b.jsonl"), fmt="text-blocks", show_progress=False
+    )
+    docs = [json.loads(ln)["text"] for ln in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert docs == ["para one\nline two\n", "para two\n"]
 
 
@@ -140,7 +151,17 @@ def test_killed_job_leaves_no_output_that_looks_complete(tmp_path):
         shards.append(str(p))
     out = tmp_path / "out" / "c.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "snakellm.data.chunk", *shards, "-o", str(out), "--format", "jsonl.zst", "--no-progress"],
+        [
+            sys.executable,
+            "-m",
+            "snakellm.data.chunk",
+            *shards,
+            "-o",
+            str(out),
+            "--format",
+            "jsonl.zst",
+            "--no-progress",
+        ],
         stderr=subprocess.PIPE,
     )
     # wait until it is writing (a temp file exists), then kill it hard
@@ -179,3 +200,97 @@ def test_parallel_workers_write_byte_identical_outputs(tmp_path):
         assert seq[key] == par[key]
     assert par["documents"] == 250 and par["rejected_by_reason"] == {"invalid_json": 5, "empty_text": 5}
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["c.jsonl", "c.rejected.jsonl", "c.stats.json"]
+
+
+# ---------------------------------------------------------------- issue 9: damaged input is never a short read
+
+
+def _chunk_fails(shards, tmp_path, fmt):
+    out = tmp_path / "out" / "c.jsonl"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakellm.data.chunk",
+            *map(str, shards),
+            "-o",
+            str(out),
+            "--format",
+            fmt,
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    left = sorted(p.name for p in out.parent.iterdir()) if out.parent.exists() else []
+    return proc, left
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.9, -1])
+def test_truncated_zstd_shard_fails_naming_the_shard(tmp_path, cut):
+    docs = [{"text": f"document {i} " + "x" * 50} for i in range(2000)]
+    data = zstandard.ZstdCompressor().compress(_jsonl(docs))
+    n = len(data) - 1 if cut == -1 else int(len(data) * cut)
+    shard = tmp_path / "cut.jsonl.zst"
+    shard.write_bytes(data[:n])  # a download cut short: `zstd -t` says "premature end"
+    proc, left = _chunk_fails([shard], tmp_path, "jsonl.zst")
+    assert proc.returncode == 1, proc.stderr
+    assert str(shard) in proc.stderr and "truncated zstd" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert left == []  # nothing that looks complete
+
+
+def test_truncated_multi_frame_zstd_and_gzip_fail(tmp_path):
+    c = zstandard.ZstdCompressor()
+    frames = c.compress(_jsonl(GOOD)) + c.compress(_jsonl(GOOD))
+    zs = tmp_path / "multi.jsonl.zst"
+    zs.write_bytes(frames[:-3])  # the second frame cut short
+    proc, left = _chunk_fails([zs], tmp_path, "jsonl.zst")
+    assert proc.returncode == 1 and str(zs) in proc.stderr and "truncated zstd" in proc.stderr and left == []
+    gz = tmp_path / "cut.jsonl.gz"
+    gz.write_bytes(gzip.compress(_jsonl(GOOD * 100))[:-20])
+    proc, left = _chunk_fails([gz], tmp_path, "jsonl.gz")
+    assert proc.returncode == 1 and str(gz) in proc.stderr and "truncated gzip" in proc.stderr and left == []
+    bad = bytearray(gzip.compress(_jsonl(GOOD * 100)))
+    bad[-6] ^= 0xFF  # CRC/length trailer damaged
+    gz.write_bytes(bytes(bad))
+    proc, left = _chunk_fails([gz], tmp_path, "jsonl.gz")
+    assert proc.returncode == 1 and str(gz) in proc.stderr and "corrupt gzip" in proc.stderr and left == []
+
+
+def test_corrupt_zstd_fails_naming_the_shard(tmp_path):
+    data = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(_jsonl(GOOD * 200)))
+    data[len(data) // 2] ^= 0x55
+    shard = tmp_path / "flip.jsonl.zst"
+    shard.write_bytes(bytes(data))
+    proc, left = _chunk_fails([shard], tmp_path, "jsonl.zst")
+    assert proc.returncode == 1 and str(shard) in proc.stderr and "corrupt zstd" in proc.stderr and left == []
+
+
+def test_gzip_shard_in_a_zstd_source_is_detected_and_reported(tmp_path):
+    gz = tmp_path / "a.jsonl.zst"  # really gzip, whatever the name and the format say
+    gz.write_bytes(gzip.compress(_jsonl(GOOD)))
+    out = tmp_path / "c.jsonl"
+    st = chunkmod.build_chunk([str(gz)], str(out), fmt="jsonl.zst", show_progress=False)
+    assert [json.loads(ln)["text"] for ln in out.read_text().splitlines()] == [d["text"] for d in GOOD]
+    assert st["per_shard"][0]["compression"] == "gzip"
+    assert st["compression_mismatches"] == 1
+    # no magic at all where the format promised zstd: an error naming the shard
+    plain = tmp_path / "b.jsonl.zst"
+    plain.write_bytes(_jsonl(GOOD))
+    proc, left = _chunk_fails([plain], tmp_path, "jsonl.zst")
+    assert proc.returncode == 1 and str(plain) in proc.stderr and "not a zstd file" in proc.stderr and left == []
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
+@pytest.mark.parametrize("final", [True, False])
+def test_bom_and_line_endings_keep_every_document_exactly(tmp_path, ending, final):
+    texts = ["first", "caf\u00e9 \u2014 second", "third"]
+    body = ending.join(json.dumps({"text": t}, ensure_ascii=False).encode() for t in texts) + (ending if final else b"")
+    shard = tmp_path / "win.jsonl"
+    shard.write_bytes(b"\xef\xbb\xbf" + body)  # exported on Windows: a UTF-8 byte-order mark first
+    out = tmp_path / "c.jsonl"
+    st = chunkmod.build_chunk([str(shard)], str(out), fmt="jsonl", show_progress=False)
+    assert [json.loads(ln)["text"] for ln in out.read_bytes().split(b"\n")[:-1]] == texts
+    assert out.read_bytes().count(b"\r") == 0 and out.read_bytes().endswith(b"\n")
+    assert st["rejected"] == 0 and st["lines_read"] == 3 and st["boms_stripped"] == 1

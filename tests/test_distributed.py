@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import env_with_venv
 
 from snakellm.launch.distributed import LaunchError, detect, expand_hostlist
-
-from conftest import env_with_venv
 
 BIN = Path(sys.executable).parent
 
@@ -38,20 +37,45 @@ def test_bad_hostlists_are_errors():
 
 
 def test_torchrun():
-    d = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29501"})
+    d = detect(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29501",
+        }
+    )
     assert (d.launcher, d.rank, d.world_size, d.local_rank, d.local_world_size) == ("torchrun", 3, 8, 1, 4)
     assert (d.master_addr, d.master_port) == ("10.0.0.1", 29501)
 
 
 def test_srun_takes_master_addr_from_the_first_node():
-    d = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-                "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"})
+    d = detect(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_STEP_ID": "0",
+            "SLURM_STEP_TASKS_PER_NODE": "4",
+            "SLURM_JOB_NODELIST": "gpu[07-08]",
+            "SLURM_JOB_ID": "4242",
+        }
+    )
     assert (d.launcher, d.rank, d.world_size, d.local_rank, d.local_world_size) == ("srun", 5, 8, 1, 4)
     assert d.master_addr == "gpu07" and d.master_port == 20000 + 4242
     # tasks per node in Slurm's compressed form
-    d = detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "1",
-                "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "n[1-2]"})
+    d = detect(
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "0",
+            "SLURM_STEP_ID": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+            "SLURM_STEP_NODELIST": "n[1-2]",
+        }
+    )
     assert d.local_world_size == 4 and d.master_addr == "n1"
 
 
@@ -63,14 +87,30 @@ def test_a_batch_script_is_one_process_not_a_slurm_step():
 
 
 def test_openmpi():
-    d = detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-                "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "head"})
+    d = detect(
+        {
+            "OMPI_COMM_WORLD_RANK": "2",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_ADDR": "head",
+        }
+    )
     assert (d.launcher, d.rank, d.world_size, d.local_rank, d.local_world_size) == ("mpirun", 2, 4, 0, 2)
 
 
 def test_torchrun_wins_over_slurm_and_explicit_master_addr_wins():
-    d = detect({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0",
-                "SLURM_JOB_NODELIST": "x[1-2]", "MASTER_ADDR": "y"})
+    d = detect(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "1",
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NODELIST": "x[1-2]",
+            "MASTER_ADDR": "y",
+        }
+    )
     assert (d.launcher, d.rank, d.master_addr) == ("torchrun", 1, "y")
 
 
@@ -91,8 +131,14 @@ def test_world_size_2_on_cpu_trains_identical_replicas(tmp_path):
     common = ["train", "--blend", "data/tokens/synth/blend.json", *BASE, "--steps", "8", "--save-interval", "4"]
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--no-python", str(BIN / "snakellm")]
     env = env_with_venv()
-    proc = subprocess.run([*torchrun, *common, "--run-dir", "runs/dp2"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [*torchrun, *common, "--run-dir", "runs/dp2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "world 2 (torchrun) = dp 2 x tp 1 x pp 1; global batch 8 = micro 4 x dp 2 x 1 accumulation" in proc.stderr
     s = json.loads((tmp_path / "runs/dp2/train_summary.json").read_text())
@@ -100,17 +146,31 @@ def test_world_size_2_on_cpu_trains_identical_replicas(tmp_path):
     digests = s["replica_weight_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]  # sha256 of every weight, gathered from both ranks
     # the same global batch on one rank (2 accumulation steps): the same trajectory up to float rounding
-    proc = subprocess.run([str(BIN / "snakellm"), *common, "--run-dir", "runs/dp1"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(BIN / "snakellm"), *common, "--run-dir", "runs/dp1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    one, two = ([json.loads(l) for l in (tmp_path / f"runs/{r}/metrics.jsonl").read_text().splitlines()]
-                for r in ("dp1", "dp2"))
+    one, two = (
+        [json.loads(ln) for ln in (tmp_path / f"runs/{r}/metrics.jsonl").read_text().splitlines()]
+        for r in ("dp1", "dp2")
+    )
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * abs(a["loss"])
     # a data-parallel checkpoint resumes on another world size (the sample order is global): extend the
     # 2-rank run by 2 steps on 1 rank (the same schedule: decay_steps stays 8)
     longer = [*common[:-4], "--steps", "10", "--decay-steps", "8", "--save-interval", "4"]
-    proc = subprocess.run([str(BIN / "snakellm"), *longer, "--run-dir", "runs/dp2"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(BIN / "snakellm"), *longer, "--run-dir", "runs/dp2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed from runs/dp2/checkpoints/iter_0000008" in proc.stderr

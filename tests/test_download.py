@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from httpserver import ShardServer
+
 from snakellm.data import chunk, download
 from snakellm.data.chunk import _read_manifest
 from snakellm.data.planning import url_to_relpath
@@ -65,9 +65,10 @@ class Run:
         """The manifest lists every shard with the server's exact bytes, size and sha256."""
         man = json.loads(self.manifest.read_text())
         assert [s["url"] for s in man["shards"]] == [self.srv.url(r) for r in rels]
-        for rel, entry, path in zip(rels, man["shards"], _read_manifest(str(self.manifest))):
+        for rel, entry, (path, exp) in zip(rels, man["shards"], _read_manifest(str(self.manifest))):
             want = self.served(rel)
             assert Path(path) == self.local(rel)
+            assert (exp.size, exp.sha256, exp.url) == (len(want), sha256(want), self.srv.url(rel))
             assert Path(path).read_bytes() == want
             assert entry["size"] == len(want)
             assert entry["sha256"] == sha256(want)
@@ -101,6 +102,34 @@ def test_snakellm_chunk_reads_the_manifest(run, srv, tmp_path):
     stats = json.loads(out.with_name("c.stats.json").read_text())
     assert [Path(s["shard"]) for s in stats["per_shard"]] == [run.local(r) for r in SHARDS]
     assert stats["documents"] > 0 and stats["rejected"] == 0
+    assert [s["sha256"] for s in stats["per_shard"]] == [sha256(run.served(r)) for r in SHARDS]
+
+
+def test_snakellm_chunk_checks_shards_against_the_manifest(run, srv, tmp_path, capsys):
+    assert run(SHARDS)[0] == 0
+    out = tmp_path / "c.jsonl"
+    args = ["--manifest", str(run.manifest), "-o", str(out), "--format", "jsonl.zst", "--no-progress"]
+    # same size, one flipped bit: named with its URL and both hashes, removed so that the next run fetches it
+    bad = run.local(SHARDS[1])
+    raw = bytearray(bad.read_bytes())
+    raw[100] ^= 1
+    bad.write_bytes(bytes(raw))
+    assert chunk.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"shard {bad} ({srv.url(SHARDS[1])}) has sha256 {sha256(bytes(raw))}" in err
+    assert f"the manifest recorded {sha256(run.served(SHARDS[1]))}" in err and "the next run downloads it again" in err
+    assert not bad.exists() and not out.exists()
+    # gone: the message says so (the workflow downloads it again at its next start)
+    assert chunk.main(args) == 1
+    assert f"shard {bad} ({srv.url(SHARDS[1])}) listed in the manifest is missing" in capsys.readouterr().err
+    # cut short: the size is wrong
+    assert run(SHARDS)[0] == 0
+    bad.write_bytes(run.served(SHARDS[1])[:-10])
+    assert chunk.main(args) == 1
+    assert (
+        f"is {len(run.served(SHARDS[1])) - 10} bytes, the manifest recorded {len(run.served(SHARDS[1]))}"
+        in capsys.readouterr().err
+    )
 
 
 def test_complete_shards_are_never_fetched_again(run, srv):
@@ -241,8 +270,16 @@ def test_failed_run_keeps_the_part_and_the_next_run_resumes_it(run, srv):
 def test_killed_process_leaves_no_final_file_and_the_next_run_resumes(run, srv):
     # SIGKILL mid-body (a preempted Slurm job, an OOM kill): nothing may look complete
     srv.inject(SHARDS[1], {"stall_after": 3000, "stall_s": 10})
-    argv = [str(Path(sys.executable).parent / "snakellm"), "download", "--dest", str(run.dest), "--manifest",
-            str(run.manifest), "--no-progress", *[srv.url(r) for r in SHARDS[:2]]]
+    argv = [
+        str(Path(sys.executable).parent / "snakellm"),
+        "download",
+        "--dest",
+        str(run.dest),
+        "--manifest",
+        str(run.manifest),
+        "--no-progress",
+        *[srv.url(r) for r in SHARDS[:2]],
+    ]
     proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
     part = Path(str(run.local(SHARDS[1])) + ".part")
     deadline = time.monotonic() + 20
@@ -280,7 +317,9 @@ def test_416_for_a_part_that_is_already_whole_restarts(run, srv):
     final = run.local(SHARDS[0])
     final.parent.mkdir(parents=True)
     Path(str(final) + ".part").write_bytes(data)
-    Path(str(final) + ".meta.json").write_text(json.dumps({"url": srv.url(SHARDS[0]), "total": len(data), "validator": "\"stale\""}))
+    Path(str(final) + ".meta.json").write_text(
+        json.dumps({"url": srv.url(SHARDS[0]), "total": len(data), "validator": '"stale"'})
+    )
     rc, err = run(SHARDS[:1])
     assert rc == 0, err
     # If-Range did not match, so a plain 200; a matching one would have given 416 then 200
@@ -289,7 +328,9 @@ def test_416_for_a_part_that_is_already_whole_restarts(run, srv):
     srv.clear()
     final.unlink()
     Path(str(final) + ".part").write_bytes(data)
-    Path(str(final) + ".meta.json").write_text(json.dumps({"url": srv.url(SHARDS[0]), "total": len(data), "validator": ShardServer.etag(data)}))
+    Path(str(final) + ".meta.json").write_text(
+        json.dumps({"url": srv.url(SHARDS[0]), "total": len(data), "validator": ShardServer.etag(data)})
+    )
     assert run(SHARDS[:1])[0] == 0
     assert [(r.range, r.status) for r in srv.seen()] == [(f"bytes={len(data)}-", 416), (None, 200)]
     run.assert_complete(SHARDS[:1])
@@ -343,7 +384,9 @@ def test_unreachable_host_is_retried_then_reported(run, srv, tmp_path):
     port = s.getsockname()[1]
     s.close()  # nothing listens there now: connection refused
     url = f"http://127.0.0.1:{port}/x.jsonl.zst"
-    rc = download.main(["--dest", str(tmp_path / "d"), "--manifest", str(tmp_path / "m.json"), *FAST, "--retries", "1", url])
+    rc = download.main(
+        ["--dest", str(tmp_path / "d"), "--manifest", str(tmp_path / "m.json"), *FAST, "--retries", "1", url]
+    )
     err = run.capsys.readouterr().err
     assert rc == 1
     assert f"{url}: gave up after 2 attempts" in err and "refused" in err.lower()
@@ -358,9 +401,22 @@ def test_rejects_non_http_urls_and_duplicate_destinations(run, srv, tmp_path):
 
 def test_help_explains_the_step():
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "snakellm"), "download", "--help"], capture_output=True, text=True, check=True
+        [str(Path(sys.executable).parent / "snakellm"), "download", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
-    for word in ("--concurrency", "--retries", "--backoff", "--max-backoff", "--timeout", "Retry-After", "Range", "sha256", "manifest"):
+    for word in (
+        "--concurrency",
+        "--retries",
+        "--backoff",
+        "--max-backoff",
+        "--timeout",
+        "Retry-After",
+        "Range",
+        "sha256",
+        "manifest",
+    ):
         assert word in out
 
 
@@ -374,7 +430,9 @@ def test_retry_after_seconds(value, expected):
 
 def test_retry_after_http_date():
     now = time.time()
-    assert download.retry_after_seconds(email.utils.formatdate(now + 30, usegmt=True), now=now) == pytest.approx(30, abs=1)
+    assert download.retry_after_seconds(email.utils.formatdate(now + 30, usegmt=True), now=now) == pytest.approx(
+        30, abs=1
+    )
     assert download.retry_after_seconds(email.utils.formatdate(now - 30, usegmt=True), now=now) == 0.0
 
 

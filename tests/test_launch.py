@@ -11,13 +11,21 @@ import shlex
 import subprocess
 
 import pytest
-
 from conftest import BIN
+
 from snakellm.launch.prefix import Container, LaunchConfigError, geometry, launch_args, launch_prefix, resolve_mounts
 
 WD = "/lustre/proj/snakellm"
-PYXIS = {"runtime": "pyxis", "image": "nvcr.io#nvidia/pytorch:24.05-py3", "mounts": ["/lustre/datasets", "data:/workspace/data:ro"]}
-APPTAINER = {"runtime": "apptainer", "image": "/images/snakellm.sif", "mounts": ["/scratch/hf-cache:/root/.cache/huggingface"]}
+PYXIS = {
+    "runtime": "pyxis",
+    "image": "nvcr.io#nvidia/pytorch:24.05-py3",
+    "mounts": ["/lustre/datasets", "data:/workspace/data:ro"],
+}
+APPTAINER = {
+    "runtime": "apptainer",
+    "image": "/images/snakellm.sif",
+    "mounts": ["/scratch/hf-cache:/root/.cache/huggingface"],
+}
 
 SLURM_1x2 = {"mpi": "srun", "nodes": 1, "tasks": 2, "gpu": 2, "tasks_per_gpu": 1, "cpus_per_task": 1}
 SLURM_4x8 = {"mpi": "srun", "nodes": 4, "tasks": 32, "gpu": 32, "tasks_per_gpu": 1, "cpus_per_task": 8}
@@ -29,9 +37,7 @@ def test_local_single_process_has_no_prefix():
 
 
 def test_local_several_tasks_use_torchrun():
-    assert launch_prefix({"tasks": 4}, None, WD) == (
-        "torchrun --standalone --nnodes=1 --nproc-per-node=4 --no-python"
-    )
+    assert launch_prefix({"tasks": 4}, None, WD) == ("torchrun --standalone --nnodes=1 --nproc-per-node=4 --no-python")
 
 
 def test_slurm_single_node_two_tasks():
@@ -106,8 +112,16 @@ def test_mounts_are_absolute_and_the_workdir_comes_first():
 def test_paths_with_spaces_are_quoted():
     c = {"runtime": "apptainer", "image": "/my images/a.sif"}
     words = shlex.split(launch_prefix({}, c, "/home/me/my proj"))
-    assert words == ["apptainer", "exec", "--nv", "--bind", "/home/me/my proj:/home/me/my proj",
-                     "--pwd", "/home/me/my proj", "/my images/a.sif"]
+    assert words == [
+        "apptainer",
+        "exec",
+        "--nv",
+        "--bind",
+        "/home/me/my proj:/home/me/my proj",
+        "--pwd",
+        "/home/me/my proj",
+        "/my images/a.sif",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -147,9 +161,27 @@ def test_cli_prints_the_full_command(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("container:\n  runtime: pyxis\n  image: /images/x.sqsh\n")
     out = subprocess.run(
-        [str(BIN / "snakellm"), "launch", "--configfile", str(cfg), "-r", "mpi=srun", "-r", "nodes=1", "-r", "tasks=2",
-         "--", "snakellm", "train", "--steps", "10"],
-        cwd=tmp_path, capture_output=True, text=True, check=True,
+        [
+            str(BIN / "snakellm"),
+            "launch",
+            "--configfile",
+            str(cfg),
+            "-r",
+            "mpi=srun",
+            "-r",
+            "nodes=1",
+            "-r",
+            "tasks=2",
+            "--",
+            "snakellm",
+            "train",
+            "--steps",
+            "10",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     assert out == (
         "srun --nodes=1 --ntasks=2 --ntasks-per-node=2 --kill-on-bad-exit=1 --container-image=/images/x.sqsh "

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import env_with_venv
 from test_train import make_blend, train
 
@@ -52,8 +51,14 @@ def trained(tmp_path_factory) -> Path:
 
 
 def test_a_trained_run_reloads_with_the_recorded_validation_loss(trained):
-    proc = subprocess.run([sys.executable, "-c", PROBE, "runs/r"], cwd=trained, env=env_with_venv(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "runs/r"],
+        cwd=trained,
+        env=env_with_venv(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     summary = json.loads((trained / "runs/r/train_summary.json").read_text())
@@ -78,8 +83,15 @@ def test_load_errors_name_what_is_missing(trained, tmp_path):
 
 
 def test_describe_run_does_not_import_torch(trained):
-    probe = ("import sys; from snakellm.models.loading import describe_run; describe_run(sys.argv[1]); "
-             "print('torch' in sys.modules, 'megatron' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe, str(trained / "runs/r")], capture_output=True, text=True,
-                         env=env_with_venv(), check=True).stdout.split()
+    probe = (
+        "import sys; from snakellm.models.loading import describe_run; describe_run(sys.argv[1]); "
+        "print('torch' in sys.modules, 'megatron' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(trained / "runs/r")],
+        capture_output=True,
+        text=True,
+        env=env_with_venv(),
+        check=True,
+    ).stdout.split()
     assert out == ["False", "False"]

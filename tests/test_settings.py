@@ -10,8 +10,8 @@ import shlex
 
 import pytest
 import yaml
-
 from conftest import REPO
+
 from snakellm import models
 from snakellm.config import resolve
 from snakellm.config.validate import ConfigError
@@ -45,8 +45,9 @@ def test_schema_model_keys_equal_model_settings_and_presets():
 
 def test_cli_defaults_are_the_dataclass_defaults():
     parser = build_parser()
-    args = parser.parse_args(["--blend", "b.json", "--run-dir", "r", "--steps", "1", "--micro-batch-size", "1",
-                              "--global-batch-size", "1"])
+    args = parser.parse_args(
+        ["--blend", "b.json", "--run-dir", "r", "--steps", "1", "--micro-batch-size", "1", "--global-batch-size", "1"]
+    )
     for cls in (TrainSettings, ParallelSettings):
         for name, default in defaults(cls).items():
             if dataclasses.fields(cls)[[f.name for f in dataclasses.fields(cls)].index(name)].metadata["cli"]:
@@ -60,8 +61,12 @@ def test_trajectory_keys_are_the_settings_marked_so():
 
 
 def _config(**run):
-    base = {"tokenizer": "gpt2", "model": {"preset": "tiny"}, "parallel": {"tp": 1, "pp": 1},
-            "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 4}}
+    base = {
+        "tokenizer": "gpt2",
+        "model": {"preset": "tiny"},
+        "parallel": {"tp": 1, "pp": 1},
+        "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 4},
+    }
     base.update(run)
     return {"sources": {}, "tokenizers": {"gpt2": {"kind": "gpt2-bpe"}}, "tokenize": {}, "runs": {"r": base}}
 
@@ -75,12 +80,17 @@ def test_resolve_runs_expands_presets_and_the_flags_parse_back():
     assert args.steps == 3 and args.hidden_size == 64 and args.tie_embeddings is True and args.tp == 1
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"tokenizer": "nope"}, "config key runs.r.tokenizer: unknown tokenizer 'nope'"),
-    ({"model": {"preset": "tiny", "hidden_size": 66}}, "config key runs.r.model: hidden_size 66 is not divisible"),
-    ({"parallel": {"tp": 3, "pp": 1}}, "config key runs.r.model: model num_attention_heads 4 is not divisible by "
-                                       "tensor parallel size 3"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"tokenizer": "nope"}, "config key runs.r.tokenizer: unknown tokenizer 'nope'"),
+        ({"model": {"preset": "tiny", "hidden_size": 66}}, "config key runs.r.model: hidden_size 66 is not divisible"),
+        (
+            {"parallel": {"tp": 3, "pp": 1}},
+            "config key runs.r.model: model num_attention_heads 4 is not divisible by tensor parallel size 3",
+        ),
+    ],
+)
 def test_cross_field_errors_name_the_key(change, message):
     with pytest.raises(ConfigError, match=message):
         resolve.resolve_runs(_config(**change))

@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 import yaml
 import zstandard
-
 from conftest import BIN, REPO, SNAKEFILE, Workspace, age, env_with_venv
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -62,13 +61,21 @@ def slurm_cluster():
     if os.geteuid() != 0:
         pytest.skip("the Slurm test cluster needs root: scripts/slurm-up.sh installs packages and starts daemons")
     if not _slurm_installed() and not shutil.which("apt-get"):
-        pytest.skip("Slurm is not installed and there is no apt-get to install it (scripts/slurm-up.sh needs Debian/Ubuntu)")
-    was_up = subprocess.run(["scontrol", "ping"], capture_output=True, text=True).stdout.count("UP") > 0 if shutil.which("scontrol") else False
+        pytest.skip(
+            "Slurm is not installed and there is no apt-get to install it (scripts/slurm-up.sh needs Debian/Ubuntu)"
+        )
+    was_up = (
+        subprocess.run(["scontrol", "ping"], capture_output=True, text=True).stdout.count("UP") > 0
+        if shutil.which("scontrol")
+        else False
+    )
     t0 = time.monotonic()
     env = dict(os.environ)
     if (os.cpu_count() or 1) < 2:  # pretrain runs 2 ranks of 1 CPU each
         env.setdefault("SLURM_CPUS", "2")
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm-up.sh")], capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "slurm-up.sh")], capture_output=True, text=True, timeout=900, env=env
+    )
     TIMINGS["slurm-up (cold)" if not was_up else "slurm-up (warm)"] = time.monotonic() - t0
     assert proc.returncode == 0, f"scripts/slurm-up.sh failed:\n{proc.stdout}\n{proc.stderr}"
     facts = dict(line.split("=", 1) for line in proc.stdout.split() if "=" in line)
@@ -91,12 +98,22 @@ def sacct(*job_ids: str, duplicates: bool = False) -> list[dict]:
 class SlurmWorkspace(Workspace):
     """A Workspace whose runs go through `--profile profiles/slurm` to the test cluster."""
 
-    def slurm(self, *args: str, env: dict | None = None, check: bool = True, timeout: float = 900,
-              background: bool = False):
+    def slurm(
+        self, *args: str, env: dict | None = None, check: bool = True, timeout: float = 900, background: bool = False
+    ):
         cmd = [
-            str(BIN / "snakemake"), "-s", str(SNAKEFILE), "-d", str(self.root),
-            "--configfile", str(self.config_path), "--replace-workflow-config",
-            "--profile", str(PROFILE), "--nocolor", *args,
+            str(BIN / "snakemake"),
+            "-s",
+            str(SNAKEFILE),
+            "-d",
+            str(self.root),
+            "--configfile",
+            str(self.config_path),
+            "--replace-workflow-config",
+            "--profile",
+            str(PROFILE),
+            "--nocolor",
+            *args,
         ]
         e = env_with_venv()
         e.update(CLUSTER_ENV)
@@ -117,7 +134,9 @@ class SlurmWorkspace(Workspace):
     def cancel_leftovers(self) -> None:
         """scancel this workspace's jobs still queued or running (a killed snakemake leaves them behind)."""
         out = subprocess.run(["squeue", "-h", "-o", "%A %Z"], capture_output=True, text=True).stdout
-        ids = [jid for jid, wd in (line.split(" ", 1) for line in out.splitlines() if " " in line) if Path(wd) == self.root]
+        ids = [
+            jid for jid, wd in (line.split(" ", 1) for line in out.splitlines() if " " in line) if Path(wd) == self.root
+        ]
         if ids:
             subprocess.run(["scancel", *ids], capture_output=True)
 
@@ -139,7 +158,9 @@ def default_config(root: Path, steps: int = 20) -> dict:
     shutil.copytree(REPO / "resources", root / "resources")
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     for run in cfg["runs"].values():
-        run["train"].update(steps=steps, save_interval=10, eval_interval=10, eval_iters=1, log_interval=5, warmup_steps=2)
+        run["train"].update(
+            steps=steps, save_interval=10, eval_interval=10, eval_iters=1, log_interval=5, warmup_steps=2
+        )
     return cfg
 
 
@@ -245,11 +266,19 @@ def test_a_failed_job_is_resubmitted_as_the_profile_says(slurm_cluster, tmp_path
     ws = SlurmWorkspace(tmp_path / "ws")
     ws.root.mkdir()
     with ShardServer(www) as srv:
-        ws.write_config({
-            "sources": {"web": {"kind": "http", "url": srv.url("chunk{1..2}/example_train_{0..7}.jsonl.zst"),
-                                "format": "jsonl.zst", "shards_per_chunk": 8}},
-            "download": {"retries": 0, "timeout_s": 10},
-        })
+        ws.write_config(
+            {
+                "sources": {
+                    "web": {
+                        "kind": "http",
+                        "url": srv.url("chunk{1..2}/example_train_{0..7}.jsonl.zst"),
+                        "format": "jsonl.zst",
+                        "shards_per_chunk": 8,
+                    }
+                },
+                "download": {"retries": 0, "timeout_s": 10},
+            }
+        )
         srv.inject("chunk2/example_train_3.jsonl.zst", {"status": 503})
         t0 = time.monotonic()
         proc = ws.slurm("data/jsonl/web/chunk-00000.jsonl", "data/jsonl/web/chunk-00001.jsonl")
@@ -257,7 +286,9 @@ def test_a_failed_job_is_resubmitted_as_the_profile_says(slurm_cluster, tmp_path
         assert [s.status for s in srv.seen("chunk2/example_train_3.jsonl.zst")] == [503, 200]
 
     jobs = ws.slurm_jobs()
-    downloads = sorted((jid for jid, (rule, wc) in jobs.items() if rule == "download" and wc == "web_chunk-00001"), key=int)
+    downloads = sorted(
+        (jid for jid, (rule, wc) in jobs.items() if rule == "download" and wc == "web_chunk-00001"), key=int
+    )
     assert len(downloads) == 2, jobs  # the failed attempt and its resubmission, two sbatch jobs
     states = {r["JobID"]: r["State"] for r in sacct(*downloads)}
     assert states[downloads[0]] == "FAILED" and states[downloads[1]] == "COMPLETED", states
@@ -279,7 +310,9 @@ def wait_for(what: str, cond, timeout: float = 300, proc=None):
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"snakemake ended ({proc.returncode}) while waiting for {what}:\n{proc.log_path.read_text()}")
+            raise AssertionError(
+                f"snakemake ended ({proc.returncode}) while waiting for {what}:\n{proc.log_path.read_text()}"
+            )
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
@@ -355,14 +388,25 @@ def test_training_job_requeued_signalled_and_stopped_by_its_time_limit_resumes_e
         pause_ranks(job)
         subprocess.run(["scancel", "--signal=USR1", job], check=True, capture_output=True)
         signal_ranks(job, signal.SIGCONT)
-        m = wait_for("the ranks to stop on SIGUSR1",
-                     lambda: re.search(r"stopped at iteration (\d+)|stopping before the first step", log_text()), proc=proc)
+        m = wait_for(
+            "the ranks to stop on SIGUSR1",
+            lambda: re.search(r"stopped at iteration (\d+)|stopping before the first step", log_text()),
+            proc=proc,
+        )
         stop = int(m.group(1)) if m.group(1) else resumed
         assert stop < steps
         # the next start (in the same allocation or a resubmitted job: a fresh log) resumes from that step
-        wait_for(f"a resume from iteration {stop}",
-                 lambda: (t := log_text()) and f"(iteration {stop}," in t and resumed_at.search(t)
-                 and "stopped at" not in t and "stopping before" not in t, proc=proc)
+        wait_for(
+            f"a resume from iteration {stop}",
+            lambda: (
+                (t := log_text())
+                and f"(iteration {stop}," in t
+                and resumed_at.search(t)
+                and "stopped at" not in t
+                and "stopping before" not in t
+            ),
+            proc=proc,
+        )
         # 3. the time limit
         current = pretrain_jobs()[-1]
         pause_ranks(current)
@@ -399,6 +443,260 @@ def test_training_job_requeued_signalled_and_stopped_by_its_time_limit_resumes_e
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, steps + 1))  # one record per step
 
 
+# ---------------------------------------------------------------- two nodes (network namespaces)
+
+MULTI_TRAIN = {
+    "steps": 6,
+    "micro_batch_size": 2,
+    "global_batch_size": 8,
+    "save_interval": 3,
+    "eval_interval": 3,
+    "eval_iters": 1,
+    "log_interval": 1,
+    "warmup_steps": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def multi(built, slurm_cluster):
+    """The built workspace, when the cluster has its two namespaced nodes (else skip, with the reason)."""
+    if int(slurm_cluster.get("multi_nodes", 0)) < 2:
+        pytest.skip(
+            "no two-node partition: scripts/slurm-up.sh left it out: "
+            + (slurm_cluster.get("multi_skip") or "?").replace("_", " ")
+        )
+    return built[0]
+
+
+def multi_env(nodes: int, per_node: int) -> dict[str, str]:
+    return {
+        "SNAKELLM_SLURM_GPU_PARTITION": "multi",
+        "SNAKELLM_TRAIN_NODES": str(nodes),
+        "SNAKELLM_TRAIN_GPUS_PER_NODE": str(per_node),
+        "SNAKELLM_TRAIN_MEM_MB": "2000",
+    }
+
+
+def train_losses(ws: SlurmWorkspace, run: str) -> list[float]:
+    lines = ws.path(f"runs/{run}/metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def rank_pids(job_id: str) -> dict[int, int]:
+    """SLURM_PROCID -> pid of the job's ranks (`snakellm train` processes of an srun step), on every node:
+    the namespaced nodes share this machine's process table, which `scontrol listpids` (one node) does not see."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if (
+            env.get("SLURM_JOB_ID") == job_id
+            and env.get("SLURM_STEP_ID", "").isdigit()
+            and any(c.endswith(b"snakellm") for c in cmd[:2])
+            and b"train" in cmd
+        ):
+            out[int(env["SLURM_PROCID"])] = int(proc.name)
+    return out
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 1), (2, 2)], ids=["2x1", "2x2"])
+def test_pretrain_on_two_nodes_is_bit_identical_to_one_node(multi, nodes, per_node):
+    """`pretrain` with nodes=2 through sbatch + the rule's srun: ranks on both nodes (each in its own
+    network namespace), rank 0's node as the rendezvous (first host of SLURM_JOB_NODELIST), local
+    ranks 0..n-1 per node; losses and weights bit-identical to the same world size on one node."""
+    ws = multi
+    world = nodes * per_node
+    run, ref = f"n{nodes}x{per_node}", f"one{world}"
+    cfg = ws.read_config()
+    for name in (run, ref):
+        cfg["runs"][name] = {
+            "tokenizer": "spm2k",
+            "model": {"preset": "tiny"},
+            "train": dict(cfg["runs"]["tiny"]["train"], **MULTI_TRAIN),
+            "parallel": {"threads": 1},
+        }
+    ws.write_config(cfg)
+    t0 = time.monotonic()
+    ws.slurm(f"runs/{run}/train_summary.json", env=multi_env(nodes, per_node))
+    TIMINGS[f"pretrain {nodes}x{per_node} via sbatch"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    ws.run(f"runs/{ref}/train_summary.json", "--set-resources", f"pretrain:tasks={world}")
+    TIMINGS[f"pretrain 1x{world} torchrun (reference)"] = time.monotonic() - t0
+
+    (job,) = [j for j, (rule, wc) in ws.slurm_jobs().items() if rule == "pretrain" and wc == run]
+    srun = (
+        f"srun --nodes={nodes} --ntasks={world} --ntasks-per-node={per_node} --cpus-per-task=1 "
+        "--kill-on-bad-exit=1 snakellm train "
+    )
+    assert srun in ws.slurm_log(job)
+    records = {r["JobID"]: r for r in sacct(job)}
+    assert records[job]["State"] == "COMPLETED" and records[f"{job}.0"]["NTasks"] == str(world), records
+    out = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-j", job, "--format=NodeList,NNodes"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["node[1-2]|2"], out
+    log = ws.path(f"logs/pretrain/{run}.log").read_text()
+    ranks = ", ".join(str(r) for r in range(per_node))
+    expected = (
+        f"ranks: node1: ranks {','.join(str(r) for r in range(per_node))} (local {ranks.replace(', ', ',')}); "
+        f"node2: ranks {','.join(str(per_node + r) for r in range(per_node))} (local {ranks.replace(', ', ',')}); "
+        "rendezvous node1:"
+    )
+    assert expected in log, log
+    assert f"world {world} (srun)" in log
+
+    a = json.loads(ws.path(f"runs/{run}/train_summary.json").read_text())
+    b = json.loads(ws.path(f"runs/{ref}/train_summary.json").read_text())
+    assert a["world_size"] == b["world_size"] == world and a["iteration"] == b["iteration"] == MULTI_TRAIN["steps"]
+    assert train_losses(ws, run) == train_losses(ws, ref)  # exact float equality, every step
+    assert a["replica_weight_digests"] == b["replica_weight_digests"]  # the final weights, bit for bit
+
+
+def test_a_rank_hanging_on_the_second_node_is_named_and_the_retry_resumes(multi):
+    """A rank on node2 stops (SIGSTOP: alive, silent, holding its GPU) mid-run: rank 0's watchdog names
+    it within train.collective_timeout and exits 124, `srun --kill-on-bad-exit=1` ends the stopped
+    rank and the step instead of leaving the allocation held until the time limit, and the retry
+    (train.retries: a new `snakellm train` in the same allocation) resumes from the last checkpoint."""
+    ws = multi
+    run, timeout, steps = "hang", 8, 60
+    cfg = ws.read_config()
+    cfg["runs"][run] = {
+        "tokenizer": "spm2k",
+        "model": {"preset": "tiny"},
+        "train": dict(
+            cfg["runs"]["tiny"]["train"],
+            **dict(MULTI_TRAIN, steps=steps, save_interval=4, eval_interval=1000, eval_iters=0, log_interval=5),
+            collective_timeout=timeout,
+            retries=1,
+        ),
+        "parallel": {"threads": 1},
+    }
+    ws.write_config(cfg)
+    ckpts = ws.path(f"runs/{run}/checkpoints")
+    record = ws.path(f"runs/{run}/watchdog.log")
+
+    def latest() -> int:
+        p = ckpts / "latest_checkpointed_iteration.txt"
+        return int(p.read_text()) if p.exists() else 0
+
+    def step0_state(job: str) -> str:
+        return next((r["State"] for r in sacct(job) if r["JobID"] == f"{job}.0"), "PENDING")
+
+    jobs = lambda: sorted((j for j, (r, wc) in ws.slurm_jobs().items() if r == "pretrain" and wc == run), key=int)  # noqa: E731
+    t0 = time.monotonic()
+    proc = ws.slurm(f"runs/{run}/train_summary.json", env=multi_env(2, 1), background=True)
+    try:
+        job = wait_for("the pretrain job", lambda: jobs()[:1], proc=proc)[0]
+        pids = wait_for("both ranks", lambda: (p := rank_pids(job)) and len(p) == 2 and p, proc=proc)
+        first = wait_for("a first checkpoint", latest, proc=proc)
+        os.kill(pids[1], signal.SIGSTOP)
+        t_stop = time.monotonic()
+        assert latest() < steps, "the run finished before a rank could be stopped"
+        wait_for("the watchdog's record", lambda: record.exists() and record.read_text(), timeout=120, proc=proc)
+        named_after = time.monotonic() - t_stop
+        wait_for(
+            "the first step to end", lambda: step0_state(job) not in ("RUNNING", "PENDING"), timeout=120, proc=proc
+        )
+        ended_after = time.monotonic() - t_stop
+        assert proc.wait(timeout=600) == 0, proc.log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        ws.cancel_leftovers()
+    TIMINGS["rank hang on node2 + retry"] = time.monotonic() - t0
+    text = record.read_text()
+    assert "rank 0 made no progress for" in text and "hanging: rank 1 (host node2, local rank 0): last at step" in text
+    assert timeout <= named_after < timeout + 30, named_after
+    assert ended_after < timeout + 45, ended_after  # not held until the 10-minute time limit
+    steps_ = {r["JobID"]: r for r in sacct(job)}
+    assert steps_[f"{job}.0"]["ExitCode"] == "124:0", steps_  # the watchdog's exit, through srun
+    assert steps_[f"{job}.1"]["State"] == "COMPLETED", steps_  # the retry, in the same allocation
+    stat = Path(f"/proc/{pids[1]}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"  # the stopped rank was killed
+    log = ws.path(f"logs/pretrain/{run}.log").read_text()  # the retry's
+    m = re.search(r"resumed from \S+ \(iteration (\d+)", log)
+    assert m and int(m.group(1)) >= first, log
+    summary = json.loads(ws.path(f"runs/{run}/train_summary.json").read_text())
+    assert summary["iteration"] == steps and summary["world_size"] == 2
+
+
+def node_veth(node: str) -> str:
+    """The host end of `node`'s veth pair, as slurm-up.sh listed it."""
+    for line in (SLURM_DIR / "run" / "netns.list").read_text().splitlines()[1:]:
+        ns, veth = line.split()
+        if ns.endswith(f"-{node}"):
+            return veth
+    raise AssertionError(f"{node} not in {SLURM_DIR / 'run' / 'netns.list'}")
+
+
+def node_state(node: str) -> str:
+    return subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout.strip()
+
+
+def test_a_node_cut_off_mid_run_fails_the_job_and_the_next_attempt_resumes(multi):
+    """node2's network goes away mid-run (its veth is taken down: the node is alive but unreachable,
+    as when a switch port or a host dies). Rank 0 names rank 1 within the collective timeout and
+    exits; Slurm finds node2 not responding and ends the job (NODE_FAIL); once the node is back
+    the next attempt (Slurm's requeue or the profile's retry) resumes from the last checkpoint."""
+    ws = multi
+    run, timeout = "cut", 8
+    cfg = ws.read_config()
+    cfg["runs"][run] = {
+        "tokenizer": "spm2k",
+        "model": {"preset": "tiny"},
+        "train": dict(
+            cfg["runs"]["tiny"]["train"],
+            **dict(MULTI_TRAIN, steps=60, save_interval=4, eval_interval=1000, eval_iters=0, log_interval=5),
+            collective_timeout=timeout,
+            retries=1,
+        ),
+        "parallel": {"threads": 1},
+    }
+    ws.write_config(cfg)
+    ckpts = ws.path(f"runs/{run}/checkpoints")
+    veth = node_veth("node2")
+
+    def latest() -> int:
+        p = ckpts / "latest_checkpointed_iteration.txt"
+        return int(p.read_text()) if p.exists() else 0
+
+    jobs = lambda: sorted((j for j, (r, wc) in ws.slurm_jobs().items() if r == "pretrain" and wc == run), key=int)  # noqa: E731
+    t0 = time.monotonic()
+    proc = ws.slurm(f"runs/{run}/train_summary.json", env=multi_env(2, 1), background=True)
+    try:
+        job = wait_for("the pretrain job", lambda: jobs()[:1], proc=proc)[0]
+        first = wait_for("a first checkpoint", latest, proc=proc)
+        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        t_cut = time.monotonic()
+        # Slurm declares the node dead after SlurmdTimeout (30 s) and ends the job with NODE_FAIL
+        wait_for("node2 to be marked down", lambda: node_state("node2").startswith("down"), timeout=180, proc=proc)
+        down_after = time.monotonic() - t_cut
+        states = [r["State"] for r in sacct(job, duplicates=True) if r["JobID"] == job]
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        assert proc.wait(timeout=600) == 0, proc.log_path.read_text()
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], capture_output=True)
+        if proc.poll() is None:
+            proc.kill()
+        ws.cancel_leftovers()
+        wait_for("node2 back", lambda: node_state("node2") in ("idle", "mix", "alloc"), timeout=120)
+    TIMINGS["node2 cut off + resume"] = time.monotonic() - t0
+    assert "hanging: rank 1 (host node2, local rank 0)" in ws.path(f"runs/{run}/watchdog.log").read_text()
+    all_states = [r["State"] for j in jobs() for r in sacct(j, duplicates=True) if r["JobID"] == j]
+    assert "NODE_FAIL" in all_states or "FAILED" in all_states or "REQUEUED" in all_states, (states, all_states)
+    assert down_after < 120
+    log = ws.path(f"logs/pretrain/{run}.log").read_text()  # the last attempt's
+    m = re.search(r"resumed from \S+ \(iteration (\d+)", log)
+    assert m and int(m.group(1)) >= first, log
+    summary = json.loads(ws.path(f"runs/{run}/train_summary.json").read_text())
+    assert summary["iteration"] == 60 and summary["world_size"] == 2
+
+
 # ---------------------------------------------------------------- the same rule, locally
 
 
@@ -409,11 +707,16 @@ def test_the_same_rule_runs_locally_without_retraining_and_under_torchrun(built)
     ws, _ = built
     assert ws.nothing_to_do()
     cfg = ws.read_config()
-    cfg["runs"]["local"] = {"tokenizer": "spm2k", "model": {"preset": "tiny"},
-                            "train": dict(cfg["runs"]["tiny"]["train"], steps=4, save_interval=2)}
+    cfg["runs"]["local"] = {
+        "tokenizer": "spm2k",
+        "model": {"preset": "tiny"},
+        "train": dict(cfg["runs"]["tiny"]["train"], steps=4, save_interval=2),
+    }
     ws.write_config(cfg)
     proc = ws.run("runs/local/train_summary.json", "--set-resources", "pretrain:tasks=2", "-p")
-    assert "torchrun --standalone --nnodes=1 --nproc-per-node=2 --no-python snakellm train " in proc.stdout + proc.stderr
+    assert (
+        "torchrun --standalone --nnodes=1 --nproc-per-node=2 --no-python snakellm train " in proc.stdout + proc.stderr
+    )
     summary = json.loads(ws.path("runs/local/train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["iteration"] == 4
     assert "world 2 (torchrun)" in ws.path("logs/pretrain/local.log").read_text()

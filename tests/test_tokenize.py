@@ -18,13 +18,13 @@ import warnings
 import numpy as np
 import pytest
 import sentencepiece as spm
+from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, REPO, corpus, openai_gpt2, write_jsonl
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from snakellm.tokenize import encoders as T
 from snakellm.tokenize.encode import TokenizeError, main, tokenize_file
-from snakellm.tokenize.sentencepiece_trainer import train
-from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, REPO, corpus, openai_gpt2, write_jsonl
+from snakellm.tokenize.sentencepiece_trainer import train_sentencepiece
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -53,14 +53,25 @@ def wiki_jsonl(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt2():
-    return T.load("gpt2-bpe", name="gpt2", vocab_file=str(GPT2_VOCAB), merges_file=str(GPT2_MERGES), expected_vocab_size=50257)
+    return T.load(
+        "gpt2-bpe", name="gpt2", vocab_file=str(GPT2_VOCAB), merges_file=str(GPT2_MERGES), expected_vocab_size=50257
+    )
 
 
 def test_gpt2_chunk_is_byte_identical_to_megatron_and_reads_back(tmp_path, wiki_jsonl, gpt2):
     docs = corpus()["wikitext"]
     prefix = str(tmp_path / "out" / "chunk-00000_text_document")
     # small batches and 2 threads: many batches in flight, written in order
-    st = tokenize_file(str(wiki_jsonl), prefix, gpt2, threads=2, batch_bytes=20_000, source="wikitext", chunk="chunk-00000", show_progress=False)
+    st = tokenize_file(
+        str(wiki_jsonl),
+        prefix,
+        gpt2,
+        threads=2,
+        batch_bytes=20_000,
+        source="wikitext",
+        chunk="chunk-00000",
+        show_progress=False,
+    )
     ref_ids = [openai_gpt2().encode(t) for t in docs]
     megatron_reference(str(tmp_path / "ref"), ref_ids, 50256, 50257)
     assert same_files(prefix, str(tmp_path / "ref"))
@@ -77,23 +88,48 @@ def test_gpt2_chunk_is_byte_identical_to_megatron_and_reads_back(tmp_path, wiki_
     on_disk = json.loads(open(prefix + ".stats.json").read())
     assert on_disk["tokenizer"]["vocab_size"] == 50257 and on_disk["tokenizer"]["eod_id"] == 50256
     assert on_disk["tokenizer"]["backend"] == "tiktoken" and on_disk["source"] == "wikitext"
-    assert sorted(os.listdir(tmp_path / "out")) == [f"chunk-00000_text_document{e}" for e in (".bin", ".idx", ".stats.json")]
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        f"chunk-00000_text_document{e}" for e in (".bin", ".idx", ".stats.json")
+    ]
 
 
 def test_threads_and_batch_size_do_not_change_the_output(tmp_path, wiki_jsonl, gpt2):
     runs = [(1, 1 << 22), (2, 7_000), (3, 100_000)]
     for n, (threads, batch) in enumerate(runs):
-        tokenize_file(str(wiki_jsonl), str(tmp_path / f"r{n}"), gpt2, threads=threads, batch_bytes=batch, show_progress=False)
-    assert same_files(str(tmp_path / "r0"), str(tmp_path / "r1")) and same_files(str(tmp_path / "r0"), str(tmp_path / "r2"))
+        tokenize_file(
+            str(wiki_jsonl), str(tmp_path / f"r{n}"), gpt2, threads=threads, batch_bytes=batch, show_progress=False
+        )
+    assert same_files(str(tmp_path / "r0"), str(tmp_path / "r1")) and same_files(
+        str(tmp_path / "r0"), str(tmp_path / "r2")
+    )
 
 
 def test_sentencepiece_chunk_is_byte_identical_to_megatron(tmp_path, wiki_jsonl):
     botchan = write_jsonl(tmp_path / "botchan.jsonl", corpus()["botchan"], key="content")
     model = tmp_path / "sp.model"
-    train([(str(botchan), "content")], str(model), str(tmp_path / "sp.vocab"), str(tmp_path / "sp.json"), vocab_size=2000)
+    train_sentencepiece(
+        [(str(botchan), "content")], str(model), str(tmp_path / "sp.vocab"), str(tmp_path / "sp.json"), vocab_size=2000
+    )
     prefix = str(tmp_path / "sp_text_document")
-    rc = main([str(botchan), prefix, "--key", "content", "--threads", "2", "--batch-mb", "0.02", "--no-progress",
-               "--kind", "sentencepiece", "--model-file", str(model), "--vocab-size", "2000"])
+    rc = main(
+        [
+            str(botchan),
+            prefix,
+            "--key",
+            "content",
+            "--threads",
+            "2",
+            "--batch-mb",
+            "0.02",
+            "--no-progress",
+            "--kind",
+            "sentencepiece",
+            "--model-file",
+            str(model),
+            "--vocab-size",
+            "2000",
+        ]
+    )
     assert rc == 0
     sp = spm.SentencePieceProcessor(model_file=str(model))
     megatron_reference(str(tmp_path / "ref"), [sp.encode_as_ids(t) for t in corpus()["botchan"]], sp.eos_id(), 2000)
@@ -105,7 +141,9 @@ def test_documents_without_tokens_follow_preprocess_data(tmp_path):
     """A document that encodes to nothing gets no EOD and no sequence; its document index repeats."""
     model = tmp_path / "sp.model"
     src = write_jsonl(tmp_path / "b.jsonl", corpus()["botchan"])
-    train([(str(src), "text")], str(model), str(tmp_path / "sp.vocab"), str(tmp_path / "sp.json"), vocab_size=500)
+    train_sentencepiece(
+        [(str(src), "text")], str(model), str(tmp_path / "sp.vocab"), str(tmp_path / "sp.json"), vocab_size=500
+    )
     texts = ["first document", "\u200b", "third document"]  # NFKC drops the zero-width space: no ids
     write_jsonl(tmp_path / "c.jsonl", texts)
     tok = T.load("sentencepiece", model_file=str(model))
@@ -133,8 +171,19 @@ def test_token_id_that_does_not_fit_the_dtype(tmp_path, capsys):
     wl.pre_tokenizer = pre_tokenizers.Whitespace()
     wl.save(str(tj))
     src = write_jsonl(tmp_path / "c.jsonl", ["oh", "oh hello"])
-    rc = main([str(src), str(tmp_path / "c_text_document"), "--no-progress", "--kind", "huggingface",
-               "--tokenizer-file", str(tj), "--eod", "<eod>"])
+    rc = main(
+        [
+            str(src),
+            str(tmp_path / "c_text_document"),
+            "--no-progress",
+            "--kind",
+            "huggingface",
+            "--tokenizer-file",
+            str(tj),
+            "--eod",
+            "<eod>",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1
     assert f"{src}:2: token id 70000 is outside the vocabulary of 3 tokens of {tj}" in err
@@ -145,7 +194,9 @@ def test_token_id_that_does_not_fit_the_dtype(tmp_path, capsys):
 def test_vocab_disagreeing_with_config(tmp_path, wiki_jsonl, capsys):
     rc = main([str(wiki_jsonl), str(tmp_path / "x"), *GPT2_ARGS, "--vocab-size", "32000"])
     assert rc == 1
-    assert f"{GPT2_VOCAB}: the tokenizer has 50257 tokens but the config says vocab_size 32000" in capsys.readouterr().err
+    assert (
+        f"{GPT2_VOCAB}: the tokenizer has 50257 tokens but the config says vocab_size 32000" in capsys.readouterr().err
+    )
     assert outputs_in(tmp_path) == []
 
 

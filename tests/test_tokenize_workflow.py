@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import zstandard
-
 from conftest import REPO, Workspace, age, small_config
 
 pytestmark = pytest.mark.slow
@@ -118,10 +117,15 @@ def test_modifying_one_shard_retokenizes_only_its_chunk_and_rewrites_the_blends(
     # chunk-00001 holds chunk1/example_train_6,7 and chunk2/example_train_0..3; the spm sample is chunk-00000
     shard = built.path("resources/corpus/wikitext/chunk2/example_train_1.jsonl.zst")
     docs = zstandard.ZstdDecompressor().decompressobj().decompress(shard.read_bytes())
-    shard.write_bytes(zstandard.ZstdCompressor().compress(docs + json.dumps({"text": "an added document"}).encode() + b"\n"))
+    shard.write_bytes(
+        zstandard.ZstdCompressor().compress(docs + json.dumps({"text": "an added document"}).encode() + b"\n")
+    )
     built.run(*BLENDS)
     assert changed(built, before) == (
-        jsonl("wikitext", WIKI[1]) | tokens("gpt2", "wikitext", WIKI[1]) | tokens("spm", "wikitext", WIKI[1]) | blends(*TOKENIZERS)
+        jsonl("wikitext", WIKI[1])
+        | tokens("gpt2", "wikitext", WIKI[1])
+        | tokens("spm", "wikitext", WIKI[1])
+        | blends(*TOKENIZERS)
     )
     assert json.loads(stats.read_text())["documents"] == docs_before + 1
 
@@ -133,7 +137,9 @@ def test_changing_the_training_sample_retrains_and_retokenizes_only_that_tokeniz
     before = snap(built)
     built.run(*BLENDS)
     every_chunk = [("wikitext", c) for c in WIKI] + [("botchan", "chunk-00000")]
-    assert changed(built, before) == SPM_MODEL | blends("spm") | set().union(*(tokens("spm", s, c) for s, c in every_chunk))
+    assert changed(built, before) == SPM_MODEL | blends("spm") | set().union(
+        *(tokens("spm", s, c) for s, c in every_chunk)
+    )
     assert json.loads(built.path("data/tokens/spm/blend.json").read_text())["tokenizer"]["vocab_size"] == 600
 
 

@@ -15,12 +15,12 @@ import warnings
 import numpy as np
 import pytest
 import sentencepiece as spm
+from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, OpenAIGPT2, all_documents, corpus, openai_gpt2, write_jsonl
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from snakellm.tokenize import encoders as T
-from snakellm.tokenize.sentencepiece_trainer import TrainError, sample_sentences, train, vocab_text
-from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, OpenAIGPT2, all_documents, corpus, openai_gpt2, write_jsonl
+from snakellm.tokenize.sentencepiece_trainer import TrainError, sample_sentences, train_sentencepiece, vocab_text
 
 EXTRA = [
     "Hello world",
@@ -38,7 +38,9 @@ def ids_of(tok: T.Tokenizer, texts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def gpt2() -> T.Tokenizer:
-    return T.load("gpt2-bpe", name="gpt2", vocab_file=str(GPT2_VOCAB), merges_file=str(GPT2_MERGES), expected_vocab_size=50257)
+    return T.load(
+        "gpt2-bpe", name="gpt2", vocab_file=str(GPT2_VOCAB), merges_file=str(GPT2_MERGES), expected_vocab_size=50257
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,9 @@ def chunk_files(tmp_path_factory):
 )
 def test_sentencepiece_ids_identical_to_sentencepiece(tmp_path, chunk_files, texts, settings):
     model = tmp_path / "tokenizer.model"
-    st = train(chunk_files, str(model), str(tmp_path / "tokenizer.vocab"), str(tmp_path / "s.json"), threads=2, **settings)
+    st = train_sentencepiece(
+        chunk_files, str(model), str(tmp_path / "tokenizer.vocab"), str(tmp_path / "s.json"), threads=2, **settings
+    )
     assert st["vocab_size"] == settings["vocab_size"] and st["sample"]["keep_probability"] == 1.0
     tok = T.load("sentencepiece", model_file=str(model), expected_vocab_size=settings["vocab_size"])
     sp = spm.SentencePieceProcessor(model_file=str(model))
@@ -144,14 +148,23 @@ def test_sentencepiece_training_is_deterministic_and_writes_sentencepiece_vocab(
     outs = []
     for run in ("a", "b"):
         d = tmp_path / run
-        train(chunk_files, str(d / "m.model"), str(d / "m.vocab"), str(d / "m.json"), vocab_size=800, threads=2)
+        train_sentencepiece(
+            chunk_files, str(d / "m.model"), str(d / "m.vocab"), str(d / "m.json"), vocab_size=800, threads=2
+        )
         outs.append(((d / "m.model").read_bytes(), (d / "m.vocab").read_text()))
     assert outs[0] == outs[1]
     # the .vocab is byte-for-byte what SentencePiece writes itself with a model_prefix
     sentences, _ = sample_sentences(chunk_files, 0, 0)
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_prefix=str(tmp_path / "ref"), vocab_size=800, model_type="bpe",
-        character_coverage=1.0, max_sentence_length=16384, num_threads=2, input_sentence_size=0, minloglevel=2,
+        sentence_iterator=iter(sentences),
+        model_prefix=str(tmp_path / "ref"),
+        vocab_size=800,
+        model_type="bpe",
+        character_coverage=1.0,
+        max_sentence_length=16384,
+        num_threads=2,
+        input_sentence_size=0,
+        minloglevel=2,
     )
     assert outs[0][1] == (tmp_path / "ref.vocab").read_text()
     assert vocab_text(spm.SentencePieceProcessor(model_file=str(tmp_path / "ref.model"))) == outs[0][1]
@@ -168,16 +181,34 @@ def test_sentencepiece_sample_is_seeded_and_capped(chunk_files):
 
 
 def test_sentencepiece_user_symbols_and_training_errors(tmp_path, chunk_files):
-    train(
-        chunk_files, str(tmp_path / "m.model"), str(tmp_path / "m.vocab"), str(tmp_path / "m.json"),
-        vocab_size=600, user_defined_symbols=["<ctx>"], options={"split_digits": "true"}, threads=1,
+    train_sentencepiece(
+        chunk_files,
+        str(tmp_path / "m.model"),
+        str(tmp_path / "m.vocab"),
+        str(tmp_path / "m.json"),
+        vocab_size=600,
+        user_defined_symbols=["<ctx>"],
+        options={"split_digits": "true"},
+        threads=1,
     )
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "m.model"))
     assert sp.piece_to_id("<ctx>") != sp.unk_id() and "<ctx>" in sp.encode("a <ctx> b", out_type=str)
     with pytest.raises(TrainError, match="input not found"):
-        train([("missing.jsonl", "text")], str(tmp_path / "x.model"), str(tmp_path / "x.vocab"), str(tmp_path / "x.json"), vocab_size=600)
+        train_sentencepiece(
+            [("missing.jsonl", "text")],
+            str(tmp_path / "x.model"),
+            str(tmp_path / "x.vocab"),
+            str(tmp_path / "x.json"),
+            vocab_size=600,
+        )
     with pytest.raises(TrainError, match="x.model: SentencePiece training failed"):
-        train(chunk_files[1:], str(tmp_path / "x.model"), str(tmp_path / "x.vocab"), str(tmp_path / "x.json"), vocab_size=200_000)
+        train_sentencepiece(
+            chunk_files[1:],
+            str(tmp_path / "x.model"),
+            str(tmp_path / "x.vocab"),
+            str(tmp_path / "x.json"),
+            vocab_size=200_000,
+        )
     assert not list(tmp_path.glob("x.*"))
 
 
@@ -191,8 +222,10 @@ def test_huggingface_tokenizer_json_ids_identical(tmp_path, gpt2, texts):
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens(["<|endoftext|>"])
     hf.save(str(tmp_path / "tokenizer.json"))
-    tok = T.load("huggingface", tokenizer_file=str(tmp_path / "tokenizer.json"), eod="<|endoftext|>", expected_vocab_size=50257)
-    assert (tok.vocab_size, tok.eod_id) == (50257, 50256)
+    tok = T.load(
+        "huggingface", tokenizer_file=str(tmp_path / "tokenizer.json"), eod="<|endoftext|>", expected_vocab_size=50257
+    )
+    assert (tok.vocab_size, tok.eod_id, tok.backend) == (50257, 50256, "tiktoken")  # the fast path
     ref = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
     docs = all_documents()
     assert ids_of(tok, docs) == [ref.encode(t, add_special_tokens=False).ids for t in docs] == ids_of(gpt2, docs)
@@ -206,10 +239,14 @@ def test_huggingface_tokenizer_json_ids_identical(tmp_path, gpt2, texts):
     bpe.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     bpe.save(str(tmp_path / "bpe.json"))
     ref = HFTokenizer.from_file(str(tmp_path / "bpe.json"))
+    ref.encode_special_tokens = True  # WikiText's "<unk>" in the text is text, not the special token
     for special in (False, True):
         tok = T.load("huggingface", tokenizer_file=str(tmp_path / "bpe.json"), eod="</s>", add_special_tokens=special)
-        assert tok.eod_id == 1
+        assert tok.eod_id == 1 and tok.backend == "tokenizers" and "pre-tokenizer Whitespace" in tok.encoder_reason
         assert ids_of(tok, texts) == [ref.encode(t, add_special_tokens=special).ids for t in texts]
+    assert "<unk>" in texts[0]
+    default = HFTokenizer.from_file(str(tmp_path / "bpe.json")).encode("a <unk> b", add_special_tokens=False).ids
+    assert len(ids_of(tok, ["a <unk> b"])[0]) > len(default) == 3
 
 
 # ----------------------------------------------------------------------------- load errors
@@ -236,7 +273,9 @@ def test_missing_or_broken_tokenizer_files_name_the_file(tmp_path):
 
 
 def test_vocab_size_or_eod_disagreeing_with_config_is_an_error():
-    with pytest.raises(T.TokenizerError, match=r"vocab\.json: the tokenizer has 50257 tokens but the config says vocab_size 50304"):
+    with pytest.raises(
+        T.TokenizerError, match=r"vocab\.json: the tokenizer has 50257 tokens but the config says vocab_size 50304"
+    ):
         T.load("gpt2-bpe", vocab_file=str(GPT2_VOCAB), merges_file=str(GPT2_MERGES), expected_vocab_size=50304)
     with pytest.raises(T.TokenizerError, match=r"vocab\.json: the EOD token '</s>' is not in the vocabulary"):
         T.load("gpt2-bpe", vocab_file=str(GPT2_VOCAB), merges_file=str(GPT2_MERGES), eod="</s>")

@@ -11,7 +11,6 @@ preconditions) call `main()` in-process: they fail before torch is imported.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, env_with_venv
 
 BIN = Path(sys.executable).parent
@@ -28,9 +26,32 @@ VOCAB = 256
 
 # The tiny model at test size: every run is a few seconds, most of it `import megatron.core`.
 BASE = [
-    "--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
-    "--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "5", "--eval-iters", "2", "--eval-interval", "10",
-    "--log-interval", "1", "--split", "90,10,0", "--threads", "1", "--no-progress", "--no-tensorboard",
+    "--preset",
+    "tiny",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--warmup-steps",
+    "5",
+    "--eval-iters",
+    "2",
+    "--eval-interval",
+    "10",
+    "--log-interval",
+    "1",
+    "--split",
+    "90,10,0",
+    "--threads",
+    "1",
+    "--no-progress",
+    "--no-tensorboard",
 ]
 
 
@@ -56,10 +77,14 @@ def make_blend(root: Path, docs: int = 240, seed: int = 0) -> Path:
         builder.finalize(str(root / f"{prefix}.idx"))
         prefixes.append(prefix)
     blend = root / "data/tokens/synth/blend.json"
-    blend.write_text(json.dumps({
-        "data_prefix": [0.6, prefixes[0], 0.4, prefixes[1]],
-        "tokenizer": {"name": "synth", "kind": "synthetic", "vocab_size": VOCAB, "eod_id": 0},
-    }))
+    blend.write_text(
+        json.dumps(
+            {
+                "data_prefix": [0.6, prefixes[0], 0.4, prefixes[1]],
+                "tokenizer": {"name": "synth", "kind": "synthetic", "vocab_size": VOCAB, "eod_id": 0},
+            }
+        )
+    )
     return blend
 
 
@@ -71,13 +96,22 @@ def synth(tmp_path_factory) -> Path:
 
 
 def train_cmd(run: str, *extra: str) -> list[str]:
-    return [str(BIN / "snakellm"), "train", "--blend", "data/tokens/synth/blend.json", "--run-dir", f"runs/{run}",
-            *BASE, *extra]
+    return [
+        str(BIN / "snakellm"),
+        "train",
+        "--blend",
+        "data/tokens/synth/blend.json",
+        "--run-dir",
+        f"runs/{run}",
+        *BASE,
+        *extra,
+    ]
 
 
 def train(root: Path, run: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(train_cmd(run, *extra), cwd=root, env=env_with_venv(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        train_cmd(run, *extra), cwd=root, env=env_with_venv(), capture_output=True, text=True, timeout=300
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"snakellm train failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
@@ -110,8 +144,9 @@ def start_and_signal(root: Path, run: str, at_step: int, sig: int, *extra: str) 
             if steps and steps[-1] >= at_step:
                 break
             if proc.poll() is not None:
-                raise AssertionError(f"the run ended (status {proc.returncode}) before step {at_step}:\n"
-                                     f"{log.read_text()[-3000:]}")
+                raise AssertionError(
+                    f"the run ended (status {proc.returncode}) before step {at_step}:\n{log.read_text()[-3000:]}"
+                )
             if time.time() > deadline:
                 raise AssertionError(f"no step {at_step} within 240 s")
             time.sleep(0.02)
@@ -124,7 +159,7 @@ def start_and_signal(root: Path, run: str, at_step: int, sig: int, *extra: str) 
 
 
 def losses(root: Path, run: str) -> dict[int, float]:
-    recs = [json.loads(l) for l in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(ln) for ln in (root / "runs" / run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
@@ -190,8 +225,19 @@ def test_sigterm_and_sigusr1_stop_cleanly_with_a_checkpoint_and_resume_exactly(s
 
 @pytest.mark.slow
 def test_max_time_stops_cleanly_with_a_checkpoint(synth):
-    proc = train(synth, "maxtime", "--steps", "100000", "--save-interval", "100000", "--max-time", "12",
-                 "--eval-iters", "0", check=False)
+    proc = train(
+        synth,
+        "maxtime",
+        "--steps",
+        "100000",
+        "--save-interval",
+        "100000",
+        "--max-time",
+        "12",
+        "--eval-iters",
+        "0",
+        check=False,
+    )
     assert proc.returncode == 75, proc.stderr[-3000:]
     assert "max time 12" in proc.stderr
     it = latest(synth, "maxtime")
@@ -207,12 +253,37 @@ def test_changed_settings_fail_clearly_or_archive_the_old_checkpoints(synth):
     # operational settings (intervals, logging, keep_last, max_time) are compatible: resume at the end
     proc = train(synth, "change", "--steps", "4", "--warmup-steps", "1", "--save-interval", "3", "--log-interval", "2")
     assert "resumed from runs/change/checkpoints/iter_0000004" in proc.stderr
-    proc = train(synth, "change", "--steps", "4", "--warmup-steps", "1", "--save-interval", "2", "--hidden-size", "32",
-                 "--on-config-change", "error", check=False)
+    proc = train(
+        synth,
+        "change",
+        "--steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--save-interval",
+        "2",
+        "--hidden-size",
+        "32",
+        "--on-config-change",
+        "error",
+        check=False,
+    )
     assert proc.returncode == 2
     assert "model.hidden_size: 64 -> 32" in proc.stderr and "--on-config-change archive" in proc.stderr
-    proc = train(synth, "change", "--steps", "4", "--warmup-steps", "1", "--save-interval", "2", "--hidden-size", "32",
-                 "--on-config-change", "archive")
+    proc = train(
+        synth,
+        "change",
+        "--steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--save-interval",
+        "2",
+        "--hidden-size",
+        "32",
+        "--on-config-change",
+        "archive",
+    )
     archived = list((synth / "runs").glob("change/checkpoints.old-*"))
     assert len(archived) == 1 and (archived[0] / "iter_0000004").is_dir()
     assert "checkpoints moved aside" in proc.stderr and "resumed" not in proc.stderr
@@ -251,14 +322,27 @@ def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkey
 @pytest.mark.parametrize(
     "env, extra, expected",
     [
-        ({"RANK": "0", "WORLD_SIZE": "2"}, ["--global-batch-size", "12"],
-         "global batch size 12 is not divisible by micro batch size 4 x data-parallel size 2 (= 8"),
-        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0"}, ["--tp", "2"],
-         "world size 3 is not divisible by tensor parallel size 2 x pipeline parallel size 1 (= 2)"),
-        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-          "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, ["--tp", "2", "--global-batch-size", "4"],
-         "global batch size 4 is not divisible by micro batch size 4 x data-parallel size 2 (= 8; data-parallel "
-         "size = world size 4 / (tp 2 x pp 1))"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2"},
+            ["--global-batch-size", "12"],
+            "global batch size 12 is not divisible by micro batch size 4 x data-parallel size 2 (= 8",
+        ),
+        (
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0"},
+            ["--tp", "2"],
+            "world size 3 is not divisible by tensor parallel size 2 x pipeline parallel size 1 (= 2)",
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "1",
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            },
+            ["--tp", "2", "--global-batch-size", "4"],
+            "global batch size 4 is not divisible by micro batch size 4 x data-parallel size 2 (= 8; data-parallel "
+            "size = world size 4 / (tp 2 x pp 1))",
+        ),
         ({}, ["--tp", "3"], "num_attention_heads 4 is not divisible by tensor parallel size 3"),
         ({}, ["--pp", "2"], "pipeline parallel size 2: pipeline parallelism is not supported"),
         ({}, ["--hidden-size", "66"], "hidden_size 66 is not divisible by num_attention_heads 4"),
@@ -268,8 +352,16 @@ def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkey
 def test_batch_and_parallelism_mismatches_name_the_numbers(synth, monkeypatch, capsys, env, extra, expected):
     from snakellm.train.cli import main
 
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID",
-                "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_STEP_ID",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+    ):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -282,14 +374,28 @@ def test_batch_and_parallelism_mismatches_name_the_numbers(synth, monkeypatch, c
 
 def test_a_real_launch_reports_a_mismatch_with_exit_status_2_before_importing_torch(synth):
     env = {**env_with_venv(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
-    proc = subprocess.run(train_cmd("never", "--steps", "4", "--global-batch-size", "6"), cwd=synth, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        train_cmd("never", "--steps", "4", "--global-batch-size", "6"),
+        cwd=synth,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "global batch size 6 is not divisible by micro batch size 4 x data-parallel size 2" in proc.stderr
-    probe = ("import sys; from snakellm.train.cli import main; rc = main(sys.argv[1:]); "
-             "print(rc, 'torch' in sys.modules, 'megatron' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe, *train_cmd("never", "--steps", "4", "--global-batch-size", "6")[2:]],
-                         cwd=synth, env=env, capture_output=True, text=True, timeout=120).stdout
+    probe = (
+        "import sys; from snakellm.train.cli import main; rc = main(sys.argv[1:]); "
+        "print(rc, 'torch' in sys.modules, 'megatron' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *train_cmd("never", "--steps", "4", "--global-batch-size", "6")[2:]],
+        cwd=synth,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert out.split() == ["2", "False", "False"]
 
 
@@ -308,16 +414,38 @@ def test_default_tiny_settings_learn(synth):
     run = yaml.safe_load((REPO / "config/config.yaml").read_text())["runs"]["tiny"]
     assert run["model"] == {"preset": "tiny"}
     t = run["train"]
-    args = [str(BIN / "snakellm"), "train", "--blend", "data/tokens/synth/blend.json", "--run-dir", "runs/default",
-            "--preset", "tiny", "--threads", "2", "--no-progress"]
-    for k in ("steps", "micro_batch_size", "global_batch_size", "lr", "min_lr", "warmup_steps", "save_interval",
-              "eval_interval", "eval_iters", "log_interval", "split"):
+    args = [
+        str(BIN / "snakellm"),
+        "train",
+        "--blend",
+        "data/tokens/synth/blend.json",
+        "--run-dir",
+        "runs/default",
+        "--preset",
+        "tiny",
+        "--threads",
+        "2",
+        "--no-progress",
+    ]
+    for k in (
+        "steps",
+        "micro_batch_size",
+        "global_batch_size",
+        "lr",
+        "min_lr",
+        "warmup_steps",
+        "save_interval",
+        "eval_interval",
+        "eval_iters",
+        "log_interval",
+        "split",
+    ):
         args += ["--" + k.replace("_", "-"), str(t[k])]
     subprocess.run(args, cwd=synth, env=env_with_venv(), capture_output=True, text=True, check=True, timeout=600)
     s = json.loads((synth / "runs/default/train_summary.json").read_text())
     assert s["iteration"] == t["steps"] and s["precision"] == "fp32"
     assert s["final_loss"] < s["first_loss"] - 1.0, s
-    recs = [json.loads(l) for l in (synth / "runs/default/metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(ln) for ln in (synth / "runs/default/metrics.jsonl").read_text().splitlines()]
     vals = [r["val_loss"] for r in recs if "val_loss" in r]
     assert len(vals) == t["steps"] // t["eval_interval"] and vals[-1] < vals[0] - 0.5
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(recs[-1])
@@ -326,14 +454,28 @@ def test_default_tiny_settings_learn(synth):
     assert (ckpts / f"iter_{t['steps']:07d}").is_dir()
     best = json.loads((ckpts / "best.json").read_text())  # kept besides the last K
     assert best == s["best"] and (ckpts / f"iter_{best['iteration']:07d}").is_dir()
-    assert best["val_loss"] == min(vals[i] for i, r in enumerate([r for r in recs if "val_loss" in r])
-                                   if r["step"] % t["save_interval"] == 0)
+    assert best["val_loss"] == min(
+        vals[i] for i, r in enumerate([r for r in recs if "val_loss" in r]) if r["step"] % t["save_interval"] == 0
+    )
     assert list((synth / "runs/default/tensorboard").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.slow
 def test_llama_style_model_trains_and_counts_its_parameters(synth):
-    train(synth, "llama", "--preset", "tiny-llama", "--seq-length", "64", "--steps", "3", "--warmup-steps", "1", "--save-interval", "3")
+    train(
+        synth,
+        "llama",
+        "--preset",
+        "tiny-llama",
+        "--seq-length",
+        "64",
+        "--steps",
+        "3",
+        "--warmup-steps",
+        "1",
+        "--save-interval",
+        "3",
+    )
     s = json.loads((synth / "runs/llama/train_summary.json").read_text())
     assert s["model"]["position_embedding"] == "rope" and s["model"]["num_query_groups"] == 2
     assert s["model_parameters"] == s["params"]

@@ -11,7 +11,6 @@ import json
 import shutil
 
 import pytest
-
 from conftest import REPO, small_config
 
 pytestmark = pytest.mark.slow
@@ -23,17 +22,29 @@ def config(root):
     cfg = small_config(root)
     shutil.copytree(REPO / "resources/tokenizers/gpt2", root / "resources/tokenizers/gpt2")
     cfg["tokenizers"] = {
-        "gpt2": {"kind": "gpt2-bpe", "vocab_file": "resources/tokenizers/gpt2/vocab.json",
-                 "merges_file": "resources/tokenizers/gpt2/merges.txt", "vocab_size": 50257},
+        "gpt2": {
+            "kind": "gpt2-bpe",
+            "vocab_file": "resources/tokenizers/gpt2/vocab.json",
+            "merges_file": "resources/tokenizers/gpt2/merges.txt",
+            "vocab_size": 50257,
+        },
     }
     cfg["tokenize"] = {"tokenizers": ["gpt2"]}
     cfg["runs"] = {
         "t1": {
             "tokenizer": "gpt2",
             "model": {"preset": "tiny", "seq_length": 32},
-            "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 2, "warmup_steps": 1,
-                      "save_interval": 3, "eval_interval": 3, "eval_iters": 1, "log_interval": 1,
-                      "split": "90,10,0"},
+            "train": {
+                "steps": 3,
+                "micro_batch_size": 2,
+                "global_batch_size": 2,
+                "warmup_steps": 1,
+                "save_interval": 3,
+                "eval_interval": 3,
+                "eval_iters": 1,
+                "log_interval": 1,
+                "split": "90,10,0",
+            },
         }
     }
     return cfg

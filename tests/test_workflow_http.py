@@ -16,9 +16,9 @@ import shutil
 
 import pytest
 import zstandard
-
 from conftest import REPO
 from httpserver import ShardServer
+
 from snakellm.data.planning import url_to_relpath
 
 pytestmark = pytest.mark.slow
@@ -116,7 +116,10 @@ def test_http_source_downloads_chunks_and_a_rerun_fetches_nothing(ws, srv):
     assert srv.seen() == [], "re-planning chunks downloaded shards again"
     mans = [json.loads(ws.path(f"data/raw/web/chunk-0000{i}.manifest.json").read_text()) for i in range(4)]
     assert [len(m["shards"]) for m in mans] == [4, 4, 4, 4]
-    assert sum(json.loads(ws.path(f"data/jsonl/web/chunk-0000{i}.stats.json").read_text())["documents"] for i in range(4)) == 62
+    assert (
+        sum(json.loads(ws.path(f"data/jsonl/web/chunk-0000{i}.stats.json").read_text())["documents"] for i in range(4))
+        == 62
+    )
 
 
 def test_failed_shard_fails_its_job_naming_the_url_and_the_retry_fetches_only_it(ws, srv):
@@ -140,3 +143,37 @@ def test_failed_shard_fails_its_job_naming_the_url_and_the_retry_fetches_only_it
     assert json.loads(ws.path("data/jsonl/web/chunk-00000.stats.json").read_text())["documents"] == sum(
         documents((srv.root / r).read_bytes()) for r in CHUNKS["chunk-00000"]
     )
+
+
+def test_deleted_or_damaged_shard_is_fetched_again_by_the_next_run(ws, srv):
+    ws.run(*TARGETS)
+    shards = ws.path("data/raw/web/shards")
+    gone = CHUNKS["chunk-00001"][2]
+    (shards / url_to_relpath(srv.url(gone))).unlink()  # deleted by hand
+    ws.age()
+    before = ws.snapshot()
+    srv.clear()
+    ws.run(*TARGETS)  # the next run: no "shard not found", it downloads it again
+    assert [r.path for r in srv.seen()] == ["/" + gone]
+    changed = ws.changed(before)
+    assert "data/jsonl/web/chunk-00001.jsonl" in changed and "data/jsonl/web/chunk-00000.jsonl" not in changed
+
+    # same size, other bytes (a flipped bit on disk): the chunk job fails naming the shard and
+    # its URL, removes the copy, and the run after that downloads it again
+    bad = shards / url_to_relpath(srv.url(CHUNKS["chunk-00002"][0]))
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    bad.write_bytes(bytes(raw))
+    ws.path("data/jsonl/web/chunk-00002.jsonl").unlink()
+    proc = ws.run(*TARGETS, check=False)
+    assert proc.returncode != 0
+    log = ws.path("logs/chunk/web/chunk-00002.log").read_text()
+    assert str(bad.relative_to(ws.root)) in log and srv.url(CHUNKS["chunk-00002"][0]) in log and "sha256" in log
+    assert "the next run downloads it again" in log and not bad.exists()
+    assert not ws.path("data/jsonl/web/chunk-00002.jsonl").exists()
+    srv.clear()
+    ws.run(*TARGETS)
+    assert [r.path for r in srv.seen()] == ["/" + CHUNKS["chunk-00002"][0]]
+    assert bad.read_bytes() == (srv.root / CHUNKS["chunk-00002"][0]).read_bytes()
+    dry = ws.run("-n", *TARGETS)
+    assert "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout

@@ -66,9 +66,16 @@ def train_flags(run: dict[str, Any], arch: dict[str, Any]) -> str:
     decided by ``snakellm train`` from the settings stored with them.
     """
     arch_flags = to_flags(models.ModelSettings, arch)
-    return " ".join(f for f in (arch_flags, to_flags(TrainSettings, run["train"]),
-                                # threads: the rule passes its own {threads}, which Snakemake may lower
-                                to_flags(ParallelSettings, run.get("parallel", {}), exclude=("threads",))) if f)
+    return " ".join(
+        f
+        for f in (
+            arch_flags,
+            to_flags(TrainSettings, run["train"]),
+            # threads: the rule passes its own {threads}, which Snakemake may lower
+            to_flags(ParallelSettings, run.get("parallel", {}), exclude=("threads",)),
+        )
+        if f
+    )
 
 
 def train_retries(config: dict[str, Any]) -> int | None:

@@ -48,17 +48,18 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, BinaryIO
 from urllib.error import HTTPError, URLError
 from urllib.parse import urlsplit
 from urllib.request import Request, urlopen
 
 from snakellm import __version__
-from snakellm.io.atomic import write_json
 from snakellm.data.planning import url_to_relpath
+from snakellm.io.atomic import write_json
 from snakellm.io.progress import progress
 
 BLOCK = 1 << 18  # 256 KiB per read: few syscalls, fine-grained progress and resume points
@@ -142,7 +143,7 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     if when is None:
         return None
     if when.tzinfo is None:  # RFC 9110 dates are GMT; be lenient with servers that omit it
-        when = when.replace(tzinfo=datetime.timezone.utc)
+        when = when.replace(tzinfo=datetime.UTC)
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
@@ -319,10 +320,10 @@ class _Part:
 
     url: str
     final: Path
-    fh: object  # the open, locked .part file
+    fh: BinaryIO  # the open, locked .part file
     bar: _Progress
     offset: int = 0
-    hasher: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    hasher: hashlib._Hash = field(default_factory=hashlib.sha256)
     total: int | None = None  # full size of the shard, once a response announced it
     counted_total: int | None = None  # what this shard contributed to the bar's total
     validator: str | None = None  # strong ETag or Last-Modified of the response that started the part
@@ -363,7 +364,14 @@ class _Part:
 
 
 def _fetch_locked(
-    url: str, final: Path, part: Path, fh, opts: Options, bar: _Progress, stop: threading.Event, log: Callable[[str], None]
+    url: str,
+    final: Path,
+    part: Path,
+    fh,
+    opts: Options,
+    bar: _Progress,
+    stop: threading.Event,
+    log: Callable[[str], None],
 ) -> ShardResult:
     meta = _read_meta(final)
     st = _Part(url, final, fh, bar)
@@ -402,7 +410,8 @@ def _fetch_locked(
         if failures > opts.retries:
             kept = f"; {st.offset} bytes kept in {part} for the next run" if st.offset else ""
             raise ShardError(
-                url, f"gave up after {requests} attempts ({opts.retries} retries without progress); last error: {last_error}{kept}"
+                url,
+                f"gave up after {requests} attempts ({opts.retries} retries without progress); last error: {last_error}{kept}",
             )
         delay = backoff_delay(failures, opts, retry_after)
         log(f"{url}: {last_error}; retry {failures}/{opts.retries} in {delay:.2f}s from byte {st.offset}")
@@ -435,7 +444,7 @@ def _open(req: Request, timeout: float) -> Iterator[http.client.HTTPResponse]:
         resp = urlopen(req, timeout=timeout)
     except HTTPError as e:
         status, reason = e.code, e.reason
-        hdrs = e.headers or {}
+        hdrs: Any = e.headers or {}
         ra = retry_after_seconds(hdrs.get("Retry-After"))
         crange = hdrs.get("Content-Range")
         with contextlib.suppress(Exception):
@@ -449,8 +458,8 @@ def _open(req: Request, timeout: float) -> Iterator[http.client.HTTPResponse]:
     except http.client.InvalidURL as e:
         raise ShardError(req.full_url, f"invalid URL: {e}") from None
     except (URLError, OSError, http.client.HTTPException) as e:
-        reason = e.reason if isinstance(e, URLError) else e
-        raise _Retryable(f"{type(reason).__name__}: {reason}") from None
+        cause: object = e.reason if isinstance(e, URLError) else e
+        raise _Retryable(f"{type(cause).__name__}: {cause}") from None
     with resp:
         yield resp
 
@@ -670,15 +679,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("urls", nargs="*", metavar="URL", help="shard URLs, in chunk order")
     p.add_argument("--url-file", help="read more URLs from this file (one per line; for very long lists)")
     p.add_argument("--dest", required=True, help="directory the shards are stored under (data/raw/{source}/shards)")
-    p.add_argument("--manifest", required=True, help="the chunk's manifest JSON, written last (data/raw/{source}/{chunk}.manifest.json)")
+    p.add_argument(
+        "--manifest",
+        required=True,
+        help="the chunk's manifest JSON, written last (data/raw/{source}/{chunk}.manifest.json)",
+    )
     p.add_argument("--source", default="", help="source name, recorded in the manifest")
     p.add_argument("--chunk", default="", help="chunk name, recorded in the manifest")
     d = Options()
-    p.add_argument("--concurrency", type=int, default=d.concurrency, help=f"parallel requests (default {d.concurrency})")
-    p.add_argument("--retries", type=int, default=d.retries, help=f"retries per shard without progress (default {d.retries})")
-    p.add_argument("--backoff", type=float, default=d.backoff, help=f"first retry delay in seconds, doubled per failure (default {d.backoff:g})")
-    p.add_argument("--max-backoff", type=float, default=d.max_backoff, help=f"cap on one delay, Retry-After included (default {d.max_backoff:g})")
-    p.add_argument("--timeout", type=float, default=d.timeout, help=f"connect and read timeout per request in seconds (default {d.timeout:g})")
+    p.add_argument(
+        "--concurrency", type=int, default=d.concurrency, help=f"parallel requests (default {d.concurrency})"
+    )
+    p.add_argument(
+        "--retries", type=int, default=d.retries, help=f"retries per shard without progress (default {d.retries})"
+    )
+    p.add_argument(
+        "--backoff",
+        type=float,
+        default=d.backoff,
+        help=f"first retry delay in seconds, doubled per failure (default {d.backoff:g})",
+    )
+    p.add_argument(
+        "--max-backoff",
+        type=float,
+        default=d.max_backoff,
+        help=f"cap on one delay, Retry-After included (default {d.max_backoff:g})",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=d.timeout,
+        help=f"connect and read timeout per request in seconds (default {d.timeout:g})",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     urls = list(a.urls)

@@ -1,16 +1,22 @@
-"""``snakellm plan``: show how the configured sources are sliced into chunks.
+"""``snakellm plan``: show how the configured sources are sliced into chunks, and what each run needs.
 
 The same planning code the Snakefile runs, without Snakemake: handy to check a
 new source (how many shards a glob or URL template gives, which shards land in
-which chunk) before launching anything.
+which chunk) before launching anything. For each training run it also checks the
+batch against the parallel layout of the job it would get (nodes x GPUs per node,
+from ``--nodes``/``--gpus-per-node`` or the Slurm profile's ``SNAKELLM_TRAIN_NODES``/
+``SNAKELLM_TRAIN_GPUS_PER_NODE``) exactly as ``snakellm train`` will, and prints the
+memory per GPU (``snakellm.models.memory``): whether it fits is known before submitting.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from snakellm.config import validate as cfgmod
 from snakellm.data import planning as plan
@@ -28,17 +34,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schema", default=str(SCHEMA), help=argparse.SUPPRESS)
     p.add_argument("--source", action="append", help="only these sources")
     p.add_argument("--json", action="store_true", help="print {source: {chunk: [shards]}} as JSON")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=int(os.environ.get("SNAKELLM_TRAIN_NODES") or 1),
+        help="nodes of a training job (default: $SNAKELLM_TRAIN_NODES, else 1)",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=int(os.environ.get("SNAKELLM_TRAIN_GPUS_PER_NODE") or 1),
+        help="ranks (GPUs) per node (default: $SNAKELLM_TRAIN_GPUS_PER_NODE, else 1)",
+    )
+    p.add_argument(
+        "--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the fits/does-not-fit line"
+    )
+    p.add_argument("--run", action="append", help="only these runs")
     a = p.parse_args(argv)
     try:
         cfg = cfgmod.load(a.config, a.schema)
     except (cfgmod.ConfigError, OSError) as e:
         print(f"snakellm plan: {a.config}: {e}", file=sys.stderr)
         return 1
-    plans = {
-        name: plan.plan_source(spec)
-        for name, spec in cfg["sources"].items()
-        if not a.source or name in a.source
-    }
+    plans = {name: plan.plan_source(spec) for name, spec in cfg["sources"].items() if not a.source or name in a.source}
     if a.json:
         json.dump(plans, sys.stdout, indent=1)
         print()
@@ -47,14 +65,88 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(map(len, chunks.values()))
         print(f"{name}: {n} shards -> {len(chunks)} chunks of <= {cfg['sources'][name]['shards_per_chunk']}")
         items = list(chunks.items())
-        shown = items if len(items) <= 3 else items[:2] + [None] + items[-1:]
+        shown: list[tuple[str, list[str]] | None] = list(items) if len(items) <= 3 else [*items[:2], None, items[-1]]
         for item in shown:
             if item is None:
                 print(f"  ... {len(items) - 3} more")
                 continue
             c, shards = item
             print(f"  {c}: {len(shards)} shards, {shards[0]} .. {shards[-1]}")
-    return 0
+    status = 0
+    for name, run in (cfg.get("runs") or {}).items():
+        if a.run and name not in a.run:
+            continue
+        print()
+        try:
+            print("\n".join(run_plan(name, run, cfg, a.nodes, a.gpus_per_node, a.gpu_memory_gib)))
+        except ValueError as e:
+            print(f"run {name}: error: {e}")
+            status = 2
+    return status
+
+
+def run_plan(
+    name: str, run: dict[str, Any], cfg: dict[str, Any], nodes: int, per_node: int, gpu_gib: float
+) -> list[str]:
+    """Model, parallel layout, batch check and memory per GPU of one run (torch-free)."""
+    from snakellm import models as arch_mod
+    from snakellm.models import memory
+
+    model = dict(run.get("model") or {})
+    arch = arch_mod.resolve(model.pop("preset", None), model)
+    par, train = run.get("parallel") or {}, run.get("train") or {}
+    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
+    world = nodes * per_node
+    arch_mod.check_parallel(arch, tp, pp)
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} ({nodes} nodes x {per_node}) is not divisible by tp {tp} x pp {pp}")
+    dp = world // (tp * pp)
+    gbs, mbs = int(train["global_batch_size"]), int(train["micro_batch_size"])
+    if gbs % (mbs * dp):
+        raise ValueError(
+            f"global batch size {gbs} is not divisible by micro batch size {mbs} x data-parallel size "
+            f"{dp} (= {mbs * dp}; {nodes} nodes x {per_node} GPUs / (tp {tp} x pp {pp})): choose a "
+            f"multiple of {mbs * dp}"
+        )
+    tok = (cfg.get("tokenizers") or {}).get(run.get("tokenizer"), {})
+    out = [
+        f"run {name}: {world} ranks = {nodes} nodes x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "
+        f"micro batch {mbs} x dp {dp} x {gbs // (mbs * dp)} accumulation steps"
+    ]
+    if not tok.get("vocab_size"):
+        return out + [f"  memory: tokenizer {run.get('tokenizer')!r} names no vocab_size; not estimated"]
+    vocab = arch_mod.padded_vocab_size(int(tok["vocab_size"]), arch, tp)
+    out.append(f"  model: {arch_mod.describe(arch, vocab)}")
+    est = memory.estimate(
+        arch,
+        vocab,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch_size=mbs,
+        num_micro_batches=gbs // (mbs * dp),
+        sequence_parallel=False,
+        distributed_optimizer=False,
+    )
+    out += ["  " + line for line in est.lines(gpu_gib)]
+    if tp > 1 or dp > 1:
+        alt = memory.estimate(
+            arch,
+            vocab,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            micro_batch_size=mbs,
+            num_micro_batches=gbs // (mbs * dp),
+            sequence_parallel=tp > 1,
+            distributed_optimizer=True,
+        )
+        out.append(
+            f"  (megatron-core's sequence parallelism + distributed optimizer would make it "
+            f"{alt.total / memory.GiB:.2f} GiB: optimizer {alt.optimizer / memory.GiB:.2f} GiB, activations "
+            f"{alt.activations / memory.GiB:.2f} GiB)"
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -97,8 +97,7 @@ def list_http_shards(spec: dict) -> list[str]:
     for t in templates:
         urls.extend(expand_braces(t))
     urls.extend(spec.get("urls") or [])
-    seen: set[str] = set()
-    unique = [u for u in urls if not (u in seen or seen.add(u))]
+    unique = list(dict.fromkeys(urls))  # first occurrence wins, order kept
     return natural_sorted(unique)
 
 
@@ -137,3 +136,64 @@ def plan_source(spec: dict, base: str | os.PathLike = ".") -> dict[str, list[str
         raise ValueError(f"unknown source kind {kind!r}")
     chunks = slice_chunks(shards, int(spec["shards_per_chunk"]))
     return {chunk_name(i): c for i, c in enumerate(chunks)}
+
+
+def write_shard_list(path: str | os.PathLike, shards: list[str], note: str | None = None) -> Path:
+    """Write a chunk's shard list (one per line) unless the file already holds exactly that list.
+
+    The workflow hands shard lists to ``snakellm download``/``snakellm chunk``
+    in these files instead of on the command line: Linux caps one argument at
+    128 KiB, about 1,500 SlimPajama URLs. Rewriting only on a change keeps the
+    file as it is, so an unchanged chunk is never rebuilt because of it, and a
+    changed list (a shard appended, a new ``shards_per_chunk``) reruns exactly
+    the chunks whose list changed. ``note`` forces a rewrite with the note as a
+    ``#`` comment line: the content changes, so the job that reads the list runs
+    again (Snakemake ignores a newer mtime when a small file's checksum is the
+    same), and the note stays until the list itself changes.
+    """
+    path = Path(path)
+    body = "".join(s + "\n" for s in shards)
+    try:
+        old = path.read_text(encoding="utf-8")
+        if note is None and "".join(ln for ln in old.splitlines(True) if not ln.startswith("#")) == body:
+            return path
+    except (OSError, UnicodeDecodeError):
+        pass
+    text = "".join(f"# {ln}\n" for ln in (note or "").splitlines()) + body
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def stale_manifest(manifest: str | os.PathLike) -> str | None:
+    """Why a chunk's download manifest no longer describes the files on disk (None: it does, or it does not exist).
+
+    A shard deleted by hand, or one whose size differs from what was recorded
+    (a copy cut short, a file edited), makes the manifest stale: the workflow
+    then runs that chunk's download again, which fetches only what is missing
+    (``snakellm chunk`` removes a shard whose sha256 does not match, so that
+    case ends here too). Only sizes are compared: a stat per shard keeps this
+    cheap enough for 60,000 shards at every start.
+    """
+    import json
+
+    manifest = Path(manifest)
+    try:
+        with open(manifest) as fh:
+            shards = json.load(fh)["shards"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable ({e})"
+    base = manifest.parent
+    for s in shards:
+        p = base / s["path"]
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            return f"shard {p} ({s.get('url', '')}) is missing"
+        if size != s.get("size"):
+            return f"shard {p} is {size} bytes, the manifest recorded {s.get('size')}"
+    return None

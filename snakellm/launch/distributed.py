@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,9 @@ def detect(env: Mapping[str, str] | None = None) -> DistEnv:
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
         local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
         # SLURM_TASKS_PER_NODE looks like "4(x2)" or "4,3"; the step's own count is simpler
-        local_world = _int(env, "SLURM_STEP_TASKS_PER_NODE") if env.get("SLURM_STEP_TASKS_PER_NODE", "").isdigit() else 0
+        local_world = (
+            _int(env, "SLURM_STEP_TASKS_PER_NODE") if env.get("SLURM_STEP_TASKS_PER_NODE", "").isdigit() else 0
+        )
         if not local_world:
             m = re.match(r"(\d+)", env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", ""))
             local_world = int(m.group(1)) if m else 1
@@ -157,3 +159,27 @@ def export(d: DistEnv) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = str(d.local_world_size)
     os.environ["MASTER_ADDR"] = d.master_addr
     os.environ["MASTER_PORT"] = str(d.master_port)
+
+
+def rank_table(rows: list[tuple[int, int, int, str]]) -> str:
+    """Check the gathered ``(rank, local_rank, local_world_size, host)`` of every rank; one line per host.
+
+    Each host must hold local ranks ``0 .. n-1`` exactly once, with ``n`` its own
+    local world size: that is what picking a GPU by local rank relies on. A wrong
+    mapping (two ranks on one GPU, a rank without one) is a :class:`LaunchError`
+    here, at start-up, rather than an out-of-memory or a hang later.
+    """
+    hosts: dict[str, list[tuple[int, int, int]]] = {}
+    for rank, local, local_world, host in sorted(rows):
+        hosts.setdefault(host, []).append((rank, local, local_world))
+    lines = []
+    for host, items in hosts.items():
+        locals_ = sorted(lo for _, lo, _ in items)
+        worlds = {lw for _, _, lw in items}
+        if locals_ != list(range(len(items))) or worlds != {len(items)}:
+            raise LaunchError(
+                f"host {host}: ranks {[r for r, _, _ in items]} have local ranks {[lo for _, lo, _ in items]} and "
+                f"local world sizes {sorted(worlds)}; expected local ranks 0..{len(items) - 1} once each"
+            )
+        lines.append(f"{host}: ranks {','.join(str(r) for r, _, _ in items)} (local {','.join(map(str, locals_))})")
+    return "; ".join(lines)

@@ -40,8 +40,9 @@ import argparse
 import os
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 RUNTIMES = ("none", "pyxis", "apptainer")
 
@@ -57,7 +58,7 @@ class Container:
     mounts: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
-    def from_config(cls, block: Mapping[str, Any] | None) -> "Container":
+    def from_config(cls, block: Mapping[str, Any] | None) -> Container:
         block = dict(block or {})
         runtime = block.get("runtime", "none") or "none"
         if runtime not in RUNTIMES:
@@ -127,13 +128,16 @@ def geometry(resources: Mapping[str, Any]) -> tuple[int, int, int, int | None]:
     if tasks is None and per_node is None:
         tasks = nodes
     if tasks is None:
+        assert per_node is not None
         tasks = nodes * per_node
     if per_node is None:
         if tasks % nodes:
             raise LaunchConfigError(f"resources: tasks={tasks} do not divide evenly over nodes={nodes}")
         per_node = tasks // nodes
     if nodes < 1 or tasks < 1 or per_node < 1 or per_node * nodes != tasks:
-        raise LaunchConfigError(f"resources: nodes={nodes}, tasks={tasks}, tasks_per_node={per_node} do not fit together")
+        raise LaunchConfigError(
+            f"resources: nodes={nodes}, tasks={tasks}, tasks_per_node={per_node} do not fit together"
+        )
     cpus = _int_resource(resources, "cpus_per_task")
     if cpus is not None and cpus < 1:
         cpus = None  # the plugin's "leave CPUs to the cluster" setting
@@ -160,7 +164,16 @@ def srun_args(resources: Mapping[str, Any], container: Container, workdir: str) 
 
 def apptainer_args(container: Container, workdir: str) -> list[str]:
     wd = os.path.normpath(workdir)
-    return ["apptainer", "exec", "--nv", "--bind", _mount_arg(resolve_mounts(container.mounts, workdir)), "--pwd", wd, container.image]
+    return [
+        "apptainer",
+        "exec",
+        "--nv",
+        "--bind",
+        _mount_arg(resolve_mounts(container.mounts, workdir)),
+        "--pwd",
+        wd,
+        container.image,
+    ]
 
 
 def launch_args(
@@ -217,8 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         "and container config (what `snakemake --profile profiles/slurm` would execute).",
     )
     p.add_argument("--configfile", default="config/config.yaml", help="config with an optional container: block")
-    p.add_argument("--resource", "-r", action="append", default=[], type=_parse_resource, metavar="NAME=VALUE",
-                   help="a Snakemake resource, e.g. -r mpi=srun -r nodes=2 -r tasks=16 -r cpus_per_task=8")
+    p.add_argument(
+        "--resource",
+        "-r",
+        action="append",
+        default=[],
+        type=_parse_resource,
+        metavar="NAME=VALUE",
+        help="a Snakemake resource, e.g. -r mpi=srun -r nodes=2 -r tasks=16 -r cpus_per_task=8",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to launch (after --)")
     a = p.parse_args(argv)
     import yaml

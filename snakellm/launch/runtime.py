@@ -72,13 +72,19 @@ def ensure_single_process(device: str = "cpu", seed: int = 1234) -> Any:
     parallel state already exist (e.g. inside a training job).
     """
     import torch
-
     from megatron.core import parallel_state
 
     dev = pick_device(torch, device)
     if not torch.distributed.is_initialized():
-        single = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1", master_port=0,
-                         launcher="single")
+        single = DistEnv(
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            local_world_size=1,
+            master_addr="127.0.0.1",
+            master_port=0,
+            launcher="single",
+        )
         init_process_group(torch, single, dev)
     if not parallel_state.model_parallel_is_initialized():
         init_model_parallel(1, 1, seed=seed, cuda=dev.type == "cuda")

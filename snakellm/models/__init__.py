@@ -36,8 +36,20 @@ if TYPE_CHECKING:
     from snakellm.models.loading import LoadedModel, load, save_model_checkpoint
 
 __all__ = [
-    "MODEL_KEYS", "PRESETS", "STYLES", "LoadedModel", "ModelConfigError", "ModelSettings", "build_model",
-    "check_parallel", "describe", "flops_per_token", "load", "padded_vocab_size", "param_count", "resolve",
+    "MODEL_KEYS",
+    "PRESETS",
+    "STYLES",
+    "LoadedModel",
+    "ModelConfigError",
+    "ModelSettings",
+    "build_model",
+    "check_parallel",
+    "describe",
+    "flops_per_token",
+    "load",
+    "padded_vocab_size",
+    "param_count",
+    "resolve",
     "save_model_checkpoint",
 ]
 

@@ -35,8 +35,11 @@ def _key(help: str, choices: tuple[str, ...] | None = None) -> Any:
 class ModelSettings:
     """Every architectural key; ``None`` means "the preset's, else the style's default"."""
 
-    style: str | None = _key("gpt2: learned positions, LayerNorm, GeLU, biases, tied embeddings; "
-                             "llama: RoPE, RMSNorm, SwiGLU, GQA, no biases, untied", STYLES)
+    style: str | None = _key(
+        "gpt2: learned positions, LayerNorm, GeLU, biases, tied embeddings; "
+        "llama: RoPE, RMSNorm, SwiGLU, GQA, no biases, untied",
+        STYLES,
+    )
     num_layers: int | None = _key("transformer layers")
     hidden_size: int | None = _key("model width")
     num_attention_heads: int | None = _key("query heads")
@@ -61,12 +64,22 @@ MODEL_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ModelSett
 # Defaults per style for the keys a preset does not name.
 _STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": dict(
-        position_embedding="learned", normalization="LayerNorm", activation="gelu", tie_embeddings=True,
-        bias=True, rotary_base=10000, layernorm_epsilon=1e-5,
+        position_embedding="learned",
+        normalization="LayerNorm",
+        activation="gelu",
+        tie_embeddings=True,
+        bias=True,
+        rotary_base=10000,
+        layernorm_epsilon=1e-5,
     ),
     "llama": dict(
-        position_embedding="rope", normalization="RMSNorm", activation="swiglu", tie_embeddings=False,
-        bias=False, rotary_base=10000, layernorm_epsilon=1e-5,
+        position_embedding="rope",
+        normalization="RMSNorm",
+        activation="swiglu",
+        tie_embeddings=False,
+        bias=False,
+        rotary_base=10000,
+        layernorm_epsilon=1e-5,
     ),
 }
 
@@ -77,6 +90,7 @@ _COMMON_DEFAULTS: dict[str, Any] = dict(
     attention_dropout=0.0,
     make_vocab_size_divisible_by=128,
 )
+
 
 class ModelConfigError(ValueError):
     """An impossible model or parallelism configuration, phrased with the numbers."""

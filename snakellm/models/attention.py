@@ -17,7 +17,6 @@ def sdpa_attention_class(backend: str = "auto") -> Any:
 
     import torch.nn.functional as F
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     chosen = {

@@ -17,16 +17,25 @@ from snakellm.models.loss import cross_entropy
 
 def have_transformer_engine() -> bool:
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine
         import transformer_engine.pytorch  # noqa: F401
     except Exception:
         return False
     return True
 
 
-def build_model(cfg: dict[str, Any], vocab: int, *, tp: int = 1, device: str = "cpu", bf16: bool = False,
-                fused_loss: str = "auto", compile_layers: bool = False, use_te: bool | None = None,
-                attention_backend: str = "auto"):
+def build_model(
+    cfg: dict[str, Any],
+    vocab: int,
+    *,
+    tp: int = 1,
+    device: str = "cpu",
+    bf16: bool = False,
+    fused_loss: str = "auto",
+    compile_layers: bool = False,
+    use_te: bool | None = None,
+    attention_backend: str = "auto",
+):
     """Build a megatron-core GPTModel (model-parallel state must be initialised).
 
     ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (compiled

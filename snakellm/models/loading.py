@@ -86,8 +86,14 @@ def describe_run(path: str | os.PathLike, iteration: int | None = None) -> dict[
         raise LoadError(f"{ckpt_dir / ckpt.RUN_CONFIG}: {e}") from None
     tokenizer = rc.get("tokenizer") or _tokenizer_from_summary(ckpt_dir.parent)
     vocab = cfg.get("padded_vocab") or padded_vocab_size(int(tokenizer["vocab_size"]), arch)
-    return {"checkpoint_dir": ckpt_dir, "iteration": it, "arch": arch, "padded_vocab_size": int(vocab),
-            "tokenizer": tokenizer, "run_dir": ckpt_dir.parent}
+    return {
+        "checkpoint_dir": ckpt_dir,
+        "iteration": it,
+        "arch": arch,
+        "padded_vocab_size": int(vocab),
+        "tokenizer": tokenizer,
+        "run_dir": ckpt_dir.parent,
+    }
 
 
 def _tokenizer_from_summary(run_dir: Path) -> dict[str, Any]:
@@ -99,8 +105,9 @@ def _tokenizer_from_summary(run_dir: Path) -> dict[str, Any]:
     raise LoadError(f"{run_dir}: the run's tokenizer is not recorded (no tokenizer in run_config.json, no blend)")
 
 
-def load(path: str | os.PathLike, iteration: int | None = None, device: str = "cpu", bf16: bool = False,
-         **build_options: Any) -> LoadedModel:
+def load(
+    path: str | os.PathLike, iteration: int | None = None, device: str = "cpu", bf16: bool = False, **build_options: Any
+) -> LoadedModel:
     """The model of ``path`` at ``iteration`` (default: the latest), ready for inference.
 
     Starts a single-process group and megatron-core's parallel state if none
@@ -117,13 +124,27 @@ def load(path: str | os.PathLike, iteration: int | None = None, device: str = "c
     loaded = ckpt.load(info["checkpoint_dir"], info["iteration"], {"model": model.sharded_state_dict()})
     model.load_state_dict(loaded["model"], strict=True)
     model.eval()
-    return LoadedModel(model=model, arch=info["arch"], padded_vocab_size=info["padded_vocab_size"],
-                       tokenizer=info["tokenizer"], iteration=info["iteration"], checkpoint=info["checkpoint_dir"]
-                       / ckpt.iter_name(info["iteration"]), run_dir=info["run_dir"], device=dev)
+    return LoadedModel(
+        model=model,
+        arch=info["arch"],
+        padded_vocab_size=info["padded_vocab_size"],
+        tokenizer=info["tokenizer"],
+        iteration=info["iteration"],
+        checkpoint=info["checkpoint_dir"] / ckpt.iter_name(info["iteration"]),
+        run_dir=info["run_dir"],
+        device=dev,
+    )
 
 
-def save_model_checkpoint(path: str | os.PathLike, model: Any, arch: dict[str, Any], padded_vocab: int,
-                          tokenizer: dict[str, Any], iteration: int = 0, extra: dict[str, Any] | None = None) -> Path:
+def save_model_checkpoint(
+    path: str | os.PathLike,
+    model: Any,
+    arch: dict[str, Any],
+    padded_vocab: int,
+    tokenizer: dict[str, Any],
+    iteration: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write a model-only checkpoint that :func:`load` (and fine-tuning) read: the inverse for imports.
 
     ``path`` is a run dir (``runs/NAME``; the checkpoint goes to its

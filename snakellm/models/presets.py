@@ -13,18 +13,35 @@ from typing import Any
 # Each preset names every architectural key; config overrides replace single keys.
 PRESETS: dict[str, dict[str, Any]] = {
     # the CPU default: trains in minutes on 2 cores
-    "tiny": dict(style="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=128),
-    "tiny-llama": dict(
-        style="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=176, seq_length=128,
+    "tiny": dict(
+        style="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=128
     ),
-    "gpt2-124m": dict(style="gpt2", num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072, seq_length=1024),
-    "gpt2-350m": dict(style="gpt2", num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, seq_length=1024),
-    "gpt2-774m": dict(style="gpt2", num_layers=36, hidden_size=1280, num_attention_heads=20, ffn_hidden_size=5120, seq_length=1024),
+    "tiny-llama": dict(
+        style="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=176,
+        seq_length=128,
+    ),
+    "gpt2-124m": dict(
+        style="gpt2", num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072, seq_length=1024
+    ),
+    "gpt2-350m": dict(
+        style="gpt2", num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, seq_length=1024
+    ),
+    "gpt2-774m": dict(
+        style="gpt2", num_layers=36, hidden_size=1280, num_attention_heads=20, ffn_hidden_size=5120, seq_length=1024
+    ),
     # TinyLlama-1.1B's shape: 22 layers, d=2048, 32 heads in 4 KV groups, SwiGLU 5632
     "llama-1b": dict(
-        style="llama", num_layers=22, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
-        ffn_hidden_size=5632, seq_length=2048,
+        style="llama",
+        num_layers=22,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=4,
+        ffn_hidden_size=5632,
+        seq_length=2048,
     ),
 }
-

@@ -69,7 +69,13 @@ def build_blend(stats_files: list[str], weights: dict[str, float]) -> dict:
         if tokens <= 0:
             raise BlendError(f"{path}: no tokens")
         datasets.append(
-            {"prefix": prefix, "source": source, "chunk": st.get("chunk", ""), "documents": st["documents"], "tokens": tokens}
+            {
+                "prefix": prefix,
+                "source": source,
+                "chunk": st.get("chunk", ""),
+                "documents": st["documents"],
+                "tokens": tokens,
+            }
         )
     raw = [d["tokens"] * weights[d["source"]] for d in datasets]
     total = sum(raw)
@@ -77,7 +83,9 @@ def build_blend(stats_files: list[str], weights: dict[str, float]) -> dict:
         d["weight"] = r / total
     sources: dict[str, dict] = {}
     for d in datasets:
-        s = sources.setdefault(d["source"], {"weight": weights[d["source"]], "chunks": 0, "documents": 0, "tokens": 0, "share": 0.0})
+        s = sources.setdefault(
+            d["source"], {"weight": weights[d["source"]], "chunks": 0, "documents": 0, "tokens": 0, "share": 0.0}
+        )
         s["chunks"] += 1
         s["documents"] += d["documents"]
         s["tokens"] += d["tokens"]
@@ -108,7 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("stats", nargs="+", help="the chunks' {prefix}.stats.json files written by snakellm tokenize")
     p.add_argument("-o", "--output", required=True, help="blend.json")
     p.add_argument("--text", help="blend.txt (default: next to blend.json)")
-    p.add_argument("--weight", action="append", default=[], type=_weight, metavar="SOURCE=W", help="a source's sampling weight (repeat per source)")
+    p.add_argument(
+        "--weight",
+        action="append",
+        default=[],
+        type=_weight,
+        metavar="SOURCE=W",
+        help="a source's sampling weight (repeat per source)",
+    )
     a = p.parse_args(argv)
     text = a.text or str(Path(a.output).with_name("blend.txt"))
     try:

@@ -28,17 +28,18 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import orjson
 
-from snakellm.tokenize import encoders as tokmod
 from snakellm.io.atomic import atomic_group
-from snakellm.tokenize.indexed import IndexedWriter, dtype_name, optimal_dtype, prefix_paths, read_index
 from snakellm.io.progress import progress
+from snakellm.tokenize import encoders as tokmod
+from snakellm.tokenize.indexed import IndexedWriter, dtype_name, optimal_dtype, prefix_paths, read_index
 
 
 class TokenizeError(ValueError):
@@ -49,12 +50,34 @@ class Batch(NamedTuple):
     texts: list[str]
     lines: list[int]  # line number of each document in the jsonl, for error messages
     nbytes: int
+    first: int = 0  # index of the first document in the chunk
+
+
+class Mismatch(NamedTuple):
+    line: int
+    detail: str
+
+
+class Verify(NamedTuple):
+    """Which documents the fast encoder's ids are checked on against the reference library."""
+
+    every: int  # each document whose index is a multiple of this (1: all)
+
+
+class VerificationFailed(Exception):
+    """The fast encoder's ids differ from the reference library's on a document."""
+
+    def __init__(self, source: str, mismatch: Mismatch) -> None:
+        super().__init__(f"{source}:{mismatch.line}: {mismatch.detail}")
+        self.line = mismatch.line
 
 
 class Encoded(NamedTuple):
     tokens: np.ndarray  # in the dataset dtype, EOD after every non-empty document
     lengths: np.ndarray  # int64 tokens per document (incl. EOD; 0 for an empty document)
     nbytes: int
+    verified: int = 0  # documents whose ids were compared with the reference library
+    mismatch: Mismatch | None = None
 
 
 def read_batches(path: str, key: str, batch_bytes: int) -> Iterator[Batch]:
@@ -62,7 +85,7 @@ def read_batches(path: str, key: str, batch_bytes: int) -> Iterator[Batch]:
     loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
     texts: list[str] = []
     lines: list[int] = []
-    size = 0
+    size = first = 0
     with open(path, "rb", buffering=1 << 22) as fh:
         for lineno, line in enumerate(fh, start=1):
             if line.isspace():
@@ -78,15 +101,40 @@ def read_batches(path: str, key: str, batch_bytes: int) -> Iterator[Batch]:
             lines.append(lineno)
             size += len(line)
             if size >= batch_bytes:
-                yield Batch(texts, lines, size)
+                yield Batch(texts, lines, size, first)
+                first += len(texts)
                 texts, lines, size = [], [], 0
     if texts:
-        yield Batch(texts, lines, size)
+        yield Batch(texts, lines, size, first)
 
 
-def encode_batch(tok: tokmod.Tokenizer, batch: Batch, dtype: np.dtype, source: str) -> Encoded:
+def verify_batch(tok: tokmod.Tokenizer, batch: Batch, ids: list, verify: Verify) -> tuple[int, Mismatch | None]:
+    """Compare the ids of the sampled documents with the reference library's: (documents checked, first mismatch)."""
+    start = -batch.first % verify.every
+    picked = range(start, len(batch.texts), verify.every)
+    if not picked:
+        return 0, None
+    ref = tok.reference_batch([batch.texts[i] for i in picked])
+    for i, want in zip(picked, ref, strict=True):
+        got = ids[i].tolist() if isinstance(ids[i], np.ndarray) else [int(x) for x in ids[i]]
+        if got != want:
+            at = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+            detail = (
+                f"document {batch.first + i}: {tok.backend} gives {len(got)} ids, the reference {len(want)}; "
+                f"first difference at token {at}: {got[at : at + 3]} != {want[at : at + 3]}"
+            )
+            return len(picked), Mismatch(batch.lines[i], detail)
+    return len(picked), None
+
+
+def encode_batch(
+    tok: tokmod.Tokenizer, batch: Batch, dtype: np.dtype, source: str, verify: Verify | None = None
+) -> Encoded:
     """Encode one batch into a single array with EODs (runs in a worker thread)."""
     ids = tok.encode_batch(batch.texts)
+    verified, mismatch = verify_batch(tok, batch, ids, verify) if verify and tok.can_verify else (0, None)
+    if mismatch:
+        return Encoded(np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int64), batch.nbytes, verified, mismatch)
     # keep the encoder's own dtype (tiktoken uint32, sentencepiece int32) through the concatenation
     wide = ids[0].dtype if ids and isinstance(ids[0], np.ndarray) else np.dtype(np.int64)
     eod = np.array([tok.eod_id], dtype=wide)
@@ -110,7 +158,7 @@ def encode_batch(tok: tokmod.Tokenizer, batch: Batch, dtype: np.dtype, source: s
                 f"{tok.vocab_size} tokens of {next(iter(tok.files.values()))}"
                 + ("" if fits else f" and does not fit the dataset dtype {dtype_name(dtype)}")
             )
-    return Encoded(flat.astype(dtype, copy=False), lengths, batch.nbytes)
+    return Encoded(flat.astype(dtype, copy=False), lengths, batch.nbytes, verified)
 
 
 def tokenize_file(
@@ -125,25 +173,70 @@ def tokenize_file(
     chunk: str = "",
     batch_bytes: int = 1 << 20,
     show_progress: bool = True,
+    verify: float = 0.005,
+    verify_all_bytes: int = 2_000_000,
 ) -> dict:
-    """Tokenize ``jsonl`` into ``{prefix}.bin/.idx`` and ``{prefix}.stats.json``; return the stats."""
+    """Tokenize ``jsonl`` into ``{prefix}.bin/.idx`` and ``{prefix}.stats.json``; return the stats.
+
+    Where the tokenizer runs a fast path (tiktoken for a ``tokenizer.json``), the ids of a
+    ``verify`` fraction of the documents (all of them when the chunk is at most
+    ``verify_all_bytes``) are compared with the reference library's; on the first
+    difference the chunk is encoded again with the reference library, with a warning
+    naming the document.
+    """
     if not os.path.isfile(jsonl):
         raise TokenizeError(f"{jsonl}: input not found")
+    check = None
+    if tok.can_verify and verify > 0:
+        check = Verify(1 if os.path.getsize(jsonl) <= verify_all_bytes else max(1, round(1 / min(1.0, verify))))
+    try:
+        return _tokenize_file(jsonl, prefix, tok, key, threads, stats, source, chunk, batch_bytes, show_progress, check)
+    except VerificationFailed as e:
+        reason = f"fell back: tiktoken ids differ from tokenizers at {e}"
+        print(f"snakellm tokenize: warning: {e}; encoding {jsonl} again with tokenizers", file=sys.stderr)
+        tok.use_reference(reason)
+        return _tokenize_file(jsonl, prefix, tok, key, threads, stats, source, chunk, batch_bytes, show_progress, None)
+
+
+def _tokenize_file(
+    jsonl: str,
+    prefix: str,
+    tok: tokmod.Tokenizer,
+    key: str,
+    threads: int,
+    stats: str | None,
+    source: str,
+    chunk: str,
+    batch_bytes: int,
+    show_progress: bool,
+    check: Verify | None,
+) -> dict:
     bin_p, idx_p = prefix_paths(prefix)
     stats_p = Path(stats) if stats else Path(str(prefix) + ".stats.json")
     dtype = np.dtype(optimal_dtype(tok.vocab_size))
     threads = max(1, threads)
     t0 = time.perf_counter()
-    text_bytes = empty_docs = 0
+    text_bytes = empty_docs = verified = 0
     with atomic_group(bin_p, idx_p, stats_p) as (tmp_bin, tmp_idx, tmp_stats):
-        with IndexedWriter(tmp_bin, tmp_idx, dtype) as writer, ThreadPoolExecutor(threads) as pool, progress(
-            total=os.path.getsize(jsonl), unit="B", unit_scale=True, desc=f"tokenize {source}/{chunk}", enabled=show_progress
-        ) as bar:
+        with (
+            IndexedWriter(tmp_bin, tmp_idx, dtype) as writer,
+            ThreadPoolExecutor(threads) as pool,
+            progress(
+                total=os.path.getsize(jsonl),
+                unit="B",
+                unit_scale=True,
+                desc=f"tokenize {source}/{chunk}",
+                enabled=show_progress,
+            ) as bar,
+        ):
             pending: deque = deque()
 
             def write_one() -> None:
-                nonlocal text_bytes, empty_docs
+                nonlocal text_bytes, empty_docs, verified
                 enc: Encoded = pending.popleft().result()
+                if enc.mismatch:
+                    raise VerificationFailed(jsonl, enc.mismatch)
+                verified += enc.verified
                 writer.add_documents(enc.tokens, enc.lengths)
                 empty_docs += int((enc.lengths == 0).sum())
                 text_bytes += enc.nbytes
@@ -151,7 +244,7 @@ def tokenize_file(
 
             try:
                 for batch in read_batches(jsonl, key, batch_bytes):
-                    pending.append(pool.submit(encode_batch, tok, batch, dtype, jsonl))
+                    pending.append(pool.submit(encode_batch, tok, batch, dtype, jsonl, check))
                     while len(pending) >= 2 * threads:
                         write_one()
                 while pending:
@@ -179,6 +272,9 @@ def tokenize_file(
             "prefix": str(prefix),
             "key": key,
             "tokenizer": tok.info(),
+            "encoder": tok.backend,
+            "encoder_reason": tok.encoder_reason,
+            "verified_documents": verified,
             "dtype": dtype_name(dtype),
             "documents": writer.documents,
             "empty_documents": empty_docs,
@@ -210,13 +306,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--source", default="", help="source name, recorded in the stats")
     p.add_argument("--chunk", default="", help="chunk name, recorded in the stats")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--verify",
+        type=float,
+        default=0.005,
+        help="fraction of documents whose tiktoken ids are compared with tokenizers' (huggingface kind; default 0.005; "
+        "0: none); a difference re-encodes the chunk with tokenizers",
+    )
+    p.add_argument(
+        "--verify-all-mb",
+        type=float,
+        default=2.0,
+        help="compare every document when the chunk is at most this many MB (default 2)",
+    )
     tokmod.add_arguments(p)
     a = p.parse_args(argv)
     try:
         tok = tokmod.from_args(a)
+        print(f"snakellm tokenize: encoder {tok.backend}: {tok.encoder_reason or tok.kind}", file=sys.stderr)
         st = tokenize_file(
-            a.input, a.prefix, tok, key=a.key, threads=a.threads, stats=a.stats, source=a.source,
-            chunk=a.chunk, batch_bytes=max(1, int(a.batch_mb * 1e6)), show_progress=not a.no_progress,
+            a.input,
+            a.prefix,
+            tok,
+            key=a.key,
+            threads=a.threads,
+            stats=a.stats,
+            source=a.source,
+            chunk=a.chunk,
+            batch_bytes=max(1, int(a.batch_mb * 1e6)),
+            show_progress=not a.no_progress,
+            verify=a.verify,
+            verify_all_bytes=int(a.verify_all_mb * 1e6),
         )
     except (tokmod.TokenizerError, TokenizeError, OSError) as e:
         print(f"snakellm tokenize: error: {e}", file=sys.stderr)

@@ -17,8 +17,10 @@ Three kinds, each with the fastest encoder that gives the reference ids:
     ``eos`` piece unless another piece is named (Megatron's
     ``GPTSentencePieceTokenizer`` and NeMo use ``eos``).
 ``huggingface``
-    any ``tokenizer.json``, encoded by the Rust ``tokenizers`` library with its
-    truncation and padding switched off; EOD is the named token.
+    any ``tokenizer.json``. Byte-level BPE files that tiktoken can express exactly
+    (Llama 3, Qwen 2, GPT-NeoX, GPT-2 shapes; see ``bytelevel_bpe``) run on tiktoken,
+    everything else on the Rust ``tokenizers`` library with truncation and padding
+    off; ``encoder_reason`` says which and why. EOD is the named token.
 
 ``encode_batch`` is called from several threads at once: each backend releases
 the GIL while it encodes, so threads give real parallelism.
@@ -30,11 +32,13 @@ import argparse
 import hashlib
 import json
 import os
+import unicodedata
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
+import orjson
 
 KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
 GPT2_EOD = "<|endoftext|>"
@@ -57,7 +61,7 @@ def bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -89,6 +93,20 @@ class Tokenizer:
         self.vocab_size = vocab_size
         self.eod_id = eod_id
         self.eod_token = eod_token
+        self.encoder_reason = ""  # why this encoder (backend) runs: recorded in the stats and logged
+
+    @property
+    def can_verify(self) -> bool:
+        """Whether ``encode_batch`` is a fast path that ``reference_batch`` checks."""
+        return False
+
+    def reference_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """The ids of the tokenizer's own library (only where ``can_verify``)."""
+        raise NotImplementedError
+
+    def use_reference(self, reason: str) -> None:
+        """Encode with the reference library from now on (only where ``can_verify``)."""
+        raise NotImplementedError
 
     def encode_batch(self, texts: Sequence[str]) -> list:
         """Token ids of each text (arrays or lists of ints), without EOD; thread-safe."""
@@ -106,6 +124,7 @@ class Tokenizer:
             "name": self.name,
             "kind": self.kind,
             "backend": self.backend,
+            "encoder_reason": self.encoder_reason,
             "vocab_size": self.vocab_size,
             "eod_id": self.eod_id,
             "eod_token": self.eod_token,
@@ -146,18 +165,18 @@ def _tiktoken_ranks(vocab: dict[str, int], merges: list[tuple[str, str]], eod: s
         return None  # tokens outside the byte alphabet: not plain byte-level BPE
     if len(ranks) != len(vocab) - (eod in vocab):
         return None
-    byte_ids = [ranks.get(bytes([b])) for b in range(256)]
-    if any(i is None for i in byte_ids):
+    byte_ids = [ranks[bytes([b])] for b in range(256) if bytes([b]) in ranks]
+    if len(byte_ids) != 256:
         return None
     last = max(byte_ids)
     seen = set()
     for a, b in merges:
         tok = a + b
-        i = vocab.get(tok)
-        if i is None or i <= last or tok in seen:
+        made = vocab.get(tok)
+        if made is None or made <= last or tok in seen:
             return None
         seen.add(tok)
-        last = i
+        last = made
     if len(ranks) != 256 + len(merges):
         return None  # extra non-merge tokens: tiktoken would merge into them
     return ranks
@@ -166,32 +185,48 @@ def _tiktoken_ranks(vocab: dict[str, int], merges: list[tuple[str, str]], eod: s
 class GPT2BPE(Tokenizer):
     kind = "gpt2-bpe"
 
-    def __init__(self, name: str, vocab_file: str, merges_file: str, eod: str = GPT2_EOD, backend: str = "auto") -> None:
+    def __init__(
+        self, name: str, vocab_file: str, merges_file: str, eod: str = GPT2_EOD, backend: str = "auto"
+    ) -> None:
         vocab, merges = _read_gpt2_files(vocab_file, merges_file)
         if eod not in vocab:
             raise TokenizerError(f"{vocab_file}: the EOD token {eod!r} is not in the vocabulary")
-        super().__init__(name, {"vocab_file": str(vocab_file), "merges_file": str(merges_file)}, len(vocab), vocab[eod], eod)
+        super().__init__(
+            name, {"vocab_file": str(vocab_file), "merges_file": str(merges_file)}, len(vocab), vocab[eod], eod
+        )
         ranks = _tiktoken_ranks(vocab, merges, eod) if backend in ("auto", "tiktoken") else None
         if ranks is not None:
             import tiktoken
 
             specials = {eod: vocab[eod]}
             self._enc = tiktoken.Encoding(
-                f"snakellm-{name}", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials,
+                f"snakellm-{name}",
+                pat_str=GPT2_PATTERN,
+                mergeable_ranks=ranks,
+                special_tokens=specials,
                 explicit_n_vocab=len(vocab) if max(vocab.values()) == len(vocab) - 1 else None,
             )
             self.backend = "tiktoken"
+            self.encoder_reason = "merges in id order: expressed exactly as tiktoken ranks"
         elif backend == "tiktoken":
-            raise TokenizerError(f"{merges_file}: merge order differs from the vocab's id order; tiktoken cannot encode it")
+            raise TokenizerError(
+                f"{merges_file}: merge order differs from the vocab's id order; tiktoken cannot encode it"
+            )
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # parallel across our worker threads instead
-            from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+            from tokenizers import Tokenizer as HFTokenizer
+            from tokenizers import decoders, models, pre_tokenizers
 
             tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
             tok.decoder = decoders.ByteLevel()
             self._hf = tok
             self.backend = "tokenizers"
+            self.encoder_reason = (
+                "tokenizers requested (--backend tokenizers)"
+                if backend == "tokenizers"
+                else "merge order differs from the vocabulary's id order (tiktoken merges by id)"
+            )
 
     def encode_batch(self, texts: Sequence[str]) -> list:
         if self.backend == "tiktoken":
@@ -259,35 +294,95 @@ class SentencePiece(Tokenizer):
 
 
 class HuggingFace(Tokenizer):
-    kind = "huggingface"
-    backend = "tokenizers"
+    """A ``tokenizer.json``: on tiktoken when it is byte-level BPE tiktoken can express exactly, else ``tokenizers``.
 
-    def __init__(self, name: str, tokenizer_file: str, eod: str | None, add_special_tokens: bool = False) -> None:
+    Text that spells a special token (``<|end_of_text|>``) is encoded as ordinary text on
+    both paths (tokenizers' ``encode_special_tokens``), so a document can never inject a
+    control token; ``add_special_tokens`` adds the post-processor's tokens (Llama 3's BOS).
+    """
+
+    kind = "huggingface"
+
+    def __init__(
+        self, name: str, tokenizer_file: str, eod: str | None, add_special_tokens: bool = False, backend: str = "auto"
+    ) -> None:
         # one encode_batch per worker thread; rayon's own pool would oversubscribe the job's threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from tokenizers import Tokenizer as HFTokenizer
 
         p = _require(tokenizer_file, "tokenizer.json")
         try:
-            tok = HFTokenizer.from_file(str(p))
+            text = p.read_text(encoding="utf-8")
+            tok = HFTokenizer.from_str(text)
         except Exception as e:  # the Rust side raises a bare Exception
             raise TokenizerError(f"{tokenizer_file}: not a tokenizers JSON file: {e}") from None
         tok.no_truncation()
         tok.no_padding()
+        tok.encode_special_tokens = True
         if not eod:
             raise TokenizerError(f"{tokenizer_file}: name the EOD token of a huggingface tokenizer (eod)")
         eod_id = tok.token_to_id(eod)
         if eod_id is None:
             raise TokenizerError(f"{tokenizer_file}: the EOD token {eod!r} is not in the vocabulary")
-        super().__init__(name, {"tokenizer_file": str(tokenizer_file)}, tok.get_vocab_size(with_added_tokens=True), eod_id, eod)
+        super().__init__(
+            name, {"tokenizer_file": str(tokenizer_file)}, tok.get_vocab_size(with_added_tokens=True), eod_id, eod
+        )
         self._tok = tok
         self._special = add_special_tokens
+        self._plan = None
+        self.backend = "tokenizers"
+        if backend == "tokenizers":
+            self.encoder_reason = "tokenizers requested (--backend tokenizers)"
+            return
+        from snakellm.tokenize import bytelevel_bpe
+
+        try:
+            spec = orjson.loads(text)
+            self._plan = bytelevel_bpe.plan(spec, add_special_tokens, reachable=lambda ts: _rebuilt(tok, ts))
+        except bytelevel_bpe.NotExpressible as e:
+            if backend == "tiktoken":
+                raise TokenizerError(f"{tokenizer_file}: tiktoken cannot encode it exactly: {e}") from None
+            self.encoder_reason = f"not expressible in tiktoken: {e}"
+            return
+        self.backend = "tiktoken"
+        self.encoder_reason = self._plan.reason
+
+    @property
+    def can_verify(self) -> bool:
+        return self.backend == "tiktoken"
+
+    def use_reference(self, reason: str) -> None:
+        """Encode with ``tokenizers`` from now on (after the verification found a difference)."""
+        self.backend, self.encoder_reason, self._plan = "tokenizers", reason, None
+
+    def reference_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """The ids ``tokenizers`` gives, what the tiktoken path must equal."""
+        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=self._special)]
 
     def encode_batch(self, texts: Sequence[str]) -> list:
-        return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=self._special)]
+        plan = self._plan
+        if plan is None:
+            return self.reference_batch(texts)
+        if plan.nfc:
+            texts = [unicodedata.normalize("NFC", t) for t in texts]
+        enc = plan.encoding
+        if hasattr(enc, "encode_to_numpy"):  # tiktoken >= 0.8: no Python int per token
+            out = [enc.encode_to_numpy(t, disallowed_special=()) for t in texts]
+        else:
+            out = [np.asarray(enc.encode_ordinary(t), dtype=np.uint32) for t in texts]
+        if plan.prefix or plan.suffix:
+            pre, suf = (np.asarray(x, dtype=np.uint32) for x in (plan.prefix, plan.suffix))
+            out = [np.concatenate([pre, a, suf]) for a in out]
+        return out
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _rebuilt(tok, tokens: list[str]) -> list[bool]:
+    """For each vocabulary token, whether the file's BPE (merges only) turns its symbols back into it."""
+    model = tok.model  # the BPE model alone: no normalizer, pre-tokenizer or added tokens
+    return [len(model.tokenize(t)) == 1 for t in tokens]
 
 
 # ----------------------------------------------------------------------------- loading
@@ -312,7 +407,7 @@ def load(
     elif kind == "sentencepiece":
         tok = SentencePiece(name or Path(model_file or "").stem, model_file, eod)  # type: ignore[arg-type]
     elif kind == "huggingface":
-        tok = HuggingFace(name or "huggingface", tokenizer_file, eod, add_special_tokens)  # type: ignore[arg-type]
+        tok = HuggingFace(name or "huggingface", tokenizer_file, eod, add_special_tokens, backend)  # type: ignore[arg-type]
     else:
         raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected one of {', '.join(KINDS)}")
     if expected_vocab_size is not None and tok.vocab_size != expected_vocab_size:
@@ -327,7 +422,14 @@ def megatron_args(info: dict) -> list[str]:
     """Megatron-LM ``pretrain_gpt.py`` tokenizer flags for a tokenizer ``info()``."""
     f = info["files"]
     if info["kind"] == "gpt2-bpe":
-        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f["vocab_file"], "--merge-file", f["merges_file"]]
+        return [
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            f["vocab_file"],
+            "--merge-file",
+            f["merges_file"],
+        ]
     if info["kind"] == "sentencepiece":
         return ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", f["model_file"]]
     return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(Path(f["tokenizer_file"]).parent)]
@@ -337,7 +439,12 @@ def nemo_tokenizer(info: dict) -> dict:
     """NeMo 1.x ``model.tokenizer`` config for a tokenizer ``info()``."""
     f = info["files"]
     if info["kind"] == "gpt2-bpe":
-        return {"library": "megatron", "type": "GPT2BPETokenizer", "vocab_file": f["vocab_file"], "merge_file": f["merges_file"]}
+        return {
+            "library": "megatron",
+            "type": "GPT2BPETokenizer",
+            "vocab_file": f["vocab_file"],
+            "merge_file": f["merges_file"],
+        }
     if info["kind"] == "sentencepiece":
         return {"library": "sentencepiece", "model": f["model_file"]}
     return {"library": "huggingface", "type": str(Path(f["tokenizer_file"]).parent), "use_fast": True}
@@ -361,16 +468,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sentencepiece: the model's eos piece; huggingface: required)",
     )
     g.add_argument("--vocab-size", type=int, help="the configured vocab size: a tokenizer of another size is an error")
-    g.add_argument("--add-special-tokens", action="store_true", help="huggingface: apply the post-processor's special tokens")
     g.add_argument(
-        "--backend", default="auto", choices=("auto", "tiktoken", "tokenizers"),
-        help="gpt2-bpe encoder (default auto: tiktoken when the merges allow it, else tokenizers)",
+        "--add-special-tokens", action="store_true", help="huggingface: apply the post-processor's special tokens"
+    )
+    g.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "tiktoken", "tokenizers"),
+        help="gpt2-bpe and huggingface encoder (default auto: tiktoken when it gives exactly the ids of the "
+        "tokenizer's own library, else tokenizers; tiktoken: fail instead of falling back)",
     )
 
 
 def from_args(a: argparse.Namespace) -> Tokenizer:
     return load(
-        a.kind, name=a.name, vocab_file=a.vocab_file, merges_file=a.merges_file, model_file=a.model_file,
-        tokenizer_file=a.tokenizer_file, eod=a.eod, add_special_tokens=a.add_special_tokens,
-        expected_vocab_size=a.vocab_size, backend=a.backend,
+        a.kind,
+        name=a.name,
+        vocab_file=a.vocab_file,
+        merges_file=a.merges_file,
+        model_file=a.model_file,
+        tokenizer_file=a.tokenizer_file,
+        eod=a.eod,
+        add_special_tokens=a.add_special_tokens,
+        expected_vocab_size=a.vocab_size,
+        backend=a.backend,
     )

@@ -103,7 +103,7 @@ class IndexedWriter:
         if int(lengths.sum()) != tokens.size:
             raise ValueError("document lengths do not add up to the tokens given")
         if tokens.size:
-            self._bin.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+            self._bin.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))  # type: ignore[arg-type]  # no copy
         nonempty = lengths[lengths > 0]
         if nonempty.size and int(nonempty.max()) > np.iinfo(np.int32).max:
             raise ValueError("a document longer than 2^31-1 tokens does not fit MMIDIDX")
@@ -151,7 +151,7 @@ class IndexedWriter:
             if not f.closed:
                 f.close()
 
-    def __enter__(self) -> "IndexedWriter":
+    def __enter__(self) -> IndexedWriter:
         return self
 
     def __exit__(self, *exc) -> None:

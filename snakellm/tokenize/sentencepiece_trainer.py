@@ -21,8 +21,9 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import orjson
 
@@ -83,7 +84,7 @@ def sample_sentences(inputs: list[tuple[str, str]], max_bytes: int, seed: int) -
     return sentences, {"inputs": per_input, "sentences": len(sentences), "bytes": nbytes, "keep_probability": keep}
 
 
-def train(
+def train_sentencepiece(
     inputs: list[tuple[str, str]],
     model: str,
     vocab: str,
@@ -104,7 +105,7 @@ def train(
 
     t0 = time.perf_counter()
     sentences, sample = sample_sentences(inputs, max_bytes, seed)
-    settings = {
+    settings: dict[str, Any] = {
         "vocab_size": vocab_size,
         "model_type": model_type,
         "character_coverage": character_coverage,
@@ -172,20 +173,45 @@ def main(argv: list[str] | None = None) -> int:
         "(like train_sentencepiece_tokenizer.py --vocab_size 2000 on Botchan).",
     )
     p.add_argument("inputs", nargs="+", help="chunk .jsonl files, in a fixed order")
-    p.add_argument("--key", action="append", default=[], help="JSON text key: once for all inputs, or once per input in order (default text)")
+    p.add_argument(
+        "--key",
+        action="append",
+        default=[],
+        help="JSON text key: once for all inputs, or once per input in order (default text)",
+    )
     p.add_argument("--model", required=True, help="output .model")
     p.add_argument("--vocab", help="output .vocab (default: the model path with .vocab)")
     p.add_argument("--stats", help="output stats json (default: the model path with .stats.json)")
-    p.add_argument("--vocab-size", type=int, required=True, help="pieces in the model (exactly; an error if the text cannot give them)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        help="pieces in the model (exactly; an error if the text cannot give them)",
+    )
     p.add_argument("--model-type", default="bpe", choices=MODEL_TYPES, help="default bpe")
     p.add_argument("--character-coverage", type=float, default=1.0, help="share of characters covered (default 1.0)")
     p.add_argument("--byte-fallback", action="store_true", help="decompose unknown characters into UTF-8 byte pieces")
-    p.add_argument("--user-defined-symbol", action="append", default=[], dest="symbols", help="a piece that is never split (repeatable)")
+    p.add_argument(
+        "--user-defined-symbol",
+        action="append",
+        default=[],
+        dest="symbols",
+        help="a piece that is never split (repeatable)",
+    )
     p.add_argument("--max-sentence-length", type=int, default=16384, help="longest line in bytes used for training")
     p.add_argument("--max-bytes", type=int, default=100_000_000, help="text in the sample (0: everything)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document sample")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="training threads (unigram models depend on it)")
-    p.add_argument("--option", action="append", default=[], type=_option, metavar="KEY=VALUE", help="any other SentencePieceTrainer option")
+    p.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="training threads (unigram models depend on it)"
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        type=_option,
+        metavar="KEY=VALUE",
+        help="any other SentencePieceTrainer option",
+    )
     a = p.parse_args(argv)
     keys = a.key or ["text"]
     if len(keys) == 1:
@@ -195,11 +221,21 @@ def main(argv: list[str] | None = None) -> int:
     model = a.model
     stem = model[: -len(".model")] if model.endswith(".model") else model
     try:
-        st = train(
-            list(zip(a.inputs, keys)), model, a.vocab or stem + ".vocab", a.stats or stem + ".stats.json",
-            vocab_size=a.vocab_size, model_type=a.model_type, character_coverage=a.character_coverage,
-            byte_fallback=a.byte_fallback, user_defined_symbols=a.symbols, max_sentence_length=a.max_sentence_length,
-            max_bytes=a.max_bytes, seed=a.seed, threads=a.threads, options=dict(a.option),
+        st = train_sentencepiece(
+            list(zip(a.inputs, keys)),
+            model,
+            a.vocab or stem + ".vocab",
+            a.stats or stem + ".stats.json",
+            vocab_size=a.vocab_size,
+            model_type=a.model_type,
+            character_coverage=a.character_coverage,
+            byte_fallback=a.byte_fallback,
+            user_defined_symbols=a.symbols,
+            max_sentence_length=a.max_sentence_length,
+            max_bytes=a.max_bytes,
+            seed=a.seed,
+            threads=a.threads,
+            options=dict(a.option),
         )
     except (TrainError, OSError) as e:
         print(f"snakellm train-tokenizer: error: {e}", file=sys.stderr)

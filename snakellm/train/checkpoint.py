@@ -158,7 +158,7 @@ def truncate_live_metrics(ckpt_dir: str | os.PathLike, iteration: int) -> None:
             continue  # a line cut by a kill
         if rec.get("step", 0) <= iteration:
             keep.append(line)
-    write_text(p, "".join(l + "\n" for l in keep))
+    write_text(p, "".join(ln + "\n" for ln in keep))
 
 
 def mark_resumed(ckpt_dir: str | os.PathLike, iteration: int) -> None:
@@ -249,10 +249,18 @@ class CheckpointManager:
     ``best.json``.
     """
 
-    def __init__(self, ckpt_dir: str | os.PathLike, *, keep_last: int,
-                 sharded_state: Callable[[bool], dict[str, Any]], common_state: Callable[[int], dict[str, Any]],
-                 rank: int, barrier: Callable[[], None], log: Callable[[str], None] = lambda _msg: None,
-                 best: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        ckpt_dir: str | os.PathLike,
+        *,
+        keep_last: int,
+        sharded_state: Callable[[bool], dict[str, Any]],
+        common_state: Callable[[int], dict[str, Any]],
+        rank: int,
+        barrier: Callable[[], None],
+        log: Callable[[str], None] = lambda _msg: None,
+        best: dict[str, Any] | None = None,
+    ):
         self.dir = Path(ckpt_dir)
         self.keep_last = keep_last
         self.sharded_state = sharded_state

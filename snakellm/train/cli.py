@@ -64,17 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("parallelism and speed")
     add_arguments(s, ParallelSettings)
     s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    s.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="scaled_dot_product_attention kernel (auto: torch's choice)")
+    s.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="scaled_dot_product_attention kernel (auto: torch's choice)",
+    )
     s.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: from the GPU name)")
 
     o = p.add_argument_group("output")
     o.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True)
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
-    o.add_argument("--no-checkpoints", dest="checkpoints", action="store_false",
-                   help="save no checkpoints at all (benchmarks only: nothing to resume from)")
-    o.add_argument("--profile-steps", default=None, metavar="A:B",
-                   help="torch.profiler over steps A..B; the kernel table goes to RUN_DIR/profile.txt")
+    o.add_argument(
+        "--no-checkpoints",
+        dest="checkpoints",
+        action="store_false",
+        help="save no checkpoints at all (benchmarks only: nothing to resume from)",
+    )
+    o.add_argument(
+        "--profile-steps",
+        default=None,
+        metavar="A:B",
+        help="torch.profiler over steps A..B; the kernel table goes to RUN_DIR/profile.txt",
+    )
     return p
 
 
@@ -90,8 +102,14 @@ def main(argv: list[str] | None = None) -> int:
             from snakellm.train.profiling import parse_range
 
             parse_range(args.profile_steps)
-    except (RequestError, ValueError, models.ModelConfigError, DataError, distmod.LaunchError,
-            ckpt.CheckpointError) as e:
+    except (
+        RequestError,
+        ValueError,
+        models.ModelConfigError,
+        DataError,
+        distmod.LaunchError,
+        ckpt.CheckpointError,
+    ) as e:
         _error(e)
         return EXIT_USAGE
     from snakellm.train.pretrain import pretrain

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 
 class DataError(ValueError):
@@ -132,8 +132,9 @@ class _Tokenizer:
         self.unique_identifiers = {"class": "snakellm", "vocab_size": vocab_size, "eod": eod}
 
 
-def build_datasets(blend: Blend, *, seq_length: int, seed: int, split: str, train_samples: int,
-                   valid_samples: int, cache_dir: str):
+def build_datasets(
+    blend: Blend, *, seq_length: int, seed: int, split: str, train_samples: int, valid_samples: int, cache_dir: str
+):
     """(train, valid) GPTDatasets (valid may be None). Must be called on every rank."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -197,15 +198,33 @@ class _BatchSampler:
         return (end - start) * (gbs // (mbs * dp))
 
 
-def micro_batches(dataset, start_iter: int, end_iter: int, *, gbs: int, mbs: int, dp_rank: int, dp_size: int,
-                  num_workers: int = 0, pin_memory: bool = False):
+def micro_batches(
+    dataset,
+    start_iter: int,
+    end_iter: int,
+    *,
+    gbs: int,
+    mbs: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+):
     """An iterator over the micro-batches (dicts of stacked tensors) of iterations [start_iter, end_iter)."""
     import torch
 
-    sampler = _BatchSampler(start_iter, end_iter, gbs=gbs, mbs=mbs, dp_rank=dp_rank, dp_size=dp_size, limit=len(dataset))
-    return iter(torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-        persistent_workers=False, prefetch_factor=4 if num_workers else None,
-        # its own generator: worker seeding must not draw from the global RNG (exact resume)
-        generator=torch.Generator().manual_seed(0),
-    ))
+    sampler = _BatchSampler(
+        start_iter, end_iter, gbs=gbs, mbs=mbs, dp_rank=dp_rank, dp_size=dp_size, limit=len(dataset)
+    )
+    return iter(
+        torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=False,
+            prefetch_factor=4 if num_workers else None,
+            # its own generator: worker seeding must not draw from the global RNG (exact resume)
+            generator=torch.Generator().manual_seed(0),
+        )
+    )

@@ -18,8 +18,16 @@ from pathlib import Path
 from typing import Any
 
 # Peak dense bf16 tensor FLOP/s per GPU, for MFU (override with --peak-tflops).
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4, "A100": 312.0, "A800": 312.0,
-               "L40S": 362.0, "B200": 2250.0}
+PEAK_TFLOPS = {
+    "H100": 989.4,
+    "H200": 989.4,
+    "H800": 989.4,
+    "GH200": 989.4,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "B200": 2250.0,
+}
 
 
 def peak_tflops_of(device_name: str) -> float | None:
@@ -29,9 +37,21 @@ def peak_tflops_of(device_name: str) -> float | None:
 class MetricsLogger:
     """Collects (step, lr, loss, grad norm) on the device; writes records at each flush (rank 0)."""
 
-    def __init__(self, live_path: Path, *, rank0: bool, tokens_per_step: int, samples_per_step: int,
-                 flops_per_token: float, peak_tflops: float | None, world_size: int, dp_group: Any, dp_size: int,
-                 tensorboard_dir: Path | None = None, start_step: int = 0):
+    def __init__(
+        self,
+        live_path: Path,
+        *,
+        rank0: bool,
+        tokens_per_step: int,
+        samples_per_step: int,
+        flops_per_token: float,
+        peak_tflops: float | None,
+        world_size: int,
+        dp_group: Any,
+        dp_size: int,
+        tensorboard_dir: Path | None = None,
+        start_step: int = 0,
+    ):
         self.live_path = live_path
         self.rank0 = rank0
         self.tokens_per_step = tokens_per_step
@@ -74,8 +94,16 @@ class MetricsLogger:
         mfu = tps * self.flops_per_token / (self.peak * 1e12 * self.world_size) if self.peak else None
         bad = [s for (s, *_), loss in zip(self.pending, losses) if not math.isfinite(loss)]
         recs = [
-            {"step": s, "loss": loss, "lr": lr, "grad_norm": gn, "tokens_per_s": tps, "mfu": mfu,
-             "consumed_samples": s * self.samples_per_step, "tokens": s * self.tokens_per_step}
+            {
+                "step": s,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": gn,
+                "tokens_per_s": tps,
+                "mfu": mfu,
+                "consumed_samples": s * self.samples_per_step,
+                "tokens": s * self.tokens_per_step,
+            }
             for (s, lr, _, _), loss, gn in zip(self.pending, losses, norms)
         ]
         self._write(recs)

@@ -30,28 +30,43 @@ def _is_tp_duplicate(p) -> bool:
 
 
 class MixedPrecisionAdamW:
-    def __init__(self, model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                 eps: float, clip_grad: float, fused: bool | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float,
+        fused: bool | None = None,
+    ):
         self.clip_grad = clip_grad
         decay: list[torch.nn.Parameter] = []
         no_decay: list[torch.nn.Parameter] = []
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
             # no weight decay on biases and norm gains (1-D), as in Megatron-LM and GPT-2
             (no_decay if p.dim() < 2 else decay).append(p)
         self.model_groups = [g for g in (decay, no_decay) if g]
-        self.master_groups = [[p if p.dtype == torch.float32 else p.detach().clone().float() for p in g]
-                              for g in self.model_groups]
-        self.has_masters = any(m is not p for mg, pg in zip(self.master_groups, self.model_groups)
-                               for m, p in zip(mg, pg))
+        self.master_groups = [
+            [p if p.dtype == torch.float32 else p.detach().clone().float() for p in g] for g in self.model_groups
+        ]
+        self.has_masters = any(
+            m is not p for mg, pg in zip(self.master_groups, self.model_groups) for m, p in zip(mg, pg)
+        )
         wds = [weight_decay, 0.0] if (decay and no_decay) else ([weight_decay] if decay else [0.0])
         device = next(model.parameters()).device
         if fused is None:
             fused = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
             [{"params": g, "weight_decay": wd} for g, wd in zip(self.master_groups, wds)],
-            lr=lr, betas=betas, eps=eps, fused=fused or None, foreach=None if fused else True,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            fused=fused or None,
+            foreach=None if fused else True,
         )
         self._pairs = [(p, m) for pg, mg in zip(self.model_groups, self.master_groups) for p, m in zip(pg, mg)]
         self._norm_mask = [not _is_tp_duplicate(p) for p, _ in self._pairs]

@@ -18,7 +18,7 @@ from typing import Any
 from snakellm import models
 from snakellm.io.atomic import write_json, write_text
 from snakellm.launch import distributed as distmod
-from snakellm.launch import runtime
+from snakellm.launch import runtime, watchdog
 from snakellm.train import checkpoint as ckpt
 from snakellm.train import dataset as datamod
 from snakellm.train.metrics import MetricsLogger, merge_metrics, peak_tflops_of
@@ -71,7 +71,11 @@ def pretrain(req: TrainRequest) -> int:
     from snakellm.train.schedule import CosineSchedule
 
     device = runtime.pick_device(torch, "cuda" if cuda else "cpu", d.local_rank)
-    runtime.init_process_group(torch, d, device)
+    # the backend's own timeout is the backstop; the watchdog fires first and names the rank
+    runtime.init_process_group(torch, d, device, timeout_s=t.collective_timeout + 60)
+    wd = watchdog.start(
+        torch, d, t.collective_timeout, log=lambda m: log(m, rank0), record=req.run_dir / "watchdog.log"
+    )
     stop_group = torch.distributed.new_group(backend="gloo") if cuda and d.world_size > 1 else None
     stop.world_size, stop.group = d.world_size, stop_group
 
@@ -85,29 +89,55 @@ def pretrain(req: TrainRequest) -> int:
         seed_all(t.seed)
         if cuda:
             tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
-        module, tcfg = build_model(req.model, req.vocab, tp=par.tp, device=str(device), bf16=precision == "bf16",
-                                   fused_loss=par.loss, compile_layers=par.compile,
-                                   attention_backend=a.attention_backend)
+        module, tcfg = build_model(
+            req.model,
+            req.vocab,
+            tp=par.tp,
+            device=str(device),
+            bf16=precision == "bf16",
+            fused_loss=par.loss,
+            compile_layers=par.compile,
+            attention_backend=a.attention_backend,
+        )
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=cuda and req.dp > 1, use_distributed_optimizer=False,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=cuda and req.dp > 1,
+            use_distributed_optimizer=False,
         )
         model = DDP(tcfg, ddp_cfg, module)
         model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
-        opt = MixedPrecisionAdamW(model, lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
-                                  eps=t.adam_eps, clip_grad=t.clip_grad)
+        opt = MixedPrecisionAdamW(
+            model,
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
+            clip_grad=t.clip_grad,
+        )
         sched = CosineSchedule(t.lr, t.min_lr, t.warmup_steps, req.decay_steps, t.lr_decay_style)
         nparams, flops_tok = _count(req, module, rank0)
-        peak = a.peak_tflops if a.peak_tflops is not None else (
-            peak_tflops_of(torch.cuda.get_device_name(device)) if cuda else None)
-        log(f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {precision} on "
+        peak = (
+            a.peak_tflops
+            if a.peak_tflops is not None
+            else (peak_tflops_of(torch.cuda.get_device_name(device)) if cuda else None)
+        )
+        log(
+            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {precision} on "
             f"{'GPU' if cuda else 'CPU'}; world {d.world_size} ({d.launcher}) = dp {req.dp} x tp {par.tp} x "
             f"pp {par.pp}; global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {req.dp} x "
-            f"{req.num_micro} accumulation steps; {t.steps} steps", rank0)
+            f"{req.num_micro} accumulation steps; {t.steps} steps",
+            rank0,
+        )
 
         seq, gbs, mbs = req.model["seq_length"], t.global_batch_size, t.micro_batch_size
         train_ds, valid_ds = datamod.build_datasets(
-            req.blend, seq_length=seq, seed=t.seed, split=t.split, train_samples=t.steps * gbs,
-            valid_samples=t.eval_iters * gbs, cache_dir=str(req.run_dir / "data_cache"),
+            req.blend,
+            seq_length=seq,
+            seed=t.seed,
+            split=t.split,
+            train_samples=t.steps * gbs,
+            valid_samples=t.eval_iters * gbs,
+            cache_dir=str(req.run_dir / "data_cache"),
         )
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -119,10 +149,14 @@ def pretrain(req: TrainRequest) -> int:
                 "model": msd,
                 "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading),
                 "rng_state": ShardedObject(
-                    "rng_state", [rng_states(cuda)],
-                    (parallel_state.get_pipeline_model_parallel_world_size(),
-                     parallel_state.get_tensor_model_parallel_world_size()),
-                    (pp_rank, tp_rank), replica_id=dp_rank,
+                    "rng_state",
+                    [rng_states(cuda)],
+                    (
+                        parallel_state.get_pipeline_model_parallel_world_size(),
+                        parallel_state.get_tensor_model_parallel_world_size(),
+                    ),
+                    (pp_rank, tp_rank),
+                    replica_id=dp_rank,
                 ),
             }
 
@@ -132,13 +166,24 @@ def pretrain(req: TrainRequest) -> int:
                 "checkpoint_version": 3.0,
                 "opt_param_scheduler": sched.state_dict(step),
                 "num_floating_point_operations_so_far": step * gbs * seq * flops_tok,
-                "snakellm": {"fingerprint": fp, "consumed_samples": step * gbs, "val_loss": trainer.last_val,
-                             "best": manager.best, "run": req.run_name},
+                "snakellm": {
+                    "fingerprint": fp,
+                    "consumed_samples": step * gbs,
+                    "val_loss": trainer.last_val,
+                    "best": manager.best,
+                    "run": req.run_name,
+                },
             }
 
-        manager = ckpt.CheckpointManager(req.ckpt_dir, keep_last=t.keep_last, sharded_state=sharded_state,
-                                         common_state=common_state, rank=d.rank, barrier=barrier,
-                                         log=lambda m: log(m, rank0))
+        manager = ckpt.CheckpointManager(
+            req.ckpt_dir,
+            keep_last=t.keep_last,
+            sharded_state=sharded_state,
+            common_state=common_state,
+            rank=d.rank,
+            barrier=barrier,
+            log=lambda m: log(m, rank0),
+        )
         start_it = 0
         if action == "resume":
             assert resume_it is not None
@@ -153,41 +198,82 @@ def pretrain(req: TrainRequest) -> int:
         validator = None
         if valid_ds is not None and t.eval_iters:
             validator = Validator(
-                model, lambda: datamod.micro_batches(valid_ds, 0, t.eval_iters, gbs=gbs, mbs=mbs, dp_rank=dp_rank,
-                                                     dp_size=req.dp, num_workers=0),
-                lm_loss, to_device=to_dev, dp_group=dp_group, dp_size=req.dp)
-        metrics = MetricsLogger(req.ckpt_dir / ckpt.LIVE_METRICS, rank0=rank0, tokens_per_step=gbs * seq,
-                                samples_per_step=gbs, flops_per_token=flops_tok, peak_tflops=peak,
-                                world_size=d.world_size, dp_group=dp_group, dp_size=req.dp,
-                                tensorboard_dir=req.run_dir / "tensorboard" if a.tensorboard else None,
-                                start_step=start_it)
+                model,
+                lambda: datamod.micro_batches(
+                    valid_ds, 0, t.eval_iters, gbs=gbs, mbs=mbs, dp_rank=dp_rank, dp_size=req.dp, num_workers=0
+                ),
+                lm_loss,
+                to_device=to_dev,
+                dp_group=dp_group,
+                dp_size=req.dp,
+            )
+        metrics = MetricsLogger(
+            req.ckpt_dir / ckpt.LIVE_METRICS,
+            rank0=rank0,
+            tokens_per_step=gbs * seq,
+            samples_per_step=gbs,
+            flops_per_token=flops_tok,
+            peak_tflops=peak,
+            world_size=d.world_size,
+            dp_group=dp_group,
+            dp_size=req.dp,
+            tensorboard_dir=req.run_dir / "tensorboard" if a.tensorboard else None,
+            start_step=start_it,
+        )
         trainer = Trainer(
-            model=model, optimizer=opt, lr_schedule=sched, num_micro=req.num_micro, loss_fn=lm_loss,
-            batches=datamod.micro_batches(train_ds, start_it, t.steps, gbs=gbs, mbs=mbs, dp_rank=dp_rank,
-                                          dp_size=req.dp, num_workers=num_workers, pin_memory=cuda),
+            model=model,
+            optimizer=opt,
+            lr_schedule=sched,
+            num_micro=req.num_micro,
+            loss_fn=lm_loss,
+            batches=datamod.micro_batches(
+                train_ds,
+                start_it,
+                t.steps,
+                gbs=gbs,
+                mbs=mbs,
+                dp_rank=dp_rank,
+                dp_size=req.dp,
+                num_workers=num_workers,
+                pin_memory=cuda,
+            ),
             intervals=Intervals(t.steps, t.save_interval, t.eval_interval, t.log_interval, a.checkpoints),
-            metrics=metrics, stop=stop, checkpoints=manager, validator=validator, to_device=to_dev,
-            start_step=start_it, overlap_grad_reduce=ddp_cfg.overlap_grad_reduce, rank0=rank0,
+            metrics=metrics,
+            stop=stop,
+            checkpoints=manager,
+            validator=validator,
+            to_device=to_dev,
+            start_step=start_it,
+            overlap_grad_reduce=ddp_cfg.overlap_grad_reduce,
+            rank0=rank0,
             profiler=StepProfiler(parse_range(a.profile_steps), req.run_dir / "profile.txt", cuda, rank0),
-            desc=f"train {req.run_name}", show_progress=a.progress,
+            desc=f"train {req.run_name}",
+            show_progress=a.progress,
+            heartbeat=wd.beat if wd else None,
         )
         status = trainer.fit()
 
+        if wd is not None:
+            wd.beat(trainer.step)
         digests = replica_digests(module)
         if len(set(digests)) != 1:
             raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
         if status == EXIT_OK:
             if rank0:
-                write_summary(req, fp, manager.best, nparams, flops_tok, time.time() - stop.started_at, precision,
-                              digests)
+                write_summary(
+                    req, fp, manager.best, nparams, flops_tok, time.time() - stop.started_at, precision, digests
+                )
             barrier()
         return status
     finally:
+        if wd is not None:
+            wd.stop()
         runtime.shutdown()
 
 
-def _prepare_checkpoint_dir(req: TrainRequest, action: str, why: str, fp: str, cfg: dict[str, Any], rank0: bool,
-                            barrier: Any) -> None:
+def _prepare_checkpoint_dir(
+    req: TrainRequest, action: str, why: str, fp: str, cfg: dict[str, Any], rank0: bool, barrier: Any
+) -> None:
     """Resume, start fresh, or move old checkpoints aside; a fresh start records the settings."""
     if action == "archive":
         barrier()
@@ -215,8 +301,9 @@ def _count(req: TrainRequest, module: Any, rank0: bool) -> tuple[int, float]:
     return nparams, models.flops_per_token(req.model, req.vocab)
 
 
-def _restore(req: TrainRequest, manager: ckpt.CheckpointManager, it: int, module: Any, opt: Any, fp: str,
-             cuda: bool, rank0: bool) -> int:
+def _restore(
+    req: TrainRequest, manager: ckpt.CheckpointManager, it: int, module: Any, opt: Any, fp: str, cuda: bool, rank0: bool
+) -> int:
     """Model, optimizer and RNG states of ``iter_{it}``; returns the step to continue from."""
     loaded, common = manager.restore(it)
     meta = common.get("snakellm", {})
@@ -233,8 +320,11 @@ def _restore(req: TrainRequest, manager: ckpt.CheckpointManager, it: int, module
     if rank0:
         ckpt.truncate_live_metrics(req.ckpt_dir, it)
         ckpt.mark_resumed(req.ckpt_dir, it)
-    log(f"resumed from {req.ckpt_dir / ckpt.iter_name(it)} (iteration {it}, "
-        f"{it * req.train.global_batch_size} samples consumed)", rank0)
+    log(
+        f"resumed from {req.ckpt_dir / ckpt.iter_name(it)} (iteration {it}, "
+        f"{it * req.train.global_batch_size} samples consumed)",
+        rank0,
+    )
     return it
 
 
@@ -252,8 +342,16 @@ def replica_digests(module: Any) -> list[str]:
     return out
 
 
-def write_summary(req: TrainRequest, fp: str, best: dict[str, Any] | None, nparams: int, flops_tok: float,
-                  wall: float, precision: str, digests: list[str]) -> None:
+def write_summary(
+    req: TrainRequest,
+    fp: str,
+    best: dict[str, Any] | None,
+    nparams: int,
+    flops_tok: float,
+    wall: float,
+    precision: str,
+    digests: list[str],
+) -> None:
     """``metrics.jsonl`` (one record per step) and ``train_summary.json``: the rule's declared outputs."""
     import json
 
@@ -262,7 +360,7 @@ def write_summary(req: TrainRequest, fp: str, best: dict[str, Any] | None, npara
     write_text(req.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
     train_recs = [r for r in recs if "loss" in r]
     vals = [r for r in recs if r.get("val_loss") is not None]
-    tail = train_recs[-min(10, len(train_recs)):] if train_recs else []
+    tail = train_recs[-min(10, len(train_recs)) :] if train_recs else []
     tps = [r["tokens_per_s"] for r in train_recs if r.get("tokens_per_s")]
     summary = {
         "run": req.run_name,

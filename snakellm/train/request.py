@@ -123,8 +123,22 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     vocab = models.padded_vocab_size(blend.vocab_size, model, par.tp)
     run_dir = Path(args.run_dir)
     ckpt_dir = run_dir / "checkpoints"
-    req = TrainRequest(args, t, par, model, blend, vocab, dist, dp, num_micro, decay, max_time, run_dir, ckpt_dir,
-                       args.run_name or run_dir.name)
+    req = TrainRequest(
+        args,
+        t,
+        par,
+        model,
+        blend,
+        vocab,
+        dist,
+        dp,
+        num_micro,
+        decay,
+        max_time,
+        run_dir,
+        ckpt_dir,
+        args.run_name or run_dir.name,
+    )
     # a required resume is decided here, before anything heavy starts
     latest = ckpt.latest_iteration(ckpt_dir)  # inconsistent checkpoint directories are errors in every mode
     if t.resume == "require" and latest is None:
@@ -139,8 +153,13 @@ def run_config(req: TrainRequest, precision: str) -> dict[str, Any]:
     """The settings that define the training trajectory: fingerprinted and stored with the checkpoints."""
     t = req.train
     cfg: dict[str, Any] = {k: getattr(t, k) for k in TRAJECTORY_KEYS if k not in ("decay_steps", "precision")}
-    cfg.update(decay_steps=req.decay_steps, precision=precision, model=req.model, padded_vocab=req.vocab,
-               data=req.blend.fingerprint_items())
+    cfg.update(
+        decay_steps=req.decay_steps,
+        precision=precision,
+        model=req.model,
+        padded_vocab=req.vocab,
+        data=req.blend.fingerprint_items(),
+    )
     return cfg
 
 

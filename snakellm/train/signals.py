@@ -23,8 +23,16 @@ class StopPolicy:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self, *, max_time: float | None = None, max_time_text: str | None = None,
-                 started_at: float | None = None, world_size: int = 1, group: Any = None, prog: str = "snakellm train"):
+    def __init__(
+        self,
+        *,
+        max_time: float | None = None,
+        max_time_text: str | None = None,
+        started_at: float | None = None,
+        world_size: int = 1,
+        group: Any = None,
+        prog: str = "snakellm train",
+    ):
         self.signal: str | None = None
         self.max_time = max_time
         self.max_time_text = max_time_text if max_time_text is not None else str(max_time)
@@ -41,8 +49,12 @@ class StopPolicy:
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is None:
             self.signal = signal.Signals(signum).name
-            print(f"{self.prog}: received {self.signal}: saving a checkpoint after this step, then exiting "
-                  f"with status {EXIT_STOPPED} (send it again to exit at once)", file=sys.stderr, flush=True)
+            print(
+                f"{self.prog}: received {self.signal}: saving a checkpoint after this step, then exiting "
+                f"with status {EXIT_STOPPED} (send it again to exit at once)",
+                file=sys.stderr,
+                flush=True,
+            )
         else:  # a second signal: the default action (terminate) from now on
             for sig in self.SIGNALS:
                 signal.signal(sig, signal.SIG_DFL)

@@ -61,19 +61,37 @@ class Intervals:
 class Trainer:
     """``fit()`` runs ``train_step()`` from ``start_step + 1`` to ``intervals.steps``."""
 
-    def __init__(self, *, model: Any, optimizer: Any, lr_schedule: Any, batches: Iterator[Batch],
-                 loss_fn: Callable[[Any, Batch], Any], num_micro: int, intervals: Intervals,
-                 metrics: MetricsLogger, stop: StopPolicy, checkpoints: CheckpointManager | None = None,
-                 validator: Validator | None = None, early_stop: Callable[[float | None], str | None] | None = None,
-                 to_device: Callable[[Batch], Batch] = lambda b: b, start_step: int = 0, overlap_grad_reduce: bool = False,
-                 profiler: StepProfiler | None = None, rank0: bool = True, desc: str = "train",
-                 show_progress: bool = True):
+    def __init__(
+        self,
+        *,
+        model: Any,
+        optimizer: Any,
+        lr_schedule: Any,
+        batches: Iterator[Batch],
+        loss_fn: Callable[[Any, Batch], Any],
+        num_micro: int,
+        intervals: Intervals,
+        metrics: MetricsLogger,
+        stop: StopPolicy,
+        checkpoints: CheckpointManager | None = None,
+        validator: Validator | None = None,
+        early_stop: Callable[[float | None], str | None] | None = None,
+        to_device: Callable[[Batch], Batch] = lambda b: b,
+        start_step: int = 0,
+        overlap_grad_reduce: bool = False,
+        profiler: StepProfiler | None = None,
+        rank0: bool = True,
+        desc: str = "train",
+        show_progress: bool = True,
+        heartbeat: Callable[[int], None] | None = None,
+    ):
         self.model, self.optimizer, self.lr_schedule = model, optimizer, lr_schedule
         self.batches, self.loss_fn, self.num_micro = batches, loss_fn, num_micro
         self.iv, self.metrics, self.stop = intervals, metrics, stop
         self.checkpoints, self.validator, self.early_stop = checkpoints, validator, early_stop
         self.to_device, self.step, self.overlap = to_device, start_step, overlap_grad_reduce
         self.profiler, self.rank0, self.desc, self.show_progress = profiler, rank0, desc, show_progress
+        self.heartbeat = heartbeat  # called with each step number as it starts (the hang watchdog's)
         self.last_val: float | None = None
         self.stopped_by: str | None = None
 
@@ -106,8 +124,9 @@ class Trainer:
         """The loop. Returns EXIT_OK, or EXIT_STOPPED after a signal/max_time (with a checkpoint if enabled)."""
         iv, status = self.iv, EXIT_OK
         self.stop.install()
-        with progress(total=iv.steps, initial=self.step, desc=self.desc, unit="step",
-                      enabled=self.show_progress) as bar:
+        with progress(
+            total=iv.steps, initial=self.step, desc=self.desc, unit="step", enabled=self.show_progress
+        ) as bar:
             reason = self.stop.check() if self.step < iv.steps else None
             if reason:
                 log(f"stopping before the first step ({reason})", self.rank0)
@@ -115,6 +134,8 @@ class Trainer:
             while status == EXIT_OK and self.step < iv.steps:
                 self.step += 1
                 step = self.step
+                if self.heartbeat:
+                    self.heartbeat(step)
                 self.last_val = None
                 if self.profiler:
                     self.profiler.before_step(step)
@@ -135,9 +156,12 @@ class Trainer:
                     self.checkpoints.save(step, val)
                     self.metrics.restart_window()
                 if reason:
-                    log(f"stopped at iteration {step} ({reason}); "
+                    log(
+                        f"stopped at iteration {step} ({reason}); "
                         + ("checkpoint saved; rerun to resume" if iv.checkpoints else "--no-checkpoints: nothing saved")
-                        + f" (exit status {EXIT_STOPPED})", self.rank0)
+                        + f" (exit status {EXIT_STOPPED})",
+                        self.rank0,
+                    )
                     status, self.stopped_by = EXIT_STOPPED, reason
                 elif early:
                     log(f"stopped at iteration {step}: {early}", self.rank0)

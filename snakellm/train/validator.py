@@ -15,9 +15,16 @@ class Validator:
     without gradients.
     """
 
-    def __init__(self, model: Any, make_batches: Callable[[], Iterable[dict[str, Any]]],
-                 loss_fn: Callable[[Any, dict[str, Any]], Any], *, to_device: Callable[[dict[str, Any]], dict[str, Any]],
-                 dp_group: Any = None, dp_size: int = 1):
+    def __init__(
+        self,
+        model: Any,
+        make_batches: Callable[[], Iterable[dict[str, Any]]],
+        loss_fn: Callable[[Any, dict[str, Any]], Any],
+        *,
+        to_device: Callable[[dict[str, Any]], dict[str, Any]],
+        dp_group: Any = None,
+        dp_size: int = 1,
+    ):
         self.model = model
         self.make_batches = make_batches
         self.loss_fn = loss_fn

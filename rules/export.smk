@@ -1,0 +1,67 @@
+# Artifacts that leave the workflow, made from a run's final checkpoint.
+# Each export is its own block: .nemo here; Hugging Face (export_hf / import_hf) below it.
+
+
+# ---------------------------------------------------------------- .nemo (snakellm/export/nemo.py)
+# runs/{run}/train_summary.json is written last when pretraining finishes, so it stands for the
+# checkpoint: a retrained run rewrites it and the .nemo follows. The blend supplies the tokenizer
+# files that are packed; params carry the export's own settings. The output is written atomically.
+# `snakellm import-nemo FILE.nemo runs/NAME` is the reverse (a CLI step, no rule: its input is
+# a file from outside the workflow).
+
+
+rule export_nemo:
+    input:
+        summary=get_run_done,  # train_summary.json, or an import's import_summary.json
+        blend=get_export_nemo_blend,
+    output:
+        "runs/{run}/{run}.nemo",
+    log:
+        "logs/export_nemo/{run}.log",
+    conda:
+        "../envs/train.yaml"
+    threads: 2
+    params:
+        args=get_export_nemo_args,
+        blend=get_export_nemo_blend_flag,
+    shell:
+        "snakellm export-nemo runs/{wildcards.run} {output} {params.blend} --threads {threads} "
+        "{params.args} 2> {log}"
+
+
+# ---------------------------------------------------------------- Hugging Face: export_hf, import_hf
+
+
+rule export_hf:
+    input:
+        done=get_run_done,
+    output:
+        directory("runs/{run}/hf"),
+    log:
+        "logs/export_hf/{run}.log",
+    benchmark:
+        "benchmarks/export_hf/{run}.tsv"
+    conda:
+        "../envs/train.yaml"
+    params:
+        args=get_export_hf_args,
+    shell:
+        "snakellm export-hf runs/{wildcards.run} {output} {params.args} 2> {log}"
+
+
+# The checkpoint directory is not an output (as for pretrain): the summary is written
+# after the checkpoint is complete.
+rule import_hf:
+    input:
+        get_import_hf_files,
+    output:
+        "runs/{run}/import_summary.json",
+    log:
+        "logs/import_hf/{run}.log",
+    conda:
+        "../envs/train.yaml"
+    params:
+        hf_dir=get_import_hf_dir,
+        args=get_import_hf_args,
+    shell:
+        "snakellm import-hf {params.hf_dir:q} runs/{wildcards.run} {params.args} 2> {log}"

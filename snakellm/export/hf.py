@@ -1,0 +1,644 @@
+"""Hugging Face export and import: megatron-core GPTModel <-> GPT2LMHeadModel / LlamaForCausalLM.
+
+Weight mapping (megatron-core local-spec names; TE-spec ``layer_norm_*`` names are
+folded into them first):
+
+* ``linear_qkv`` rows are grouped per query group as ``[q (heads_per_group x d),
+  k (d), v (d)]``; HF keeps q, k, v apart (Llama) or as ``[q; k; v]`` over all
+  heads (GPT-2's ``c_attn``).
+* ``linear_fc1`` of a SwiGLU MLP is ``cat(gate, up)``; Llama has ``gate_proj`` and ``up_proj``.
+* GPT-2's ``Conv1D`` stores ``[in, out]``: every GPT-2 linear weight is transposed.
+* The embedding (and an untied output layer) is padded to a multiple of
+  ``make_vocab_size_divisible_by``: rows past the tokenizer's vocabulary are dropped on export
+  and zero-filled on import.
+* Tied embeddings: no ``lm_head.weight`` in the file, ``tie_word_embeddings: true``.
+
+Which HF class a model maps to is decided from the architecture alone
+(:func:`hf_family`), before any weights are read, so an unsupported combination
+is an error before work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from snakellm.io.atomic import write_json
+
+
+class ExportError(ValueError):
+    """A model that has no faithful Hugging Face equivalent, or a malformed HF directory."""
+
+
+_TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+# ----------------------------------------------------------------------------- architecture (no torch)
+
+
+def hf_family(arch: dict[str, Any]) -> str:
+    """ "gpt2" or "llama": the HF class that computes exactly what this architecture does."""
+    gpt2 = dict(position_embedding="learned", normalization="LayerNorm", activation="gelu")
+    llama = dict(position_embedding="rope", normalization="RMSNorm", activation="swiglu")
+    for family, want in (("gpt2", gpt2), ("llama", llama)):
+        if all(arch.get(k) == v for k, v in want.items()):
+            if family == "gpt2" and arch["num_query_groups"] != arch["num_attention_heads"]:
+                raise ExportError(
+                    f"GPT-2 style with {arch['num_query_groups']} query groups for {arch['num_attention_heads']} heads: "
+                    "GPT2LMHeadModel has no grouped-query attention"
+                )
+            return family
+    got = ", ".join(f"{k}={arch.get(k)}" for k in gpt2)
+    raise ExportError(
+        f"no Hugging Face class computes this model ({got}): GPT2LMHeadModel needs learned positions, LayerNorm, "
+        "gelu; LlamaForCausalLM needs rope, RMSNorm, swiglu"
+    )
+
+
+def hf_config(arch: dict[str, Any], vocab_size: int, specials: dict[str, int], dtype: str) -> dict[str, Any]:
+    """config.json for the architecture (vocabulary trimmed to the tokenizer's)."""
+    family = hf_family(arch)
+    h, n = arch["hidden_size"], arch["num_attention_heads"]
+    eos = specials.get("eos_token_id")
+    common = {
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": bool(arch["tie_embeddings"]),
+        "torch_dtype": dtype,
+        "bos_token_id": specials.get("bos_token_id", eos),
+        "eos_token_id": eos,
+        "use_cache": True,
+    }
+    if specials.get("pad_token_id") is not None:
+        common["pad_token_id"] = specials["pad_token_id"]
+    if family == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            **common,
+            "n_layer": arch["num_layers"],
+            "n_embd": h,
+            "n_head": n,
+            "n_inner": arch["ffn_hidden_size"],
+            "n_positions": arch["seq_length"],
+            "n_ctx": arch["seq_length"],
+            "activation_function": "gelu",  # exact erf GeLU, as megatron-core's F.gelu (not GPT-2's gelu_new)
+            "layer_norm_epsilon": arch["layernorm_epsilon"],
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "initializer_range": arch["init_method_std"],
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **common,
+        "num_hidden_layers": arch["num_layers"],
+        "hidden_size": h,
+        "num_attention_heads": n,
+        "num_key_value_heads": arch["num_query_groups"],
+        "head_dim": h // n,
+        "intermediate_size": arch["ffn_hidden_size"],
+        "max_position_embeddings": arch["seq_length"],
+        "rms_norm_eps": arch["layernorm_epsilon"],
+        "rope_theta": float(arch["rotary_base"]),
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "attention_bias": bool(arch["bias"]),
+        "mlp_bias": bool(arch["bias"]),
+        "attention_dropout": 0.0,
+        "initializer_range": arch["init_method_std"],
+        "pretraining_tp": 1,
+    }
+
+
+def arch_from_hf(config: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """Our architecture dict for an HF GPT-2 or Llama config; anything we cannot compute exactly is an error."""
+    from snakellm.models.architecture import resolve
+
+    mt = config.get("model_type")
+    if mt == "gpt2":
+        act = config.get("activation_function", "gelu_new")
+        if act != "gelu":
+            raise ExportError(
+                f"{where}: activation_function {act!r}: snakellm's GPT-2 style computes the exact GeLU ('gelu') only"
+            )
+        if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
+            raise ExportError(f"{where}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+        h = config["n_embd"]
+        over = dict(
+            style="gpt2",
+            num_layers=config["n_layer"],
+            hidden_size=h,
+            num_attention_heads=config["n_head"],
+            ffn_hidden_size=config.get("n_inner") or 4 * h,
+            seq_length=config["n_positions"],
+            layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=config.get("tie_word_embeddings", True),
+            init_method_std=config.get("initializer_range", 0.02),
+        )
+    elif mt == "llama":
+        if config.get("hidden_act", "silu") != "silu":
+            raise ExportError(f"{where}: hidden_act {config['hidden_act']!r}: only silu (SwiGLU) is supported")
+        rs = config.get("rope_scaling")
+        rp = config.get("rope_parameters") or {}
+        if (rs and rs.get("rope_type", rs.get("type")) not in (None, "default")) or rp.get(
+            "rope_type", "default"
+        ) != "default":
+            raise ExportError(f"{where}: rope scaling {rs or rp} is not supported (plain RoPE only)")
+        h, n = config["hidden_size"], config["num_attention_heads"]
+        if config.get("head_dim") not in (None, h // n):
+            raise ExportError(f"{where}: head_dim {config['head_dim']} != hidden_size / heads ({h // n})")
+        if bool(config.get("attention_bias", False)) != bool(config.get("mlp_bias", False)):
+            raise ExportError(f"{where}: attention_bias and mlp_bias differ; megatron-core biases all linears or none")
+        base = config.get("rope_theta", rp.get("rope_theta", 10000.0))
+        over = dict(
+            style="llama",
+            num_layers=config["num_hidden_layers"],
+            hidden_size=h,
+            num_attention_heads=n,
+            num_query_groups=config.get("num_key_value_heads") or n,
+            ffn_hidden_size=config["intermediate_size"],
+            seq_length=config["max_position_embeddings"],
+            layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
+            rotary_base=int(base) if float(base).is_integer() else base,
+            tie_embeddings=config.get("tie_word_embeddings", False),
+            bias=bool(config.get("attention_bias")),
+            init_method_std=config.get("initializer_range", 0.02),
+        )
+    else:
+        raise ExportError(f"{where}: model_type {mt!r}: import supports gpt2 and llama")
+    return resolve(None, over)
+
+
+# ----------------------------------------------------------------------------- weights (torch)
+
+
+def megatron_tensors(model) -> dict[str, Any]:
+    """The model's weights by local-spec name (no ``_extra_state``, TE norm names folded in)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        if v is None or k.endswith("_extra_state") or not hasattr(v, "shape"):
+            continue
+        for te, local in _TE_NAMES.items():
+            if k.endswith(te):
+                k = k[: -len(te)] + local
+        out[k] = v
+    return out
+
+
+def _split_qkv(w, arch):
+    n, g = arch["num_attention_heads"], arch["num_query_groups"]
+    d = arch["hidden_size"] // n
+    per = n // g
+    x = w.reshape(g, per + 2, d, *w.shape[1:])
+    q = x[:, :per].reshape(n * d, *w.shape[1:])
+    return q, x[:, per].reshape(g * d, *w.shape[1:]), x[:, per + 1].reshape(g * d, *w.shape[1:])
+
+
+def _merge_qkv(q, k, v, arch):
+    import torch
+
+    n, g = arch["num_attention_heads"], arch["num_query_groups"]
+    d = arch["hidden_size"] // n
+    per = n // g
+    rest = q.shape[1:]
+    x = torch.cat([q.reshape(g, per, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
+    return x.reshape(g * (per + 2) * d, *rest)
+
+
+def to_hf(arch: dict[str, Any], m: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """HF state dict (independent contiguous tensors) from megatron tensors."""
+    family = hf_family(arch)
+    L, f = arch["num_layers"], arch["ffn_hidden_size"]
+    out: dict[str, Any] = {}
+
+    def put(name, t):
+        out[name] = t.detach().contiguous().clone()
+
+    emb = m["embedding.word_embeddings.weight"][:vocab_size]
+    if family == "gpt2":
+        put("transformer.wte.weight", emb)
+        put("transformer.wpe.weight", m["embedding.position_embeddings.weight"])
+        for i in range(L):
+            a, p = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            q, k, v = _split_qkv(m[a + "self_attention.linear_qkv.weight"], arch)
+            import torch
+
+            put(p + "attn.c_attn.weight", torch.cat([q, k, v]).t())
+            put(p + "attn.c_proj.weight", m[a + "self_attention.linear_proj.weight"].t())
+            put(p + "mlp.c_fc.weight", m[a + "mlp.linear_fc1.weight"].t())
+            put(p + "mlp.c_proj.weight", m[a + "mlp.linear_fc2.weight"].t())
+            if arch["bias"]:
+                put(p + "attn.c_attn.bias", torch.cat(_split_qkv(m[a + "self_attention.linear_qkv.bias"], arch)))
+                put(p + "attn.c_proj.bias", m[a + "self_attention.linear_proj.bias"])
+                put(p + "mlp.c_fc.bias", m[a + "mlp.linear_fc1.bias"])
+                put(p + "mlp.c_proj.bias", m[a + "mlp.linear_fc2.bias"])
+            else:  # GPT2LMHeadModel always has biases: zeros compute the same
+                h = arch["hidden_size"]
+                z = m[a + "self_attention.linear_proj.weight"].new_zeros
+                out.update(
+                    {
+                        p + "attn.c_attn.bias": z(3 * h),
+                        p + "attn.c_proj.bias": z(h),
+                        p + "mlp.c_fc.bias": z(f),
+                        p + "mlp.c_proj.bias": z(h),
+                    }
+                )
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                put(p + theirs + ".weight", m[a + ours + ".weight"])
+                put(p + theirs + ".bias", m[a + ours + ".bias"])
+        put("transformer.ln_f.weight", m["decoder.final_layernorm.weight"])
+        put("transformer.ln_f.bias", m["decoder.final_layernorm.bias"])
+    else:
+        put("model.embed_tokens.weight", emb)
+        for i in range(L):
+            a, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            qkv_w = _split_qkv(m[a + "self_attention.linear_qkv.weight"], arch)
+            for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_w, strict=True):
+                put(p + f"self_attn.{name}.weight", t)
+            put(p + "self_attn.o_proj.weight", m[a + "self_attention.linear_proj.weight"])
+            fc1 = m[a + "mlp.linear_fc1.weight"]
+            put(p + "mlp.gate_proj.weight", fc1[:f])
+            put(p + "mlp.up_proj.weight", fc1[f:])
+            put(p + "mlp.down_proj.weight", m[a + "mlp.linear_fc2.weight"])
+            if arch["bias"]:
+                qkv_b = _split_qkv(m[a + "self_attention.linear_qkv.bias"], arch)
+                for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_b, strict=True):
+                    put(p + f"self_attn.{name}.bias", t)
+                put(p + "self_attn.o_proj.bias", m[a + "self_attention.linear_proj.bias"])
+                b1 = m[a + "mlp.linear_fc1.bias"]
+                put(p + "mlp.gate_proj.bias", b1[:f])
+                put(p + "mlp.up_proj.bias", b1[f:])
+                put(p + "mlp.down_proj.bias", m[a + "mlp.linear_fc2.bias"])
+            put(p + "input_layernorm.weight", m[a + "input_layernorm.weight"])
+            put(p + "post_attention_layernorm.weight", m[a + "pre_mlp_layernorm.weight"])
+        put("model.norm.weight", m["decoder.final_layernorm.weight"])
+    if not arch["tie_embeddings"]:
+        put("lm_head.weight", m["output_layer.weight"][:vocab_size])
+    return out
+
+
+def from_hf(arch: dict[str, Any], hf: dict[str, Any], padded_vocab: int) -> dict[str, Any]:
+    """Megatron tensors (local-spec names) from an HF state dict; the vocabulary zero-padded."""
+    import torch
+
+    family = hf_family(arch)
+    L = arch["num_layers"]
+    out: dict[str, Any] = {}
+
+    def get(name):
+        if name not in hf:
+            raise ExportError(f"tensor {name} missing from the Hugging Face checkpoint")
+        return hf[name]
+
+    def pad(t):
+        if t.shape[0] > padded_vocab:
+            raise ExportError(f"vocabulary {t.shape[0]} is larger than the padded size {padded_vocab}")
+        return torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
+
+    if family == "gpt2":
+        wte = get("transformer.wte.weight")
+        out["embedding.word_embeddings.weight"] = pad(wte)
+        out["embedding.position_embeddings.weight"] = get("transformer.wpe.weight")
+        h = arch["hidden_size"]
+        for i in range(L):
+            a, p = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            w = get(p + "attn.c_attn.weight").t()
+            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(w[:h], w[h : 2 * h], w[2 * h :], arch)
+            out[a + "self_attention.linear_proj.weight"] = get(p + "attn.c_proj.weight").t()
+            out[a + "mlp.linear_fc1.weight"] = get(p + "mlp.c_fc.weight").t()
+            out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.c_proj.weight").t()
+            if arch["bias"]:
+                b = get(p + "attn.c_attn.bias")
+                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(b[:h], b[h : 2 * h], b[2 * h :], arch)
+                out[a + "self_attention.linear_proj.bias"] = get(p + "attn.c_proj.bias")
+                out[a + "mlp.linear_fc1.bias"] = get(p + "mlp.c_fc.bias")
+                out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.c_proj.bias")
+            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+                out[a + ours + ".weight"] = get(p + theirs + ".weight")
+                out[a + ours + ".bias"] = get(p + theirs + ".bias")
+        out["decoder.final_layernorm.weight"] = get("transformer.ln_f.weight")
+        out["decoder.final_layernorm.bias"] = get("transformer.ln_f.bias")
+        lm = hf.get("lm_head.weight", wte)
+    else:
+        emb = get("model.embed_tokens.weight")
+        out["embedding.word_embeddings.weight"] = pad(emb)
+        for i in range(L):
+            a, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            qkv = [get(p + f"self_attn.{x}.weight") for x in ("q_proj", "k_proj", "v_proj")]
+            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(qkv[0], qkv[1], qkv[2], arch)
+            out[a + "self_attention.linear_proj.weight"] = get(p + "self_attn.o_proj.weight")
+            out[a + "mlp.linear_fc1.weight"] = torch.cat(
+                [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+            )
+            out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
+            if arch["bias"]:
+                qkvb = [get(p + f"self_attn.{x}.bias") for x in ("q_proj", "k_proj", "v_proj")]
+                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(qkvb[0], qkvb[1], qkvb[2], arch)
+                out[a + "self_attention.linear_proj.bias"] = get(p + "self_attn.o_proj.bias")
+                out[a + "mlp.linear_fc1.bias"] = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
+                out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.down_proj.bias")
+            out[a + "input_layernorm.weight"] = get(p + "input_layernorm.weight")
+            out[a + "pre_mlp_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
+        out["decoder.final_layernorm.weight"] = get("model.norm.weight")
+        lm = hf.get("lm_head.weight", emb)
+    if not arch["tie_embeddings"]:
+        out["output_layer.weight"] = pad(lm)
+    return out
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``5GB``, ``500MB``, ``2GiB`` or a plain number."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper()
+    for suf, mul in (
+        ("GIB", 2**30),
+        ("MIB", 2**20),
+        ("KIB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+        ("B", 1),
+    ):
+        if s.endswith(suf):
+            return int(float(s[: -len(suf)]) * mul)
+    return int(s)
+
+
+def save_safetensors(out: Path, tensors: dict[str, Any], max_shard_bytes: int) -> list[str]:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when larger than one shard."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    total = 0
+    for k, t in tensors.items():
+        nb = t.numel() * t.element_size()
+        total += nb
+        if shards[-1] and size + nb > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nb
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return names
+
+
+def read_hf_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config, tensors) of a Hugging Face model directory (safetensors, sharded or not, or pytorch_model.bin)."""
+    import torch
+    from safetensors.torch import load_file
+
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ExportError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
+    config = json.loads(cfg_path.read_text())
+    tensors: dict[str, Any] = {}
+    index = hf_dir / "model.safetensors.index.json"
+    if (hf_dir / "model.safetensors").is_file():
+        tensors = load_file(str(hf_dir / "model.safetensors"))
+    elif index.is_file():
+        for f in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            tensors.update(load_file(str(hf_dir / f)))
+    elif (hf_dir / "pytorch_model.bin").is_file():
+        tensors = torch.load(hf_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ExportError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+    return config, tensors
+
+
+def _publish_dir(tmp: Path, out: Path) -> None:
+    """Replace ``out`` by the finished ``tmp`` (a killed export never leaves a directory that looks done)."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def export_hf(
+    loaded,
+    out: str | os.PathLike,
+    *,
+    max_shard_size: str = "5GB",
+    dtype: str = "auto",
+    tokenizer_base: Path | None = None,
+) -> Path:
+    """Write ``out/`` (config.json, generation_config.json, safetensors, tokenizer files) from a loaded model."""
+    import torch
+
+    arch = loaded.arch
+    hf_family(arch)
+    tok = loaded.tokenizer
+    vocab = int(tok.get("vocab_size") or loaded.padded_vocab_size)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    from snakellm.export.hf_tokenizer import export_tokenizer
+
+    specials = (
+        export_tokenizer(tok, tmp, base=tokenizer_base, model_max_length=arch["seq_length"]) if tok.get("kind") else {}
+    )
+    tensors = to_hf(arch, megatron_tensors(loaded.model), vocab)
+    if dtype != "auto":
+        tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        tensors = {k: v.to(tdt) for k, v in tensors.items()}
+    dt = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    save_safetensors(tmp, tensors, parse_size(max_shard_size))
+    config = hf_config(arch, vocab, specials, dt)
+    write_json(tmp / "config.json", config)
+    gen = {"_from_model_config": True, "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    if "pad_token_id" in config:
+        gen["pad_token_id"] = config["pad_token_id"]
+    write_json(tmp / "generation_config.json", gen)
+    write_json(
+        tmp / "snakellm.json",
+        {
+            "source": str(loaded.checkpoint),
+            "iteration": loaded.iteration,
+            "arch": arch,
+            "padded_vocab_size": loaded.padded_vocab_size,
+        },
+    )
+    _publish_dir(tmp, out)
+    return out
+
+
+def build_for_import(arch: dict[str, Any], padded_vocab: int, device: str = "cpu"):
+    """An empty megatron-core GPTModel (local spec, as every checkpoint loads) in a single process."""
+    from snakellm.launch.runtime import ensure_single_process
+    from snakellm.models.build import build_model
+
+    dev = ensure_single_process(device)
+    model, _ = build_model(arch, padded_vocab, device=str(dev), fused_loss="eager", use_te=False)
+    return model
+
+
+def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_size_divisible_by: int = 128) -> dict:
+    """An HF GPT-2/Llama directory -> a model-only checkpoint under ``dest`` (a run dir); returns its summary."""
+    import torch
+
+    from snakellm.export.hf_tokenizer import import_tokenizer
+    from snakellm.models.architecture import padded_vocab_size
+    from snakellm.models.loading import save_model_checkpoint
+
+    hf_dir, dest = Path(hf_dir), Path(dest)
+    config, tensors = read_hf_dir(hf_dir)
+    arch = arch_from_hf(config, str(hf_dir / "config.json"))
+    arch["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+    vocab = int(config["vocab_size"])
+    padded = padded_vocab_size(vocab, arch)
+    tok = import_tokenizer(hf_dir, dest / "tokenizer")
+    if tok["vocab_size"] > vocab:
+        raise ExportError(f"{hf_dir}: the tokenizer has {tok['vocab_size']} tokens, the model's vocab_size is {vocab}")
+    tok["vocab_size"] = vocab  # the model's (HF embeddings may be larger than the tokenizer)
+    msd = from_hf(arch, {k: v.float() for k, v in tensors.items()}, padded)
+    model = build_for_import(arch, padded)
+    expected = megatron_tensors(model)
+    missing, extra = sorted(set(expected) - set(msd)), sorted(set(msd) - set(expected))
+    if missing or extra:
+        raise ExportError(
+            f"{hf_dir}: weights do not fit the architecture (missing {missing[:4]}, unexpected {extra[:4]})"
+        )
+    with torch.no_grad():
+        for k, t in expected.items():
+            if t.shape != msd[k].shape:
+                raise ExportError(
+                    f"{hf_dir}: {k} has shape {tuple(msd[k].shape)}, the architecture needs {tuple(t.shape)}"
+                )
+            t.copy_(msd[k])
+    save_model_checkpoint(dest, model, arch, padded, tok, 0, extra={"imported_from": str(hf_dir)})
+    return {"arch": arch, "padded_vocab_size": padded, "tokenizer": tok, "source": str(hf_dir)}
+
+
+# ----------------------------------------------------------------------------- command lines
+
+
+def tokenizer_from_blend(blend: str | os.PathLike) -> dict:
+    """The tokenizer block of a blend.json (what a run was trained with)."""
+    p = Path(blend)
+    try:
+        return json.loads(p.read_text())["tokenizer"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ExportError(f"{p}: no tokenizer block: {e}") from None
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def main_export(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="snakellm export-hf",
+        description="Write a Hugging Face model directory (GPT2LMHeadModel or LlamaForCausalLM: config.json, "
+        "generation_config.json, model.safetensors (sharded above --max-shard-size), tokenizer files) from a "
+        "checkpoint.",
+    )
+    p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
+    p.add_argument("out", help="output directory (replaced atomically)")
+    p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weight dtype (auto: the checkpoint's)",
+    )
+    p.add_argument(
+        "--blend",
+        default=None,
+        help="blend.json whose tokenizer block names the tokenizer files (default: the checkpoint's run_config)",
+    )
+    p.add_argument(
+        "--tokenizer-base",
+        default=None,
+        help="directory that relative tokenizer file paths are relative to (default: the working directory)",
+    )
+    a = p.parse_args(argv)
+    from snakellm.models.loading import LoadError, describe_run, load
+
+    try:
+        info = describe_run(a.checkpoint, a.iteration)
+        family = hf_family(info["arch"])  # before torch: an unsupported model fails at once
+        tok = info["tokenizer"]
+        if a.blend:
+            tok = tokenizer_from_blend(a.blend)
+        if not tok.get("files"):
+            raise LoadError(f"{info['checkpoint_dir']}: no tokenizer files recorded; pass --blend")
+    except (LoadError, ExportError, KeyError) as e:
+        print(f"snakellm export-hf: {e}", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    loaded = load(info["checkpoint_dir"], info["iteration"])
+    loaded.tokenizer = tok
+    out = export_hf(
+        loaded,
+        a.out,
+        max_shard_size=a.max_shard_size,
+        dtype=a.dtype,
+        tokenizer_base=Path(a.tokenizer_base) if a.tokenizer_base else None,
+    )
+    _log(f"exported {loaded.checkpoint} ({family}) to {out} in {time.time() - t0:.1f} s")
+    return 0
+
+
+def main_import(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="snakellm import-hf",
+        description="Convert a Hugging Face GPT-2 or Llama model directory into a snakellm run directory: "
+        "RUN_DIR/checkpoints/iter_0000000/ (megatron-core torch_dist, model only) + run_config.json, and the "
+        "tokenizer under RUN_DIR/tokenizer/. Fine-tuning and export start from it like from a pretrained run.",
+    )
+    p.add_argument("hf_dir", help="a Hugging Face model directory (config.json + safetensors/pytorch_model.bin)")
+    p.add_argument("run_dir", help="output run directory")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="embedding padding (Megatron's)")
+    a = p.parse_args(argv)
+    hf_dir = Path(a.hf_dir)
+    try:
+        if not (hf_dir / "config.json").is_file():
+            raise ExportError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
+        arch_from_hf(json.loads((hf_dir / "config.json").read_text()), str(hf_dir / "config.json"))
+    except ExportError as e:
+        print(f"snakellm import-hf: {e}", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    summary = import_hf(hf_dir, a.run_dir, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+    write_json(Path(a.run_dir) / "import_summary.json", summary)
+    _log(f"imported {hf_dir} into {a.run_dir} in {time.time() - t0:.1f} s")
+    return 0
+
+
+main = main_export
+
+if __name__ == "__main__":
+    sys.exit(main_export())

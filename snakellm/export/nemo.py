@@ -1,0 +1,686 @@
+"""``.nemo`` files: our megatron-core checkpoints in NeMo 1.x's layout, and back.
+
+A ``.nemo`` is what NeMo's ``SaveRestoreConnector._make_nemo_file_from_folder``
+writes: an *uncompressed* tar of one folder added as ``.`` (members ``./...``)::
+
+    ./model_config.yaml          the model cfg at top level (mcore_gpt: true, every key MegatronGPTModel reads)
+    ./<uuid4hex>_tokenizer.model tokenizer files, referenced from the yaml as ``nemo:<uuid4hex>_<name>``
+    ./model_weights/             megatron.core.dist_checkpointing, torch_dist, keys ``model.`` + mcore's names
+        .metadata __0_0.distcp __0_1.distcp common.pt metadata.json
+
+Two things make the file readable by more than the newest NeMo
+(``../shared/reference/nemo-formats.md`` section 1.5, and the README's table):
+
+* ``.metadata`` is rewritten without ``storage_meta`` (a ``StorageMeta`` object
+  that torch < 2.4, i.e. the 24.05/24.07 containers, cannot unpickle) and
+  without megatron-core's ``all_local_plans``; both are only used when saving.
+* Llama-style (RMSNorm) models are marked ``transformer_engine: true``: megatron-core
+  0.8 (the 24.07 container) builds RMSNorm only with Transformer Engine. A TE model
+  asks for one more key, ``core_attention._extra_state`` (FP8 bookkeeping, empty
+  outside FP8), so the yaml also says ``dist_ckpt_load_strictness: log_all``.
+
+The reverse direction (:func:`import_nemo`) reads a ``.nemo`` (a tar or an
+extracted folder) that NeMo's ``save_to`` wrote and writes a model-only
+checkpoint that ``snakellm.models.load`` and fine-tuning start from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pickle
+import shutil
+import sys
+import tarfile
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from snakellm.io.atomic import atomic_path, write_json
+
+NEMO_TARGET = "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel"
+WEIGHTS_DIR = "model_weights"
+CONFIG_FILE = "model_config.yaml"
+TE_CHOICES = ("auto", "true", "false")
+
+
+class NemoError(ValueError):
+    """A checkpoint or ``.nemo`` that cannot be converted, phrased with the file and the reason."""
+
+
+# ----------------------------------------------------------------------------- config <-> architecture
+
+
+def transformer_engine_for(arch: dict[str, Any], choice: str = "auto") -> bool:
+    """``auto``: TE for RMSNorm (megatron-core 0.8 has no other RMSNorm), local spec for LayerNorm."""
+    if choice == "auto":
+        return arch["normalization"] == "RMSNorm"
+    return choice == "true"
+
+
+def model_config(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    tokenizer_cfg: dict[str, Any],
+    *,
+    precision: Any = 32,
+    transformer_engine: bool = False,
+) -> dict[str, Any]:
+    """The ``model_config.yaml`` mapping MegatronGPTModel rebuilds this architecture from.
+
+    Keys follow NeMo's ``megatron_gpt_config.yaml``/``megatron_llama_config.yaml``;
+    the architecture ones are copied into megatron-core's ``TransformerConfig`` by
+    name, so they must say exactly what our model is (a wrong ``num_query_groups``
+    fails NeMo's load with a shape mismatch; a wrong ``activation`` would load and
+    compute something else, which the NeMo test guards against with logits).
+    """
+    h, n = arch["hidden_size"], arch["num_attention_heads"]
+    seq = arch["seq_length"]
+    cfg: dict[str, Any] = {
+        "mcore_gpt": True,
+        "micro_batch_size": 1,
+        "global_batch_size": 1,
+        "rampup_batch_size": None,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "encoder_seq_length": seq,
+        "max_position_embeddings": seq,
+        "num_layers": arch["num_layers"],
+        "hidden_size": h,
+        "ffn_hidden_size": arch["ffn_hidden_size"],
+        "num_attention_heads": n,
+        "num_query_groups": arch["num_query_groups"],
+        "kv_channels": h // n,
+        "init_method_std": arch["init_method_std"],
+        "use_scaled_init_method": True,
+        "hidden_dropout": arch["hidden_dropout"],
+        "attention_dropout": arch["attention_dropout"],
+        "ffn_dropout": 0.0,
+        "position_embedding_type": "learned_absolute" if arch["position_embedding"] == "learned" else "rope",
+        "rotary_percentage": 1.0,
+        "rotary_base": arch["rotary_base"],
+        "apply_query_key_layer_scaling": False,
+        "normalization": "layernorm" if arch["normalization"] == "LayerNorm" else "rmsnorm",
+        "layernorm_epsilon": arch["layernorm_epsilon"],
+        "do_layer_norm_weight_decay": False,
+        "make_vocab_size_divisible_by": arch["make_vocab_size_divisible_by"],
+        "pre_process": True,
+        "post_process": True,
+        "persist_layer_norm": False,
+        "bias": arch["bias"],
+        "qkv_bias": arch["bias"],
+        "activation": "gelu" if arch["activation"] == "gelu" else "swiglu",
+        "headscale": False,
+        "transformer_block_type": "pre_ln",
+        "openai_gelu": False,
+        "normalize_attention_scores": True,
+        "share_embeddings_and_output_weights": arch["tie_embeddings"],
+        "attention_type": "multihead",
+        "precision": precision,
+        "megatron_amp_O2": False,
+        "native_amp_init_scale": 4294967296,
+        "native_amp_growth_interval": 1000,
+        "hysteresis": 2,
+        "fp32_residual_connection": False,
+        "fp16_lm_cross_entropy": False,
+        "seed": 1234,
+        "use_cpu_initialization": False,
+        "onnx_safe": False,
+        "apex_transformer_log_level": 30,
+        "gradient_as_bucket_view": True,
+        "sync_batch_comm": False,
+        "activations_checkpoint_granularity": None,
+        "activations_checkpoint_method": None,
+        "activations_checkpoint_num_layers": None,
+        "num_micro_batches_with_partial_activation_checkpoints": None,
+        "activations_checkpoint_layers_per_pipeline": None,
+        "sequence_parallel": False,
+        "transformer_engine": transformer_engine,
+        "fp8": False,
+        "gradient_accumulation_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_add_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "get_attention_mask_from_fusion": True,
+        "dist_ckpt_format": "torch_dist",
+        "dist_ckpt_load_on_device": True,
+        "dist_ckpt_parallel_save": False,
+        "tokenizer": tokenizer_cfg,
+        "data": {
+            "data_prefix": [],
+            "index_mapping_dir": None,
+            "data_impl": "mmap",
+            "splits_string": "900,50,50",
+            "seq_length": seq,
+            "skip_warmup": True,
+            "num_workers": 0,
+            "dataloader_type": "single",
+            "reset_position_ids": False,
+            "reset_attention_mask": False,
+            "eod_mask_loss": False,
+        },
+        "nsys_profile": {"enabled": False},
+        "optim": {
+            "name": "fused_adam",
+            "lr": 1.0e-4,
+            "weight_decay": 0.01,
+            "betas": [0.9, 0.98],
+            "sched": {"name": "CosineAnnealing", "warmup_steps": 0, "constant_steps": 0, "min_lr": 1.0e-5},
+        },
+        "target": NEMO_TARGET,
+    }
+    if transformer_engine:
+        # a TE model also asks for core_attention._extra_state, which a local-spec checkpoint
+        # cannot have: log it instead of failing (NeMo >= 2.0.0rc1 reads this key)
+        cfg["dist_ckpt_load_strictness"] = "log_all"
+    return cfg
+
+
+_ACTIVATIONS = {"gelu": "gelu", "swiglu": "swiglu", "fast-swiglu": "swiglu"}
+
+
+def arch_from_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Our architecture dict for a NeMo ``model_config.yaml``; anything we cannot rebuild exactly is an error."""
+    from snakellm.models import architecture
+
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise NemoError(f"{where}: model_config.yaml has no {key!r}")
+        return cfg[key]
+
+    if not cfg.get("mcore_gpt", False):
+        raise NemoError(f"{where}: not a megatron-core GPT (mcore_gpt is not true); only mcore GPT .nemo files import")
+    for key, ok in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1)):
+        if cfg.get(key, 1) != ok:
+            raise NemoError(f"{where}: {key} is {cfg.get(key)}; only .nemo files saved with 1 import")
+    pos = cfg.get("position_embedding_type", "learned_absolute")
+    if pos not in ("learned_absolute", "rope"):
+        raise NemoError(f"{where}: position_embedding_type {pos!r} is not supported (learned_absolute, rope)")
+    if pos == "rope" and float(cfg.get("rotary_percentage", 1.0)) != 1.0:
+        raise NemoError(f"{where}: rotary_percentage {cfg['rotary_percentage']} is not supported (1.0 only)")
+    norm = str(cfg.get("normalization", "layernorm")).lower()
+    if norm not in ("layernorm", "rmsnorm"):
+        raise NemoError(f"{where}: normalization {norm!r} is not supported (layernorm, rmsnorm)")
+    act = cfg.get("activation", "gelu")
+    if act not in _ACTIVATIONS or cfg.get("openai_gelu", False):
+        raise NemoError(f"{where}: activation {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+    bias = bool(cfg.get("bias", True))
+    if bool(cfg.get("qkv_bias", bias)) != bias and not bias:
+        raise NemoError(f"{where}: qkv_bias without bias is not supported")
+    h, n = need("hidden_size"), need("num_attention_heads")
+    if cfg.get("kv_channels") not in (None, h // n):
+        raise NemoError(f"{where}: kv_channels {cfg['kv_channels']} != hidden_size / num_attention_heads")
+    for key in ("headscale", "fp32_residual_connection"):
+        if cfg.get(key):
+            raise NemoError(f"{where}: {key}: true is not supported")
+    if cfg.get("transformer_block_type", "pre_ln") != "pre_ln":
+        raise NemoError(f"{where}: transformer_block_type {cfg['transformer_block_type']!r} is not supported (pre_ln)")
+    overrides = {
+        "style": "llama" if pos == "rope" else "gpt2",
+        "num_layers": need("num_layers"),
+        "hidden_size": h,
+        "num_attention_heads": n,
+        "num_query_groups": cfg.get("num_query_groups") or n,
+        "ffn_hidden_size": need("ffn_hidden_size"),
+        "seq_length": need("encoder_seq_length"),
+        "position_embedding": "learned" if pos == "learned_absolute" else "rope",
+        "normalization": "LayerNorm" if norm == "layernorm" else "RMSNorm",
+        "activation": _ACTIVATIONS[act],
+        "tie_embeddings": bool(cfg.get("share_embeddings_and_output_weights", True)),
+        "bias": bias,
+        "rotary_base": cfg.get("rotary_base", 10000),
+        "layernorm_epsilon": float(cfg.get("layernorm_epsilon", 1e-5)),
+        "init_method_std": float(cfg.get("init_method_std", 0.02)),
+        "hidden_dropout": float(cfg.get("hidden_dropout", 0.1)),
+        "attention_dropout": float(cfg.get("attention_dropout", 0.1)),
+        "make_vocab_size_divisible_by": int(cfg.get("make_vocab_size_divisible_by", 128)),
+    }
+    try:
+        return architecture.resolve(None, overrides)
+    except architecture.ModelConfigError as e:
+        raise NemoError(f"{where}: {e}") from None
+
+
+# ----------------------------------------------------------------------------- tokenizer artifacts
+
+_TOKENIZER_FILES = {  # our tokenizer kind -> (our files key, NeMo tokenizer key)
+    "gpt2-bpe": (("vocab_file", "vocab_file"), ("merges_file", "merge_file")),
+    "sentencepiece": (("model_file", "model"),),
+}
+
+
+def check_tokenizer(tok: dict[str, Any], where: str) -> None:
+    """A tokenizer we can pack: its kind has NeMo artifact files and they exist."""
+    kind = tok.get("kind")
+    if kind not in _TOKENIZER_FILES:
+        raise NemoError(
+            f"{where}: tokenizer kind {kind!r} cannot be packed into a .nemo (NeMo packs only GPT-2 BPE "
+            "vocab/merges and SentencePiece models; a Hugging Face tokenizer.json is a directory reference)"
+        )
+    for ours, _ in _TOKENIZER_FILES[kind]:
+        f = tok.get("files", {}).get(ours)
+        if not f or not Path(f).is_file():
+            raise NemoError(f"{where}: tokenizer file {ours} {f!r} not found")
+
+
+def pack_tokenizer(tok: dict[str, Any], dest: Path) -> dict[str, Any]:
+    """Copy the tokenizer files into ``dest`` as NeMo names them; return the yaml ``tokenizer:`` block.
+
+    NeMo's ``_handle_artifacts`` names a packed file ``f"{uuid.uuid4().hex}_{basename}"``
+    and writes ``"nemo:" + name`` into the config; a fresh uuid per save, like NeMo.
+    """
+    cfg: dict[str, Any]
+    if tok["kind"] == "gpt2-bpe":
+        cfg = {
+            "library": "megatron",
+            "type": "GPT2BPETokenizer",
+            "model": None,
+            "vocab_file": None,
+            "merge_file": None,
+            "delimiter": None,
+            "sentencepiece_legacy": False,
+        }
+    else:
+        cfg = {
+            "library": "sentencepiece",
+            "type": None,
+            "model": None,
+            "vocab_file": None,
+            "merge_file": None,
+            "delimiter": None,
+            "sentencepiece_legacy": False,
+        }
+    for ours, theirs in _TOKENIZER_FILES[tok["kind"]]:
+        src = Path(tok["files"][ours])
+        name = f"{uuid.uuid4().hex}_{src.name}"
+        shutil.copyfile(src, dest / name)
+        cfg[theirs] = f"nemo:{name}"
+    return cfg
+
+
+def unpack_tokenizer(cfg: dict[str, Any], root: Path, dest: Path, where: str) -> dict[str, Any]:
+    """The ``.nemo``'s tokenizer files copied to ``dest`` under plain names -> our tokenizer block."""
+    from snakellm.tokenize import encoders
+
+    lib = cfg.get("library")
+
+    def artifact(key: str) -> Path:
+        ref = cfg.get(key)
+        if not ref:
+            raise NemoError(f"{where}: tokenizer.{key} is missing")
+        name = ref[5:] if str(ref).startswith("nemo:") else Path(ref).name
+        p = root / name
+        if not p.is_file():
+            raise NemoError(f"{where}: tokenizer.{key} {ref!r} is not in the archive")
+        return p
+
+    dest.mkdir(parents=True, exist_ok=True)
+    if lib == "megatron" and cfg.get("type") in ("GPT2BPETokenizer", None):
+        vocab, merges = dest / "vocab.json", dest / "merges.txt"
+        shutil.copyfile(artifact("vocab_file"), vocab)
+        shutil.copyfile(artifact("merge_file"), merges)
+        tok = encoders.load("gpt2-bpe", name="gpt2", vocab_file=str(vocab), merges_file=str(merges))
+    elif lib == "sentencepiece":
+        if cfg.get("sentencepiece_legacy"):
+            raise NemoError(
+                f"{where}: tokenizer.sentencepiece_legacy: true (special tokens added by NeMo) is not supported"
+            )
+        model = dest / "tokenizer.model"
+        shutil.copyfile(artifact("model"), model)
+        tok = encoders.load("sentencepiece", name="tokenizer", model_file=str(model))
+    else:
+        raise NemoError(
+            f"{where}: tokenizer library {lib!r} type {cfg.get('type')!r} is not supported "
+            "(megatron GPT2BPETokenizer, sentencepiece)"
+        )
+    info = tok.info()
+    info["nemo"] = encoders.nemo_tokenizer(info)
+    info["megatron_args"] = encoders.megatron_args(info)
+    return info
+
+
+# ----------------------------------------------------------------------------- torch_dist helpers
+
+
+def rewrite_metadata(weights_dir: Path) -> None:
+    """Drop the save-time-only parts of ``.metadata`` that older torch cannot unpickle.
+
+    torch >= 2.4 pickles ``storage_meta=StorageMeta(...)`` (a class torch 2.3 lacks) and
+    megatron-core adds ``all_local_plans``; loading uses neither (the reader sets a fresh
+    ``StorageMeta`` itself when it is None).
+    """
+    path = weights_dir / ".metadata"
+    with open(path, "rb") as fh:
+        md = pickle.load(fh)
+    md.storage_meta = None
+    if hasattr(md, "all_local_plans"):
+        del md.all_local_plans
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        pickle.dump(md, fh)
+
+
+def pickled_globals(path: Path) -> set[tuple[str, str]]:
+    """(module, name) of every class/function a pickle refers to (what a reader must have)."""
+    found: set[tuple[str, str]] = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found.add((module, name))
+            return super().find_class(module, name)
+
+    with open(path, "rb") as fh:
+        Recorder(fh).load()
+    return found
+
+
+@contextlib.contextmanager
+def model_parallel() -> Iterator[None]:
+    """A single-process group + megatron-core's parallel state (1, 1) for the block, unless one exists."""
+    import torch
+
+    from snakellm.launch.runtime import ensure_single_process, shutdown
+
+    own = not torch.distributed.is_initialized()
+    ensure_single_process("cpu")
+    try:
+        yield
+    finally:
+        if own:
+            shutdown()
+
+
+def _drop_extra_state(sd: dict) -> dict:
+    """The sharded state without ``_extra_state`` objects (TE/FP8 bookkeeping; not weights)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out[k] = _drop_extra_state(v)
+        elif isinstance(v, ShardedObject) and "_extra_state" in v.key:
+            continue
+        else:
+            out[k] = v
+    return out
+
+
+def load_weights(module: Any, weights_dir: Path, prefix: str) -> None:
+    """Load ``module``'s tensors from a dist-checkpoint whose keys carry ``prefix``; every weight must be there."""
+    from megatron.core import dist_checkpointing
+
+    from snakellm.train.checkpoint import _in_process_results_queue
+
+    _in_process_results_queue()
+    request = _drop_extra_state(module.sharded_state_dict(prefix=prefix))
+    try:
+        state = dist_checkpointing.load(request, str(weights_dir))
+    except Exception as e:  # megatron-core names the key and both shapes
+        raise NemoError(f"{weights_dir}: the weights do not match the model config: {e}") from None
+    # load() also merges in the checkpoint's common.pt (iteration, run metadata): keep the module's keys
+    # (sharded_state_dict(prefix=...) prefixes the dict's keys too)
+    state = {k[len(prefix) :]: v for k, v in state.items() if k in request}
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise NemoError(f"{weights_dir}: weights missing {missing} / unexpected {unexpected}")
+
+
+def save_weights(module: Any, weights_dir: Path, prefix: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from snakellm.train.checkpoint import _in_process_results_queue
+
+    _in_process_results_queue()
+    weights_dir.mkdir(parents=True)
+    dist_checkpointing.save(
+        module.sharded_state_dict(prefix=prefix), str(weights_dir), sharded_strategy=("torch_dist", 1)
+    )
+
+
+# ----------------------------------------------------------------------------- our checkpoints
+
+
+def read_checkpoint_info(path: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
+    """What an export needs to know about a checkpoint, torch-free: checked before any work starts."""
+    from snakellm.models.loading import LoadError, describe_run
+    from snakellm.train import checkpoint as ckpt
+
+    if not Path(path).exists():
+        raise NemoError(f"{path}: no such checkpoint (run `snakemake runs/<run>/train_summary.json` first)")
+    try:
+        info = describe_run(path, iteration)
+        rc = ckpt.read_run_config(info["checkpoint_dir"]) or {}
+    except (LoadError, ckpt.CheckpointError) as e:
+        raise NemoError(str(e)) from None
+    info["precision"] = rc.get("config", {}).get("precision", "fp32")
+    return info
+
+
+def build(arch: dict[str, Any], padded_vocab: int, bf16: bool = False) -> Any:
+    """Our megatron-core GPTModel (eval mode) on the CPU; the parallel state must exist (:func:`model_parallel`)."""
+    from snakellm.models.build import build_model
+
+    module, _ = build_model(arch, padded_vocab, device="cpu", bf16=bf16)
+    module.eval()
+    return module
+
+
+# ----------------------------------------------------------------------------- export / import
+
+
+def export_nemo(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    iteration: int | None = None,
+    tokenizer: dict[str, Any] | None = None,
+    transformer_engine: str = "auto",
+    info: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``output`` (.nemo) from one of our checkpoints; returns a summary. Atomic."""
+    info = info or read_checkpoint_info(checkpoint, iteration)
+    tok = tokenizer or info["tokenizer"]
+    if tok is None:
+        raise NemoError(f"{info['checkpoint_dir']}: the checkpoint does not record its tokenizer; pass --blend")
+    check_tokenizer(tok, str(checkpoint))
+    arch, vocab = info["arch"], info["padded_vocab_size"]
+    te = transformer_engine_for(arch, transformer_engine)
+    import torch
+
+    from snakellm.models import load
+
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with model_parallel(), tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmpdir:
+        module = load(info["checkpoint_dir"], info["iteration"], bf16=info["precision"] == "bf16").model
+        folder = Path(tmpdir) / "nemo"
+        folder.mkdir()
+        tok_cfg = pack_tokenizer(tok, folder)
+        # bf16 weights are written upcast to fp32 (lossless): NeMo without megatron_amp_O2 keeps fp32
+        # parameters and runs bf16 under autocast, which is what `precision: bf16` asks for
+        precision = "bf16" if next(module.parameters()).dtype == torch.bfloat16 else 32
+        module.float()
+        cfg = model_config(arch, vocab, tok_cfg, precision=precision, transformer_engine=te)
+        (folder / CONFIG_FILE).write_text(yaml.safe_dump(cfg, sort_keys=False))
+        save_weights(module, folder / WEIGHTS_DIR, prefix="model.")
+        rewrite_metadata(folder / WEIGHTS_DIR)
+        with atomic_path(out) as tmp:
+            # exactly SaveRestoreConnector._make_nemo_file_from_folder: uncompressed, members ./...
+            with tarfile.open(tmp, "w:") as tar:
+                tar.add(str(folder), arcname=".")
+        nparams = sum(p.numel() for p in module.parameters())
+    return {
+        "output": str(out),
+        "iteration": info["iteration"],
+        "parameters": nparams,
+        "transformer_engine": te,
+        "tokenizer": tok_cfg,
+        "bytes": out.stat().st_size,
+    }
+
+
+def _safe_extract(archive: Path, dest: Path) -> None:
+    try:
+        tar = tarfile.open(archive, "r:")
+    except tarfile.ReadError:
+        try:
+            tar = tarfile.open(archive, "r:gz")  # pre-1.7 NeMo wrote gzip
+        except tarfile.ReadError as e:
+            raise NemoError(f"{archive}: not a .nemo (tar) file: {e}") from None
+    with tar:
+        for m in tar.getmembers():
+            name = os.path.normpath(m.name)
+            if name.startswith(("/", "..")) or not (m.isfile() or m.isdir()):
+                raise NemoError(f"{archive}: unsafe member {m.name!r}")
+        try:
+            tar.extractall(dest, filter="data")
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise NemoError(f"{archive}: damaged archive: {e}") from None
+
+
+def import_nemo(source: str | os.PathLike, run_dir: str | os.PathLike) -> dict[str, Any]:
+    """A ``.nemo`` (tar or extracted folder, NeMo 1.x mcore GPT) -> ``run_dir/checkpoints/iter_0000000``."""
+    src, run = Path(source), Path(run_dir)
+    if not src.exists():
+        raise NemoError(f"{src}: no such file")
+    from snakellm.train import checkpoint as ckpt
+
+    if (run / "checkpoints").exists() and (
+        ckpt.list_iterations(run / "checkpoints") or any((run / "checkpoints").iterdir())
+    ):
+        raise NemoError(f"{run / 'checkpoints'} already exists and is not empty; import into a new run directory")
+    with contextlib.ExitStack() as stack:
+        if src.is_dir():
+            root = src
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=".import-nemo."))
+            root = Path(tmp)
+            _safe_extract(src, root)
+        cfg_path = root / CONFIG_FILE
+        if not cfg_path.is_file():
+            raise NemoError(f"{src}: no {CONFIG_FILE} inside")
+        try:
+            cfg = yaml.safe_load(cfg_path.read_text())
+        except yaml.YAMLError as e:
+            raise NemoError(f"{src}: {CONFIG_FILE}: {e}") from None
+        if isinstance(cfg, dict) and "model" in cfg and isinstance(cfg["model"], dict):
+            cfg = cfg["model"]
+        if not isinstance(cfg, dict):
+            raise NemoError(f"{src}: {CONFIG_FILE} is not a mapping")
+        weights = root / WEIGHTS_DIR
+        if not (weights / "metadata.json").is_file():
+            raise NemoError(
+                f"{src}: no {WEIGHTS_DIR}/ distributed checkpoint (legacy or TP>1 layouts are not supported)"
+            )
+        arch = arch_from_config(cfg, str(src))
+        from snakellm.models import architecture, save_model_checkpoint
+
+        tok = unpack_tokenizer(cfg.get("tokenizer") or {}, root, run / "tokenizer", str(src))
+        vocab = architecture.padded_vocab_size(tok["vocab_size"], arch)
+        bf16 = str(cfg.get("precision", 32)) in ("bf16", "bf16-mixed") and bool(cfg.get("megatron_amp_O2", False))
+        with model_parallel():
+            module = build(arch, vocab, bf16=bf16)
+            load_weights(module, weights, prefix="model.")
+            path = save_model_checkpoint(run, module, arch, vocab, tok, extra={"imported_from": str(src)})
+            nparams = sum(p.numel() for p in module.parameters())
+    return {"checkpoint": str(path), "parameters": nparams, "arch": arch, "padded_vocab": vocab}
+
+
+# ----------------------------------------------------------------------------- command lines
+
+
+def _read_blend_tokenizer(path: str) -> dict[str, Any]:
+    import json
+
+    p = Path(path)
+    try:
+        tok = json.loads(p.read_text())["tokenizer"]
+    except FileNotFoundError:
+        raise NemoError(f"{p}: blend file not found") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise NemoError(f"{p}: no tokenizer block: {e}") from None
+    return tok
+
+
+def main_export(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="snakellm export-nemo",
+        description="Write a .nemo (NeMo 1.x layout, mcore GPT) from a checkpoint: NeMo's "
+        "MegatronGPTModel.restore_from loads it. Written atomically.",
+    )
+    p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
+    p.add_argument("output", help="the .nemo file to write")
+    p.add_argument("--iteration", type=int, help="export this iteration (default: the latest)")
+    p.add_argument("--blend", help="blend.json whose tokenizer to pack (default: the one the checkpoint records)")
+    p.add_argument(
+        "--transformer-engine",
+        choices=TE_CHOICES,
+        default="auto",
+        help="transformer_engine in model_config.yaml (auto: true for RMSNorm models, which "
+        "megatron-core 0.8 builds only with TE; false for LayerNorm)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    a = p.parse_args(argv)
+    try:
+        info = read_checkpoint_info(a.checkpoint, a.iteration)
+        tok = _read_blend_tokenizer(a.blend) if a.blend else info["tokenizer"]
+        if tok is None:
+            raise NemoError(f"{info['checkpoint_dir']}: the checkpoint does not record its tokenizer; pass --blend")
+        check_tokenizer(tok, a.blend or str(a.checkpoint))
+        import torch
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        res = export_nemo(a.checkpoint, a.output, tokenizer=tok, transformer_engine=a.transformer_engine, info=info)
+    except NemoError as e:
+        print(f"snakellm export-nemo: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"export-nemo: {res['output']}: iteration {res['iteration']}, {res['parameters']:,} parameters, "
+        f"transformer_engine {str(res['transformer_engine']).lower()}, {res['bytes']:,} bytes",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main_import(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="snakellm import-nemo",
+        description="Import a .nemo (NeMo 1.x layout, mcore GPT, TP=PP=1, as NeMo's save_to writes it) into a "
+        "model-only checkpoint RUN_DIR/checkpoints/iter_0000000 (+ the tokenizer files in RUN_DIR/tokenizer/).",
+    )
+    p.add_argument("nemo", help="the .nemo file (or an extracted .nemo folder)")
+    p.add_argument("run_dir", help="the run directory to create (must not hold checkpoints)")
+    a = p.parse_args(argv)
+    try:
+        res = import_nemo(a.nemo, a.run_dir)
+    except NemoError as e:
+        print(f"snakellm import-nemo: error: {e}", file=sys.stderr)
+        return 2
+    write_json(Path(a.run_dir) / "import_summary.json", {k: v for k, v in res.items()})
+    print(f"import-nemo: {res['checkpoint']}: {res['parameters']:,} parameters", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m snakellm.export.nemo export|import ...``"""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "import":
+        return main_import(argv[1:])
+    if argv and argv[0] == "export":
+        argv = argv[1:]
+    return main_export(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["export_nemo", "import_nemo", "model_config", "arch_from_config", "rewrite_metadata", "NemoError"]

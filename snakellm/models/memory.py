@@ -1,0 +1,211 @@
+"""GPU memory per rank before anything is submitted: weights, gradients, optimizer, activations.
+
+Torch-free, from the architecture dict alone (``snakellm.models.architecture``), so
+``snakellm plan`` can say whether a run fits before a 64-GPU job waits a day in the
+queue to run out of memory.
+
+Model states (Megatron-LM's accounting, ``docs/source/api-guide/dist_optimizer.md``):
+bf16 weights (2 bytes a parameter), fp32 gradient buffers (4, ``grad_reduce_in_fp32``
+as snakellm trains), and the Adam states in fp32: master weights, first and second
+moments (12). Without the distributed optimizer that is 18 bytes a parameter; with
+it the 12 are sharded over the data-parallel ranks: ``6 + 12 / dp``. fp32 training
+has no masters: 4 + 4 + 8. Tensor-parallel layers hold ``1/tp`` of their weights;
+norms (and the row-parallel layers' biases) are replicated.
+
+Activations: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (2022), section 4: a GPT layer keeps ``s b h (34 + 5 a s / h)`` bytes with 16-bit
+activations, ``s b h (10 + 24/t + 5 a s / (h t))`` under tensor parallelism of size t,
+and ``s b h (34/t + 5 a s / (h t))`` with sequence parallelism as well. The terms are
+counted here one stored tensor at a time, so the same derivation covers grouped-query
+attention (K and V are ``h * groups / heads`` wide), SwiGLU (the up projection is ``2 f``
+wide), models without dropout (no masks) and fused attention kernels (flash/cuDNN keep
+no ``s x s`` scores, only a float32 log-sum-exp per query and head). For GPT shapes
+with dropout and unfused attention the numbers are exactly the paper's; the unit tests
+check that. With pipeline parallelism of size p, 1F1B keeps p micro-batches in flight
+on the first stage, whose ``L / p`` layers then hold ``L`` layers' worth (the paper's
+observation); the output layer's logits (16-bit, plus the float32 copy the loss makes)
+are counted on the last stage, which for p = 1 is the same GPU.
+
+Not counted: the CUDA context and library workspaces (about 1-3 GiB per GPU), the
+allocator's fragmentation, communication buffers, and temporary tensors of a single
+kernel. The estimate is a floor; leave headroom.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GiB = 1024**3
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU (the fullest pipeline stage); ``params`` is that GPU's parameter count."""
+
+    params: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    distributed_optimizer: bool
+    sequence_parallel: bool
+    recompute: str
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations
+
+    def lines(self, gpu_gib: float | None = None) -> list[str]:
+        """The human-readable table ``snakellm plan`` prints."""
+        opt = "distributed optimizer" if self.distributed_optimizer else "optimizer replicated"
+        out = [
+            f"memory per GPU (tp {self.tp} x pp {self.pp} x dp {self.dp}, micro batch {self.micro_batch_size}, "
+            f"{opt}, sequence parallel {'on' if self.sequence_parallel else 'off'}, recompute {self.recompute}):",
+            f"  weights      {self.weights / GiB:8.2f} GiB  ({self.params / 1e6:,.1f}M parameters on this GPU)",
+            f"  gradients    {self.grads / GiB:8.2f} GiB",
+            f"  optimizer    {self.optimizer / GiB:8.2f} GiB",
+            f"  activations  {self.activations / GiB:8.2f} GiB",
+            f"  total        {self.total / GiB:8.2f} GiB  (+ ~1-3 GiB CUDA context and workspaces, not counted)",
+        ]
+        if gpu_gib:
+            verdict = "fits" if self.total / GiB <= 0.9 * gpu_gib - 2 else "does NOT fit"
+            out.append(f"  {verdict} in {gpu_gib:g} GiB GPUs (with 10% + 2 GiB headroom)")
+        return out
+
+
+def layer_params(arch: dict[str, Any], tp: int = 1) -> tuple[float, float]:
+    """``(sharded, replicated)`` parameters of one transformer layer on one tensor-parallel rank.
+
+    Column-parallel QKV and up projections and row-parallel output projections are
+    split over ``tp`` (with their biases, except the row-parallel ones' which are
+    replicated); norms are replicated.
+    """
+    h, f = arch["hidden_size"], arch["ffn_hidden_size"]
+    kv = h // arch["num_attention_heads"] * arch["num_query_groups"]
+    bias = bool(arch["bias"])
+    norm = 2 * h if arch["normalization"] == "LayerNorm" else h
+    up = 2 * f if arch["activation"] == "swiglu" else f
+    sharded = h * (h + 2 * kv) + h * h + h * up + f * h + ((h + 2 * kv) + up if bias else 0)
+    replicated = 2 * norm + (2 * h if bias else 0)
+    return sharded / tp, float(replicated)
+
+
+def layer_activation_bytes(
+    arch: dict[str, Any],
+    micro_batch_size: int,
+    *,
+    seq_length: int | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    flash_attention: bool = True,
+    recompute: str = "none",
+    bytes_per_element: int = 2,
+) -> float:
+    """Bytes one transformer layer keeps for its backward pass, per micro-batch, on one tensor-parallel rank."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    s, b, e = seq_length or arch["seq_length"], micro_batch_size, bytes_per_element
+    h, f, a = arch["hidden_size"], arch["ffn_hidden_size"], arch["num_attention_heads"]
+    kv = h // a * arch["num_query_groups"]
+    sbh = s * b * h
+    hidden_dropout = (arch.get("hidden_dropout") or 0) > 0
+    attn_dropout = (arch.get("attention_dropout") or 0) > 0
+    rep_div = tp if sequence_parallel else 1
+    if recompute == "full":  # only the layer's input is kept; the layer is recomputed in the backward pass
+        return e * sbh / rep_div
+    # outside the tensor-parallel regions: the two norms' inputs, their outputs (the QKV and MLP inputs),
+    # and the 1-byte dropout masks after attention and after the MLP
+    replicated = 4 * e * sbh + (2 * sbh if hidden_dropout else 0)
+    # inside them, split over tp: Q and K (for Q K^T), V, the attention output (input of the output
+    # projection), and the MLP's up-projection output and down-projection input
+    up = 2 * f if arch["activation"] == "swiglu" else f
+    sharded = e * s * b * (h + kv) + e * s * b * kv + e * sbh + e * s * b * up + e * s * b * f
+    if flash_attention:
+        sharded += 4 * a * s * b  # float32 log-sum-exp per query and head
+    elif recompute != "selective":  # softmax output, its dropout mask and output: 5 a s^2 b (2 + 1 + 2)
+        sharded += e * a * s * s * b + ((1 + e) * a * s * s * b if attn_dropout else 0)
+    return replicated / rep_div + sharded / tp
+
+
+def estimate(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    micro_batch_size: int = 1,
+    num_micro_batches: int | None = None,
+    seq_length: int | None = None,
+    sequence_parallel: bool | None = None,
+    distributed_optimizer: bool = False,
+    flash_attention: bool = True,
+    recompute: str = "none",
+    bf16: bool = True,
+    grad_reduce_in_fp32: bool = True,
+) -> MemoryEstimate:
+    """Memory per GPU of the fullest pipeline stage (see the module docstring for what is counted).
+
+    ``sequence_parallel`` defaults to ``tp > 1`` (megatron-core's recommendation);
+    ``num_micro_batches`` (per step and data-parallel rank) bounds the micro-batches
+    in flight on the first pipeline stage.
+    """
+    L, h = arch["num_layers"], arch["hidden_size"]
+    if L % pp:
+        raise ValueError(f"num_layers {L} is not divisible by pipeline parallel size {pp}")
+    s = seq_length or arch["seq_length"]
+    b = micro_batch_size
+    sp = (tp > 1) if sequence_parallel is None else (bool(sequence_parallel) and tp > 1)
+    e = 2 if bf16 else 4
+    sharded, replicated = layer_params(arch, tp)
+    norm = 2 * h if arch["normalization"] == "LayerNorm" else h
+    stage_layers = L // pp
+    layers = stage_layers * (sharded + replicated)
+    embedding = padded_vocab * h / tp + (s * h if arch["position_embedding"] == "learned" else 0)
+    # the output layer: the final norm, and its own weight unless tied to the embedding on the same GPU
+    head = norm + (0 if arch["tie_embeddings"] and pp == 1 else padded_vocab * h / tp)
+
+    def act(layer_kind: str = recompute) -> float:
+        return layer_activation_bytes(
+            arch,
+            b,
+            seq_length=s,
+            tp=tp,
+            sequence_parallel=sp,
+            flash_attention=flash_attention,
+            recompute=layer_kind,
+            bytes_per_element=e,
+        )
+
+    in_flight = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
+    recompute_one = act("none") if recompute == "full" else 0.0  # one layer's activations while it is recomputed
+    sbh = s * b * h
+    emb_act = (e * sbh + (sbh if (arch.get("hidden_dropout") or 0) > 0 else 0)) / (tp if sp else 1)
+    # the final norm's input and the logits: 16-bit, plus the float32 copy the loss makes
+    head_act = e * sbh / (tp if sp else 1) + (e + 4) * s * b * padded_vocab / tp
+    # (parameters, activations) of the first and the last pipeline stage: one GPU when pp == 1
+    first = (
+        layers + embedding + (head if pp == 1 else 0),
+        in_flight * (stage_layers * act() + emb_act) + recompute_one + (head_act if pp == 1 else 0),
+    )
+    last = (layers + head, stage_layers * act() + recompute_one + head_act)
+    stage = first if pp == 1 else max(first, last, key=lambda st: st[0] * (18 if bf16 else 16) + st[1])
+    params, activations = stage
+
+    weights = params * e
+    grads = params * (4 if grad_reduce_in_fp32 or not bf16 else 2)
+    opt_states = params * (12 if bf16 else 8)  # fp32 master + exp_avg + exp_avg_sq (no master in fp32)
+    optimizer = opt_states / dp if distributed_optimizer else opt_states
+    return MemoryEstimate(
+        int(round(params)), weights, grads, optimizer, activations, tp, pp, dp, b, distributed_optimizer, sp, recompute
+    )

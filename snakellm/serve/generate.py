@@ -1,0 +1,626 @@
+"""KV-cached text generation from a checkpoint, and ``snakellm generate``.
+
+:class:`Decoder` runs the transformer of a loaded megatron-core ``GPTModel`` with
+its own key/value cache. It reads the model's parameters in place (no copy) and
+computes what megatron-core's forward computes, op for op: LayerNorm/RMSNorm,
+the grouped ``[q, k, v]`` projection, RoPE with megatron's (non-interleaved)
+rotation or learned positions, ``scaled_dot_product_attention`` with
+grouped-query heads, GeLU or SwiGLU, the (tied) output layer. The tests check
+that cached greedy decoding gives the same tokens as re-running megatron-core's
+full forward at every step. Why not megatron-core's own inference context:
+snakellm's core attention is SDPA with ``is_causal`` (correct for a full
+sequence only), and a plain loop over a few fused ops is also what keeps
+batch-1 decoding from being launch-bound.
+
+Batches of prompts of different lengths are left-padded: every row writes its
+keys at the same cache slot each step, positions are counted per row from its
+first real token, and padding is masked out of attention.
+
+Sampling (per step, on fp32 logits of the real vocabulary, in this order):
+repetition penalty (HF/CTRL style: divide positive logits of tokens already in
+the row, multiply negative ones), EOD forbidden until ``min_new_tokens``, then
+greedy argmax, or temperature -> top-k -> top-p (nucleus, at least one token
+kept) -> a draw from a ``torch.Generator`` seeded with ``seed``. A row stops at
+EOD, at any of ``end_strings`` appearing in its generated text, or after
+``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from snakellm.io.atomic import write_text
+
+
+class GenerationError(ValueError):
+    """A request that cannot be served, phrased with the offending field."""
+
+    def __init__(self, msg: str, field: str | None = None) -> None:
+        super().__init__(msg)
+        self.field = field
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    end_strings: Sequence[str] = ()
+    stop_at_eod: bool = True
+    seed: int | None = None
+    logprobs: bool = False
+    all_probs: bool = False
+
+    def check(self) -> None:
+        def bad(f: str, why: str):
+            raise GenerationError(f"{f} {why}", f)
+
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
+            bad("max_new_tokens", f"must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool) or self.min_new_tokens < 0:
+            bad("min_new_tokens", f"must be an integer >= 0, got {self.min_new_tokens!r}")
+        if not self.greedy and not (0 < self.temperature <= 100):
+            bad("temperature", f"must be in (0, 100], got {self.temperature!r}")
+        if self.top_k < 0:
+            bad("top_k", f"must be >= 0, got {self.top_k!r}")
+        if not 0 <= self.top_p <= 1:
+            bad("top_p", f"must be in [0, 1], got {self.top_p!r}")
+        if self.repetition_penalty < 1.0:
+            bad("repetition_penalty", f"must be >= 1.0, got {self.repetition_penalty!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("random_seed", f"must be an integer >= 0, got {self.seed!r}")
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    ids: list[int]  # generated token ids (the final EOD / end-string tokens included)
+    text: str  # decoded generated ids
+    finish_reason: str  # "length" | "eod" | "end_string"
+    logprobs: list[float] = field(default_factory=list)  # log p of each generated token (when asked)
+    prompt_logprobs: list[float] = field(default_factory=list)  # log p of prompt tokens 1.. (when asked)
+    full_logprobs: list[list[float]] | None = None  # [positions][vocab] (all_probs)
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def load_tokenizer(block: dict[str, Any], base: Path | None = None):
+    """Our tokenizer (snakellm.tokenize.encoders) from a blend.json / run_config tokenizer block."""
+    from snakellm.tokenize import encoders
+
+    files = {}
+    for k, v in (block.get("files") or {}).items():
+        p = Path(v)
+        if not p.is_absolute() and not p.exists() and base is not None:
+            p = base / p
+        files[k] = str(p)
+    if not files:
+        raise GenerationError("the checkpoint records no tokenizer files; pass the blend.json (--blend)")
+    return encoders.load(
+        block["kind"],
+        name=block.get("name", ""),
+        eod=block.get("eod_token"),
+        vocab_file=files.get("vocab_file"),
+        merges_file=files.get("merges_file"),
+        model_file=files.get("model_file"),
+        tokenizer_file=files.get("tokenizer_file"),
+    )
+
+
+def token_strings(tok, ids: Sequence[int]) -> list[str]:
+    """Each id's piece as the tokenizer spells it (``▁the``, ``Ġthe``), as NeMo's ``ids_to_tokens``."""
+    if tok.kind == "sentencepiece":
+        return [tok._sp.id_to_piece(int(i)) for i in ids]
+    if tok.kind == "huggingface":
+        return [tok._tok.id_to_token(int(i)) or "" for i in ids]
+    from snakellm.tokenize.encoders import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    if tok.backend == "tiktoken":
+        return ["".join(b2u[b] for b in tok._enc.decode_single_token_bytes(int(i))) for i in ids]
+    return [tok._hf.id_to_token(int(i)) or "" for i in ids]
+
+
+def bos_id(tok) -> int:
+    if tok.kind == "sentencepiece" and tok._sp.bos_id() >= 0:
+        return int(tok._sp.bos_id())
+    return int(tok.eod_id)  # GPT-2: <|endoftext|> is also BOS (NeMo's GPT2 tokenizer does the same)
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+
+class Decoder:
+    """KV-cached forward over a megatron-core GPTModel's own parameters."""
+
+    def __init__(self, model, arch: dict[str, Any], vocab_size: int) -> None:
+        import torch
+
+        from snakellm.export.hf import megatron_tensors
+
+        self.arch = arch
+        self.vocab_size = vocab_size
+        w = megatron_tensors(model)
+        self.emb = w["embedding.word_embeddings.weight"]
+        self.pos_emb = w.get("embedding.position_embeddings.weight")
+        self.out = w.get("output_layer.weight", self.emb)
+        self.device = self.emb.device
+        self.dtype = self.emb.dtype
+        self.layers: list[dict[str, Any]] = []
+        for i in range(arch["num_layers"]):
+            p = f"decoder.layers.{i}."
+            self.layers.append(
+                {
+                    k: w.get(p + n)
+                    for k, n in (
+                        ("ln1_w", "input_layernorm.weight"),
+                        ("ln1_b", "input_layernorm.bias"),
+                        ("qkv_w", "self_attention.linear_qkv.weight"),
+                        ("qkv_b", "self_attention.linear_qkv.bias"),
+                        ("proj_w", "self_attention.linear_proj.weight"),
+                        ("proj_b", "self_attention.linear_proj.bias"),
+                        ("ln2_w", "pre_mlp_layernorm.weight"),
+                        ("ln2_b", "pre_mlp_layernorm.bias"),
+                        ("fc1_w", "mlp.linear_fc1.weight"),
+                        ("fc1_b", "mlp.linear_fc1.bias"),
+                        ("fc2_w", "mlp.linear_fc2.weight"),
+                        ("fc2_b", "mlp.linear_fc2.bias"),
+                    )
+                }
+            )
+        self.final_w = w["decoder.final_layernorm.weight"]
+        self.final_b = w.get("decoder.final_layernorm.bias")
+        self.n = arch["num_attention_heads"]
+        self.g = arch["num_query_groups"]
+        self.d = arch["hidden_size"] // self.n
+        self.eps = arch["layernorm_epsilon"]
+        self.rope = arch["position_embedding"] == "rope"
+        if self.rope:
+            d = self.d
+            self.inv_freq = 1.0 / (
+                arch["rotary_base"] ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d)
+            )
+        self.max_len = arch["seq_length"]
+
+    def _norm(self, x, w, b):
+        import torch.nn.functional as F
+
+        if self.arch["normalization"] == "RMSNorm":
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+
+    def _rotate(self, t, cos, sin):
+        import torch
+
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+    def new_cache(self, batch: int, length: int):
+        import torch
+
+        shape = (len(self.layers), 2, batch, self.g, length, self.d)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def forward(self, tokens, positions, cache, start: int, key_valid, last_only: bool = False):
+        """Logits [b, t, vocab] (fp32) of ``tokens`` [b, t] written at cache slots start..start+t-1.
+
+        ``key_valid`` [b, start+t] marks the slots that hold real tokens; ``last_only``: logits of the
+        last position only ([b, 1, vocab]: a long prompt's prefill never holds [b, t, vocab]).
+        """
+        import torch
+        import torch.nn.functional as F
+
+        b, t = tokens.shape
+        x = F.embedding(tokens, self.emb)
+        if self.pos_emb is not None:
+            x = x + F.embedding(positions, self.pos_emb)
+        if self.rope:
+            freqs = positions.float()[..., None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [b, t, 1, d]
+            cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        end = start + t
+        slots = torch.arange(end, device=self.device)
+        causal = slots[None, :] <= (start + torch.arange(t, device=self.device))[:, None]  # [t, end]
+        mask = (causal[None] & key_valid[:, None, :end])[:, None]  # [b, 1, t, end]
+        # a padding query sees no real key; let it see itself so that softmax has no empty row
+        mask = mask | (slots[None, None, None, :] == (start + torch.arange(t, device=self.device))[None, None, :, None])
+        n, g, d = self.n, self.g, self.d
+        per = n // g
+        swiglu = self.arch["activation"] == "swiglu"
+        for li, L in enumerate(self.layers):
+            h = self._norm(x, L["ln1_w"], L["ln1_b"])
+            qkv = F.linear(h, L["qkv_w"], L["qkv_b"]).view(b, t, g, per + 2, d)
+            q = qkv[:, :, :, :per].reshape(b, t, n, d)
+            k = qkv[:, :, :, per]
+            v = qkv[:, :, :, per + 1]
+            if self.rope:
+                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            cache[li, 0, :, :, start:end] = k.transpose(1, 2)
+            cache[li, 1, :, :, start:end] = v.transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                cache[li, 0, :, :, :end],
+                cache[li, 1, :, :, :end],
+                attn_mask=mask,
+                enable_gqa=per > 1,
+            )
+            x = x + F.linear(o.transpose(1, 2).reshape(b, t, n * d), L["proj_w"], L["proj_b"])
+            h = self._norm(x, L["ln2_w"], L["ln2_b"])
+            h = F.linear(h, L["fc1_w"], L["fc1_b"])
+            if swiglu:
+                a1, a2 = h.chunk(2, dim=-1)
+                h = F.silu(a1) * a2
+            else:
+                h = F.gelu(h)
+            x = x + F.linear(h, L["fc2_w"], L["fc2_b"])
+        if last_only:
+            x = x[:, -1:]
+        x = self._norm(x, self.final_w, self.final_b)
+        return F.linear(x, self.out[: self.vocab_size]).float()
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _filter(logits, top_k: int, top_p: float):
+    import torch
+
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < top_p < 1:
+        s, idx = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(s, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(s, dim=-1) >= top_p  # tokens after the nucleus is complete
+        drop[..., 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    return logits
+
+
+class Generator:
+    """Prompts in, completions out, for one loaded model (not thread-safe: callers serialise)."""
+
+    def __init__(self, model, arch: dict[str, Any], tokenizer, vocab_size: int | None = None) -> None:
+        self.tok = tokenizer
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.decoder = Decoder(model, arch, self.vocab_size)
+        self.arch = arch
+
+    def encode(self, prompts: Sequence[str | Sequence[int]], add_bos: bool = False) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            ids = self.tok.encode(p) if isinstance(p, str) else [int(i) for i in p]
+            out.append(([bos_id(self.tok)] if add_bos else []) + ids)
+        return out
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams,
+        add_bos: bool = False,
+        prompt_logprobs: bool = False,
+    ) -> list[Completion]:
+        import torch
+
+        params.check()
+        batch = self.encode(prompts, add_bos)
+        if not batch:
+            return []
+        for i, ids in enumerate(batch):
+            if not ids:
+                raise GenerationError(f"prompt {i} is empty (no tokens); set add_BOS or give some text", "sentences")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise GenerationError(
+                    f"prompt {i}: token id {bad[0]} outside the vocabulary of {self.vocab_size}", "sentences"
+                )
+        longest = max(map(len, batch))
+        if longest + params.max_new_tokens > self.decoder.max_len:
+            raise GenerationError(
+                f"tokens_to_generate: a prompt of {longest} tokens + {params.max_new_tokens} new tokens exceeds the "
+                f"model's sequence length {self.decoder.max_len}",
+                "tokens_to_generate",
+            )
+        dev = self.decoder.device
+        b = len(batch)
+        total = longest + params.max_new_tokens
+        pad = torch.tensor([longest - len(x) for x in batch], device=dev)
+        tokens = torch.zeros(b, total, dtype=torch.long, device=dev)
+        for i, ids in enumerate(batch):
+            tokens[i, longest - len(ids) : longest] = torch.tensor(ids, dtype=torch.long)
+        valid = torch.zeros(b, total, dtype=torch.bool, device=dev)
+        valid[:, :longest] = torch.arange(longest, device=dev)[None, :] >= pad[:, None]
+        cache = self.decoder.new_cache(b, total)
+        gen = torch.Generator(device=dev)
+        if params.seed is not None:
+            gen.manual_seed(int(params.seed))
+        else:
+            gen.seed()
+        eod = self.tok.eod_id
+        seen = torch.zeros(b, self.vocab_size, dtype=torch.bool, device=dev)
+        if params.repetition_penalty != 1.0:
+            for i, ids in enumerate(batch):
+                seen[i, torch.tensor(ids, device=dev)] = True
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        n_new = params.max_new_tokens
+        # everything per step stays on the device; the host looks only for end strings (which need
+        # text) and, every few steps, whether all rows are done: no GPU sync per token
+        gen_ids = torch.full((b, max(n_new, 1)), eod, dtype=torch.long, device=dev)
+        lengths = torch.full((b,), n_new, dtype=torch.long, device=dev)
+        reason = torch.zeros(b, dtype=torch.long, device=dev)  # 0 length, 1 eod, 2 end string
+        want_lp = params.logprobs or params.all_probs
+        gen_lp = torch.zeros(b, max(n_new, 1), device=dev) if want_lp else None
+        full_steps: list[Any] = []
+        p_lp: list[list[float]] = [[] for _ in range(b)]
+        ends = [s for s in params.end_strings if s]
+        rows = torch.arange(b, device=dev)
+        with torch.inference_mode():
+            positions = (torch.arange(longest, device=dev)[None, :] - pad[:, None]).clamp(min=0)
+            logits = self.decoder.forward(
+                tokens[:, :longest], positions, cache, 0, valid, last_only=not prompt_logprobs
+            )
+            if prompt_logprobs:
+                lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:longest, None])[..., 0]
+                for i, ids in enumerate(batch):
+                    p_lp[i] = lp[i, longest - len(ids) :].tolist()
+            last = logits[:, -1]
+            cur = longest
+            for step in range(n_new):
+                scores = last
+                if params.repetition_penalty != 1.0:
+                    rp = params.repetition_penalty
+                    scores = torch.where(seen, torch.where(scores > 0, scores / rp, scores * rp), scores)
+                if step < params.min_new_tokens:
+                    scores = scores.clone()
+                    scores[:, eod] = float("-inf")
+                if params.greedy:
+                    nxt = scores.argmax(dim=-1)
+                else:
+                    s = _filter(scores / params.temperature, params.top_k, params.top_p)
+                    nxt = torch.multinomial(torch.softmax(s, dim=-1), 1, generator=gen)[:, 0]
+                nxt = torch.where(done, torch.full_like(nxt, eod), nxt)
+                gen_ids[:, step] = nxt
+                if want_lp:
+                    lsm = torch.log_softmax(last, dim=-1)
+                    gen_lp[:, step] = lsm.gather(-1, nxt[:, None])[:, 0]  # type: ignore[index]
+                    if params.all_probs:
+                        full_steps.append(lsm.cpu())
+                if params.stop_at_eod and step >= params.min_new_tokens:
+                    newly = ~done & (nxt == eod)
+                    lengths = torch.where(newly, step + 1, lengths)
+                    reason = torch.where(newly, 1, reason)
+                    done = done | newly
+                if ends:
+                    host_done = done.tolist()
+                    recent = gen_ids[:, max(0, step - 31) : step + 1].tolist()
+                    for i in range(b):
+                        if not host_done[i] and any(e in self.tok.decode(recent[i]) for e in ends):
+                            lengths[i], reason[i], done[i] = step + 1, 2, True
+                if params.repetition_penalty != 1.0:
+                    seen[rows, nxt] = True
+                if step == n_new - 1 or ((ends or step % 8 == 7) and bool(done.all())):
+                    break
+                tokens[:, cur] = nxt
+                valid[:, cur] = True
+                positions = (cur - pad)[:, None]
+                last = self.decoder.forward(tokens[:, cur : cur + 1], positions, cache, cur, valid)[:, -1]
+                cur += 1
+        n = lengths.tolist()
+        ids_host = gen_ids.tolist()
+        why = [("length", "eod", "end_string")[r] for r in reason.tolist()]
+        lp_host = gen_lp.tolist() if gen_lp is not None else None
+        full = torch.stack(full_steps, dim=1) if full_steps else None  # [b, steps, V]
+        return [
+            Completion(
+                batch[i],
+                ids_host[i][: n[i]],
+                self.continuation(batch[i], ids_host[i][: n[i]]),
+                why[i],
+                lp_host[i][: n[i]] if lp_host else [],
+                p_lp[i],
+                full[i, : n[i]].tolist() if full is not None else None,
+            )
+            for i in range(b)
+        ]
+
+    def continuation(self, prompt: Sequence[int], ids: Sequence[int]) -> str:
+        """The text ``ids`` add after ``prompt`` (decoded in context: a leading space is kept)."""
+        if not ids:
+            return ""
+        head = self.tok.decode(list(prompt))
+        full = self.tok.decode(list(prompt) + list(ids))
+        return full[len(head) :] if full.startswith(head) else self.tok.decode(list(ids))
+
+    def score(self, rows: Sequence[Sequence[int]], full: bool = False) -> tuple[list[list[float]], list | None]:
+        """log p(token_i | tokens_<i) for i >= 1 of each row (one forward, no sampling); all vocab rows if ``full``."""
+        import torch
+
+        dev = self.decoder.device
+        longest = max(map(len, rows))
+        b = len(rows)
+        tokens = torch.zeros(b, longest, dtype=torch.long, device=dev)
+        pad = torch.tensor([longest - len(r) for r in rows], device=dev)
+        for i, r in enumerate(rows):
+            tokens[i, longest - len(r) :] = torch.tensor(list(r), dtype=torch.long)
+        valid = torch.arange(longest, device=dev)[None, :] >= pad[:, None]
+        with torch.inference_mode():
+            positions = (torch.arange(longest, device=dev)[None, :] - pad[:, None]).clamp(min=0)
+            logits = self.decoder.forward(tokens, positions, self.decoder.new_cache(b, longest), 0, valid)
+            lsm = torch.log_softmax(logits[:, :-1], dim=-1)
+            chosen = lsm.gather(-1, tokens[:, 1:, None])[..., 0]
+        lps = [chosen[i, longest - len(r) :].tolist() for i, r in enumerate(rows)]
+        fulls = [lsm[i, longest - len(r) :].tolist() for i, r in enumerate(rows)] if full else None
+        return lps, fulls
+
+
+def load_generator(
+    checkpoint: str,
+    *,
+    blend: str | None = None,
+    device: str = "auto",
+    bf16: bool | None = None,
+    iteration: int | None = None,
+) -> Generator:
+    """A :class:`Generator` for a run's checkpoint (the tokenizer from its run_config, or ``blend``)."""
+    import torch
+
+    from snakellm.export.hf import tokenizer_from_blend
+    from snakellm.models.loading import describe_run, load
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    info = describe_run(checkpoint, iteration)
+    tok_block = tokenizer_from_blend(blend) if blend else info["tokenizer"]
+    tok = load_tokenizer(tok_block)
+    if bf16 is None:
+        bf16 = device.startswith("cuda")
+    loaded = load(info["checkpoint_dir"], info["iteration"], device=device, bf16=bf16)
+    return Generator(loaded.model, loaded.arch, tok, int(tok_block.get("vocab_size") or tok.vocab_size))
+
+
+# ----------------------------------------------------------------------------- snakellm generate
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--min-new-tokens", type=int, default=0, help="EOD is not allowed before this many tokens")
+    g.add_argument("--greedy", action="store_true", help="argmax decoding (temperature/top-k/top-p ignored)")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0: off")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
+    g.add_argument(
+        "--end-string", dest="end_strings", action="append", default=[], help="stop at this text (repeatable)"
+    )
+    g.add_argument("--seed", type=int, default=None)
+
+
+def params_from_args(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=a.max_new_tokens,
+        min_new_tokens=a.min_new_tokens,
+        greedy=a.greedy,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        repetition_penalty=a.repetition_penalty,
+        end_strings=a.end_strings,
+        seed=a.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="snakellm generate",
+        description="Continue prompts with a checkpoint (KV-cached decoding, one batch). Prompts come from "
+        "--prompt (repeatable) or --prompts-file (one per line, or jsonl with a 'prompt' key); the output is "
+        "jsonl ({prompt, completion, finish_reason, tokens}) or, with --markdown, a readable report.",
+    )
+    p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None, help="prompts, one per line (or .jsonl with 'prompt')")
+    p.add_argument("--out", default=None, help="write the jsonl here (atomically) instead of stdout")
+    p.add_argument("--markdown", default=None, help="also write the samples as a markdown report here")
+    p.add_argument("--blend", default=None, help="blend.json naming the tokenizer files (default: the run_config's)")
+    p.add_argument("--iteration", type=int, default=None)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--add-bos", action="store_true", help="prepend the BOS token to every prompt")
+    add_sampling_arguments(p)
+    a = p.parse_args(argv)
+    prompts = list(a.prompt)
+    if a.prompts_file:
+        path = Path(a.prompts_file)
+        if not path.is_file():
+            print(f"snakellm generate: {path}: prompts file not found", file=sys.stderr)
+            return 2
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    prompts.append(json.loads(line)["prompt"])
+                except (ValueError, KeyError, TypeError) as e:
+                    print(f"snakellm generate: {path}:{n}: expected a JSON object with 'prompt': {e}", file=sys.stderr)
+                    return 2
+            else:
+                prompts.append(line)
+    if not prompts:
+        print("snakellm generate: no prompts (--prompt or --prompts-file)", file=sys.stderr)
+        return 2
+    params = params_from_args(a)
+    try:
+        params.check()
+        from snakellm.models.loading import LoadError, describe_run
+
+        describe_run(a.checkpoint, a.iteration)
+    except (GenerationError, LoadError, ValueError) as e:
+        print(f"snakellm generate: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    t0 = time.time()
+    gen = load_generator(a.checkpoint, blend=a.blend, device=a.device, iteration=a.iteration)
+    t1 = time.time()
+    try:
+        outs = gen.generate(prompts, params, add_bos=a.add_bos)
+    except GenerationError as e:
+        print(f"snakellm generate: {e}", file=sys.stderr)
+        return 2
+    t2 = time.time()
+    ntok = sum(len(o.ids) for o in outs)
+    lines = [
+        json.dumps(
+            {"prompt": pr, "completion": o.text, "finish_reason": o.finish_reason, "tokens": len(o.ids)},
+            ensure_ascii=False,
+        )
+        for pr, o in zip(prompts, outs, strict=True)
+    ]
+    text = "".join(line + "\n" for line in lines)
+    if a.out:
+        write_text(a.out, text)
+    else:
+        sys.stdout.write(text)
+    if a.markdown:
+        md = [
+            f"# Samples from `{a.checkpoint}`",
+            "",
+            f"{len(prompts)} prompts; {params_summary(params)}; {ntok} tokens in {t2 - t1:.2f} s.",
+            "",
+        ]
+        for i, (pr, o) in enumerate(zip(prompts, outs, strict=True), 1):
+            md += [f"## {i}", "", "```text", pr + o.text, "```", "", f"*{len(o.ids)} tokens, {o.finish_reason}*", ""]
+        write_text(a.markdown, "\n".join(md))
+    print(
+        f"[{time.strftime('%H:%M:%S')}] {len(prompts)} prompts, {ntok} new tokens in {t2 - t1:.2f} s "
+        f"({ntok / max(t2 - t1, 1e-9):.1f} tokens/s; loading {t1 - t0:.1f} s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def params_summary(p: SamplingParams) -> str:
+    if p.greedy:
+        how = "greedy"
+    else:
+        how = f"temperature {p.temperature}, top-k {p.top_k}, top-p {p.top_p}, seed {p.seed}"
+    return f"{how}, repetition penalty {p.repetition_penalty}, {p.min_new_tokens}-{p.max_new_tokens} new tokens"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
