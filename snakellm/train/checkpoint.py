@@ -203,17 +203,23 @@ def save(ckpt_dir: str | os.PathLike, iteration: int, sharded_state_dict: dict, 
     partial = d / f".{iter_name(iteration)}.partial"
     if rank == 0:
         d.mkdir(parents=True, exist_ok=True)
-        for stale in d.glob(".iter_*.partial"):
+        for stale in [*d.glob(".iter_*.partial"), *d.glob(".iter_*.old")]:
             shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     barrier()
     dist_checkpointing.save(sharded_state_dict, str(partial))
     barrier()
     if rank == 0:
+        # an existing directory of this iteration (saved once, then resumed from an earlier one)
+        # is moved aside, never deleted in place: a kill mid-delete must not leave a
+        # half-deleted directory under the final name
+        old = d / f".{iter_name(iteration)}.old"
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
         os.rename(partial, final)
         write_text(d / TRACKER, f"{iteration}\n")
+        shutil.rmtree(old, ignore_errors=True)
         fd = os.open(d, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -56,7 +56,6 @@ def pretrain(req: TrainRequest) -> int:
     precision = t.precision if t.precision != "auto" else ("bf16" if cuda else "fp32")
     cfg = run_config(req, precision)
     fp = fingerprint(cfg)
-    action, resume_it, why = decide_resume(req.ckpt_dir, t, cfg, fp)
 
     distmod.export(d)
     # without apex/Transformer Engine megatron-core warns once per module about its fallbacks
@@ -84,6 +83,10 @@ def pretrain(req: TrainRequest) -> int:
 
     try:
         runtime.init_model_parallel(par.tp, par.pp, cuda=cuda)
+        lock = _lock_run_dir(req, rank0)  # noqa: F841  (held until this process exits)
+        barrier()
+        # decided under the lock: a previous attempt still saving cannot change it afterwards
+        action, resume_it, why = decide_resume(req.ckpt_dir, t, cfg, fp)
         _prepare_checkpoint_dir(req, action, why, fp, cfg, rank0, barrier)
 
         seed_all(t.seed)
@@ -269,6 +272,30 @@ def pretrain(req: TrainRequest) -> int:
         if wd is not None:
             wd.stop()
         runtime.shutdown()
+
+
+def _lock_run_dir(req: TrainRequest, rank0: bool) -> Any:
+    """One training job per run directory: rank 0 holds an exclusive lock on RUN_DIR/.train.lock.
+
+    A requeued or retried attempt can start while ranks of the previous one are
+    still finishing their last save (ranks outliving their step, a second
+    Snakemake process): two trainers in one checkpoint directory would resave
+    and delete each other's checkpoints. The next attempt waits for the lock
+    (the kernel drops it when the holder dies), then decides where to resume.
+    """
+    if not rank0:
+        return None
+    import fcntl
+
+    req.run_dir.mkdir(parents=True, exist_ok=True)
+    fh = open(req.run_dir / ".train.lock", "a+")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log(f"waiting for another snakellm train on {req.run_dir} to finish (a previous attempt still running?)")
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        log(f"{req.run_dir} is free")
+    return fh
 
 
 def _prepare_checkpoint_dir(
