@@ -23,9 +23,23 @@ SNAKEFILE = REPO / "Snakefile"
 BIN = Path(sys.executable).parent
 
 
+# What a launcher sets for one rank: never passed on from the test process (an in-process
+# test that started a process group must not make every later job think it is a rank).
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Each test leaves os.environ as it found it (snakellm.launch.distributed.export writes to it)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def env_with_venv() -> dict[str, str]:
     """The environment for subprocesses: this interpreter's bin first (snakemake, snakellm)."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env

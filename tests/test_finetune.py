@@ -274,7 +274,11 @@ def test_exact_resume_after_sigkill(default_workflow: Workspace, sft: Path) -> N
         assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
         for k in a.keys():
             x, y = a.get_tensor(k), b.get_tensor(k)
-            assert x.dtype == y.dtype and x.shape == y.shape and x.view(-1).view(torch.uint8).equal(y.view(-1).view(torch.uint8)), k
+            assert (
+                x.dtype == y.dtype
+                and x.shape == y.shape
+                and x.view(-1).view(torch.uint8).equal(y.view(-1).view(torch.uint8))
+            ), k
     best = json.loads((killed / "finetune_summary.json").read_text())["best"]
     kept = sorted(p.name for p in (killed / "checkpoints").glob("iter_*"))
     assert f"iter_{best['iteration']:07d}" in kept and "iter_0000012" in kept
