@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.io.atomic import write_json
+from snakellm.io.log import log
 
 
 class ExportError(ValueError):
@@ -553,10 +554,6 @@ def tokenizer_from_blend(blend: str | os.PathLike) -> dict:
         raise ExportError(f"{p}: no tokenizer block: {e}") from None
 
 
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 def main_export(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="snakellm export-hf",
@@ -608,7 +605,7 @@ def main_export(argv: list[str] | None = None) -> int:
         dtype=a.dtype,
         tokenizer_base=Path(a.tokenizer_base) if a.tokenizer_base else None,
     )
-    _log(f"exported {loaded.checkpoint} ({family}) to {out} in {time.time() - t0:.1f} s")
+    log(f"exported {loaded.checkpoint} ({family}) to {out} in {time.time() - t0:.1f} s")
     return 0
 
 
@@ -634,7 +631,7 @@ def main_import(argv: list[str] | None = None) -> int:
     t0 = time.time()
     summary = import_hf(hf_dir, a.run_dir, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
     write_json(Path(a.run_dir) / "import_summary.json", summary)
-    _log(f"imported {hf_dir} into {a.run_dir} in {time.time() - t0:.1f} s")
+    log(f"imported {hf_dir} into {a.run_dir} in {time.time() - t0:.1f} s")
     return 0
 
 

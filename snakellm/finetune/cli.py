@@ -31,11 +31,11 @@ import argparse
 import hashlib
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from snakellm.io.atomic import write_json, write_text
+from snakellm.io.log import log
 from snakellm.train import checkpoint as ckpt
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
@@ -145,11 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-checkpoints", dest="checkpoints", action="store_false", help="benchmarks only")
     s.add_argument("--pad-to-max", action="store_true", help="pad every batch to --max-seq-length (benchmarks)")
     return p
-
-
-def _log(msg: str, rank0: bool = True) -> None:
-    if rank0:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _sha256(path: Path) -> str:
@@ -329,7 +324,7 @@ def finetune(a: argparse.Namespace) -> int:
                 torch.distributed.barrier()
                 if rank0:
                     dest = ckpt.archive(ckpt_dir)
-                    _log(f"checkpoints made with other settings moved to {dest}; starting fresh")
+                    log(f"checkpoints made with other settings moved to {dest}; starting fresh")
                 latest = None
             torch.distributed.barrier()
         if latest is None and rank0:
@@ -358,7 +353,7 @@ def finetune(a: argparse.Namespace) -> int:
         sched = CosineSchedule(a.lr, a.min_lr, a.warmup_steps, a.steps, a.lr_decay_style)
         trainable = sum(p.numel() for p in ft.parameters() if p.requires_grad)
         total = sum(p.numel() for p in ft.parameters())
-        _log(
+        log(
             f"finetune {a.method}: {models.describe(arch, vocab)}; {trainable:,} of {total:,} parameters train "
             f"({100.0 * trainable / total:.3f}%); {len(train_ex)} train examples in {len(items)} sequences, "
             f"{len(valid_ex)} validation; truncated contexts {train_stats['context_truncated']}; "
@@ -397,7 +392,7 @@ def finetune(a: argparse.Namespace) -> int:
             common_state=common_state,
             rank=rt.rank,
             barrier=torch.distributed.barrier,
-            log=lambda m: _log(m, rank0),
+            log=lambda m: log(m, rank0),
             best=ckpt.read_best(ckpt_dir) if latest else None,
         )
         start_it = 0
@@ -412,7 +407,7 @@ def finetune(a: argparse.Namespace) -> int:
             start_it = latest
             if rank0:
                 ckpt.truncate_live_metrics(ckpt_dir, start_it)
-            _log(f"resumed from {ckpt_dir / ckpt.iter_name(start_it)}", rank0)
+            log(f"resumed from {ckpt_dir / ckpt.iter_name(start_it)}", rank0)
 
         # ---- batches: epochs of seeded permutations, indexed by the global sample number (exact resume)
         def make_batch(idx: list[int]) -> dict:

@@ -17,6 +17,7 @@ from typing import Any
 
 from snakellm import models
 from snakellm.io.atomic import write_json, write_text
+from snakellm.io.log import log
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime, watchdog
 from snakellm.train import checkpoint as ckpt
@@ -26,7 +27,7 @@ from snakellm.train.profiling import StepProfiler, parse_range
 from snakellm.train.request import RequestError, TrainRequest, decide_resume, fingerprint, run_config
 from snakellm.train.rng import rng_states, seed_all, set_rng_states
 from snakellm.train.signals import StopPolicy
-from snakellm.train.trainer import EXIT_OK, Batch, Intervals, Trainer, log
+from snakellm.train.trainer import EXIT_OK, Batch, Intervals, Trainer
 from snakellm.train.validator import Validator
 
 

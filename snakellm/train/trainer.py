@@ -23,12 +23,11 @@ checkpoint was saved; rerun to resume).
 from __future__ import annotations
 
 import contextlib
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from snakellm.io.log import log
 from snakellm.io.progress import progress
 from snakellm.train.checkpoint import CheckpointManager
 from snakellm.train.metrics import MetricsLogger
@@ -39,12 +38,6 @@ from snakellm.train.validator import Validator
 EXIT_OK = 0
 
 Batch = dict[str, Any]
-
-
-def log(msg: str, rank0: bool = True) -> None:
-    """Rank 0's timestamped log line on stderr."""
-    if rank0:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass

@@ -1,0 +1,12 @@
+"""One log line format for every step: ``[HH:MM:SS] message`` on stderr, rank 0 only in distributed jobs."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def log(msg: str, rank0: bool = True) -> None:
+    """Write a timestamped line to stderr (flushed: Snakemake logs and srun interleave streams)."""
+    if rank0:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
