@@ -6,13 +6,21 @@ sequence per document, dtype uint16 below 65,500 tokens else int32.
 
 How it stays fast and flat:
 
-* the main thread streams the jsonl and cuts it into batches of about
-  ``--batch-mb`` of text; ``--threads`` worker threads encode whole batches
-  (tiktoken, sentencepiece and tokenizers all release the GIL while encoding)
-  and turn them into one array each; the main thread writes finished batches
-  in order. At most ``2 * threads`` batches are in flight, so memory does not
-  grow with the chunk.
+* the main thread only reads: it cuts the jsonl into blocks of whole lines of
+  about ``--batch-mb`` (smaller towards the end of the file, so that the threads
+  finish together instead of one encoding the last big block alone) and writes
+  finished blocks in order. ``--threads`` worker threads each parse a whole
+  block (orjson) and encode it (tiktoken, sentencepiece and tokenizers all
+  release the GIL while encoding) into one array. Parsing in the workers keeps
+  the main thread from holding the GIL while an encoder waits for it. At most
+  ``2 * threads`` blocks' worth of bytes are in flight, so memory does not grow
+  with the chunk.
 * lengths and document ends are spooled to side files (see ``indexed.py``).
+* where the encoder is a fast path checked against a reference library
+  (tiktoken for a ``tokenizer.json``), the sampled documents of each written
+  block are compared with that library in the same worker pool, alongside the
+  encoding of the next blocks; all comparisons finish before anything is
+  published, and the first difference re-encodes the chunk with the library.
 
 Every token id is range-checked against the vocabulary before it is written:
 an id outside it would silently wrap in uint16 (numpy casts without checking)
@@ -29,7 +37,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,16 +49,16 @@ from snakellm.io.progress import progress
 from snakellm.tokenize import encoders as tokmod
 from snakellm.tokenize.indexed import IndexedWriter, dtype_name, optimal_dtype, prefix_paths, read_index
 
+MIN_BLOCK = 1 << 16  # the smallest block the reader cuts towards the end of a file
+
 
 class TokenizeError(ValueError):
     """Bad input to tokenize, phrased with the file (and line) at fault."""
 
 
-class Batch(NamedTuple):
-    texts: list[str]
-    lines: list[int]  # line number of each document in the jsonl, for error messages
-    nbytes: int
-    first: int = 0  # index of the first document in the chunk
+class Block(NamedTuple):
+    data: bytes  # whole lines of the jsonl (the last block may lack the final newline)
+    line: int  # line number of its first line
 
 
 class Mismatch(NamedTuple):
@@ -61,7 +69,7 @@ class Mismatch(NamedTuple):
 class Verify(NamedTuple):
     """Which documents the fast encoder's ids are checked on against the reference library."""
 
-    every: int  # each document whose index is a multiple of this (1: all)
+    every: int  # each document whose index in the chunk is a multiple of this (1: all)
 
 
 class VerificationFailed(Exception):
@@ -75,23 +83,61 @@ class VerificationFailed(Exception):
 class Encoded(NamedTuple):
     tokens: np.ndarray  # in the dataset dtype, EOD after every non-empty document
     lengths: np.ndarray  # int64 tokens per document (incl. EOD; 0 for an empty document)
-    nbytes: int
-    verified: int = 0  # documents whose ids were compared with the reference library
-    mismatch: Mismatch | None = None
+    nbytes: int  # bytes of jsonl of the documents (newlines included, blank lines not)
+    texts: list[str]  # the documents (kept only when they are to be verified)
+    lines: list[int]  # line number of each document
 
 
-def read_batches(path: str, key: str, batch_bytes: int) -> Iterator[Batch]:
-    """The documents of a jsonl file, in batches of about ``batch_bytes`` of json."""
+class Sample(NamedTuple):
+    """Documents whose ids are compared with the reference library's."""
+
+    docs: list[int]  # position in the chunk
+    lines: list[int]
+    texts: list[str]
+    ids: list[np.ndarray]  # what was written for each, without the EOD
+
+
+def read_blocks(path: str, batch_bytes: int, threads: int = 1) -> Iterator[Block]:
+    """The jsonl in blocks of whole lines: about ``batch_bytes``, less towards the end.
+
+    A block is cut at ``remaining bytes / (2 * threads)`` once that is below ``batch_bytes``
+    (never below ``MIN_BLOCK``): the last blocks shrink geometrically, so that no thread is left
+    encoding a full block while the others have run out of work.
+    """
+    size = os.path.getsize(path)
+    floor = min(batch_bytes, MIN_BLOCK)
+    line, done, carry = 1, 0, b""
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            want = max(floor, min(batch_bytes, (size - done) // (2 * threads)))
+            buf = fh.read(want)
+            if not buf:
+                if carry:  # a last line without a newline
+                    yield Block(carry, line)
+                return
+            done += len(buf)
+            data = carry + buf if carry else buf
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:  # a line longer than the block: read on
+                carry = data
+                continue
+            block, carry = (data, b"") if cut == len(data) else (data[:cut], data[cut:])
+            yield Block(block, line)
+            line += block.count(b"\n")
+
+
+def parse_block(block: Block, key: str, path: str) -> tuple[list[str], list[int], int]:
+    """The documents of a block, their line numbers and their bytes of jsonl; blank lines are no documents."""
     loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
     texts: list[str] = []
     lines: list[int] = []
-    size = first = 0
-    with open(path, "rb", buffering=1 << 22) as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if line.isspace():
-                continue  # a blank line is no document (stops at the first non-space byte)
+    nbytes = 0
+    lineno = block.line
+    for raw in block.data.split(b"\n"):
+        if raw and not raw.isspace():
+            nbytes += len(raw) + 1
             try:
-                obj = loads(line)
+                obj = loads(raw)
             except JSONDecodeError as e:
                 raise TokenizeError(f"{path}:{lineno}: invalid JSON: {e}") from None
             text = obj.get(key) if type(obj) is dict else None
@@ -99,42 +145,18 @@ def read_batches(path: str, key: str, batch_bytes: int) -> Iterator[Batch]:
                 raise TokenizeError(f"{path}:{lineno}: no string under key {key!r}")
             texts.append(text)
             lines.append(lineno)
-            size += len(line)
-            if size >= batch_bytes:
-                yield Batch(texts, lines, size, first)
-                first += len(texts)
-                texts, lines, size = [], [], 0
-    if texts:
-        yield Batch(texts, lines, size, first)
+        lineno += 1
+    if texts and not block.data.endswith(b"\n") and lines[-1] == lineno - 1:
+        nbytes -= 1  # the file's last line has no newline
+    return texts, lines, nbytes
 
 
-def verify_batch(tok: tokmod.Tokenizer, batch: Batch, ids: list, verify: Verify) -> tuple[int, Mismatch | None]:
-    """Compare the ids of the sampled documents with the reference library's: (documents checked, first mismatch)."""
-    start = -batch.first % verify.every
-    picked = range(start, len(batch.texts), verify.every)
-    if not picked:
-        return 0, None
-    ref = tok.reference_batch([batch.texts[i] for i in picked])
-    for i, want in zip(picked, ref, strict=True):
-        got = ids[i].tolist() if isinstance(ids[i], np.ndarray) else [int(x) for x in ids[i]]
-        if got != want:
-            at = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
-            detail = (
-                f"document {batch.first + i}: {tok.backend} gives {len(got)} ids, the reference {len(want)}; "
-                f"first difference at token {at}: {got[at : at + 3]} != {want[at : at + 3]}"
-            )
-            return len(picked), Mismatch(batch.lines[i], detail)
-    return len(picked), None
-
-
-def encode_batch(
-    tok: tokmod.Tokenizer, batch: Batch, dtype: np.dtype, source: str, verify: Verify | None = None
+def encode_block(
+    tok: tokmod.Tokenizer, block: Block, key: str, dtype: np.dtype, source: str, keep_texts: bool = False
 ) -> Encoded:
-    """Encode one batch into a single array with EODs (runs in a worker thread)."""
-    ids = tok.encode_batch(batch.texts)
-    verified, mismatch = verify_batch(tok, batch, ids, verify) if verify and tok.can_verify else (0, None)
-    if mismatch:
-        return Encoded(np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int64), batch.nbytes, verified, mismatch)
+    """Parse and encode one block into a single array with EODs (runs in a worker thread)."""
+    texts, lines, nbytes = parse_block(block, key, source)
+    ids = tok.encode_batch(texts) if texts else []
     # keep the encoder's own dtype (tiktoken uint32, sentencepiece int32) through the concatenation
     wide = ids[0].dtype if ids and isinstance(ids[0], np.ndarray) else np.dtype(np.int64)
     eod = np.array([tok.eod_id], dtype=wide)
@@ -147,18 +169,52 @@ def encode_batch(
             parts.append(eod)
             lengths[i] = n + 1
     flat = np.concatenate(parts) if parts else np.zeros(0, dtype=wide)
+    hi = 0
     if flat.size:
-        hi, lo = int(flat.max()), int(flat.min())
+        hi = int(flat.max())
+        lo = int(flat.min()) if flat.dtype.kind != "u" else 0
         if hi >= tok.vocab_size or lo < 0:
             bad = hi if hi >= tok.vocab_size else lo
             doc = next(j for j, a in enumerate(ids) if len(a) and bad in np.asarray(a))
             fits = np.iinfo(dtype).min <= bad <= np.iinfo(dtype).max
             raise TokenizeError(
-                f"{source}:{batch.lines[doc]}: token id {bad} is outside the vocabulary of "
+                f"{source}:{lines[doc]}: token id {bad} is outside the vocabulary of "
                 f"{tok.vocab_size} tokens of {next(iter(tok.files.values()))}"
                 + ("" if fits else f" and does not fit the dataset dtype {dtype_name(dtype)}")
             )
-    return Encoded(flat.astype(dtype, copy=False), lengths, batch.nbytes, verified)
+    if flat.dtype != dtype and flat.dtype.itemsize == dtype.itemsize and hi <= np.iinfo(dtype).max:
+        tokens = flat.view(dtype)  # tiktoken's uint32 as int32: every id is checked to fit, no copy
+    else:
+        tokens = flat.astype(dtype, copy=False)
+    return Encoded(tokens, lengths, nbytes, texts if keep_texts else [], lines)
+
+
+def pick_sample(enc: Encoded, first: int, verify: Verify) -> Sample | None:
+    """The documents of a written block that the verification compares (index ``first`` on in the chunk)."""
+    picked = range(-first % verify.every, len(enc.lengths), verify.every)
+    if not picked:
+        return None
+    ends = np.cumsum(enc.lengths)
+    ids = []
+    for i in picked:
+        n = int(enc.lengths[i])
+        ids.append(enc.tokens[ends[i] - n : ends[i] - 1] if n else enc.tokens[:0])
+    return Sample([first + i for i in picked], [enc.lines[i] for i in picked], [enc.texts[i] for i in picked], ids)
+
+
+def verify_sample(tok: tokmod.Tokenizer, sample: Sample) -> tuple[int, Mismatch | None]:
+    """Compare the sample's ids with the reference library's: (documents checked, first mismatch)."""
+    ref = tok.reference_batch(sample.texts)
+    for k, want in enumerate(ref):
+        got = sample.ids[k].tolist()
+        if got != want:
+            at = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+            detail = (
+                f"document {sample.docs[k]}: {tok.backend} gives {len(got)} ids, the reference {len(want)}; "
+                f"first difference at token {at}: {got[at : at + 3]} != {want[at : at + 3]}"
+            )
+            return len(ref), Mismatch(sample.lines[k], detail)
+    return len(ref), None
 
 
 def tokenize_file(
@@ -215,6 +271,7 @@ def _tokenize_file(
     stats_p = Path(stats) if stats else Path(str(prefix) + ".stats.json")
     dtype = np.dtype(optimal_dtype(tok.vocab_size))
     threads = max(1, threads)
+    window = 2 * threads * batch_bytes  # bytes of jsonl in flight
     t0 = time.perf_counter()
     text_bytes = empty_docs = verified = 0
     with atomic_group(bin_p, idx_p, stats_p) as (tmp_bin, tmp_idx, tmp_stats):
@@ -229,28 +286,49 @@ def _tokenize_file(
                 enabled=show_progress,
             ) as bar,
         ):
-            pending: deque = deque()
+            pending: deque[tuple[Future, int]] = deque()
+            checks: deque[Future] = deque()  # verifications, in document order
+            in_flight = 0
+
+            def settle(block: bool) -> None:
+                """Collect finished verifications in order (all of them if ``block``); raise on a difference."""
+                nonlocal verified
+                while checks and (block or checks[0].done()):
+                    n, mismatch = checks.popleft().result()
+                    verified += n
+                    if mismatch:
+                        raise VerificationFailed(jsonl, mismatch)
 
             def write_one() -> None:
-                nonlocal text_bytes, empty_docs, verified
-                enc: Encoded = pending.popleft().result()
-                if enc.mismatch:
-                    raise VerificationFailed(jsonl, enc.mismatch)
-                verified += enc.verified
+                nonlocal text_bytes, empty_docs, in_flight
+                future, size = pending.popleft()
+                in_flight -= size
+                enc: Encoded = future.result()
+                if check:
+                    sample = pick_sample(enc, writer.documents, check)
+                    if sample:
+                        checks.append(pool.submit(verify_sample, tok, sample))
+                    settle(block=False)
                 writer.add_documents(enc.tokens, enc.lengths)
                 empty_docs += int((enc.lengths == 0).sum())
                 text_bytes += enc.nbytes
-                bar.update(enc.nbytes)
+                bar.update(size)
 
             try:
-                for batch in read_batches(jsonl, key, batch_bytes):
-                    pending.append(pool.submit(encode_batch, tok, batch, dtype, jsonl, check))
-                    while len(pending) >= 2 * threads:
+                for block in read_blocks(jsonl, batch_bytes, threads):
+                    pending.append(
+                        (pool.submit(encode_block, tok, block, key, dtype, jsonl, check is not None), len(block.data))
+                    )
+                    in_flight += len(block.data)
+                    while in_flight >= window:
                         write_one()
                 while pending:
                     write_one()
+                settle(block=True)
             finally:
-                for f in pending:
+                for f, _ in pending:
+                    f.cancel()
+                for f in checks:
                     f.cancel()
             if writer.documents == 0:
                 raise TokenizeError(f"{jsonl}: no documents to tokenize (empty chunk)")
