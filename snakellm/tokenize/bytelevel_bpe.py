@@ -51,6 +51,7 @@ class Plan:
     prefix: list[int] = field(default_factory=list)  # post-processor tokens before / after each text
     suffix: list[int] = field(default_factory=list)
     reason: str = ""
+    build: Any = None  # () -> another tiktoken.Encoding equal to ``encoding`` (one per encoder thread)
 
 
 class NotExpressible(Exception):
@@ -247,10 +248,13 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
     prefix, suffix = _post_tokens(spec, specials) if add_special_tokens else ([], [])
     import tiktoken
 
-    try:
-        enc = tiktoken.Encoding(
+    def build():
+        return tiktoken.Encoding(
             "snakellm-tokenizer-json", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
         )
+
+    try:
+        enc = build()
     except (ValueError, RuntimeError, OverflowError) as e:  # a pattern tiktoken's regex engine rejects
         raise NotExpressible(f"tiktoken cannot build the encoding: {e}") from None
     shape = "ByteLevel regex" if pattern == GPT2_PATTERN else "Split(regex)+ByteLevel"
@@ -258,4 +262,4 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
         f"byte-level BPE ({shape}{', NFC' if nfc else ''}, ignore_merges={bool(model.get('ignore_merges'))}, "
         f"{len(merges)} merges in id order) expressed exactly as tiktoken ranks"
     )
-    return Plan(enc, nfc, prefix, suffix, reason)
+    return Plan(enc, nfc, prefix, suffix, reason, build)

@@ -242,6 +242,7 @@ def tokenize_file(
     """
     if not os.path.isfile(jsonl):
         raise TokenizeError(f"{jsonl}: input not found")
+    tok.prepare_threads(max(1, threads))  # loading, not encoding: main() has done it already
     check = None
     if tok.can_verify and verify > 0:
         check = Verify(1 if os.path.getsize(jsonl) <= verify_all_bytes else max(1, round(1 / min(1.0, verify))))
@@ -401,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         tok = tokmod.from_args(a)
+        tok.prepare_threads(max(1, a.threads))
         print(f"snakellm tokenize: encoder {tok.backend}: {tok.encoder_reason or tok.kind}", file=sys.stderr)
         st = tokenize_file(
             a.input,
