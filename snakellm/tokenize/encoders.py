@@ -97,23 +97,28 @@ class ThreadEncodings:
     """
 
     def __init__(self, base, build) -> None:
-        self.base = base  # serves the first thread that finds no spare (and any thread beyond them)
+        self.base = base  # serves the first thread that finds no spare, and every thread after that
         self._build = build
         self._spare: list = []
+        self._base_used = False
         self._local = threading.local()
         self._lock = threading.Lock()
 
     def reserve(self, threads: int) -> None:
-        """Have an ``Encoding`` ready for each of ``threads`` new threads (the base serves one)."""
-        while len(self._spare) < threads - 1:
-            self._spare.append(self._build())
+        """Have an unused ``Encoding`` ready for each of ``threads`` new threads (the base, while unused, is one)."""
+        with self._lock:
+            while len(self._spare) < threads - (0 if self._base_used else 1):
+                self._spare.append(self._build())
 
     def get(self):
         """This thread's ``Encoding``: a spare one on its first call, else the shared base."""
         enc = getattr(self._local, "enc", None)
         if enc is None:
             with self._lock:
-                enc = self._spare.pop() if self._spare else self.base
+                if self._spare:
+                    enc = self._spare.pop()
+                else:
+                    enc, self._base_used = self.base, True
             self._local.enc = enc
         return enc
 
