@@ -56,9 +56,12 @@ class TokenizeError(ValueError):
     """Bad input to tokenize, phrased with the file (and line) at fault."""
 
 
-class Block(NamedTuple):
-    data: bytes  # whole lines of the jsonl (the last block may lack the final newline)
-    line: int  # line number of its first line
+class BlockError(Exception):
+    """Bad input in a block, at a line counted from the block's first (the main thread adds the block's own)."""
+
+    def __init__(self, line: int, reason: str) -> None:
+        super().__init__(reason)
+        self.line, self.reason = line, reason
 
 
 class Mismatch(NamedTuple):
@@ -85,7 +88,8 @@ class Encoded(NamedTuple):
     lengths: np.ndarray  # int64 tokens per document (incl. EOD; 0 for an empty document)
     nbytes: int  # bytes of jsonl of the documents (newlines included, blank lines not)
     texts: list[str]  # the documents (kept only when they are to be verified)
-    lines: list[int]  # line number of each document
+    lines: list[int]  # line of each document, counted from 0 at the block's first line
+    newlines: int  # newlines in the block (how far the next block's first line is)
 
 
 class Sample(NamedTuple):
@@ -97,7 +101,7 @@ class Sample(NamedTuple):
     ids: list[np.ndarray]  # what was written for each, without the EOD
 
 
-def read_blocks(path: str, batch_bytes: int, threads: int = 1) -> Iterator[Block]:
+def read_blocks(path: str, batch_bytes: int, threads: int = 1) -> Iterator[bytes]:
     """The jsonl in blocks of whole lines: about ``batch_bytes``, less towards the end.
 
     A block is cut at ``remaining bytes / (2 * threads)`` once that is below ``batch_bytes``
@@ -106,14 +110,14 @@ def read_blocks(path: str, batch_bytes: int, threads: int = 1) -> Iterator[Block
     """
     size = os.path.getsize(path)
     floor = min(batch_bytes, MIN_BLOCK)
-    line, done, carry = 1, 0, b""
+    done, carry = 0, b""
     with open(path, "rb", buffering=0) as fh:
         while True:
             want = max(floor, min(batch_bytes, (size - done) // (2 * threads)))
             buf = fh.read(want)
             if not buf:
                 if carry:  # a last line without a newline
-                    yield Block(carry, line)
+                    yield carry
                 return
             done += len(buf)
             data = carry + buf if carry else buf
@@ -122,40 +126,39 @@ def read_blocks(path: str, batch_bytes: int, threads: int = 1) -> Iterator[Block
                 carry = data
                 continue
             block, carry = (data, b"") if cut == len(data) else (data[:cut], data[cut:])
-            yield Block(block, line)
-            line += block.count(b"\n")
+            yield block  # the lines are counted by the worker that parses it (bytes.count is slow)
 
 
-def parse_block(block: Block, key: str, path: str) -> tuple[list[str], list[int], int]:
-    """The documents of a block, their line numbers and their bytes of jsonl; blank lines are no documents."""
+def parse_block(block: bytes, key: str) -> tuple[list[str], list[int], int, int]:
+    """The documents of a block, their lines (from 0), their bytes of jsonl and the block's newlines.
+
+    Blank lines are no documents.
+    """
     loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
     texts: list[str] = []
     lines: list[int] = []
     nbytes = 0
-    lineno = block.line
-    for raw in block.data.split(b"\n"):
+    rows = block.split(b"\n")
+    for lineno, raw in enumerate(rows):
         if raw and not raw.isspace():
             nbytes += len(raw) + 1
             try:
                 obj = loads(raw)
             except JSONDecodeError as e:
-                raise TokenizeError(f"{path}:{lineno}: invalid JSON: {e}") from None
+                raise BlockError(lineno, f"invalid JSON: {e}") from None
             text = obj.get(key) if type(obj) is dict else None
             if type(text) is not str:
-                raise TokenizeError(f"{path}:{lineno}: no string under key {key!r}")
+                raise BlockError(lineno, f"no string under key {key!r}")
             texts.append(text)
             lines.append(lineno)
-        lineno += 1
-    if texts and not block.data.endswith(b"\n") and lines[-1] == lineno - 1:
+    if rows[-1] and texts and lines[-1] == len(rows) - 1:
         nbytes -= 1  # the file's last line has no newline
-    return texts, lines, nbytes
+    return texts, lines, nbytes, len(rows) - 1
 
 
-def encode_block(
-    tok: tokmod.Tokenizer, block: Block, key: str, dtype: np.dtype, source: str, keep_texts: bool = False
-) -> Encoded:
+def encode_block(tok: tokmod.Tokenizer, block: bytes, key: str, dtype: np.dtype, keep_texts: bool = False) -> Encoded:
     """Parse and encode one block into a single array with EODs (runs in a worker thread)."""
-    texts, lines, nbytes = parse_block(block, key, source)
+    texts, lines, nbytes, newlines = parse_block(block, key)
     ids = tok.encode_batch(texts) if texts else []
     # keep the encoder's own dtype (tiktoken uint32, sentencepiece int32) through the concatenation
     wide = ids[0].dtype if ids and isinstance(ids[0], np.ndarray) else np.dtype(np.int64)
@@ -177,20 +180,22 @@ def encode_block(
             bad = hi if hi >= tok.vocab_size else lo
             doc = next(j for j, a in enumerate(ids) if len(a) and bad in np.asarray(a))
             fits = np.iinfo(dtype).min <= bad <= np.iinfo(dtype).max
-            raise TokenizeError(
-                f"{source}:{lines[doc]}: token id {bad} is outside the vocabulary of "
+            raise BlockError(
+                lines[doc],
+                f"token id {bad} is outside the vocabulary of "
                 f"{tok.vocab_size} tokens of {next(iter(tok.files.values()))}"
-                + ("" if fits else f" and does not fit the dataset dtype {dtype_name(dtype)}")
+                + ("" if fits else f" and does not fit the dataset dtype {dtype_name(dtype)}"),
             )
     if flat.dtype != dtype and flat.dtype.itemsize == dtype.itemsize and hi <= np.iinfo(dtype).max:
         tokens = flat.view(dtype)  # tiktoken's uint32 as int32: every id is checked to fit, no copy
     else:
         tokens = flat.astype(dtype, copy=False)
-    return Encoded(tokens, lengths, nbytes, texts if keep_texts else [], lines)
+    return Encoded(tokens, lengths, nbytes, texts if keep_texts else [], lines, newlines)
 
 
-def pick_sample(enc: Encoded, first: int, verify: Verify) -> Sample | None:
-    """The documents of a written block that the verification compares (index ``first`` on in the chunk)."""
+def pick_sample(enc: Encoded, first: int, line: int, verify: Verify) -> Sample | None:
+    """The documents of a block that the verification compares (``first``: the index in the chunk of its first
+    document, ``line``: the line number of its first line)."""
     picked = range(-first % verify.every, len(enc.lengths), verify.every)
     if not picked:
         return None
@@ -199,7 +204,9 @@ def pick_sample(enc: Encoded, first: int, verify: Verify) -> Sample | None:
     for i in picked:
         n = int(enc.lengths[i])
         ids.append(enc.tokens[ends[i] - n : ends[i] - 1] if n else enc.tokens[:0])
-    return Sample([first + i for i in picked], [enc.lines[i] for i in picked], [enc.texts[i] for i in picked], ids)
+    return Sample(
+        [first + i for i in picked], [line + enc.lines[i] for i in picked], [enc.texts[i] for i in picked], ids
+    )
 
 
 def verify_sample(tok: tokmod.Tokenizer, sample: Sample) -> tuple[int, Mismatch | None]:
@@ -290,6 +297,7 @@ def _tokenize_file(
             pending: deque[tuple[Future, int]] = deque()
             checks: deque[Future] = deque()  # verifications, in document order
             in_flight = 0
+            line = 1  # the line number of the next block's first line
 
             def settle(block: bool) -> None:
                 """Collect finished verifications in order (all of them if ``block``); raise on a difference."""
@@ -301,12 +309,15 @@ def _tokenize_file(
                         raise VerificationFailed(jsonl, mismatch)
 
             def write_one() -> None:
-                nonlocal text_bytes, empty_docs, in_flight
+                nonlocal text_bytes, empty_docs, in_flight, line
                 future, size = pending.popleft()
                 in_flight -= size
-                enc: Encoded = future.result()
+                try:
+                    enc: Encoded = future.result()
+                except BlockError as e:
+                    raise TokenizeError(f"{jsonl}:{line + e.line}: {e.reason}") from None
                 if check:
-                    sample = pick_sample(enc, writer.documents, check)
+                    sample = pick_sample(enc, writer.documents, line, check)
                     if sample:
                         checks.append(pool.submit(verify_sample, tok, sample))
                     settle(block=False)
@@ -314,13 +325,12 @@ def _tokenize_file(
                 empty_docs += int((enc.lengths == 0).sum())
                 text_bytes += enc.nbytes
                 bar.update(size)
+                line += enc.newlines
 
             try:
                 for block in read_blocks(jsonl, batch_bytes, threads):
-                    pending.append(
-                        (pool.submit(encode_block, tok, block, key, dtype, jsonl, check is not None), len(block.data))
-                    )
-                    in_flight += len(block.data)
+                    pending.append((pool.submit(encode_block, tok, block, key, dtype, check is not None), len(block)))
+                    in_flight += len(block)
                     while in_flight >= window:
                         write_one()
                 while pending:
