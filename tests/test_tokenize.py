@@ -23,7 +23,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from snakellm.tokenize import encoders as T
-from snakellm.tokenize.encode import TokenizeError, main, tokenize_file
+from snakellm.tokenize.encode import MIN_BLOCK, TokenizeError, main, read_blocks, tokenize_file
 from snakellm.tokenize.sentencepiece_trainer import train_sentencepiece
 
 with warnings.catch_warnings():
@@ -102,6 +102,42 @@ def test_threads_and_batch_size_do_not_change_the_output(tmp_path, wiki_jsonl, g
     assert same_files(str(tmp_path / "r0"), str(tmp_path / "r1")) and same_files(
         str(tmp_path / "r0"), str(tmp_path / "r2")
     )
+
+
+def test_blocks_are_whole_lines_and_shrink_towards_the_end(tmp_path):
+    """The reader's blocks cover the file exactly, end at a newline, and get smaller near the end of the file
+    (so the encoder threads finish together), never below MIN_BLOCK (less a line) but for the last."""
+    rows = [b'{"text": "%s"}' % (b"x" * (i * 7919 % 3000)) for i in range(2000)]
+    data = b"\n".join(rows) + b"\n"
+    src = tmp_path / "c.jsonl"
+    src.write_bytes(data)
+    blocks = list(read_blocks(str(src), 400_000, threads=2))
+    assert b"".join(blocks) == data and all(b.endswith(b"\n") for b in blocks)
+    sizes = [len(b) for b in blocks]
+    assert max(sizes) < 400_000 + 3100 and sizes[-3] < 200_000 and min(sizes[:-1]) >= MIN_BLOCK - 3100, sizes
+    src.write_bytes(data + b'{"text": "no newline"}')  # a last line without a newline; a line longer than a block
+    assert b"".join(read_blocks(str(src), 1000, threads=2)) == data + b'{"text": "no newline"}'
+
+
+def test_each_encoder_thread_gets_an_encoding_of_its_own(gpt2):
+    """tiktoken's regex caches have a fast path only for the first thread using them: each worker thread gets its
+    own Encoding (built by prepare_threads, at load), with the same ids."""
+    import threading
+
+    gpt2.prepare_threads(2)
+    text = "Tokenize me, twice: 12345 \u00e9\u00e8 \U0001f600  end"
+    seen: dict[str, tuple[int, list[int]]] = {}
+
+    def work(name: str) -> None:
+        seen[name] = (id(gpt2._threads.get()), gpt2.encode(text))
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["a"][0] != seen["b"][0]  # two Encoding objects
+    assert seen["a"][1] == seen["b"][1] == openai_gpt2().encode(text)
 
 
 def test_sentencepiece_chunk_is_byte_identical_to_megatron(tmp_path, wiki_jsonl):

@@ -320,6 +320,25 @@ def test_a_difference_found_by_the_verification_falls_back_naming_the_document(t
     assert same_files(prefix, str(tmp_path / "ref"))
 
 
+def test_a_difference_in_a_later_block_names_its_line_and_document(tmp_path, capsys):
+    """The verification runs beside the encoding of later blocks; its report still counts lines and documents
+    across blocks (a blank line makes them differ) and the chunk falls back to tokenizers."""
+    path = tiny_tokenizer(tmp_path / "t.json", True)
+    tok = T.load("huggingface", tokenizer_file=str(path), eod="<eod>")
+    docs = [f"document {i} hello" for i in range(300)] + ["zabcx"] + [f"tail {i}" for i in range(50)]
+    src = write_jsonl(tmp_path / "c.jsonl", docs)
+    lines = src.read_bytes().split(b"\n")
+    src.write_bytes(b"\n".join(lines[:10] + [b""] + lines[10:]))  # a blank line 11: document 300 is on line 302
+    st = tokenize_file(str(src), str(tmp_path / "c"), tok, threads=2, batch_bytes=500, show_progress=False)
+    err = capsys.readouterr().err
+    assert f"warning: {src}:302: document 300: tiktoken gives 3 ids, the reference 4" in err
+    assert st["encoder"] == "tokenizers" and st["encoder_reason"].startswith(
+        f"fell back: tiktoken ids differ from tokenizers at {src}:302"
+    )
+    megatron_reference(str(tmp_path / "ref"), hf_ids(path, docs), 259, 260)
+    assert same_files(str(tmp_path / "c"), str(tmp_path / "ref"))
+
+
 def test_verification_samples_large_chunks(tmp_path):
     path = tiny_tokenizer(tmp_path / "t.json", True)
     docs = [f"document {i} hello" for i in range(1000)]
