@@ -3,7 +3,8 @@
 :func:`pretrain` takes a checked :class:`snakellm.train.request.TrainRequest`
 and does what is specific to pretraining: decide resume / fresh / archive from
 the stored settings, start the process group and megatron-core's parallel
-state, build the model (megatron-core DDP) and :class:`MixedPrecisionAdamW`,
+state, build the model (megatron-core DDP) and :class:`MixedPrecisionAdamW` (or,
+sharded over the data-parallel ranks, :class:`DistributedAdamW`),
 Megatron's blended ``GPTDataset`` for training and validation, restore a
 checkpoint (model, optimizer, RNG), then hand everything to the loop and write
 ``metrics.jsonl`` and ``train_summary.json`` when it reached its last step.
@@ -50,8 +51,12 @@ def pretrain(req: TrainRequest) -> int:
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     if a.device == "cuda" and not torch.cuda.is_available():
         raise RequestError("--device cuda: no CUDA device is available")
-    if not cuda and par.tp != 1:
-        raise RequestError(f"tensor parallel size {par.tp} needs GPUs; on the CPU use tp 1")
+    if not cuda and par.tp != 1 and (req.model["hidden_dropout"] or req.model["attention_dropout"]):
+        raise RequestError(
+            f"tensor parallel size {par.tp} with dropout needs GPUs: megatron-core draws the tensor-parallel "
+            "ranks' dropout masks from its CUDA RNG tracker; on the CPU use tp 1 or hidden_dropout and "
+            "attention_dropout 0"
+        )
     if not cuda and par.threads:
         torch.set_num_threads(par.threads)
     precision = t.precision if t.precision != "auto" else ("bf16" if cuda else "fp32")
@@ -64,10 +69,10 @@ def pretrain(req: TrainRequest) -> int:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
     from snakellm.models.build import build_model
-    from snakellm.train.optim import MixedPrecisionAdamW
+    from snakellm.train.optim import DistributedAdamW, MixedPrecisionAdamW
     from snakellm.train.schedule import CosineSchedule
 
     device = runtime.pick_device(torch, "cuda" if cuda else "cpu", d.local_rank)
@@ -102,15 +107,16 @@ def pretrain(req: TrainRequest) -> int:
             fused_loss=par.loss,
             compile_layers=par.compile,
             attention_backend=a.attention_backend,
+            sequence_parallel=par.sequence_parallel,
         )
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=cuda and req.dp > 1,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=par.distributed_optimizer,
         )
         model = DDP(tcfg, ddp_cfg, module)
         model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
-        opt = MixedPrecisionAdamW(
+        opt = (DistributedAdamW if par.distributed_optimizer else MixedPrecisionAdamW)(
             model,
             lr=t.lr,
             weight_decay=t.weight_decay,
@@ -129,7 +135,9 @@ def pretrain(req: TrainRequest) -> int:
             f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {precision} on "
             f"{'GPU' if cuda else 'CPU'}; world {d.world_size} ({d.launcher}) = dp {req.dp} x tp {par.tp} x "
             f"pp {par.pp}; global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {req.dp} x "
-            f"{req.num_micro} accumulation steps; {t.steps} steps",
+            f"{req.num_micro} accumulation steps; {t.steps} steps"
+            + ("; sequence parallel" if par.sequence_parallel else "")
+            + (f"; optimizer sharded over {req.dp} data-parallel ranks" if par.distributed_optimizer else ""),
             rank0,
         )
 
@@ -254,6 +262,7 @@ def pretrain(req: TrainRequest) -> int:
             desc=f"train {req.run_name}",
             show_progress=a.progress,
             heartbeat=wd.beat if wd else None,
+            finalize_grads=(lambda: finalize_model_grads([model])) if par.sequence_parallel else None,
         )
         status = trainer.fit()
 

@@ -111,6 +111,10 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     _check_positive(t)
     dist = distmod.detect(env)
     models.check_parallel(model, par.tp, par.pp)
+    if par.sequence_parallel and par.tp == 1:
+        raise RequestError(
+            "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
+        )
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
     decay = t.decay_steps if t.decay_steps is not None else t.steps
     if not 0 <= t.warmup_steps <= decay:
