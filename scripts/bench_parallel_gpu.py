@@ -127,6 +127,7 @@ def run_one(args, preset: str, layout: str, nproc: int, tp: int, extra: tuple[st
         "losses": [r["loss"] for r in train],
         "wall_s": wall,
         "params": summary.get("parameters") or summary.get("params"),
+        "peak_gib": summary.get("peak_gpu_memory_gib"),
     }
 
 
@@ -134,8 +135,8 @@ def render(a, results: list[dict]) -> tuple[str, bool, list[str]]:
     """The markdown table, whether every loss curve is within tolerance, and the failed runs."""
     lines = [
         "| model | layout | GPUs | tokens/s | tokens/s per GPU | scaling efficiency | MFU | "
-        "last-10-step mean loss (vs 1 GPU) | largest step difference |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "last-10-step mean loss (vs 1 GPU) | largest step difference | peak memory (rank 0) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ok = True
     for preset in dict.fromkeys(r["preset"] for r in results):
@@ -157,9 +158,10 @@ def render(a, results: list[dict]) -> tuple[str, bool, list[str]]:
             else:
                 loss, worst = f"{tail:.4f}", "-"
             mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") else "-"
+            peak = f"{r['peak_gib']:.2f} GiB" if r.get("peak_gib") else "-"
             lines.append(
                 f"| {preset} | {layout} | {r['gpus']} | {r['tokens_per_s']:,.0f} | "
-                f"{r['tokens_per_s_per_gpu']:,.0f} | {eff * 100:.1f}% | {mfu} | {loss} | {worst} |"
+                f"{r['tokens_per_s_per_gpu']:,.0f} | {eff * 100:.1f}% | {mfu} | {loss} | {worst} | {peak} |"
             )
     failed = [f"{r['preset']} {r['layout']}" for r in results if r.get("failed")]
     return "\n".join(lines), ok, failed

@@ -13,6 +13,7 @@ checkpoint (model, optimizer, RNG), then hand everything to the loop and write
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
 from typing import Any
 
@@ -49,6 +50,10 @@ def pretrain(req: TrainRequest) -> int:
     import torch
 
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if cuda and par.sequence_parallel:
+        # megatron-core's advice for sequence parallelism: one hardware queue, so that its all-gathers are
+        # scheduled before the GEMMs they overlap with (read when the CUDA context is created, below)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise RequestError("--device cuda: no CUDA device is available")
     if not cuda and par.tp != 1 and (req.model["hidden_dropout"] or req.model["attention_dropout"]):
@@ -273,8 +278,9 @@ def pretrain(req: TrainRequest) -> int:
             raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
         if status == EXIT_OK:
             if rank0:
+                peak = torch.cuda.max_memory_allocated(device) if cuda else None
                 write_summary(
-                    req, fp, manager.best, nparams, flops_tok, time.time() - stop.started_at, precision, digests
+                    req, fp, manager.best, nparams, flops_tok, time.time() - stop.started_at, precision, digests, peak
                 )
             barrier()
         return status
@@ -388,6 +394,7 @@ def write_summary(
     wall: float,
     precision: str,
     digests: list[str],
+    peak_memory: int | None = None,
 ) -> None:
     """``metrics.jsonl`` (one record per step) and ``train_summary.json``: the rule's declared outputs."""
     import json
@@ -425,5 +432,7 @@ def write_summary(
         "blend": req.blend.path,
         "tokenizer": req.blend.tokenizer,
         "replica_weight_digests": digests,
+        # torch's allocator peak on rank 0's GPU (what snakellm.models.memory estimates, minus the CUDA context)
+        "peak_gpu_memory_gib": round(peak_memory / 2**30, 3) if peak_memory is not None else None,
     }
     write_json(req.run_dir / "train_summary.json", summary)
