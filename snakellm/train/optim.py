@@ -294,6 +294,7 @@ class DistributedAdamW:
         )
         self._norm_mask = [not _is_tp_duplicate(s.param) for s in self.shards]
         self._wds = wds
+        self.numel = sum(s.hi - s.lo for s in self.shards)  # parameters whose Adam states this rank holds
 
     # ------------------------------------------------------------------ step
 

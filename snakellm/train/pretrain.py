@@ -129,6 +129,12 @@ def pretrain(req: TrainRequest) -> int:
             eps=t.adam_eps,
             clip_grad=t.clip_grad,
         )
+        if par.distributed_optimizer:
+            log(
+                f"distributed optimizer: rank {d.rank} holds the Adam states of {opt.numel:,} of "
+                f"{sum(p.numel() for p in opt.params):,} parameters",
+                rank0,
+            )
         sched = CosineSchedule(t.lr, t.min_lr, t.warmup_steps, req.decay_steps, t.lr_decay_style)
         nparams, flops_tok = _count(req, module, rank0)
         peak = (
