@@ -172,7 +172,7 @@ def _norm_class() -> Any:
             kind = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
             norm = kind(normalized_shape=hidden_size, eps=eps)
             for p in norm.parameters():
-                p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+                p.sequence_parallel = config.sequence_parallel
             return norm
 
     return SequenceParallelTorchNorm

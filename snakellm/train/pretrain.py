@@ -121,20 +121,23 @@ def pretrain(req: TrainRequest) -> int:
         )
         model = DDP(tcfg, ddp_cfg, module)
         model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
-        opt = (DistributedAdamW if par.distributed_optimizer else MixedPrecisionAdamW)(
-            model,
+        adamw: dict[str, Any] = dict(
             lr=t.lr,
             weight_decay=t.weight_decay,
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps,
             clip_grad=t.clip_grad,
         )
+        opt: MixedPrecisionAdamW | DistributedAdamW
         if par.distributed_optimizer:
+            opt = DistributedAdamW(model, **adamw)
             log(
                 f"distributed optimizer: rank {d.rank} holds the Adam states of {opt.numel:,} of "
                 f"{sum(p.numel() for p in opt.params):,} parameters",
                 rank0,
             )
+        else:
+            opt = MixedPrecisionAdamW(model, **adamw)
         sched = CosineSchedule(t.lr, t.min_lr, t.warmup_steps, req.decay_steps, t.lr_decay_style)
         nparams, flops_tok = _count(req, module, rank0)
         peak = (
