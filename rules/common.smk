@@ -457,6 +457,8 @@ def get_finetune_args(wildcards):
             flags += ["--lora-alpha", str(lo["alpha"])]
         if lo.get("layers"):
             flags += ["--lora-layers", ",".join(map(str, lo["layers"]))]
+        if lo["modules_to_save"]:
+            flags += ["--lora-modules-to-save", ",".join(lo["modules_to_save"])]
     elif ft["method"] == "ptuning":
         pt = ft["ptuning"]
         flags += [
@@ -469,7 +471,6 @@ def get_finetune_args(wildcards):
         ]
     for k, v in ft["train"].items():
         flags += [f"--{k.replace('_', '-')}", str(v)]
-    flags += ["--tp", str(ft["parallel"]["tp"])]
     return shlex.join(flags)
 
 
@@ -513,7 +514,6 @@ def get_evaluate_args(wildcards):
     ]
     if ev.get("limit") is not None:
         flags += ["--limit", str(ev["limit"])]
-    flags += ["--tp", str(ft["parallel"]["tp"])]
     return shlex.join(flags)
 
 
