@@ -343,9 +343,11 @@ FINETUNES = config.get(
 
 def _check_finetunes():
     for name, ft in FINETUNES.items():
-        if ft["run"] not in RUNS:
+        bases = list(RUNS) + list(config.get("import_hf", {}))
+        if ft["run"] not in bases:
             raise WorkflowError(
-                f"invalid config: config key finetune.{name}.run: unknown run {ft['run']!r} (runs: {', '.join(RUNS) or 'none'})"
+                f"invalid config: config key finetune.{name}.run: unknown run {ft['run']!r} "
+                f"(runs and import_hf: {', '.join(bases) or 'none'})"
             )
         if ft["data"] not in SFT_DATA:
             raise WorkflowError(
@@ -404,12 +406,25 @@ def _ft(wildcards):
     return ft
 
 
+def _base_inputs(ft):
+    """The base model's final file, and (for a trained run) the blend.json whose tokenizer it was trained with;
+    an imported model carries its own tokenizer in its run_config."""
+    if ft["run"] in RUNS:
+        return {
+            "base": f"runs/{ft['run']}/train_summary.json",
+            "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
+        }
+    return {"base": f"runs/{ft['run']}/import_summary.json"}
+
+
+def get_blend_flag(wildcards, input):
+    return f"--blend {shlex.quote(input.blend)}" if "blend" in input.keys() else ""
+
+
 def get_finetune_input(wildcards):
     ft = _ft(wildcards)
     d = f"data/sft/{ft['data']}"
-    return {
-        "base": f"runs/{ft['run']}/train_summary.json",
-        "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
+    return _base_inputs(ft) | {
         "train": f"{d}/train.jsonl",
         "validation": f"{d}/validation.jsonl",
     }
@@ -480,11 +495,7 @@ def get_finetune_threads(wildcards):
 
 def get_evaluate_input(wildcards):
     ft = _ft(wildcards)
-    inp = {
-        "base": f"runs/{ft['run']}/train_summary.json",
-        "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
-        "test": f"data/sft/{ft['data']}/test.jsonl",
-    }
+    inp = _base_inputs(ft) | {"test": f"data/sft/{ft['data']}/test.jsonl"}
     if wildcards.which == "tuned":
         inp["finetune"] = (
             f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
