@@ -13,6 +13,13 @@ figure for the same model, which --pretrain measures in the same run.
     python scripts/bench_finetune_gpu.py                        # lora + full on one GPU
     python scripts/bench_finetune_gpu.py --pretrain             # and snakellm train's llama-1b beside them
     python scripts/bench_finetune_gpu.py --preset tiny --seq-length 128 --steps 4 --device cpu   # CPU smoke test
+    python scripts/bench_finetune_gpu.py --tp 2 --steps 30      # each method also tensor parallel over 2 GPUs
+
+With ``--tp N`` every method runs twice, on one GPU and tensor parallel over N
+(torchrun, NCCL; the base checkpoint, written at TP 1, is resharded on load),
+with the same data, seed and adapter initialisation: tokens/s per GPU, the
+scaling efficiency, and the largest step-by-step relative loss difference
+(bf16 tolerance: ``--rtol``).
 """
 
 from __future__ import annotations
@@ -93,10 +100,13 @@ def make_data(root: Path, n: int) -> tuple[Path, Path]:
     return blend, d
 
 
-def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> dict:
-    odir = out / name
+def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path, tp: int = 1) -> dict:
+    odir = out / (name if tp == 1 else f"{name}-tp{tp}")
+    launch = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if tp > 1:
+        launch += [f"--nproc-per-node={tp}"]
     cmd = [
-        sys.executable,
+        *launch,
         "-m",
         "snakellm.cli",
         "finetune",
@@ -130,6 +140,8 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> 
         a.device,
         "--lr",
         "1e-4",
+        "--tp",
+        str(tp),
     ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     t0 = time.time()
@@ -143,7 +155,10 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> 
     summary = json.loads((odir / "finetune_summary.json").read_text())
     res = {
         "method": name,
+        "tp": tp,
         "tokens_per_s": round(tps),
+        "tokens_per_s_per_gpu": round(tps / tp),
+        "losses": [r["loss"] for r in recs if "loss" in r],
         "wall_s": round(time.time() - t0, 1),
         "trainable_parameters": summary["trainable_parameters"],
         "total_parameters": summary["total_parameters"],
@@ -230,20 +245,33 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/snakellm-bench-ft")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--tp", type=int, default=1, help="also run each method tensor parallel over this many GPUs")
+    p.add_argument("--rtol", type=float, default=0.02, help="TP vs one GPU: largest relative loss difference allowed")
     a = p.parse_args(argv)
     root, out = Path(a.workdir), Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     base = make_base(root, a.preset, a.seq_length, a.device)
     blend, data = make_data(root, max(64, a.global_batch_size * 2))
-    results = [run_method(m, a, base, blend, data, root / "runs") for m in a.methods.split(",")]
-    for r in results:
-        print(json.dumps(r), flush=True)
+    results = []
+    for m in a.methods.split(","):
+        one = run_method(m, a, base, blend, data, root / "runs")
+        results.append(one)
+        print(json.dumps({k: v for k, v in one.items() if k != "losses"}), flush=True)
+        if a.tp > 1:
+            par = run_method(m, a, base, blend, data, root / "runs", tp=a.tp)
+            if "error" not in par and "error" not in one:
+                diffs = [abs(x - y) / abs(y) for x, y in zip(par["losses"], one["losses"], strict=True)]
+                par["scaling_efficiency"] = round(par["tokens_per_s_per_gpu"] / one["tokens_per_s"], 4)
+                par["max_rel_loss_diff"] = round(max(diffs), 5)
+                par["losses_match"] = max(diffs) <= a.rtol
+            results.append(par)
+            print(json.dumps({k: v for k, v in par.items() if k != "losses"}), flush=True)
     if a.pretrain:
         results.append(run_pretrain(a, root))
         print(json.dumps(results[-1]), flush=True)
     (out / "bench_finetune.json").write_text(json.dumps(results, indent=2) + "\n")
-    return 0 if all("error" not in r for r in results) else 1
+    return 0 if all("error" not in r and r.get("losses_match", True) for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -77,6 +77,11 @@ def add_method_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--lora-column-init", default="xavier", choices=("xavier", "normal", "kaiming", "zero"))
     g.add_argument("--lora-row-init", default="zero", choices=("xavier", "normal", "kaiming", "zero"))
+    g.add_argument(
+        "--lora-modules-to-save",
+        default="",
+        help="comma list of base modules trained whole beside the adapters (PEFT's modules_to_save): final_layernorm",
+    )
     g = p.add_argument_group("p-tuning")
     g.add_argument("--virtual-tokens", type=int, default=10)
     g.add_argument("--prompt-encoder", default="mlp", choices=("mlp", "lstm"))
@@ -166,6 +171,7 @@ def method_config(a: argparse.Namespace):
             column_init=a.lora_column_init,
             row_init=a.lora_row_init,
             seed=a.seed,
+            modules_to_save=tuple(m.strip() for m in a.lora_modules_to_save.split(",") if m.strip()),
         )
     if a.method == "ptuning":
         return PTuningConfig(
@@ -189,6 +195,7 @@ def attach(rt, gpt, method: str, mcfg, arch: dict):
         from snakellm.finetune.lora import LoRAAdapters
 
         extra = LoRAAdapters(gpt, mcfg)
+        extra.unfreeze_saved()
     else:
         from snakellm.finetune.ptuning import PTuning
 
@@ -555,9 +562,7 @@ def load_trainable(method: str, ft, extra, loaded: dict) -> None:
         if method == "full":
             ft.gpt.load_state_dict(loaded, strict=False)
         elif method == "lora":
-            for name, m in extra.named_adapters():
-                m.a.copy_(loaded[f"lora.{name}.a"])
-                m.b.copy_(loaded[f"lora.{name}.b"])
+            extra.load_sharded(loaded)
         else:
             for n, p in extra.encoder.named_parameters():
                 p.copy_(loaded[f"ptuning.{n}"])
