@@ -115,6 +115,9 @@ def run_one(args, preset: str, layout: str, nproc: int, tp: int, extra: tuple[st
     # one tokens_per_s per logging window (every record of a window carries it); the first window has warm-up
     per_window = [tps for step, tps in windows if step % args.log_interval == 0][1:] or [windows[-1][1]]
     tps = statistics.median(per_window)
+    # MFU of the same windows (per window it is tokens/s x FLOPs per token / the GPUs' peak: proportional)
+    last = train[-1]
+    mfu = tps * last["mfu"] / last["tokens_per_s"] if last.get("mfu") and last.get("tokens_per_s") else None
     summary = json.loads((run_dir / "train_summary.json").read_text())
     return {
         "preset": preset,
@@ -123,7 +126,7 @@ def run_one(args, preset: str, layout: str, nproc: int, tp: int, extra: tuple[st
         "tp": tp,
         "tokens_per_s": tps,
         "tokens_per_s_per_gpu": tps / nproc,
-        "mfu": train[-1].get("mfu"),
+        "mfu": mfu,
         "losses": [r["loss"] for r in train],
         "wall_s": wall,
         "params": summary.get("parameters") or summary.get("params"),
