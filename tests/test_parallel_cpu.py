@@ -161,3 +161,21 @@ def test_distributed_optimizer_shards_matches_and_resumes_exactly(root):
         proc = train(root, dst, 2, *STEPS, *flag)
         assert f"resumed from runs/{dst}/checkpoints/iter_0000008" in proc.stderr
         assert_close(records(root, dst), ref, loss_rtol=1e-6, norm_rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_over_many_overlapped_buckets(tmp_path):
+    """The GPU's DDP shape on 2 CPU ranks: about 10 buckets, reduction overlapped with the backward pass,
+    2 accumulation steps, clipping active; the last micro-batch's loss and the norm of each step."""
+    probe = Path(__file__).parent / "distopt_buckets_probe.py"
+    proc = subprocess.run(
+        [*TORCHRUN[:-1], str(probe)], cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["buckets"] >= 8
+    for precision, (loss_rtol, norm_rtol) in {"fp32": (1e-6, 1e-6), "bf16": (1e-4, 1e-3)}.items():
+        rep, dist = res["steps"][precision]["replicated"], res["steps"][precision]["distributed"]
+        for (la, na), (lb, nb) in zip(rep, dist, strict=True):
+            assert abs(la - lb) <= loss_rtol * la and abs(na - nb) <= norm_rtol * na, (precision, rep, dist)
+        assert min(n for _, n in rep) > 0.5  # every step clipped (clip_grad 0.5)
