@@ -358,8 +358,8 @@ def finetune(a: argparse.Namespace) -> int:
             clip_grad=a.clip_grad,
         )
         sched = CosineSchedule(a.lr, a.min_lr, a.warmup_steps, a.steps, a.lr_decay_style)
-        trainable = sum(p.numel() for p in ft.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in ft.parameters())
+        trainable = _model_numel(ft, rt.tp, trainable_only=True)
+        total = _model_numel(ft, rt.tp)
         log(
             f"finetune {a.method}: {models.describe(arch, vocab)}; {trainable:,} of {total:,} parameters train "
             f"({100.0 * trainable / total:.3f}%); {len(train_ex)} train examples in {len(items)} sequences, "
@@ -553,6 +553,15 @@ def finetune(a: argparse.Namespace) -> int:
         return EXIT_OK
     finally:
         runtime.stop()
+
+
+def _model_numel(module, tp: int, trainable_only: bool = False) -> int:
+    """Parameters of the whole model, not of this rank's shard: a tensor-parallel split counts tp times."""
+    return sum(
+        p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+        for p in module.parameters()
+        if p.requires_grad or not trainable_only
+    )
 
 
 def load_trainable(method: str, ft, extra, loaded: dict) -> None:

@@ -21,6 +21,31 @@ def install_cpu_shims(torch: Any) -> None:
     torch.cuda.synchronize = lambda *a, **k: None
 
 
+class LaunchError(ValueError):
+    """A request the machine cannot run (no GPU for --device cuda or for tensor parallelism)."""
+
+
+def prepare(torch: Any, requested: str, tp: int = 1, threads: int | None = None) -> bool:
+    """Decide CPU or GPU before anything starts; returns True for CUDA.
+
+    The checks every job shares (training, fine-tuning): ``--device cuda`` needs a GPU, tensor
+    parallelism needs GPUs (megatron-core's TP layers are CUDA-only), ``threads`` sets torch's
+    intra-op threads on the CPU. It also silences megatron-core's once-per-module warnings about
+    the apex/Transformer Engine fallbacks it uses without them.
+    """
+    import warnings
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise LaunchError("--device cuda: no CUDA device is available")
+    cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+    if not cuda and tp != 1:
+        raise LaunchError(f"tensor parallel size {tp} needs GPUs; on the CPU use tp 1")
+    if not cuda and threads:
+        torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine|TransformerEngine).*")
+    return cuda
+
+
 def pick_device(torch: Any, requested: str, local_rank: int = 0) -> Any:
     """``auto``/``cpu``/``cuda`` (or ``cuda:N``) -> a torch.device; one GPU per rank, by local rank."""
     if requested.startswith("cuda") and not torch.cuda.is_available():
