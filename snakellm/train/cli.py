@@ -32,6 +32,7 @@ import sys
 
 from snakellm import models
 from snakellm.launch import distributed as distmod
+from snakellm.launch import runtime
 from snakellm.models.attention import ATTENTION_BACKENDS
 from snakellm.train import checkpoint as ckpt
 from snakellm.train.dataset import DataError
@@ -149,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return pretrain(req)
-    except (RequestError, models.ModelConfigError, DataError, ckpt.CheckpointError) as e:
+    except (RequestError, runtime.LaunchError, models.ModelConfigError, DataError, ckpt.CheckpointError) as e:
         _error(e)
-        return EXIT_USAGE if isinstance(e, RequestError) else EXIT_ERROR
+        return EXIT_USAGE if isinstance(e, (RequestError, runtime.LaunchError)) else EXIT_ERROR
     except FloatingPointError as e:
         _error(e)
         return EXIT_ERROR

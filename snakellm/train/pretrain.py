@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import warnings
 from typing import Any
 
 from snakellm import models
@@ -26,7 +25,7 @@ from snakellm.train import checkpoint as ckpt
 from snakellm.train import dataset as datamod
 from snakellm.train.metrics import MetricsLogger, merge_metrics, peak_tflops_of
 from snakellm.train.profiling import StepProfiler, parse_range
-from snakellm.train.request import RequestError, TrainRequest, decide_resume, fingerprint, run_config
+from snakellm.train.request import TrainRequest, decide_resume, fingerprint, run_config
 from snakellm.train.rng import rng_states, seed_all, set_rng_states
 from snakellm.train.signals import StopPolicy
 from snakellm.train.trainer import EXIT_OK, Batch, Intervals, Trainer
@@ -49,28 +48,17 @@ def pretrain(req: TrainRequest) -> int:
     stop = StopPolicy(max_time=req.max_time, max_time_text=str(t.max_time))
     import torch
 
-    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    dropout = bool(req.model["hidden_dropout"] or req.model["attention_dropout"])
+    cuda = runtime.prepare(torch, a.device, par.tp, par.threads, cpu_tp=True, dropout=dropout)
     if cuda and par.sequence_parallel:
         # megatron-core's advice for sequence parallelism: one hardware queue, so that its all-gathers are
         # scheduled before the GEMMs they overlap with (read when the CUDA context is created, below)
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise RequestError("--device cuda: no CUDA device is available")
-    if not cuda and par.tp != 1 and (req.model["hidden_dropout"] or req.model["attention_dropout"]):
-        raise RequestError(
-            f"tensor parallel size {par.tp} with dropout needs GPUs: megatron-core draws the tensor-parallel "
-            "ranks' dropout masks from its CUDA RNG tracker; on the CPU use tp 1 or hidden_dropout and "
-            "attention_dropout 0"
-        )
-    if not cuda and par.threads:
-        torch.set_num_threads(par.threads)
     precision = t.precision if t.precision != "auto" else ("bf16" if cuda else "fp32")
     cfg = run_config(req, precision)
     fp = fingerprint(cfg)
 
     distmod.export(d)
-    # without apex/Transformer Engine megatron-core warns once per module about its fallbacks
-    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine|TransformerEngine).*")
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.distributed import DistributedDataParallel as DDP
