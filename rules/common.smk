@@ -343,9 +343,11 @@ FINETUNES = config.get(
 
 def _check_finetunes():
     for name, ft in FINETUNES.items():
-        if ft["run"] not in RUNS:
+        bases = list(RUNS) + list(config.get("import_hf", {}))
+        if ft["run"] not in bases:
             raise WorkflowError(
-                f"invalid config: config key finetune.{name}.run: unknown run {ft['run']!r} (runs: {', '.join(RUNS) or 'none'})"
+                f"invalid config: config key finetune.{name}.run: unknown run {ft['run']!r} "
+                f"(runs and import_hf: {', '.join(bases) or 'none'})"
             )
         if ft["data"] not in SFT_DATA:
             raise WorkflowError(
@@ -404,12 +406,25 @@ def _ft(wildcards):
     return ft
 
 
+def _base_inputs(ft):
+    """The base model's final file, and (for a trained run) the blend.json whose tokenizer it was trained with;
+    an imported model carries its own tokenizer in its run_config."""
+    if ft["run"] in RUNS:
+        return {
+            "base": f"runs/{ft['run']}/train_summary.json",
+            "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
+        }
+    return {"base": f"runs/{ft['run']}/import_summary.json"}
+
+
+def get_blend_flag(wildcards, input):
+    return f"--blend {shlex.quote(input.blend)}" if "blend" in input.keys() else ""
+
+
 def get_finetune_input(wildcards):
     ft = _ft(wildcards)
     d = f"data/sft/{ft['data']}"
-    return {
-        "base": f"runs/{ft['run']}/train_summary.json",
-        "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
+    return _base_inputs(ft) | {
         "train": f"{d}/train.jsonl",
         "validation": f"{d}/validation.jsonl",
     }
@@ -457,6 +472,8 @@ def get_finetune_args(wildcards):
             flags += ["--lora-alpha", str(lo["alpha"])]
         if lo.get("layers"):
             flags += ["--lora-layers", ",".join(map(str, lo["layers"]))]
+        if lo["modules_to_save"]:
+            flags += ["--lora-modules-to-save", ",".join(lo["modules_to_save"])]
     elif ft["method"] == "ptuning":
         pt = ft["ptuning"]
         flags += [
@@ -469,7 +486,6 @@ def get_finetune_args(wildcards):
         ]
     for k, v in ft["train"].items():
         flags += [f"--{k.replace('_', '-')}", str(v)]
-    flags += ["--tp", str(ft["parallel"]["tp"])]
     return shlex.join(flags)
 
 
@@ -479,11 +495,7 @@ def get_finetune_threads(wildcards):
 
 def get_evaluate_input(wildcards):
     ft = _ft(wildcards)
-    inp = {
-        "base": f"runs/{ft['run']}/train_summary.json",
-        "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
-        "test": f"data/sft/{ft['data']}/test.jsonl",
-    }
+    inp = _base_inputs(ft) | {"test": f"data/sft/{ft['data']}/test.jsonl"}
     if wildcards.which == "tuned":
         inp["finetune"] = (
             f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
@@ -513,7 +525,6 @@ def get_evaluate_args(wildcards):
     ]
     if ev.get("limit") is not None:
         flags += ["--limit", str(ev["limit"])]
-    flags += ["--tp", str(ft["parallel"]["tp"])]
     return shlex.join(flags)
 
 

@@ -13,6 +13,13 @@ figure for the same model, which --pretrain measures in the same run.
     python scripts/bench_finetune_gpu.py                        # lora + full on one GPU
     python scripts/bench_finetune_gpu.py --pretrain             # and snakellm train's llama-1b beside them
     python scripts/bench_finetune_gpu.py --preset tiny --seq-length 128 --steps 4 --device cpu   # CPU smoke test
+    python scripts/bench_finetune_gpu.py --tp 2 --steps 20 --lr 2e-5 --lr-warmup 5   # each method also TP over 2 GPUs
+
+With ``--tp N`` every method runs twice, on one GPU and tensor parallel over N
+(torchrun, NCCL; the base checkpoint, written at TP 1, is resharded on load),
+with the same data, seed and adapter initialisation: tokens/s per GPU, the
+scaling efficiency, and the largest step-by-step relative loss difference
+(bf16 tolerance: ``--rtol``).
 """
 
 from __future__ import annotations
@@ -93,10 +100,13 @@ def make_data(root: Path, n: int) -> tuple[Path, Path]:
     return blend, d
 
 
-def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> dict:
-    odir = out / name
+def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path, tp: int = 1) -> dict:
+    odir = out / (name if tp == 1 else f"{name}-tp{tp}")
+    launch = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if tp > 1:
+        launch += [f"--nproc-per-node={tp}"]
     cmd = [
-        sys.executable,
+        *launch,
         "-m",
         "snakellm.cli",
         "finetune",
@@ -129,7 +139,11 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> 
         "--device",
         a.device,
         "--lr",
-        "1e-4",
+        str(a.lr),
+        "--warmup-steps",
+        str(a.lr_warmup),
+        "--tp",
+        str(tp),
     ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     t0 = time.time()
@@ -143,7 +157,10 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> 
     summary = json.loads((odir / "finetune_summary.json").read_text())
     res = {
         "method": name,
+        "tp": tp,
         "tokens_per_s": round(tps),
+        "tokens_per_s_per_gpu": round(tps / tp),
+        "losses": [r["loss"] for r in recs if "loss" in r],
         "wall_s": round(time.time() - t0, 1),
         "trainable_parameters": summary["trainable_parameters"],
         "total_parameters": summary["total_parameters"],
@@ -157,6 +174,17 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path) -> 
                 res["mfu"] * (summary["flops_per_token"] * 2 / 3 + 6 * t) / summary["flops_per_token"], 4
             )
     return res
+
+
+def compare_losses(tp_losses: list[float], one: list[float], rtol: float, atol: float) -> dict:
+    """Step by step, |tp - one| <= rtol * |one| + atol (bf16: relative where the loss is large, absolute
+    where a memorised batch takes it towards 0, where relative differences of tiny numbers mean nothing)."""
+    pairs = list(zip(tp_losses, one, strict=True))
+    return {
+        "max_abs_loss_diff": round(max(abs(x - y) for x, y in pairs), 5),
+        "max_rel_loss_diff": round(max(abs(x - y) / abs(y) for x, y in pairs if abs(y) > 0.5), 5),
+        "losses_match": all(abs(x - y) <= rtol * abs(y) + atol for x, y in pairs),
+    }
 
 
 def run_pretrain(a, root: Path) -> dict:
@@ -230,20 +258,40 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/snakellm-bench-ft")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--lr", type=float, default=1e-4, help="fine-tuning lr (speed does not depend on it)")
+    p.add_argument(
+        "--lr-warmup",
+        type=int,
+        default=0,
+        help="lr warm-up steps (a TP comparison of full SFT on random weights needs a gentle start: "
+        "at lr 1e-4 from step 1 the loss jumps to ~19 and bf16 rounding then decides the trajectory)",
+    )
+    p.add_argument("--tp", type=int, default=1, help="also run each method tensor parallel over this many GPUs")
+    p.add_argument("--rtol", type=float, default=0.02, help="TP vs one GPU: relative loss difference allowed")
+    p.add_argument("--atol", type=float, default=0.02, help="TP vs one GPU: absolute loss difference allowed")
     a = p.parse_args(argv)
     root, out = Path(a.workdir), Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     base = make_base(root, a.preset, a.seq_length, a.device)
     blend, data = make_data(root, max(64, a.global_batch_size * 2))
-    results = [run_method(m, a, base, blend, data, root / "runs") for m in a.methods.split(",")]
-    for r in results:
-        print(json.dumps(r), flush=True)
+    results = []
+    for m in a.methods.split(","):
+        one = run_method(m, a, base, blend, data, root / "runs")
+        results.append(one)
+        print(json.dumps({k: v for k, v in one.items() if k != "losses"}), flush=True)
+        if a.tp > 1:
+            par = run_method(m, a, base, blend, data, root / "runs", tp=a.tp)
+            if "error" not in par and "error" not in one:
+                par["scaling_efficiency"] = round(par["tokens_per_s_per_gpu"] / one["tokens_per_s"], 4)
+                par.update(compare_losses(par["losses"], one["losses"], a.rtol, a.atol))
+            results.append(par)
+            print(json.dumps({k: v for k, v in par.items() if k != "losses"}), flush=True)
     if a.pretrain:
         results.append(run_pretrain(a, root))
         print(json.dumps(results[-1]), flush=True)
     (out / "bench_finetune.json").write_text(json.dumps(results, indent=2) + "\n")
-    return 0 if all("error" not in r for r in results) else 1
+    return 0 if all("error" not in r and r.get("losses_match", True) for r in results) else 1
 
 
 if __name__ == "__main__":

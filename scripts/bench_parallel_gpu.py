@@ -1,21 +1,24 @@
 #!/usr/bin/env python3
 """Data and tensor parallelism on the GPUs at hand: one table, from real `snakellm train` runs.
 
-For each preset: one GPU, data parallel over 2 (DP=2) and tensor parallel over 2 (TP=2), every
-run the same global batch of the same sequences (same seed, same data order), so that
+For each preset: one GPU, data parallel over 2 (DP=2), tensor parallel over 2 (TP=2), tensor
+parallel with megatron-core's sequence parallelism (TP=2+SP) and data parallel with the
+optimizer sharded over the two ranks (DP=2+distopt), every run the same global batch of the
+same sequences (same seed, same data order), so that
 
 * tokens/s per GPU (the median over the run's logging windows, the first excluded) and the
   scaling efficiency against the one-GPU run of the same session are comparable, and
-* the loss curves must agree: TP=2 and DP=2 against one GPU within bf16 tolerance. TP=2 is not
-  the same model bit for bit (the vocabulary is padded to a multiple of 128 x TP, and each TP
-  rank draws its shard of the initial weights from its own RNG stream, as Megatron does), so the
-  criterion is the mean loss of the last 10 steps (``--rtol``); the largest step-by-step
-  difference is shown too (early steps, where the loss falls by whole units, dominate it).
+* the loss curves must agree: every layout against one GPU within bf16 tolerance. TP=2 is not
+  the same model bit for bit on GPUs (the vocabulary is padded to a multiple of 128 x TP, and
+  each TP rank draws its shard of the initial weights from its own RNG stream, as Megatron
+  does), so the criterion is the mean loss of the last 10 steps (``--rtol``); the largest
+  step-by-step difference is shown too (early steps, where the loss falls by whole units,
+  dominate it).
 
 Each configuration is one `snakellm train` under `torchrun --standalone` (NCCL on GPUs, gloo on
 the CPU), writing runs/<preset>-<layout>/ as usual; this script only starts them and reads their
-metrics.jsonl. On the CPU (no GPU, or --device cpu) TP is skipped (snakellm train needs GPUs for
-it) and the toy preset proves the script end to end:
+metrics.jsonl. On the CPU (no GPU, or --device cpu) the toy preset proves the script end to end
+(tensor parallelism runs there too: the presets have no dropout):
 
     python scripts/bench_parallel_gpu.py --blend data/tokens/gpt2/blend.json --device cpu \\
         --presets tiny --steps 12 --micro-batch-size 2 --log-interval 3
@@ -36,15 +39,17 @@ import sys
 import time
 from pathlib import Path
 
-LAYOUTS = {  # name -> (processes, tp)
-    "1 GPU": (1, 1),
-    "DP=2": (2, 1),
-    "TP=2": (2, 2),
+LAYOUTS = {  # name -> (processes, tp, extra `snakellm train` flags)
+    "1 GPU": (1, 1, ()),
+    "DP=2": (2, 1, ()),
+    "TP=2": (2, 2, ()),
+    "TP=2+SP": (2, 2, ("--sequence-parallel",)),
+    "DP=2+distopt": (2, 1, ("--distributed-optimizer",)),
 }
 
 
-def run_one(args, preset: str, layout: str, nproc: int, tp: int, workdir: Path) -> dict:
-    run_dir = workdir / f"{preset}-{layout.replace(' ', '').replace('=', '')}"
+def run_one(args, preset: str, layout: str, nproc: int, tp: int, extra: tuple[str, ...], workdir: Path) -> dict:
+    run_dir = workdir / f"{preset}-{layout.replace(' ', '').replace('=', '').replace('+', '-')}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     seq = {"gpt2-124m": 1024, "llama-1b": 2048}.get(preset)
@@ -83,12 +88,13 @@ def run_one(args, preset: str, layout: str, nproc: int, tp: int, workdir: Path) 
         "--device",
         args.device,
         "--loss",
-        "megatron" if args.device != "cpu" else "eager",
+        "megatron",
         "--split",
         "100,0,0",
         "--seed",
         "1234",
     ]
+    cmd += list(extra)
     if seq:
         cmd += ["--seq-length", str(seq)]
     if args.device == "cpu":
@@ -109,6 +115,9 @@ def run_one(args, preset: str, layout: str, nproc: int, tp: int, workdir: Path) 
     # one tokens_per_s per logging window (every record of a window carries it); the first window has warm-up
     per_window = [tps for step, tps in windows if step % args.log_interval == 0][1:] or [windows[-1][1]]
     tps = statistics.median(per_window)
+    # MFU of the same windows (per window it is tokens/s x FLOPs per token / the GPUs' peak: proportional)
+    last = train[-1]
+    mfu = tps * last["mfu"] / last["tokens_per_s"] if last.get("mfu") and last.get("tokens_per_s") else None
     summary = json.loads((run_dir / "train_summary.json").read_text())
     return {
         "preset": preset,
@@ -117,10 +126,11 @@ def run_one(args, preset: str, layout: str, nproc: int, tp: int, workdir: Path) 
         "tp": tp,
         "tokens_per_s": tps,
         "tokens_per_s_per_gpu": tps / nproc,
-        "mfu": train[-1].get("mfu"),
+        "mfu": mfu,
         "losses": [r["loss"] for r in train],
         "wall_s": wall,
         "params": summary.get("parameters") or summary.get("params"),
+        "peak_gib": summary.get("peak_gpu_memory_gib"),
     }
 
 
@@ -128,8 +138,8 @@ def render(a, results: list[dict]) -> tuple[str, bool, list[str]]:
     """The markdown table, whether every loss curve is within tolerance, and the failed runs."""
     lines = [
         "| model | layout | GPUs | tokens/s | tokens/s per GPU | scaling efficiency | MFU | "
-        "last-10-step mean loss (vs 1 GPU) | largest step difference |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "last-10-step mean loss (vs 1 GPU) | largest step difference | peak memory (rank 0) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     ok = True
     for preset in dict.fromkeys(r["preset"] for r in results):
@@ -151,9 +161,10 @@ def render(a, results: list[dict]) -> tuple[str, bool, list[str]]:
             else:
                 loss, worst = f"{tail:.4f}", "-"
             mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") else "-"
+            peak = f"{r['peak_gib']:.2f} GiB" if r.get("peak_gib") else "-"
             lines.append(
                 f"| {preset} | {layout} | {r['gpus']} | {r['tokens_per_s']:,.0f} | "
-                f"{r['tokens_per_s_per_gpu']:,.0f} | {eff * 100:.1f}% | {mfu} | {loss} | {worst} |"
+                f"{r['tokens_per_s_per_gpu']:,.0f} | {eff * 100:.1f}% | {mfu} | {loss} | {worst} | {peak} |"
             )
     failed = [f"{r['preset']} {r['layout']}" for r in results if r.get("failed")]
     return "\n".join(lines), ok, failed
@@ -202,15 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for preset in a.presets.split(","):
         for layout in a.layouts.split(","):
-            nproc, tp = LAYOUTS[layout]
-            if tp > 1 and a.device == "cpu":
-                print(f"{preset} {layout}: skipped (tensor parallelism needs GPUs)", file=sys.stderr)
-                continue
-            r = run_one(a, preset, layout, nproc, tp, workdir)
+            nproc, tp, extra = LAYOUTS[layout]
+            r = run_one(a, preset, layout, nproc, tp, extra, workdir)
             results.append(r)
+            if a.out:  # after every run: a job killed at its time limit still leaves what it measured
+                Path(a.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
             if not r.get("failed"):
                 print(
-                    f"{preset:10s} {layout:6s} {r['tokens_per_s']:>12,.0f} tokens/s ({r['tokens_per_s_per_gpu']:,.0f} per GPU) "
+                    f"{preset:10s} {layout:12s} {r['tokens_per_s']:>12,.0f} tokens/s ({r['tokens_per_s_per_gpu']:,.0f} per GPU) "
                     f"final loss {r['losses'][-1]:.4f}  [{r['wall_s']:.0f} s]",
                     file=sys.stderr,
                     flush=True,

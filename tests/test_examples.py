@@ -57,6 +57,95 @@ def test_8b_example_fits_8_nodes_of_8_gpus_and_says_so(capsys):
     )
 
 
+def _gpt2_blend(root):
+    """A blend of GPT-2 token ids with documents enough for the recipe's 99990,8,2 split (20,000 of 8 tokens)."""
+    import json
+
+    import numpy as np
+
+    from snakellm.tokenize.indexed import IndexedWriter, prefix_paths
+
+    prefix = root / "data/tokens/gpt2/slimpajama/chunk-00000_text_document"
+    prefix.parent.mkdir(parents=True)
+    with IndexedWriter(*prefix_paths(prefix), np.uint16) as w:
+        w.add_documents(np.arange(20000 * 8, dtype=np.int64).astype(np.uint16) % 50257, np.full(20000, 8, np.int32))
+        w.finalize()
+    blend = root / "data/tokens/gpt2/blend.json"
+    tok = {"name": "gpt2", "kind": "gpt2-bpe", "vocab_size": 50257, "eod_id": 50256}
+    blend.write_text(json.dumps({"data_prefix": [1.0, str(prefix)], "tokenizer": tok}))
+    return blend
+
+
+def test_8b_example_train_dry_run_checks_the_8_node_layout_and_prints_the_memory_per_gpu(tmp_path, capsys):
+    """`snakellm train --dry-run` with the pretrain rule's own flags for the recipe: no torch, the plan's numbers."""
+    import shlex
+    import subprocess
+    import sys
+
+    from conftest import env_with_venv
+
+    from snakellm.config import resolve
+    from snakellm.data import plan_cli
+
+    cfg = yaml.safe_load(EIGHT_B.read_text())
+    run = cfg["runs"]["gpt-8b"]
+    flags = shlex.split(resolve.train_flags(run, resolve.resolve_runs(cfg)["gpt-8b"]))
+    blend = _gpt2_blend(tmp_path)
+    argv = ["--blend", str(blend), "--run-dir", str(tmp_path / "runs/gpt-8b"), *flags, "--dry-run"]
+    probe = (
+        "import sys; from snakellm.train.cli import main; rc = main(sys.argv[1:]); "
+        "print('exit', rc, 'torch' in sys.modules, 'megatron' in sys.modules)"
+    )
+
+    def dry_run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", probe, *argv, *extra],
+            cwd=tmp_path,
+            env=env_with_venv(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    proc = dry_run("--nodes", "8", "--gpus-per-node", "8")
+    out = proc.stdout
+    assert out.splitlines()[-1] == "exit 0 False False", proc.stderr  # valid, and neither torch nor megatron imported
+    assert (
+        "run gpt-8b: 64 ranks = 8 nodes x 8; tp 4 x pp 1 x dp 16; global batch 512 = micro batch 1 x dp 16 x 32 "
+        "accumulation steps; 300000 steps of 1,048,576 tokens" in out
+    )
+    assert "  model: llama 6841.4M params: 32 layers, hidden 4096, 32 heads (32 KV groups), ffn 10880" in out
+    assert f"checkpoints: starts fresh in {tmp_path / 'runs/gpt-8b/checkpoints'}" in out
+    assert not (tmp_path / "runs").exists()  # nothing written
+    memory = out[out.index("  memory per GPU") : out.index("exit 0")].splitlines()
+    assert memory[:7] == [
+        "  memory per GPU (tp 4 x pp 1 x dp 16, micro batch 1, optimizer replicated, sequence parallel off, "
+        "recompute none):",
+        "    weights          3.19 GiB  (1,710.8M parameters on this GPU)",
+        "    gradients        6.37 GiB",
+        "    optimizer       19.12 GiB",
+        "    activations      3.67 GiB",
+        "    total           32.35 GiB  (+ ~1-3 GiB CUDA context and workspaces, not counted)",
+        "    fits in 80 GiB GPUs (with 10% + 2 GiB headroom)",
+    ]
+    assert "parallel.sequence_parallel: true and parallel.distributed_optimizer: true would make it 12.91 GiB" in out
+    # one estimate: `snakellm plan` prints the same lines for the same layout
+    assert plan_cli.main(["--config", str(EIGHT_B), "--nodes", "8", "--gpus-per-node", "8", "--run", "gpt-8b"]) == 0
+    assert "\n".join(memory) in capsys.readouterr().out
+
+    # with both options on: the optimizer states sharded over 16 ranks, the activations outside TP split by 4
+    out = dry_run("--nodes", "8", "--gpus-per-node", "8", "--sequence-parallel", "--distributed-optimizer").stdout
+    assert "tp 4 x pp 1 x dp 16 (sequence parallel, distributed optimizer);" in out
+    assert "distributed optimizer, sequence parallel on" in out
+    assert "    optimizer        1.19 GiB" in out and "    activations      2.15 GiB" in out
+    assert "    total           12.91 GiB" in out and "would make it" not in out
+
+    # a layout the batch does not divide over: exit status 2 with the numbers, before torch
+    proc = dry_run("--nodes", "3", "--gpus-per-node", "8")
+    assert proc.stdout.split()[-4:] == ["exit", "2", "False", "False"]
+    assert "global batch size 512 is not divisible by micro batch size 1 x data-parallel size 6" in proc.stderr
+
+
 @pytest.mark.slow
 def test_8b_example_dry_runs_with_its_8_node_srun_line(workspace):
     from snakellm.launch.prefix import launch_prefix

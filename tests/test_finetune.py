@@ -26,9 +26,8 @@ pytestmark = pytest.mark.slow
 SQUAD = REPO / "resources" / "squad" / "squad-dev-subset.json"
 BASE = ["--base", "runs/tiny", "--threads", "2", "--no-progress"]
 # memorise 8 questions (constant lr, the last checkpoint): the path works end to end
+MEMORISE_STEPS = {"lora": 200, "full": 80, "ptuning": 80}
 MEMORISE = [
-    "--steps",
-    "80",
     "--micro-batch-size",
     "8",
     "--global-batch-size",
@@ -43,7 +42,17 @@ MEMORISE = [
 # learn from 64 questions, validation on 16 others every 5 steps, the best checkpoint kept
 GENERALISE = ["--steps", "30", "--micro-batch-size", "16", "--global-batch-size", "16", "--eval-interval", "5"]
 METHOD_ARGS = {
-    "lora": ["--lora-rank", "16", "--lora-targets", "linear_qkv,linear_proj,linear_fc1,linear_fc2", "--lr", "1e-2"],
+    # the final LayerNorm trains beside the adapters (PEFT's modules_to_save): see test_method_learns
+    "lora": [
+        "--lora-rank",
+        "16",
+        "--lora-targets",
+        "linear_qkv,linear_proj,linear_fc1,linear_fc2",
+        "--lora-modules-to-save",
+        "final_layernorm",
+        "--lr",
+        "1e-2",
+    ],
     "full": ["--lr", "3e-3"],
     "ptuning": ["--virtual-tokens", "8", "--prompt-encoder", "mlp", "--prompt-encoder-hidden", "128", "--lr", "1e-2"],
 }
@@ -157,10 +166,11 @@ def test_method_learns(default_workflow: Workspace, sft: Path, base_scores: dict
     root = default_workflow.root
     # 1. memorise 8 questions: answer-only loss down, greedy answers exact
     out = sft / f"mem-{method}"
-    mem = _finetune(root, sft / "q8", out, method, *MEMORISE)
+    steps = MEMORISE_STEPS[method]
+    mem = _finetune(root, sft / "q8", out, method, "--steps", str(steps), *MEMORISE)
     recs = [r for r in mem["records"] if "loss" in r]
     first, last = recs[0]["loss"], sum(r["loss"] for r in recs[-5:]) / 5
-    assert len(recs) == 80 and mem["steps_run"] == 80 and mem["chosen_iteration"] == 80
+    assert len(recs) == steps and mem["steps_run"] == steps and mem["chosen_iteration"] == steps
     trained = _evaluate(root, sft / "q8" / "train.jsonl", sft / f"{method}-train", *_artifact(method, out))
     print(
         method, "memorise", {"first_loss": first, "last_loss": last, "trained": trained, "base": base_scores["train"]}
@@ -170,16 +180,18 @@ def test_method_learns(default_workflow: Workspace, sft: Path, base_scores: dict
         assert first == pytest.approx(base_scores["train"]["answer_only_loss"], rel=1e-3)
     if method == "full":
         assert last < 0.1 * first
+    if method != "ptuning":
         assert trained["exact_string_match"] >= 0.9 and trained["squad_exact_match"] >= 0.9
-    else:
-        # LoRA and p-tuning cannot memorise here, whatever the lr, rank, alpha, clipping or weight decay: the
-        # logits are E @ LN(x) with the tied embedding E and the final LayerNorm frozen, so |logit| <= |g * e_t|
-        # * sqrt(h) ~ 6 on this 300-step model, and the answer-only loss has a floor near 2.86 nats per token
-        # (measured: LoRA r=16/alpha=16 at lr 1e-2 and r=32/alpha=64 at lr 5e-3 both converge to 2.855 by step
-        # 100; at that optimum the argmax misses EOS and most first answer tokens, exact match 0). Full SFT
-        # escapes by growing the LayerNorm gain and the embeddings. Measured in 80 steps: LoRA 6.74 -> 2.88
-        # (0.43), p-tuning 6.79 -> 6.43 (0.95).
-        assert last < (0.5 if method == "lora" else 0.97) * first
+    if method == "lora":
+        # with the tied embedding E and the final LayerNorm frozen, every logit is E @ LN(x) and bounded
+        # (|logit| <= |g * e_t| * sqrt(h) ~ 6 on this 300-step model): adapters alone reach a floor near
+        # 2.86 nats per token and exact match 0 (measured: r=16/alpha=16 at lr 1e-2, r=32/alpha=64 at 5e-3).
+        # Training the final LayerNorm beside them (2 x 64 numbers) lifts the bound: 6.74 -> 0.47 in 200 steps.
+        assert last < 0.15 * first
+    if method == "ptuning":
+        # p-tuning moves only the first 8 input embeddings of a frozen model, and meets the same bound: it
+        # learns slowly (measured 6.79 -> 6.43 in 80 steps) and reproduces no answer on this model
+        assert last < 0.97 * first
     preds = [json.loads(line) for line in (sft / f"{method}-train" / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 8 and all(set(p) >= {"input", "pred", "label", "answers"} for p in preds)
 
@@ -291,6 +303,7 @@ def test_workflow_base_and_tuned(default_workflow: Workspace) -> None:
     extra = yaml.safe_load((REPO / "config" / "examples" / "tiny-squad-finetune.yaml").read_text())
     cfg["sft_data"], cfg["finetune"] = extra["sft_data"], extra["finetune"]
     cfg["finetune"]["tiny-lora"]["train"]["steps"] = 20
+    cfg["finetune"]["tiny-lora"]["examples"]["packing"] = True  # the rule's flag reaches the packed batches
     ws = Workspace(root)
     ws.config_path = root / "config-finetune.yaml"
     ws.write_config(cfg)
@@ -309,6 +322,9 @@ def test_workflow_base_and_tuned(default_workflow: Workspace) -> None:
     assert tuned["answer_only_loss"] < base["answer_only_loss"]
     preds = [json.loads(line) for line in (ev / "tuned" / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 16 and all(set(p) >= {"input", "pred", "label"} for p in preds)
+    summary = json.loads((root / "runs" / "tiny" / "finetune" / "tiny-lora" / "finetune_summary.json").read_text())
+    assert summary["train_examples"] == 16 and 1 <= summary["sequences"] < 16  # packed: several per row
+    assert summary["method_config"]["modules_to_save"] == ["final_layernorm"]
     peft_dir = root / "runs" / "tiny" / "finetune" / "tiny-lora" / "hf_peft"
     assert json.loads((peft_dir / "adapter_config.json").read_text())["peft_type"] == "LORA"
     out = ws.run("-n")

@@ -44,6 +44,39 @@ def test_cached_greedy_equals_full_forward_greedy(gen):
     assert alone == [o.ids for o in outs]
 
 
+def test_ptuning_prefix_equals_full_forward_with_the_prompt_encoder(gen):
+    """p-tuning's virtual tokens in the cached engine (what evaluate uses) give the tokens of megatron-core's
+    forward with the prompt encoder's embedding hook, in a batch of prompts of different lengths."""
+    from snakellm.finetune.ptuning import PTuning, PTuningConfig
+    from snakellm.serve.generate import Generator, SamplingParams
+
+    g, loaded = gen
+    w = loaded.model.embedding.word_embeddings.weight
+    pt = PTuning(loaded.model, PTuningConfig(virtual_tokens=3, hidden=16, seed=2), w.size(1), w.dtype, w.device)
+    try:
+        with torch.no_grad():  # a trained-looking table, far from the zero-ish start
+            pt.table = torch.randn(3, w.size(1), generator=torch.Generator().manual_seed(1))
+        engine = Generator(loaded.model, loaded.arch, g.tok, g.vocab_size, virtual=pt.prompt())
+        eod = g.tok.eod_id
+        prompts = [[eod] * 3 + g.tok.encode(p) for p in PROMPTS]
+        params = SamplingParams(max_new_tokens=8, greedy=True, stop_at_eod=False, logprobs=True)
+        outs = engine.generate(prompts, params)
+        plain = g.generate(prompts, params)
+        assert max(abs(x - y) for o, q in zip(outs, plain) for x, y in zip(o.logprobs, q.logprobs)) > 1e-3
+        for o in outs:
+            ids, lps = list(o.prompt_ids), []
+            for _ in range(8):
+                with torch.no_grad():
+                    logits = loaded.model(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, -1]
+                lsm = torch.log_softmax(logits[: g.vocab_size].float(), dim=-1)
+                ids.append(int(lsm.argmax()))
+                lps.append(float(lsm[ids[-1]]))
+            assert ids[len(o.prompt_ids) :] == o.ids
+            assert lps == pytest.approx(o.logprobs, abs=1e-4)
+    finally:
+        pt.remove()
+
+
 def test_sampling_controls(gen):
     from snakellm.serve.generate import GenerationError, SamplingParams
 

@@ -129,6 +129,31 @@ def test_import_hf_rule_then_export_and_samples(workspace: Workspace):
     assert json.loads(ws.path("runs/gpt2r/samples.jsonl").read_text().splitlines()[0])["tokens"] == 8
     targets = ("runs/gpt2r/hf", "runs/gpt2r/samples.jsonl", "runs/gpt2r/gpt2r.nemo")
     assert _jobs(ws, *targets) == {}
+    # full SFT of the imported model, evaluated beside it (its tokenizer is the import's own: no blend.json)
+    shutil.copytree(Path(__file__).parent.parent / "resources" / "squad", ws.path("resources/squad"))
+    cfg = ws.read_config()
+    cfg["sft_data"] = {
+        "q": {"path": "resources/squad/squad-dev-subset.json", "template": "Question: {question} Answer:", "limit": 48}
+    }
+    cfg["finetune"] = {
+        "gpt2r-full": {
+            "run": "gpt2r",
+            "data": "q",
+            "method": "full",
+            "examples": {"truncation_method": "left"},
+            "train": {"steps": 6, "micro_batch_size": 4, "global_batch_size": 4, "lr": 1.0e-3, "eval_interval": 3},
+            "evaluate": {"tokens_to_generate": 8},
+        }
+    }
+    ws.write_config(cfg)
+    ev = "runs/gpt2r/eval/gpt2r-full"
+    ws.run(f"{ev}/base/metrics.json", f"{ev}/tuned/metrics.json")
+    ft = json.loads(ws.path("runs/gpt2r/finetune/gpt2r-full/finetune_summary.json").read_text())
+    assert ft["method"] == "full" and ft["trainable_parameters"] == ft["total_parameters"]
+    assert ft["final_loss"] < ft["first_loss"]
+    base_m, tuned_m = (json.loads(ws.path(f"{ev}/{w}/metrics.json").read_text()) for w in ("base", "tuned"))
+    assert base_m["examples"] == tuned_m["examples"] > 0
+    assert tuned_m["answer_only_loss"] < base_m["answer_only_loss"]
     # the HF weights change -> the import and everything after it rerun
     age(ws.root, 60, "runs")
     with open(src / "model.safetensors", "ab") as fh:  # an edited weights file (new content, not just mtime)

@@ -1,4 +1,7 @@
-"""LoRA on megatron-core linears: zero-start, merge, and Hugging Face PEFT logits (CPU, random tiny models)."""
+"""LoRA on megatron-core linears: zero-start, merge, and Hugging Face PEFT logits (CPU, random tiny models).
+
+The Hugging Face base is our own export (snakellm.export.hf), loaded by transformers; PEFT then loads our
+PEFT-format adapter onto it."""
 
 from __future__ import annotations
 
@@ -34,6 +37,21 @@ def _model(style: str, seed: int = 3):
     return gpt.eval(), arch
 
 
+def _export_hf(gpt, arch: dict, out: Path):
+    """Our Hugging Face export of an in-memory model, read back by transformers."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from snakellm.export.hf import export_hf
+
+    loaded = SimpleNamespace(
+        model=gpt, arch=arch, tokenizer={"vocab_size": VOCAB}, padded_vocab_size=VOCAB, checkpoint="test", iteration=0
+    )
+    export_hf(loaded, out, dtype="float32")
+    return AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+
+
 def _logits(gpt, tokens):
     pos = torch.arange(tokens.size(1)).unsqueeze(0).expand_as(tokens)
     with torch.no_grad():
@@ -42,7 +60,6 @@ def _logits(gpt, tokens):
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -> None:
-    from hf_reference import to_hf
     from peft import PeftModel
     from safetensors.torch import save_file
 
@@ -52,12 +69,12 @@ def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -
     gpt, arch = _model(style)
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
     base = _logits(gpt, tokens)
-    hf = to_hf(gpt, arch, VOCAB)
+    hf = _export_hf(gpt, arch, tmp_path / "hf")
     with torch.no_grad():
-        assert torch.allclose(hf(tokens).logits.float(), base, atol=2e-5), "reference conversion"
+        assert torch.allclose(hf(tokens).logits.float(), base, atol=2e-5), "Hugging Face export"
     base_weights = {k: v.clone() for k, v in gpt.state_dict().items() if torch.is_tensor(v)}
 
-    cfg = LoRAConfig(rank=4, alpha=8.0, targets=TARGETS, layers=None, seed=11)
+    cfg = LoRAConfig(rank=4, alpha=8.0, targets=TARGETS, layers=None, seed=11, modules_to_save=("final_layernorm",))
     ad = LoRAAdapters(gpt, cfg)
     assert len(list(ad.named_adapters())) == 4 * arch["num_layers"]
     assert torch.equal(_logits(gpt, tokens), base)  # B starts at zero (NeMo's row_init: zero)
@@ -67,6 +84,8 @@ def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -
         g = torch.Generator().manual_seed(5)
         for _, m in ad.named_adapters():
             m.b.copy_(torch.randn(m.b.shape, generator=g) * 0.05)
+        for _, p in ad.saved_parameters():  # the final norm trained beside them (modules_to_save)
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
     tuned = _logits(gpt, tokens)
     assert (tuned - base).abs().max() > 1e-2
 
@@ -85,16 +104,18 @@ def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -
     write_peft(adir, tmp_path / "peft")
     conf = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert conf["peft_type"] == "LORA" and conf["r"] == 4 and conf["lora_alpha"] == 8.0
+    assert conf["modules_to_save"] == [{"gpt2": "transformer.ln_f", "llama": "model.norm"}[style]]
     peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
     with torch.no_grad():
         peft_logits = peft_model(tokens).logits.float()
     assert torch.allclose(peft_logits, tuned, atol=2e-5), (peft_logits - tuned).abs().max()
 
-    # merged into the base: the same logits, adapters gone, only adapted weights changed
+    # merged into the base: the same logits, adapters gone, only adapted weights (and the saved norm) changed
     merge(gpt, ad)
     assert torch.allclose(_logits(gpt, tokens), tuned, atol=2e-5)
     changed = {k for k, v in gpt.state_dict().items() if torch.is_tensor(v) and not torch.equal(v, base_weights[k])}
-    assert changed == {
+    norm = {"decoder.final_layernorm.weight"} | ({"decoder.final_layernorm.bias"} if style == "gpt2" else set())
+    assert changed == norm | {
         f"decoder.layers.{i}.{s}.{t}.weight"
         for i in range(arch["num_layers"])
         for s, t in (

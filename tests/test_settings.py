@@ -78,6 +78,12 @@ def test_resolve_runs_expands_presets_and_the_flags_parse_back():
     flags = resolve.train_flags(cfg["runs"]["r"], arch)
     args = build_parser().parse_args(["--blend", "b", "--run-dir", "r", *shlex.split(flags)])
     assert args.steps == 3 and args.hidden_size == 64 and args.tie_embeddings is True and args.tp == 1
+    assert args.sequence_parallel is False and args.distributed_optimizer is False
+    cfg["runs"]["r"]["parallel"] = {"tp": 2, "sequence_parallel": True, "distributed_optimizer": True}
+    flags = resolve.train_flags(cfg["runs"]["r"], resolve.resolve_runs(cfg)["r"])
+    assert "--sequence-parallel" in flags and "--distributed-optimizer" in flags
+    args = build_parser().parse_args(["--blend", "b", "--run-dir", "r", *shlex.split(flags)])
+    assert args.sequence_parallel is True and args.distributed_optimizer is True and args.tp == 2
 
 
 @pytest.mark.parametrize(
@@ -88,6 +94,11 @@ def test_resolve_runs_expands_presets_and_the_flags_parse_back():
         (
             {"parallel": {"tp": 3, "pp": 1}},
             "config key runs.r.model: model num_attention_heads 4 is not divisible by tensor parallel size 3",
+        ),
+        (
+            {"parallel": {"sequence_parallel": True}},
+            "config key runs.r.parallel.sequence_parallel: sequence parallelism splits the sequence over the "
+            "tensor-parallel ranks: it needs tp > 1",
         ),
     ],
 )

@@ -347,6 +347,11 @@ def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkey
         ({}, ["--pp", "2"], "pipeline parallel size 2: pipeline parallelism is not supported"),
         ({}, ["--hidden-size", "66"], "hidden_size 66 is not divisible by num_attention_heads 4"),
         ({}, ["--split", "100,0,0"], "leave none for validation with split '100,0,0'"),
+        (
+            {},
+            ["--sequence-parallel"],
+            "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1",
+        ),
     ],
 )
 def test_batch_and_parallelism_mismatches_name_the_numbers(synth, monkeypatch, capsys, env, extra, expected):
@@ -399,9 +404,33 @@ def test_a_real_launch_reports_a_mismatch_with_exit_status_2_before_importing_to
     assert out.split() == ["2", "False", "False"]
 
 
+def test_tensor_parallelism_with_dropout_on_the_cpu_is_refused_before_anything_starts(synth, monkeypatch, capsys):
+    """megatron-core's CUDA RNG tracker gives each tensor-parallel rank its dropout stream; the CPU has none."""
+    from snakellm.train.cli import main
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(synth)
+    args = ["--blend", "data/tokens/synth/blend.json", "--run-dir", "runs/never", *BASE, "--steps", "10"]
+    rc = main([*args, "--tp", "2", "--hidden-dropout", "0.1", "--device", "cpu"])
+    assert rc == 2
+    assert "tensor parallel size 2 with dropout needs GPUs" in capsys.readouterr().err
+    assert not (synth / "runs/never").exists()
+
+
 def test_help_lists_every_setting():
     out = subprocess.run([str(BIN / "snakellm"), "train", "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--global-batch-size", "--max-time", "--resume", "--on-config-change", "--tp", "exit status"):
+    for flag in (
+        "--global-batch-size",
+        "--max-time",
+        "--resume",
+        "--on-config-change",
+        "--tp",
+        "--sequence-parallel",
+        "--distributed-optimizer",
+        "--dry-run",
+        "exit status",
+    ):
         assert flag in out
 
 

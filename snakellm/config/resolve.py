@@ -50,6 +50,11 @@ def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> d
         models.check_parallel(arch, par.get("tp", 1), par.get("pp", 1))
     except models.ModelConfigError as e:
         raise ConfigError(f"config key runs.{name}.model: {e}") from None
+    if par.get("sequence_parallel") and par.get("tp", 1) == 1:
+        raise ConfigError(
+            f"config key runs.{name}.parallel.sequence_parallel: sequence parallelism splits the sequence over "
+            "the tensor-parallel ranks: it needs tp > 1 (got 1)"
+        )
     return arch
 
 

@@ -117,20 +117,9 @@ def run_plan(
         return out + [f"  memory: tokenizer {run.get('tokenizer')!r} names no vocab_size; not estimated"]
     vocab = arch_mod.padded_vocab_size(int(tok["vocab_size"]), arch, tp)
     out.append(f"  model: {arch_mod.describe(arch, vocab)}")
-    est = memory.estimate(
-        arch,
-        vocab,
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        micro_batch_size=mbs,
-        num_micro_batches=gbs // (mbs * dp),
-        sequence_parallel=False,
-        distributed_optimizer=False,
-    )
-    out += ["  " + line for line in est.lines(gpu_gib)]
-    if tp > 1 or dp > 1:
-        alt = memory.estimate(
+    out += [
+        "  " + line
+        for line in memory.report(
             arch,
             vocab,
             tp=tp,
@@ -138,14 +127,11 @@ def run_plan(
             dp=dp,
             micro_batch_size=mbs,
             num_micro_batches=gbs // (mbs * dp),
-            sequence_parallel=tp > 1,
-            distributed_optimizer=True,
+            sequence_parallel=bool(par.get("sequence_parallel", False)),
+            distributed_optimizer=bool(par.get("distributed_optimizer", False)),
+            gpu_gib=gpu_gib,
         )
-        out.append(
-            f"  (megatron-core's sequence parallelism + distributed optimizer would make it "
-            f"{alt.total / memory.GiB:.2f} GiB: optimizer {alt.optimizer / memory.GiB:.2f} GiB, activations "
-            f"{alt.activations / memory.GiB:.2f} GiB)"
-        )
+    ]
     return out
 
 

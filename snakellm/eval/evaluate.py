@@ -2,7 +2,10 @@
 
 For each ``{input, output[, answers]}`` example (prepare-sft's test split) the
 model generates greedily from the prompt (the same template, BOS/EOS and
-truncation as in training) for up to ``--tokens-to-generate`` tokens or EOD.
+truncation as in training) for up to ``--tokens-to-generate`` tokens or EOD,
+with the KV-cached engine that ``snakellm generate`` and the server use. One
+process, tensor parallel 1: a model that was tuned with tp > 1 is read back
+whole (dist_checkpointing reshards it).
 Then, as NeMo's ``MegatronGPTSFTModel`` test pass does,
 ``pred = decode(generated ids)`` and ``label = decode(answer ids)`` are compared
 by ``exact_string_match`` (raw equality); SQuAD's normalised exact match and F1
@@ -45,7 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-to-generate", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
-    p.add_argument("--tp", type=int, default=1)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
@@ -62,10 +64,7 @@ def attach_artifacts(rt, gpt, arch: dict, adapter: str | None, prompt: str | Non
         from snakellm.finetune.lora import LoRAAdapters, LoRAConfig, load_full_tensors
 
         conf = json.loads((Path(adapter) / "adapter_config.json").read_text())
-        lc = dict(conf["lora"])
-        lc["targets"] = tuple(lc["targets"])
-        lc["layers"] = tuple(lc["layers"]) if lc.get("layers") else None
-        ad = LoRAAdapters(gpt, LoRAConfig(**lc))
+        ad = LoRAAdapters(gpt, LoRAConfig.from_dict(conf["lora"]))
         load_full_tensors(ad, load_file(str(Path(adapter) / "adapter.safetensors")))
         return 0, conf, ad
     if prompt:
@@ -85,17 +84,43 @@ def attach_artifacts(rt, gpt, arch: dict, adapter: str | None, prompt: str | Non
     return 0, None, None
 
 
+def generate_answers(gpt, arch: dict, tok, prompts: list[list[int]], a, seq: int, extra) -> list[list[int]]:
+    """Greedy answers by the serving engine (snakellm.serve.generate), EOD excluded.
+
+    A LoRA adapter is merged into the weights first (the merged model computes what base + adapter
+    computes); a p-tuning prompt table goes to the decoder, which puts it at each prompt's first
+    positions. Prompts are batched by how many tokens fit after them in the model's sequence
+    (``--tokens-to-generate`` or less for a context that fills it), so no row is cut short by another.
+    """
+    from snakellm.finetune.lora import LoRAAdapters, merge
+    from snakellm.serve.generate import Generator, SamplingParams
+
+    if isinstance(extra, LoRAAdapters):
+        merge(gpt, extra)
+    virtual = extra.prompt().detach() if extra is not None and hasattr(extra, "prompt") else None
+    engine = Generator(gpt, arch, tok, virtual=virtual)
+    out: list[list[int]] = [[] for _ in prompts]
+    budget = [min(a.tokens_to_generate, seq - len(p)) for p in prompts]
+    for room in sorted(set(budget)):
+        rows = [i for i, b in enumerate(budget) if b == room]
+        for k in range(0, len(rows) if room > 0 else 0, a.batch_size):
+            chunk = rows[k : k + a.batch_size]
+            params = SamplingParams(max_new_tokens=room, greedy=True)
+            for i, c in zip(chunk, engine.generate([prompts[i] for i in chunk], params), strict=True):
+                out[i] = c.ids[:-1] if c.finish_reason == "eod" else c.ids
+    return out
+
+
 def evaluate(a: argparse.Namespace) -> dict:
     from snakellm.finetune import dataset as ds
     from snakellm.finetune import runtime
-    from snakellm.finetune.generate import greedy
     from snakellm.finetune.metrics import exact_string_match, squad_scores
 
-    rt = runtime.start(a.device, a.tp, a.threads)
+    rt = runtime.start(a.device, 1, a.threads)
     torch = rt.torch
     try:
         bf16 = (a.precision == "bf16") or (a.precision == "auto" and rt.cuda)
-        gpt, _, arch, vocab, ck, tok_info = runtime.load_base(rt, a.base, bf16=bf16, seq_length=a.max_seq_length)
+        gpt, _, arch, _, ck, tok_info = runtime.load_base(rt, a.base, bf16=bf16, seq_length=a.max_seq_length)
         seq = a.max_seq_length or arch["seq_length"]
         tok = runtime.load_tokenizer(a.blend, fallback=tok_info)
         virtual, conf, _extra = attach_artifacts(rt, gpt, arch, a.adapter, a.prompt)
@@ -117,28 +142,7 @@ def evaluate(a: argparse.Namespace) -> dict:
         for e in exs:
             e.context = [int(tok.eod_id)] * virtual + e.context
 
-        class _Gathered:
-            def __init__(self, m):
-                self.m = m
-
-            def eval(self):
-                self.m.eval()
-
-            def __call__(self, tokens, pos, mask):
-                return self.m(tokens, pos, mask, runtime_gather_output=True)
-
-        gen = greedy(
-            _Gathered(gpt),
-            [e.context for e in exs],
-            max_new_tokens=a.tokens_to_generate,
-            eos_id=tok.eod_id,
-            pad_id=tok.eod_id,
-            max_length=seq,
-            batch_size=a.batch_size,
-            device=rt.device,
-        )
         eos = [] if not ex_cfg.get("add_eos", a.add_eos) else [tok.eod_id]
-        preds = [tok.decode(g[: a.tokens_to_generate]) for g in gen]
         labels = [
             tok.decode(e.answer[: len(e.answer) - len(eos)] if eos and e.answer[-1:] == eos else e.answer) for e in exs
         ]
@@ -153,6 +157,8 @@ def evaluate(a: argparse.Namespace) -> dict:
                 per_tok = gpt(b["tokens"], b["position_ids"], None, labels=b["labels"])
                 m = b["loss_mask"]
                 tot += torch.tensor([float((per_tok.float() * m).sum()), float(m.sum())], dtype=torch.float64)
+        gen = generate_answers(gpt, arch, tok, [e.context for e in exs], a, seq, _extra)
+        preds = [tok.decode(g) for g in gen]
         metrics = {
             "model": a.label or ("lora" if a.adapter else "ptuning" if a.prompt else "base"),
             "checkpoint": str(ck),

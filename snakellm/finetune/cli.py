@@ -77,6 +77,11 @@ def add_method_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--lora-column-init", default="xavier", choices=("xavier", "normal", "kaiming", "zero"))
     g.add_argument("--lora-row-init", default="zero", choices=("xavier", "normal", "kaiming", "zero"))
+    g.add_argument(
+        "--lora-modules-to-save",
+        default="",
+        help="comma list of base modules trained whole beside the adapters (PEFT's modules_to_save): final_layernorm",
+    )
     g = p.add_argument_group("p-tuning")
     g.add_argument("--virtual-tokens", type=int, default=10)
     g.add_argument("--prompt-encoder", default="mlp", choices=("mlp", "lstm"))
@@ -166,6 +171,7 @@ def method_config(a: argparse.Namespace):
             column_init=a.lora_column_init,
             row_init=a.lora_row_init,
             seed=a.seed,
+            modules_to_save=tuple(m.strip() for m in a.lora_modules_to_save.split(",") if m.strip()),
         )
     if a.method == "ptuning":
         return PTuningConfig(
@@ -189,6 +195,7 @@ def attach(rt, gpt, method: str, mcfg, arch: dict):
         from snakellm.finetune.lora import LoRAAdapters
 
         extra = LoRAAdapters(gpt, mcfg)
+        extra.unfreeze_saved()
     else:
         from snakellm.finetune.ptuning import PTuning
 
@@ -351,8 +358,8 @@ def finetune(a: argparse.Namespace) -> int:
             clip_grad=a.clip_grad,
         )
         sched = CosineSchedule(a.lr, a.min_lr, a.warmup_steps, a.steps, a.lr_decay_style)
-        trainable = sum(p.numel() for p in ft.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in ft.parameters())
+        trainable = _model_numel(ft, rt.tp, trainable_only=True)
+        total = _model_numel(ft, rt.tp)
         log(
             f"finetune {a.method}: {models.describe(arch, vocab)}; {trainable:,} of {total:,} parameters train "
             f"({100.0 * trainable / total:.3f}%); {len(train_ex)} train examples in {len(items)} sequences, "
@@ -548,6 +555,15 @@ def finetune(a: argparse.Namespace) -> int:
         runtime.stop()
 
 
+def _model_numel(module, tp: int, trainable_only: bool = False) -> int:
+    """Parameters of the whole model, not of this rank's shard: a tensor-parallel split counts tp times."""
+    return sum(
+        p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+        for p in module.parameters()
+        if p.requires_grad or not trainable_only
+    )
+
+
 def load_trainable(method: str, ft, extra, loaded: dict) -> None:
     import torch
 
@@ -555,9 +571,7 @@ def load_trainable(method: str, ft, extra, loaded: dict) -> None:
         if method == "full":
             ft.gpt.load_state_dict(loaded, strict=False)
         elif method == "lora":
-            for name, m in extra.named_adapters():
-                m.a.copy_(loaded[f"lora.{name}.a"])
-                m.b.copy_(loaded[f"lora.{name}.b"])
+            extra.load_sharded(loaded)
         else:
             for n, p in extra.encoder.named_parameters():
                 p.copy_(loaded[f"ptuning.{n}"])

@@ -23,6 +23,14 @@ seeded by (seed, module name) and then sliced, so any TP size starts from the
 same adapter. The adapters live in :class:`LoRAAdapters`, outside the
 megatron-core model (the base model's state dict and checkpoint keys are
 untouched); forward hooks on the base linears add their outputs.
+
+``modules_to_save`` (PEFT's option of the same name) trains whole base modules
+beside the adapters; the one offered is ``final_layernorm``. Why: with tied
+embeddings every logit is ``E @ LN(x)``, so a frozen final LayerNorm bounds how
+far adapters can move the output distribution; a small model can then not
+learn a new answer format at all. Its gain and bias (2 x hidden numbers) train,
+are saved in the adapter file under their base names, and are replicated over
+tensor-parallel ranks like the norm itself.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import torch
 from torch import nn
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+MODULES_TO_SAVE = {"final_layernorm": "decoder.final_layernorm"}  # option -> megatron-core module path
 COLUMN = ("linear_qkv", "linear_fc1")
 INITS = ("xavier", "normal", "kaiming", "zero")
 
@@ -51,9 +60,14 @@ class LoRAConfig:
     column_init: str = "xavier"
     row_init: str = "zero"
     seed: int = 1234
+    modules_to_save: tuple[str, ...] = ()  # whole base modules trained beside the adapters (PEFT's option)
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
+        self.modules_to_save = tuple(self.modules_to_save)
+        unknown = [m for m in self.modules_to_save if m not in MODULES_TO_SAVE]
+        if unknown:
+            raise ValueError(f"LoRA modules_to_save {unknown}: choose from {', '.join(MODULES_TO_SAVE)}")
         bad = [t for t in self.targets if t not in TARGETS]
         if bad or not self.targets:
             raise ValueError(f"LoRA targets {list(self.targets)}: choose from {', '.join(TARGETS)}")
@@ -73,7 +87,17 @@ class LoRAConfig:
         d = asdict(self)
         d["targets"] = list(self.targets)
         d["layers"] = list(self.layers) if self.layers is not None else None
+        d["modules_to_save"] = list(self.modules_to_save)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoRAConfig:
+        """The inverse of :meth:`as_dict` (adapter_config.json's ``lora`` block; older files lack newer keys)."""
+        d = dict(d)
+        d["targets"] = tuple(d["targets"])
+        d["layers"] = tuple(d["layers"]) if d.get("layers") else None
+        d["modules_to_save"] = tuple(d.get("modules_to_save") or ())
+        return cls(**d)
 
 
 def _init(kind: str, shape: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
@@ -209,6 +233,20 @@ class LoRAAdapters(nn.Module):
             )
             self.adapters[name.replace(".", "/")] = mod
             self._hooks.append(lin.register_forward_hook(_hook(mod)))
+        # base modules trained as a whole; plain references (not submodules: they stay the base model's)
+        self.saved: dict[str, nn.Module] = {
+            MODULES_TO_SAVE[m]: model.get_submodule(MODULES_TO_SAVE[m]) for m in cfg.modules_to_save
+        }
+
+    def saved_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """(base name, parameter) of every module in ``modules_to_save``, e.g. ``decoder.final_layernorm.weight``."""
+        for path, module in self.saved.items():
+            for pname, p in module.named_parameters():
+                yield f"{path}.{pname}", p
+
+    def unfreeze_saved(self) -> None:
+        for _, p in self.saved_parameters():
+            p.requires_grad_(True)
 
     def named_adapters(self) -> Iterable[tuple[str, LoRAModule]]:
         for k, m in self.adapters.items():
@@ -238,7 +276,20 @@ class LoRAAdapters(nn.Module):
                     out[key] = ShardedTensor.from_rank_offsets(
                         key, p, (split_dim, m.tp_rank, m.tp), replica_id=(0, 0, dp_rank)
                     )
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        for name, p in self.saved_parameters():  # norms: the same on every tensor-parallel rank
+            key = f"{prefix}{name}"
+            out[key] = ShardedTensor.from_rank_offsets(key, p, replica_id=(0, tp_rank, dp_rank))
         return out
+
+    def load_sharded(self, loaded: dict, prefix: str = "lora.") -> None:
+        """Copy a checkpoint's tensors (keys of :meth:`sharded_state_dict`) into the adapters and saved modules."""
+        with torch.no_grad():
+            for name, m in self.named_adapters():
+                m.a.copy_(loaded[f"{prefix}{name}.a"])
+                m.b.copy_(loaded[f"{prefix}{name}.b"])
+            for name, p in self.saved_parameters():
+                p.copy_(loaded[f"{prefix}{name}"])
 
 
 def _hook(mod: LoRAModule):
@@ -271,6 +322,8 @@ def full_tensors(adapters: LoRAAdapters) -> dict[str, torch.Tensor]:
             b = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         out[f"{name}.lora_a"] = a.float().cpu().contiguous()
         out[f"{name}.lora_b"] = b.float().cpu().contiguous()
+    for name, p in adapters.saved_parameters():
+        out[name] = p.detach().float().cpu().contiguous()
     return out
 
 
@@ -294,11 +347,15 @@ def load_full_tensors(adapters: LoRAAdapters, tensors: dict[str, torch.Tensor]) 
                 )
             m.a.copy_(a)
             m.b.copy_(b)
+        for name, p in adapters.saved_parameters():
+            if name not in tensors:
+                raise ValueError(f"adapter file has no {name} (modules_to_save)")
+            p.copy_(tensors[name])
 
 
 def merge(model, adapters: LoRAAdapters) -> None:
     """Fold every adapter into its base weight (in place) and remove the hooks: the model alone then
-    computes what base + adapters computed."""
+    computes what base + adapters computed (saved modules already are the model's own)."""
     with torch.no_grad():
         for name, m in adapters.named_adapters():
             lin = model.get_submodule(name)

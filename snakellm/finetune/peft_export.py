@@ -14,6 +14,10 @@ the module names of the Hugging Face class our base is exported to:
   -> ``attn.c_proj``, ``linear_fc1`` -> ``mlp.c_fc``, ``linear_fc2`` ->
   ``mlp.c_proj`` (``Conv1D`` modules: ``fan_in_fan_out`` true).
 
+Modules trained whole beside the adapters (``modules_to_save``: the final
+norm) go under their Hugging Face names (``transformer.ln_f`` / ``model.norm``),
+as PEFT saves a ``ModulesToSaveWrapper``: ``base_model.model.<module>.weight``.
+
 ``r`` and ``lora_alpha`` carry over unchanged (PEFT's scale is alpha / r too),
 so ``PeftModel.from_pretrained(hf_base, dir)`` computes what base + adapter
 computes in megatron-core. Pure tensor work: no process group needed.
@@ -28,6 +32,9 @@ from pathlib import Path
 import torch
 
 _NAME = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)$")
+# megatron-core module -> the Hugging Face module of each style (full paths: PEFT matches by suffix, and
+# llama's "norm" alone would also catch every layer's input_layernorm)
+_SAVED = {"decoder.final_layernorm": {"gpt2": "transformer.ln_f", "llama": "model.norm"}}
 
 
 def _qkv_rows(arch: dict) -> tuple[list[int], list[int], list[int]]:
@@ -55,7 +62,16 @@ def to_peft(tensors: dict[str, torch.Tensor], arch: dict, lora: dict) -> tuple[d
         out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
         modules.append(module)
 
-    names = sorted({k.rsplit(".", 1)[0] for k in tensors})
+    saved: list[str] = []
+    for key in sorted(k for k in tensors if not k.endswith((".lora_a", ".lora_b"))):
+        module, pname = key.rsplit(".", 1)
+        if module not in _SAVED:
+            raise ValueError(f"adapter tensor {key!r}: not an adapter matrix nor a saved module")
+        hf_module = _SAVED[module][style]
+        out[f"base_model.model.{hf_module}.{pname}"] = tensors[key].contiguous()
+        if hf_module not in saved:
+            saved.append(hf_module)
+    names = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".lora_a", ".lora_b"))})
     for name in names:
         m = _NAME.match(name)
         if not m:
@@ -100,7 +116,7 @@ def to_peft(tensors: dict[str, torch.Tensor], arch: dict, lora: dict) -> tuple[d
         "bias": "none",
         "inference_mode": True,
         "base_model_name_or_path": None,
-        "modules_to_save": None,
+        "modules_to_save": saved or None,
         "init_lora_weights": True,
         "use_rslora": False,
         "use_dora": False,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,18 +46,12 @@ def start(device: str = "auto", tp: int = 1, threads: int | None = None, seed: i
     from snakellm.train.rng import seed_all
 
     d = distmod.detect()
-    if device == "cuda" and not torch.cuda.is_available():
-        raise BaseModelError("--device cuda: no CUDA device is available")
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if not cuda:
-        if tp != 1:
-            raise BaseModelError(f"tensor parallel size {tp} needs GPUs; on the CPU use tp 1")
-        lr.install_cpu_shims(torch)
-        if threads:
-            torch.set_num_threads(threads)
+    try:
+        cuda = lr.prepare(torch, device, tp, threads)
+    except lr.LaunchError as e:
+        raise BaseModelError(str(e)) from None
     if d.world_size % tp:
         raise BaseModelError(f"world size {d.world_size} is not divisible by tensor parallel size {tp}")
-    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine|TransformerEngine).*")
     from megatron.core import parallel_state, tensor_parallel
 
     distmod.export(d)

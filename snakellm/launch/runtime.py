@@ -21,6 +21,48 @@ def install_cpu_shims(torch: Any) -> None:
     torch.cuda.synchronize = lambda *a, **k: None
 
 
+class LaunchError(ValueError):
+    """A request the machine cannot run (no GPU for --device cuda, or for tensor parallelism where it needs one)."""
+
+
+def prepare(
+    torch: Any,
+    requested: str,
+    tp: int = 1,
+    threads: int | None = None,
+    *,
+    cpu_tp: bool = False,
+    dropout: bool = False,
+) -> bool:
+    """Decide CPU or GPU before anything starts; returns True for CUDA.
+
+    The checks every job shares (training, fine-tuning): ``--device cuda`` needs a GPU, tensor
+    parallelism on the CPU only where the caller supports it (``cpu_tp``: pretraining, whose
+    tests run TP=2 on gloo against one process) and only without ``dropout`` (megatron-core
+    draws the tensor-parallel ranks' dropout masks from its CUDA RNG tracker; the CPU gets its
+    inference tracker, one stream for all ranks), ``threads`` sets torch's intra-op threads on
+    the CPU. It also silences megatron-core's once-per-module warnings about the apex/Transformer
+    Engine fallbacks it uses without them.
+    """
+    import warnings
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise LaunchError("--device cuda: no CUDA device is available")
+    cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+    if not cuda and tp != 1 and not cpu_tp:
+        raise LaunchError(f"tensor parallel size {tp} needs GPUs; on the CPU use tp 1")
+    if not cuda and tp != 1 and dropout:
+        raise LaunchError(
+            f"tensor parallel size {tp} with dropout needs GPUs: megatron-core draws the tensor-parallel "
+            "ranks' dropout masks from its CUDA RNG tracker; on the CPU use tp 1 or hidden_dropout and "
+            "attention_dropout 0"
+        )
+    if not cuda and threads:
+        torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine|TransformerEngine).*")
+    return cuda
+
+
 def pick_device(torch: Any, requested: str, local_rank: int = 0) -> Any:
     """``auto``/``cpu``/``cuda`` (or ``cuda:N``) -> a torch.device; one GPU per rank, by local rank."""
     if requested.startswith("cuda") and not torch.cuda.is_available():

@@ -4,6 +4,15 @@ Layer spec: Transformer Engine's when ``transformer_engine`` imports and we run
 on CUDA (cluster containers); otherwise megatron-core's local spec with its core
 attention replaced by :class:`snakellm.models.attention` 's SDPA class (flash /
 cuDNN kernels on a GPU, no [b, h, s, s] score tensor anywhere).
+
+Sequence parallelism with the local spec: megatron-core's torch norm wrapper
+(``WrappedTorchNorm``, used when apex is absent) refuses it, although a norm is
+per token and computes the same on a slice of the sequence. What sequence
+parallelism needs from a norm is only that its parameters are marked
+``sequence_parallel``, so that their gradients (each tensor-parallel rank saw
+other tokens) are summed over the tensor-parallel group after the backward pass
+(``megatron.core.distributed.finalize_model_grads``). :func:`_norm_class` does
+that with the same torch modules, so the checkpoint keys do not change.
 """
 
 from __future__ import annotations
@@ -35,13 +44,14 @@ def build_model(
     compile_layers: bool = False,
     use_te: bool | None = None,
     attention_backend: str = "auto",
+    sequence_parallel: bool = False,
 ):
     """Build a megatron-core GPTModel (model-parallel state must be initialised).
 
     ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (compiled
     loss on CUDA with TP=1), "compiled", "eager" (the same math uncompiled) or
     "megatron" (megatron-core's own vocab-parallel cross-entropy; the only one
-    that supports TP > 1).
+    that supports TP > 1). ``sequence_parallel`` needs ``tp > 1``.
     """
     import torch
     import torch.nn.functional as F
@@ -51,7 +61,10 @@ def build_model(
         get_gpt_layer_with_transformer_engine_spec,
     )
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    if sequence_parallel and tp == 1:
+        raise ModelConfigError("sequence parallelism needs tensor parallel size > 1")
     cuda = device.startswith("cuda")
     if use_te is None:
         use_te = cuda and have_transformer_engine()
@@ -63,6 +76,7 @@ def build_model(
         num_query_groups=cfg["num_query_groups"],
         ffn_hidden_size=cfg["ffn_hidden_size"],
         tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
         normalization=cfg["normalization"],
         layernorm_epsilon=cfg["layernorm_epsilon"],
         gated_linear_unit=swiglu,
@@ -91,6 +105,12 @@ def build_model(
     else:
         spec = get_gpt_layer_local_spec(normalization=cfg["normalization"])
         spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class(attention_backend)
+    layers: Any = spec
+    if sequence_parallel and not use_te:
+        norm = _norm_class()
+        spec.submodules.input_layernorm = norm
+        spec.submodules.pre_mlp_layernorm = norm
+        layers = TransformerBlockSubmodules(layer_specs=[spec] * cfg["num_layers"], layer_norm=norm)
 
     if fused_loss == "auto":
         fused_loss = "compiled" if (cuda and tp == 1) else ("eager" if tp == 1 else "megatron")
@@ -112,7 +132,7 @@ def build_model(
 
     model = SnakeGPTModel(
         config=tcfg,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=layers,
         vocab_size=vocab,
         max_sequence_length=cfg["seq_length"],
         pre_process=True,
@@ -132,3 +152,27 @@ def build_model(
         for layer in model.decoder.layers:
             layer.compile(dynamic=False)
     return model, tcfg
+
+
+def _norm_class() -> Any:
+    """torch's LayerNorm/RMSNorm, as megatron-core's ``WrappedTorchNorm`` builds them, usable with sequence
+    parallelism: the parameters carry ``sequence_parallel`` (see the module docstring)."""
+    import torch
+
+    class SequenceParallelTorchNorm:
+        def __new__(
+            cls,
+            config: Any,
+            hidden_size: int,
+            eps: float = 1e-5,
+            persist_layer_norm: bool = False,
+            zero_centered_gamma: bool = False,
+            normalization: str = "LayerNorm",
+        ) -> Any:
+            kind = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+            norm = kind(normalized_shape=hidden_size, eps=eps)
+            for p in norm.parameters():
+                p.sequence_parallel = config.sequence_parallel
+            return norm
+
+    return SequenceParallelTorchNorm

@@ -209,3 +209,49 @@ def estimate(
     return MemoryEstimate(
         int(round(params)), weights, grads, optimizer, activations, tp, pp, dp, b, distributed_optimizer, sp, recompute
     )
+
+
+def report(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro_batch_size: int,
+    num_micro_batches: int | None,
+    sequence_parallel: bool,
+    distributed_optimizer: bool,
+    bf16: bool = True,
+    gpu_gib: float | None = None,
+) -> list[str]:
+    """The memory table of a run as configured, and what the options it leaves off would save.
+
+    ``snakellm plan`` and ``snakellm train --dry-run`` both print this: one estimate, one wording.
+    """
+
+    def est(sp: bool, dist_opt: bool) -> MemoryEstimate:
+        return estimate(
+            arch,
+            padded_vocab,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            micro_batch_size=micro_batch_size,
+            num_micro_batches=num_micro_batches,
+            sequence_parallel=sp,
+            distributed_optimizer=dist_opt,
+            bf16=bf16,
+        )
+
+    out = est(sequence_parallel, distributed_optimizer).lines(gpu_gib)
+    more_sp = tp > 1 and not sequence_parallel
+    more_do = dp > 1 and not distributed_optimizer
+    if more_sp or more_do:
+        alt = est(sequence_parallel or more_sp, distributed_optimizer or more_do)
+        keys = [k for k, off in (("sequence_parallel", more_sp), ("distributed_optimizer", more_do)) if off]
+        out.append(
+            f"  (parallel.{' and parallel.'.join(k + ': true' for k in keys)} would make it {alt.total / GiB:.2f} GiB: "
+            f"optimizer {alt.optimizer / GiB:.2f} GiB, activations {alt.activations / GiB:.2f} GiB)"
+        )
+    return out

@@ -145,13 +145,15 @@ def bos_id(tok) -> int:
 class Decoder:
     """KV-cached forward over a megatron-core GPTModel's own parameters."""
 
-    def __init__(self, model, arch: dict[str, Any], vocab_size: int) -> None:
+    def __init__(self, model, arch: dict[str, Any], vocab_size: int, virtual=None) -> None:
         import torch
 
         from snakellm.export.hf import megatron_tensors
 
         self.arch = arch
         self.vocab_size = vocab_size
+        # p-tuning's virtual-token embeddings [N, h]: they replace the embeddings of each row's first N tokens
+        self.virtual = virtual
         w = megatron_tensors(model)
         self.emb = w["embedding.word_embeddings.weight"]
         self.pos_emb = w.get("embedding.position_embeddings.weight")
@@ -224,6 +226,10 @@ class Decoder:
 
         b, t = tokens.shape
         x = F.embedding(tokens, self.emb)
+        if self.virtual is not None:
+            n = self.virtual.size(0)
+            prefix = (positions < n)[..., None]
+            x = torch.where(prefix, self.virtual.to(x.dtype)[positions.clamp(max=n - 1)], x)
         if self.pos_emb is not None:
             x = x + F.embedding(positions, self.pos_emb)
         if self.rope:
@@ -292,10 +298,11 @@ def _filter(logits, top_k: int, top_p: float):
 class Generator:
     """Prompts in, completions out, for one loaded model (not thread-safe: callers serialise)."""
 
-    def __init__(self, model, arch: dict[str, Any], tokenizer, vocab_size: int | None = None) -> None:
+    def __init__(self, model, arch: dict[str, Any], tokenizer, vocab_size: int | None = None, virtual=None) -> None:
+        """``virtual``: p-tuning's prompt table [N, h] (prompts then start with N placeholder ids)."""
         self.tok = tokenizer
         self.vocab_size = vocab_size or tokenizer.vocab_size
-        self.decoder = Decoder(model, arch, self.vocab_size)
+        self.decoder = Decoder(model, arch, self.vocab_size, virtual)
         self.arch = arch
 
     def encode(self, prompts: Sequence[str | Sequence[int]], add_bos: bool = False) -> list[list[int]]:

@@ -3,7 +3,9 @@
 One command for every launch: alone (CPU or one GPU), under ``torchrun``, under
 ``srun`` or ``mpirun``; ranks come from the environment (snakellm.launch.distributed).
 Everything that can be wrong with the request is checked before torch is
-imported (:mod:`snakellm.train.request`) and reported with the numbers.
+imported (:mod:`snakellm.train.request`) and reported with the numbers;
+``--dry-run`` stops there and prints the layout, the resume decision and the
+memory per GPU (``--nodes``/``--gpus-per-node`` describe the job to come).
 
 The flags are derived from the settings dataclasses (model:
 :class:`snakellm.models.ModelSettings`; training and parallelism:
@@ -30,6 +32,7 @@ import sys
 
 from snakellm import models
 from snakellm.launch import distributed as distmod
+from snakellm.launch import runtime
 from snakellm.models.attention import ATTENTION_BACKENDS
 from snakellm.train import checkpoint as ckpt
 from snakellm.train.dataset import DataError
@@ -72,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default: from the GPU name)")
 
+    c = p.add_argument_group("checking a request before submitting it")
+    c.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything (settings, batch against the parallel layout, blend, checkpoints) and print the "
+        "layout, the resume decision and the memory per GPU, then exit 0: torch is not imported, nothing is written",
+    )
+    c.add_argument(
+        "--nodes", type=int, default=None, help="with --dry-run: the job's nodes (default: the launcher's world)"
+    )
+    c.add_argument("--gpus-per-node", type=int, default=None, help="with --dry-run: ranks (GPUs) per node (default: 1)")
+    c.add_argument(
+        "--gpu-memory-gib", type=float, default=80.0, help="with --dry-run: one GPU's memory, for the fits line"
+    )
+
     o = p.add_argument_group("output")
     o.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True)
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
@@ -95,13 +113,29 @@ def _error(e: Exception) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    env = None
+    if args.nodes is not None or args.gpus_per_node is not None:
+        if not args.dry_run:
+            parser.error(
+                "--nodes/--gpus-per-node describe the job for --dry-run; a run takes its ranks from the launcher"
+            )
+        if min(args.nodes or 1, args.gpus_per_node or 1) < 1:
+            parser.error("--nodes and --gpus-per-node must be >= 1")
+        nodes, per_node = args.nodes or 1, args.gpus_per_node or 1
+        env = {"RANK": "0", "WORLD_SIZE": str(nodes * per_node), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(per_node)}
     try:
-        req = make_request(args)
+        req = make_request(args, env)
         if args.profile_steps:
             from snakellm.train.profiling import parse_range
 
             parse_range(args.profile_steps)
+        if args.dry_run:
+            from snakellm.train.request import dry_run
+
+            print("\n".join(dry_run(req, args.nodes, args.gpus_per_node, args.gpu_memory_gib)))
+            return EXIT_OK
     except (
         RequestError,
         ValueError,
@@ -116,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return pretrain(req)
-    except (RequestError, models.ModelConfigError, DataError, ckpt.CheckpointError) as e:
+    except (RequestError, runtime.LaunchError, models.ModelConfigError, DataError, ckpt.CheckpointError) as e:
         _error(e)
-        return EXIT_USAGE if isinstance(e, RequestError) else EXIT_ERROR
+        return EXIT_USAGE if isinstance(e, (RequestError, runtime.LaunchError)) else EXIT_ERROR
     except FloatingPointError as e:
         _error(e)
         return EXIT_ERROR

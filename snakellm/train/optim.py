@@ -17,6 +17,8 @@ so tensor-parallel resharding works as for the model.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -157,3 +159,328 @@ class MixedPrecisionAdamW:
                 for p, m in self._pairs:
                     if m is not p:
                         p.data.copy_(m)
+
+
+# ---------------------------------------------------------------------- the distributed optimizer
+
+
+def flat_range_blocks(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The flat range ``[lo, hi)`` of a C-contiguous tensor of ``shape`` as rectangular blocks.
+
+    Returns ``(offset, block shape, flat start)`` in flat order; at most ``2 * ndim - 1`` blocks (a
+    partial first row, whole rows, a partial last row, recursively). dist_checkpointing
+    0.16 refuses ``flattened_range`` shards, but takes any number of rectangular ones.
+    """
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,), lo)]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:  # inside one row
+        base = first * inner
+        return [((first, *o), (1, *s), f + base) for o, s, f in flat_range_blocks(shape[1:], lo - base, hi - base)]
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    if lo % inner:
+        out += flat_range_blocks(shape, lo, (first + 1) * inner)
+        first += 1
+    end_row = hi // inner
+    if end_row > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (end_row - first, *shape[1:]), first * inner))
+    if hi % inner:
+        out += flat_range_blocks(shape, end_row * inner, hi)
+    return out
+
+
+class _Shard:
+    """This rank's slice ``[lo, hi)`` of one parameter (flattened), with its views and fp32 master."""
+
+    def __init__(self, index: int, param: torch.nn.Parameter, lo: int, hi: int):
+        self.index, self.param, self.lo, self.hi = index, param, lo, hi
+        self.model = param.detach().view(-1)[lo:hi]  # a view into DDP's parameter buffer
+        self.grad = param.main_grad.view(-1)[lo:hi]  # type: ignore[attr-defined]  # DDP's reduce-scattered slice
+        self.master = self.model if param.dtype == torch.float32 else self.model.clone().float()
+
+
+class DistributedAdamW:
+    """The same AdamW as :class:`MixedPrecisionAdamW`, each data-parallel rank updating only its shard.
+
+    megatron-core DDP built with ``use_distributed_optimizer=True`` gives every rank
+    a contiguous slice of each gradient bucket: ``finish_grad_sync`` reduce-scatters
+    the gradients into it, and ``start_param_sync`` all-gathers the parameter
+    buffer afterwards. This optimizer keeps fp32 masters and Adam moments only for
+    the parameters (or parts of them) inside this rank's slices: 12 bytes a
+    parameter become ``12 / dp``, as with megatron-core's ``DistributedOptimizer``.
+    That class itself cannot run here: it accepts only ``torch.cuda.*Tensor``
+    parameters (optimizer/distrib_optimizer.py) and allocates on ``device='cuda'``
+    (optimizer.py, clip_grads.py), so it would leave the CPU tests blind; this one
+    is the same algorithm, on CPU (gloo) and GPU (NCCL).
+
+    Checkpoints hold the optimizer in model space, exactly as
+    :class:`MixedPrecisionAdamW` writes it (``optimizer.state.exp_avg.<param key>``
+    ..., and ``optimizer.state.fp32_param.<param key>`` for bf16): each rank writes
+    its shards as rectangular blocks of those tensors. A checkpoint therefore
+    resumes with or without the distributed optimizer and on any data-parallel or
+    tensor-parallel size, like the model.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float,
+        fused: bool | None = None,
+    ):
+        from megatron.core import parallel_state
+
+        if not model.ddp_config.use_distributed_optimizer:
+            raise ValueError("DistributedAdamW needs megatron-core DDP with use_distributed_optimizer=True")
+        self.model = model
+        self.clip_grad = clip_grad
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
+        for _name, p in model.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.dim() < 2 else decay).append(p)
+        # the canonical order (MixedPrecisionAdamW's): checkpoints index the state by it
+        self.model_groups = [g for g in (decay, no_decay) if g]
+        self.params = [p for g in self.model_groups for p in g]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        wds = [weight_decay, 0.0] if (decay and no_decay) else ([weight_decay] if decay else [0.0])
+
+        # this rank's slice of every bucket, intersected with the parameters in it
+        owned: dict[int, tuple[int, int]] = {}
+        for buffer in model.buffers + model.expert_parallel_buffers:
+            for bucket in buffer.buckets:
+                size = bucket.grad_data.numel() // self.dp_size
+                s_lo = bucket.offset + dp_rank * size
+                s_hi = s_lo + size
+                for p in bucket.params_list:
+                    start, end, _ = buffer.param_index_map[p]
+                    lo, hi = max(start, s_lo), min(end, s_hi)
+                    if lo < hi:
+                        owned[index[id(p)]] = (lo - start, hi - start)
+        self.shards = [_Shard(i, self.params[i], *owned[i]) for i in sorted(owned)]
+        self.has_masters = any(s.master is not s.model for s in self.shards) or any(
+            p.dtype != torch.float32 for p in self.params
+        )
+        group_of = {id(p): g for g, ps in enumerate(self.model_groups) for p in ps}
+        groups = [
+            {"params": [s.master for s in self.shards if group_of[id(s.param)] == g], "weight_decay": wd}
+            for g, wd in enumerate(wds)
+        ]
+        device = self.params[0].device
+        if fused is None:
+            fused = device.type == "cuda"
+        self.device = device
+        # torch refuses an optimizer without parameters: a rank whose slices hold none keeps a placeholder
+        self._placeholder = torch.zeros(1, device=device)
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]] or [{"params": [self._placeholder], "weight_decay": 0.0}],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
+        self._norm_mask = [not _is_tp_duplicate(s.param) for s in self.shards]
+        self._wds = wds
+        self.numel = sum(s.hi - s.lo for s in self.shards)  # parameters whose Adam states this rank holds
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, lr: float) -> torch.Tensor:
+        """Clip and apply this rank's reduce-scattered gradients, then all-gather the weights; return the norm."""
+        from megatron.core import parallel_state
+
+        grads = []
+        for s in self.shards:
+            s.master.grad = s.grad if s.grad.dtype == torch.float32 else s.grad.float()
+            grads.append(s.master.grad)
+        norm_grads = [g for g, keep in zip(grads, self._norm_mask) if keep]
+        sq = (
+            torch.stack(torch._foreach_norm(norm_grads)).square().sum()
+            if norm_grads
+            else torch.zeros((), device=self.device)
+        )
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(sq, group=self.dp_group)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        norm = sq.sqrt()
+        if self.clip_grad > 0 and grads:
+            coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.shards:
+            self.optimizer.step()
+        copies = [(s.model, s.master) for s in self.shards if s.master is not s.model]
+        if copies:
+            torch._foreach_copy_([m for m, _ in copies], [f for _, f in copies])
+        for s in self.shards:
+            s.master.grad = None
+        self.model.start_param_sync(force_sync=True)  # every rank's updated slices to every rank
+        return norm
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _init_state(self) -> None:
+        fused = bool(self.optimizer.defaults.get("fused"))
+        for s in self.shards:
+            st = self.optimizer.state[s.master]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=s.master.device if fused else "cpu")
+                st["exp_avg"] = torch.zeros_like(s.master)
+                st["exp_avg_sq"] = torch.zeros_like(s.master)
+
+    def _blocks(self, model_sharded_state_dict: dict) -> dict[int, list[tuple[Any, int, int]]]:
+        """Per shard: (ShardedTensor template, start, end) of each rectangular block, start/end in the shard.
+
+        A parameter's model entry is a ShardedTensor, or a ShardedTensorFactory (the
+        SwiGLU fc1 weight, saved as two halves at different global offsets): the
+        factory is built on a tensor of flat indices to learn which part of the
+        parameter each of its ShardedTensors holds.
+        """
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+        from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
+        out: dict[int, list[tuple[Any, int, int]]] = {}
+        for s in self.shards:
+            sh = id_map[s.index]
+            parts: list[tuple[Any, int]] = []  # (ShardedTensor of a contiguous part of the parameter, its flat start)
+            if isinstance(sh, ShardedTensorFactory):
+                n = s.param.numel()
+                idx = torch.arange(n, dtype=torch.int64 if n >= 2**31 else torch.int32).view(s.param.shape)
+                for part in nested_values(sh.build_fn(sh.key, idx, sh.replica_id, None)):
+                    flat = part.data.reshape(-1)
+                    start = int(flat[0])
+                    if not torch.equal(flat, torch.arange(start, start + flat.numel(), dtype=flat.dtype)):
+                        raise NotImplementedError(f"{sh.key}: a checkpoint factory whose parts are not contiguous")
+                    parts.append((part, start))
+            else:
+                parts.append((sh, 0))
+            blocks = []
+            for part, start in parts:
+                lo, hi = max(s.lo, start), min(s.hi, start + part.data.numel())
+                for off, shape, flat in flat_range_blocks(tuple(part.local_shape), lo - start, hi - start):
+                    a = flat + start - s.lo
+                    blocks.append((_block_of(part, off, shape), a, a + _numel(shape)))
+            out[s.index] = blocks
+        return out
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        if is_loading:
+            self._init_state()
+        blocks = self._blocks(model_sharded_state_dict)
+        self._loading_blocks = blocks
+        step = None
+        state: dict[Any, Any] = {}
+        masters: dict[int, dict[int, dict[int, Any]]] = {}
+        group_of = {id(p): g for g, ps in enumerate(self.model_groups) for p in ps}
+        for s in self.shards:
+            st = self.optimizer.state[s.master]
+            step = st.get("step", step)
+            entry: dict[str, dict[int, Any]] = {}
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name in st:
+                    entry[name] = {
+                        j: _with_data(t, f"optimizer.state.{name}", st[name][a:b])
+                        for j, (t, a, b) in enumerate(blocks[s.index])
+                    }
+            state[s.index] = entry
+            if self.has_masters:
+                masters.setdefault(group_of[id(s.param)], {})[s.index] = {
+                    j: _with_data(t, "optimizer.state.fp32_param", s.master[a:b])
+                    for j, (t, a, b) in enumerate(blocks[s.index])
+                }
+        if step is None:  # a rank without shards: every rank has taken the same number of steps
+            step = torch.zeros((), dtype=torch.float32)
+        state["common_step"] = step
+        inner = {"state": state, "param_groups": self._canonical_param_groups()}
+        if not self.has_masters:
+            return inner
+        return {"optimizer": inner, "fp32_from_fp16_params": masters}
+
+    def _canonical_param_groups(self) -> list[dict[str, Any]]:
+        """torch's param_groups as MixedPrecisionAdamW saves them (its parameter indices), for either to load."""
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+        hyper = {k: v for k, v in self.optimizer.param_groups[0].items() if k not in ("params", "weight_decay")}
+        out, n = [], 0
+        for g, wd in zip(self.model_groups, self._wds):
+            # as optim_state_to_sharding_state has it: the indices are not saved, each loader has its own
+            params = LocalNonpersistentObject(list(range(n, n + len(g))))
+            out.append({**hyper, "weight_decay": wd, "params": params})
+            n += len(g)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put the loaded blocks (requested by ``sharded_state_dict(..., is_loading=True)``) into the shards."""
+        blocks = self._loading_blocks
+        inner = state["optimizer"] if self.has_masters else state
+        step = inner["state"].get("common_step")
+        group_of = {id(p): g for g, ps in enumerate(self.model_groups) for p in ps}
+        with torch.no_grad():
+            for s in self.shards:
+                st = self.optimizer.state[s.master]
+                for name in ("exp_avg", "exp_avg_sq"):
+                    for j, (_, a, b) in enumerate(blocks[s.index]):
+                        st[name][a:b].copy_(inner["state"][s.index][name][j].reshape(-1))
+                if step is not None:
+                    st["step"].copy_(step)
+                if self.has_masters:
+                    loaded = state["fp32_from_fp16_params"][group_of[id(s.param)]][s.index]
+                    for j, (_, a, b) in enumerate(blocks[s.index]):
+                        s.master[a:b].copy_(loaded[j].reshape(-1))
+                    if s.master is not s.model:
+                        s.model.copy_(s.master)
+
+
+def _block_of(part: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> Any:
+    """The ShardedTensor of a block at ``offset`` (within ``part``'s local tensor) of ``shape`` (no data yet)."""
+    from dataclasses import replace
+
+    pre = part.prepend_axis_num
+    glob = tuple(part.global_offset[:pre]) + tuple(o + part.global_offset[pre + i] for i, o in enumerate(offset))
+    rid = part.replica_id
+    # every data-parallel rank holds other blocks: none is a replica of another (megatron's convention: the
+    # last replica coordinate is the data-parallel one)
+    rid = (*rid[:-1], 0) if isinstance(rid, tuple) else 0
+    # prepended axes (a layer's index in the stacked ``decoder.layers.*`` tensors) become leading axes of size 1:
+    # dist_checkpointing's path for irregular shards takes the local shape as the whole chunk
+    return replace(
+        part,
+        data=None,
+        local_shape=(1,) * pre + tuple(shape),
+        global_offset=glob,
+        axis_fragmentations=None,
+        replica_id=rid,
+        prepend_axis_num=0,
+    )
+
+
+def _with_data(block: Any, prefix: str, flat: torch.Tensor) -> Any:
+    from dataclasses import replace
+
+    t = replace(block, key=f"{prefix}.{block.key}", data=flat.view(block.local_shape), dtype=flat.dtype)
+    t.validate_metadata_integrity()
+    return t
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

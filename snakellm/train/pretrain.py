@@ -3,7 +3,8 @@
 :func:`pretrain` takes a checked :class:`snakellm.train.request.TrainRequest`
 and does what is specific to pretraining: decide resume / fresh / archive from
 the stored settings, start the process group and megatron-core's parallel
-state, build the model (megatron-core DDP) and :class:`MixedPrecisionAdamW`,
+state, build the model (megatron-core DDP) and :class:`MixedPrecisionAdamW` (or,
+sharded over the data-parallel ranks, :class:`DistributedAdamW`),
 Megatron's blended ``GPTDataset`` for training and validation, restore a
 checkpoint (model, optimizer, RNG), then hand everything to the loop and write
 ``metrics.jsonl`` and ``train_summary.json`` when it reached its last step.
@@ -12,7 +13,7 @@ checkpoint (model, optimizer, RNG), then hand everything to the loop and write
 from __future__ import annotations
 
 import hashlib
-import warnings
+import os
 from typing import Any
 
 from snakellm import models
@@ -24,7 +25,7 @@ from snakellm.train import checkpoint as ckpt
 from snakellm.train import dataset as datamod
 from snakellm.train.metrics import MetricsLogger, merge_metrics, peak_tflops_of
 from snakellm.train.profiling import StepProfiler, parse_range
-from snakellm.train.request import RequestError, TrainRequest, decide_resume, fingerprint, run_config
+from snakellm.train.request import TrainRequest, decide_resume, fingerprint, run_config
 from snakellm.train.rng import rng_states, seed_all, set_rng_states
 from snakellm.train.signals import StopPolicy
 from snakellm.train.trainer import EXIT_OK, Batch, Intervals, Trainer
@@ -47,27 +48,24 @@ def pretrain(req: TrainRequest) -> int:
     stop = StopPolicy(max_time=req.max_time, max_time_text=str(t.max_time))
     import torch
 
-    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
-    if a.device == "cuda" and not torch.cuda.is_available():
-        raise RequestError("--device cuda: no CUDA device is available")
-    if not cuda and par.tp != 1:
-        raise RequestError(f"tensor parallel size {par.tp} needs GPUs; on the CPU use tp 1")
-    if not cuda and par.threads:
-        torch.set_num_threads(par.threads)
+    dropout = bool(req.model["hidden_dropout"] or req.model["attention_dropout"])
+    cuda = runtime.prepare(torch, a.device, par.tp, par.threads, cpu_tp=True, dropout=dropout)
+    if cuda and par.sequence_parallel:
+        # megatron-core's advice for sequence parallelism: one hardware queue, so that its all-gathers are
+        # scheduled before the GEMMs they overlap with (read when the CUDA context is created, below)
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     precision = t.precision if t.precision != "auto" else ("bf16" if cuda else "fp32")
     cfg = run_config(req, precision)
     fp = fingerprint(cfg)
 
     distmod.export(d)
-    # without apex/Transformer Engine megatron-core warns once per module about its fallbacks
-    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine|TransformerEngine).*")
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
     from snakellm.models.build import build_model
-    from snakellm.train.optim import MixedPrecisionAdamW
+    from snakellm.train.optim import DistributedAdamW, MixedPrecisionAdamW
     from snakellm.train.schedule import CosineSchedule
 
     device = runtime.pick_device(torch, "cuda" if cuda else "cpu", d.local_rank)
@@ -102,22 +100,32 @@ def pretrain(req: TrainRequest) -> int:
             fused_loss=par.loss,
             compile_layers=par.compile,
             attention_backend=a.attention_backend,
+            sequence_parallel=par.sequence_parallel,
         )
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=cuda and req.dp > 1,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=par.distributed_optimizer,
         )
         model = DDP(tcfg, ddp_cfg, module)
         model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
-        opt = MixedPrecisionAdamW(
-            model,
+        adamw: dict[str, Any] = dict(
             lr=t.lr,
             weight_decay=t.weight_decay,
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps,
             clip_grad=t.clip_grad,
         )
+        opt: MixedPrecisionAdamW | DistributedAdamW
+        if par.distributed_optimizer:
+            opt = DistributedAdamW(model, **adamw)
+            log(
+                f"distributed optimizer: rank {d.rank} holds the Adam states of {opt.numel:,} of "
+                f"{sum(p.numel() for p in opt.params):,} parameters",
+                rank0,
+            )
+        else:
+            opt = MixedPrecisionAdamW(model, **adamw)
         sched = CosineSchedule(t.lr, t.min_lr, t.warmup_steps, req.decay_steps, t.lr_decay_style)
         nparams, flops_tok = _count(req, module, rank0)
         peak = (
@@ -129,7 +137,9 @@ def pretrain(req: TrainRequest) -> int:
             f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {precision} on "
             f"{'GPU' if cuda else 'CPU'}; world {d.world_size} ({d.launcher}) = dp {req.dp} x tp {par.tp} x "
             f"pp {par.pp}; global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {req.dp} x "
-            f"{req.num_micro} accumulation steps; {t.steps} steps",
+            f"{req.num_micro} accumulation steps; {t.steps} steps"
+            + ("; sequence parallel" if par.sequence_parallel else "")
+            + (f"; optimizer sharded over {req.dp} data-parallel ranks" if par.distributed_optimizer else ""),
             rank0,
         )
 
@@ -254,6 +264,7 @@ def pretrain(req: TrainRequest) -> int:
             desc=f"train {req.run_name}",
             show_progress=a.progress,
             heartbeat=wd.beat if wd else None,
+            finalize_grads=(lambda: finalize_model_grads([model])) if par.sequence_parallel else None,
         )
         status = trainer.fit()
 
@@ -264,8 +275,9 @@ def pretrain(req: TrainRequest) -> int:
             raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
         if status == EXIT_OK:
             if rank0:
+                peak = torch.cuda.max_memory_allocated(device) if cuda else None
                 write_summary(
-                    req, fp, manager.best, nparams, flops_tok, time.time() - stop.started_at, precision, digests
+                    req, fp, manager.best, nparams, flops_tok, time.time() - stop.started_at, precision, digests, peak
                 )
             barrier()
         return status
@@ -379,6 +391,7 @@ def write_summary(
     wall: float,
     precision: str,
     digests: list[str],
+    peak_memory: int | None = None,
 ) -> None:
     """``metrics.jsonl`` (one record per step) and ``train_summary.json``: the rule's declared outputs."""
     import json
@@ -416,5 +429,7 @@ def write_summary(
         "blend": req.blend.path,
         "tokenizer": req.blend.tokenizer,
         "replica_weight_digests": digests,
+        # torch's allocator peak on rank 0's GPU (what snakellm.models.memory estimates, minus the CUDA context)
+        "peak_gpu_memory_gib": round(peak_memory / 2**30, 3) if peak_memory is not None else None,
     }
     write_json(req.run_dir / "train_summary.json", summary)

@@ -111,6 +111,10 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     _check_positive(t)
     dist = distmod.detect(env)
     models.check_parallel(model, par.tp, par.pp)
+    if par.sequence_parallel and par.tp == 1:
+        raise RequestError(
+            "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
+        )
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
     decay = t.decay_steps if t.decay_steps is not None else t.steps
     if not 0 <= t.warmup_steps <= decay:
@@ -208,3 +212,62 @@ def decide_resume(ckpt_dir: Path, t: TrainSettings, cfg: dict[str, Any], fp: str
             "(config: train.on_config_change: archive), which moves the old checkpoints aside"
         )
     return "archive", None, f"settings changed: {what}"
+
+
+def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib: float | None) -> list[str]:
+    """What ``snakellm train --dry-run`` prints: the checked request, the resume decision, the memory per GPU.
+
+    The precision is what the run would use on GPUs (``--device cpu``: fp32), the
+    memory table the one ``snakellm plan`` prints (:func:`snakellm.models.memory.report`).
+    """
+    from snakellm.models import memory
+
+    t, par, d = req.train, req.parallel, req.dist
+    precision = t.precision if t.precision != "auto" else ("fp32" if req.args.device == "cpu" else "bf16")
+    ranks = (
+        f"{d.world_size} ranks = {nodes or 1} nodes x {per_node or 1}"
+        if nodes or per_node
+        else f"{d.world_size} ranks ({d.launcher})"
+    )
+    cfg = run_config(req, precision)
+    action, it, why = decide_resume(req.ckpt_dir, t, cfg, fingerprint(cfg))
+    resume = {
+        "resume": f"resumes from {req.ckpt_dir / ckpt.iter_name(it or 0)}",
+        "fresh": f"starts fresh in {req.ckpt_dir}",
+        "archive": f"moves the checkpoints in {req.ckpt_dir} aside and starts fresh",
+    }[action]
+    options = [
+        o
+        for o, on in (
+            ("sequence parallel", par.sequence_parallel),
+            ("distributed optimizer", par.distributed_optimizer),
+        )
+        if on
+    ]
+    return [
+        "snakellm train --dry-run: the request is valid (nothing started, nothing written)",
+        f"run {req.run_name}: {ranks}; tp {par.tp} x pp {par.pp} x dp {req.dp}"
+        + (f" ({', '.join(options)})" if options else "")
+        + f"; global batch {t.global_batch_size} = micro batch {t.micro_batch_size} x dp {req.dp} x "
+        f"{req.num_micro} accumulation steps; {t.steps} steps of {t.global_batch_size * req.model['seq_length']:,} tokens",
+        f"  model: {models.describe(req.model, req.vocab)}; {precision}",
+        f"  data: {req.blend.path} ({len(req.blend.prefixes)} token file{'s' if len(req.blend.prefixes) != 1 else ''}, "
+        f"split {t.split})",
+        f"  checkpoints: {resume} ({why})",
+        *(
+            "  " + line
+            for line in memory.report(
+                req.model,
+                req.vocab,
+                tp=par.tp,
+                pp=par.pp,
+                dp=req.dp,
+                micro_batch_size=t.micro_batch_size,
+                num_micro_batches=req.num_micro,
+                sequence_parallel=par.sequence_parallel,
+                distributed_optimizer=par.distributed_optimizer,
+                bf16=precision == "bf16",
+                gpu_gib=gpu_gib,
+            )
+        ),
+    ]

@@ -117,7 +117,7 @@ class TrainSettings:
 class ParallelSettings:
     """``runs.<name>.parallel``: how the ranks split the model and the work."""
 
-    tp: int = setting(1, "tensor-parallel size (GPU only)")
+    tp: int = setting(1, "tensor-parallel size (on the CPU only for models without dropout)")
     pp: int = setting(1, "pipeline-parallel size (must be 1)")
     threads: int = setting(2, "CPU threads of the job (torch intra-op threads on CPU)")
     num_workers: int | None = setting(None, "data-loader workers per rank (null: 2 on GPU, 0 on CPU)")
@@ -128,6 +128,16 @@ class ParallelSettings:
         choices=("auto", "compiled", "eager", "megatron"),
     )
     compile: bool = setting(False, "torch.compile each transformer layer (GPU)")
+    sequence_parallel: bool = setting(
+        False,
+        "megatron-core sequence parallelism: the norms, dropouts, embedding output and residual stream are split "
+        "along the sequence over the tensor-parallel ranks instead of replicated (needs tp > 1)",
+    )
+    distributed_optimizer: bool = setting(
+        False,
+        "shard the fp32 Adam states and master weights over the data-parallel ranks (megatron-core's "
+        "distributed-optimizer gradient buffers: reduce-scatter, then all-gather of the updated weights)",
+    )
 
 
 TRAJECTORY_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainSettings) if f.metadata["trajectory"])

@@ -1,7 +1,8 @@
 """The training loop, in the shape torchtitan uses: ``fit()`` over ``train_step()``, parts kept apart.
 
 The loop knows nothing about GPT pretraining: it gets a model (megatron-core
-DDP, or anything with ``zero_grad_buffer``/``no_sync``/``finish_grad_sync``), an
+DDP, or anything with ``zero_grad_buffer``/``no_sync``/``finish_grad_sync``; a
+``finalize_grads`` callable replaces the last where more is needed), an
 optimizer with ``step(lr) -> grad norm``, a learning-rate schedule with
 ``lr(step)``, an iterator of micro-batches (dicts of tensors) and a
 ``loss_fn(model, batch) -> scalar``. Around it, separate parts with one job
@@ -77,6 +78,7 @@ class Trainer:
         desc: str = "train",
         show_progress: bool = True,
         heartbeat: Callable[[int], None] | None = None,
+        finalize_grads: Callable[[], None] | None = None,
     ):
         self.model, self.optimizer, self.lr_schedule = model, optimizer, lr_schedule
         self.batches, self.loss_fn, self.num_micro = batches, loss_fn, num_micro
@@ -85,6 +87,10 @@ class Trainer:
         self.to_device, self.step, self.overlap = to_device, start_step, overlap_grad_reduce
         self.profiler, self.rank0, self.desc, self.show_progress = profiler, rank0, desc, show_progress
         self.heartbeat = heartbeat  # called with each step number as it starts (the hang watchdog's)
+        # after the last micro-batch's backward: the data-parallel gradient sync, and whatever else the model
+        # needs (sequence parallelism: megatron-core's finalize_model_grads also sums the norms' gradients
+        # over the tensor-parallel ranks)
+        self.finalize_grads = finalize_grads or model.finish_grad_sync
         self.last_val: float | None = None
         self.stopped_by: str | None = None
 
@@ -102,7 +108,7 @@ class Trainer:
                 loss = self.loss_fn(self.model, batch)
                 (loss / self.num_micro).backward()
             total = loss.detach() if total is None else total + loss.detach()
-        self.model.finish_grad_sync()
+        self.finalize_grads()
         norm = self.optimizer.step(lr)
         self.metrics.record(step, lr, (total if total is not None else torch.zeros(())) / self.num_micro, norm)
 

@@ -1,0 +1,73 @@
+"""Sequence packing for fine-tuning: a packed row computes, token for token, what each example computes alone.
+
+Several SFT examples share a row with positions restarting per example and a block-diagonal causal mask
+(snakellm.finetune.dataset.pack / collate_packed / packed_attention_mask); through megatron-core's model
+(our SDPA core attention), every answer token's loss must equal the unpacked example's (CPU, random tiny models).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from snakellm.finetune import dataset as ds  # noqa: E402
+from snakellm.finetune import runtime  # noqa: E402
+from snakellm.models import architecture as models  # noqa: E402
+
+VOCAB = 256
+WIDTH = 48
+
+
+@pytest.fixture(scope="module")
+def rt():
+    r = runtime.start("cpu", 1, threads=1, seed=3)
+    yield r
+    runtime.stop()
+
+
+def _examples(n: int, seed: int) -> list[ds.Example]:
+    rng = random.Random(seed)
+    return [
+        ds.Example(
+            [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 20))],
+            [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 8))],
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_packed_rows_equal_examples_alone(rt, preset: str) -> None:
+    from megatron.core import tensor_parallel
+
+    from snakellm.models.build import build_model
+
+    arch = models.resolve(preset, {"seq_length": WIDTH})
+    torch.manual_seed(4)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    gpt, _ = build_model(arch, VOCAB, fused_loss="eager")
+    gpt.eval()
+    exs = _examples(14, seed=9)
+    rows = ds.pack(exs, WIDTH, seed=1)
+    assert sorted(i for r in rows for i in r) == list(range(len(exs)))  # every example once
+    assert all(sum(len(exs[i].ids) - 1 for i in r) <= WIDTH for r in rows)
+    assert len(rows) < len(exs) and max(map(len, rows)) > 1  # it does pack
+
+    b = ds.collate_packed([[exs[i] for i in r] for r in rows], WIDTH, 0, answer_only_loss=True)
+    mask = ds.packed_attention_mask(b.pop("segment_ids"))
+    with torch.no_grad():
+        packed = gpt(b["tokens"], b["position_ids"], mask, labels=b["labels"])
+        for r, members in enumerate(rows):
+            at = 0
+            for i in members:
+                alone = ds.collate([exs[i]], 0, answer_only_loss=True)
+                loss = gpt(alone["tokens"], alone["position_ids"], None, labels=alone["labels"])
+                n = len(exs[i].ids) - 1
+                m = alone["loss_mask"][0, :n].bool()
+                assert torch.equal(b["loss_mask"][r, at : at + n].bool(), m)
+                torch.testing.assert_close(packed[r, at : at + n][m], loss[0, :n][m], atol=2e-5, rtol=1e-5)
+                at += n
+    assert int(b["loss_mask"].sum()) == sum(len(e.answer) for e in exs)
