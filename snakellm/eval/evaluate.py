@@ -123,7 +123,7 @@ def evaluate(a: argparse.Namespace) -> dict:
         gpt, _, arch, _, ck, tok_info = runtime.load_base(rt, a.base, bf16=bf16, seq_length=a.max_seq_length)
         seq = a.max_seq_length or arch["seq_length"]
         tok = runtime.load_tokenizer(a.blend, fallback=tok_info)
-        virtual, conf, _extra = attach_artifacts(rt, gpt, arch, a.adapter, a.prompt)
+        virtual, conf, extra = attach_artifacts(rt, gpt, arch, a.adapter, a.prompt)
         ex_cfg = (conf or {}).get("examples") or {}
         template = ex_cfg.get("template", a.template)
         enc = ds.Encoder(
@@ -157,7 +157,7 @@ def evaluate(a: argparse.Namespace) -> dict:
                 per_tok = gpt(b["tokens"], b["position_ids"], None, labels=b["labels"])
                 m = b["loss_mask"]
                 tot += torch.tensor([float((per_tok.float() * m).sum()), float(m.sum())], dtype=torch.float64)
-        gen = generate_answers(gpt, arch, tok, [e.context for e in exs], a, seq, _extra)
+        gen = generate_answers(gpt, arch, tok, [e.context for e in exs], a, seq, extra)
         preds = [tok.decode(g) for g in gen]
         metrics = {
             "model": a.label or ("lora" if a.adapter else "ptuning" if a.prompt else "base"),

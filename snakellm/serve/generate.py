@@ -152,14 +152,15 @@ class Decoder:
 
         self.arch = arch
         self.vocab_size = vocab_size
-        # p-tuning's virtual-token embeddings [N, h]: they replace the embeddings of each row's first N tokens
-        self.virtual = virtual
         w = megatron_tensors(model)
         self.emb = w["embedding.word_embeddings.weight"]
         self.pos_emb = w.get("embedding.position_embeddings.weight")
         self.out = w.get("output_layer.weight", self.emb)
         self.device = self.emb.device
         self.dtype = self.emb.dtype
+        # p-tuning's virtual-token embeddings [N, h], cast once: they replace the embeddings of each
+        # row's first N tokens, which are prompt tokens, so only a forward from slot 0 (prefill) meets them
+        self.virtual = None if virtual is None else virtual.to(device=self.device, dtype=self.dtype)
         self.layers: list[dict[str, Any]] = []
         for i in range(arch["num_layers"]):
             p = f"decoder.layers.{i}."
@@ -226,10 +227,10 @@ class Decoder:
 
         b, t = tokens.shape
         x = F.embedding(tokens, self.emb)
-        if self.virtual is not None:
+        if self.virtual is not None and start == 0:
             n = self.virtual.size(0)
             prefix = (positions < n)[..., None]
-            x = torch.where(prefix, self.virtual.to(x.dtype)[positions.clamp(max=n - 1)], x)
+            x = torch.where(prefix, self.virtual[positions.clamp(max=n - 1)], x)
         if self.pos_emb is not None:
             x = x + F.embedding(positions, self.pos_emb)
         if self.rope:
