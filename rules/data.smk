@@ -14,10 +14,10 @@ rule download:
         downloads=1,
     params:
         dest=get_raw_dir,
-        options=get_download_options,
+        flags=DOWNLOAD_FLAGS,
     shell:
         "snakellm download --dest {params.dest} --manifest {output.manifest} "
-        "--source {wildcards.source} --chunk {wildcards.chunk} {params.options} "
+        "--source {wildcards.source} --chunk {wildcards.chunk} {params.flags} "
         "--url-file {input.urls} 2> {log}"
 
 
@@ -37,11 +37,10 @@ rule chunk:
     threads: 2
     params:
         shards=get_chunk_shards_option,
-        format=get_source_format,
-        key=get_source_key,
+        flags=get_source_flags,
     shell:
         "snakellm chunk {params.shards} --output {output.jsonl} --stats {output.stats} "
-        "--rejected {output.rejected} --format {params.format} --key {params.key:q} "
+        "--rejected {output.rejected} {params.flags} "
         "--source {wildcards.source} --chunk {wildcards.chunk} --threads {threads} 2> {log}"
 
 

@@ -34,11 +34,13 @@ from typing import BinaryIO
 
 import orjson
 
+from snakellm.config.sections import SOURCE_FORMATS, SourceSettings
+from snakellm.config.settings import add_arguments
 from snakellm.io.atomic import atomic_group
 from snakellm.io.progress import progress
 from snakellm.io.readers import BOM, compression_of, detect_compression, open_shard, shard_lines
 
-FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki")
+FORMATS = SOURCE_FORMATS
 REASONS = (
     "blank_line",
     "invalid_utf8",
@@ -444,7 +446,8 @@ def read_shard_list(path: str) -> list[str]:
         return [s for s in (line.rstrip("\n") for line in fh) if s.strip() and not s.startswith("#")]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `snakellm chunk` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm chunk",
         description="Concatenate a chunk's shards (zstd, gzip, bz2, xz or plain, told apart by their magic bytes; "
@@ -471,12 +474,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", required=True, help="the chunk's .jsonl")
     p.add_argument("--rejected", help="default: {output stem}.rejected.jsonl")
     p.add_argument("--stats", help="default: {output stem}.stats.json")
-    p.add_argument("--format", default="jsonl", choices=FORMATS, help="shard format (default jsonl)")
-    p.add_argument("--key", default="text", help="JSON key holding the document text (default text)")
+    add_arguments(p.add_argument_group("source (config: sources.NAME)"), SourceSettings)
     p.add_argument("--source", default="", help="source name, recorded in the stats")
     p.add_argument("--chunk", default="", help="chunk name, recorded in the stats")
     p.add_argument("--threads", type=int, default=1, help="validate shards in this many processes (default 1)")
     p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     # The chunk rule passes its input as is: for an http source that is the
     # download manifest, which stands for the shards it lists.

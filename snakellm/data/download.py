@@ -58,6 +58,8 @@ from urllib.parse import urlsplit
 from urllib.request import Request, urlopen
 
 from snakellm import __version__
+from snakellm.config.sections import DownloadSettings
+from snakellm.config.settings import add_arguments
 from snakellm.data.planning import url_to_relpath
 from snakellm.io.atomic import write_json
 from snakellm.io.progress import progress
@@ -670,7 +672,8 @@ usage errors.
 """
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `snakellm download` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm download",
         description=HELP,
@@ -686,32 +689,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--source", default="", help="source name, recorded in the manifest")
     p.add_argument("--chunk", default="", help="chunk name, recorded in the manifest")
-    d = Options()
-    p.add_argument(
-        "--concurrency", type=int, default=d.concurrency, help=f"parallel requests (default {d.concurrency})"
-    )
-    p.add_argument(
-        "--retries", type=int, default=d.retries, help=f"retries per shard without progress (default {d.retries})"
-    )
-    p.add_argument(
-        "--backoff",
-        type=float,
-        default=d.backoff,
-        help=f"first retry delay in seconds, doubled per failure (default {d.backoff:g})",
-    )
-    p.add_argument(
-        "--max-backoff",
-        type=float,
-        default=d.max_backoff,
-        help=f"cap on one delay, Retry-After included (default {d.max_backoff:g})",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=d.timeout,
-        help=f"connect and read timeout per request in seconds (default {d.timeout:g})",
-    )
+    add_arguments(p.add_argument_group("download (config: download)"), DownloadSettings)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     urls = list(a.urls)
     if a.url_file:

@@ -26,17 +26,16 @@ import json
 import sys
 from pathlib import Path
 
+from snakellm.config.sections import EvaluateSettings, ExamplesSettings
+from snakellm.config.settings import add_arguments
 from snakellm.io.atomic import atomic_group
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from snakellm.finetune.cli import add_data_arguments
-
     p = argparse.ArgumentParser(
         prog="snakellm evaluate",
         description="Greedy generation on a test split: NeMo's exact_string_match, SQuAD EM/F1 and answer-only "
         "loss -> metrics.json + predictions.jsonl ({input, pred, label}).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--base", required=True, help="pretrained run (or a full fine-tune's model/ directory)")
     p.add_argument("--blend", default=None, help="a blend.json whose tokenizer to use (default: the run's own)")
@@ -45,13 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default=None, help="LoRA adapter directory (finetune's adapter/)")
     p.add_argument("--prompt", default=None, help="p-tuning directory (finetune's prompt/)")
     p.add_argument("--label", default=None, help="name of the evaluated model in metrics.json")
-    p.add_argument("--tokens-to-generate", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
+    add_arguments(p.add_argument_group("evaluation (config: finetune.NAME.evaluate)"), EvaluateSettings)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
-    add_data_arguments(p)
+    examples = p.add_argument_group("examples, as in training (config: finetune.NAME.examples)")
+    add_arguments(examples, ExamplesSettings, exclude=("packing",))
     return p
 
 

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from snakellm.config.sections import ExportHfSettings, ImportHfSettings
+from snakellm.config.settings import add_arguments
 from snakellm.io.atomic import write_json
 from snakellm.io.log import log
 
@@ -554,7 +556,8 @@ def tokenizer_from_blend(blend: str | os.PathLike) -> dict:
         raise ExportError(f"{p}: no tokenizer block: {e}") from None
 
 
-def main_export(argv: list[str] | None = None) -> int:
+def build_export_parser() -> argparse.ArgumentParser:
+    """The `snakellm export-hf` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm export-hf",
         description="Write a Hugging Face model directory (GPT2LMHeadModel or LlamaForCausalLM: config.json, "
@@ -564,13 +567,7 @@ def main_export(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
     p.add_argument("out", help="output directory (replaced atomically)")
     p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weight dtype (auto: the checkpoint's)",
-    )
+    add_arguments(p.add_argument_group("export (config: export_hf)"), ExportHfSettings)
     p.add_argument(
         "--blend",
         default=None,
@@ -581,6 +578,11 @@ def main_export(argv: list[str] | None = None) -> int:
         default=None,
         help="directory that relative tokenizer file paths are relative to (default: the working directory)",
     )
+    return p
+
+
+def main_export(argv: list[str] | None = None) -> int:
+    p = build_export_parser()
     a = p.parse_args(argv)
     from snakellm.models.loading import LoadError, describe_run, load
 
@@ -609,7 +611,8 @@ def main_export(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main_import(argv: list[str] | None = None) -> int:
+def build_import_parser() -> argparse.ArgumentParser:
+    """The `snakellm import-hf` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm import-hf",
         description="Convert a Hugging Face GPT-2 or Llama model directory into a snakellm run directory: "
@@ -618,7 +621,12 @@ def main_import(argv: list[str] | None = None) -> int:
     )
     p.add_argument("hf_dir", help="a Hugging Face model directory (config.json + safetensors/pytorch_model.bin)")
     p.add_argument("run_dir", help="output run directory")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="embedding padding (Megatron's)")
+    add_arguments(p.add_argument_group("import (config: import_hf.NAME)"), ImportHfSettings)
+    return p
+
+
+def main_import(argv: list[str] | None = None) -> int:
+    p = build_import_parser()
     a = p.parse_args(argv)
     hf_dir = Path(a.hf_dir)
     try:

@@ -41,6 +41,8 @@ from typing import Any
 
 import yaml
 
+from snakellm.config.sections import ExportNemoSettings
+from snakellm.config.settings import add_arguments
 from snakellm.io.atomic import atomic_path, write_json
 
 NEMO_TARGET = "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel"
@@ -609,7 +611,8 @@ def _read_blend_tokenizer(path: str) -> dict[str, Any]:
     return tok
 
 
-def main_export(argv: list[str] | None = None) -> int:
+def build_export_parser() -> argparse.ArgumentParser:
+    """The `snakellm export-nemo` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm export-nemo",
         description="Write a .nemo (NeMo 1.x layout, mcore GPT) from a checkpoint: NeMo's "
@@ -619,14 +622,13 @@ def main_export(argv: list[str] | None = None) -> int:
     p.add_argument("output", help="the .nemo file to write")
     p.add_argument("--iteration", type=int, help="export this iteration (default: the latest)")
     p.add_argument("--blend", help="blend.json whose tokenizer to pack (default: the one the checkpoint records)")
-    p.add_argument(
-        "--transformer-engine",
-        choices=TE_CHOICES,
-        default="auto",
-        help="transformer_engine in model_config.yaml (auto: true for RMSNorm models, which "
-        "megatron-core 0.8 builds only with TE; false for LayerNorm)",
-    )
+    add_arguments(p.add_argument_group("export (config: export_nemo)"), ExportNemoSettings)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    return p
+
+
+def main_export(argv: list[str] | None = None) -> int:
+    p = build_export_parser()
     a = p.parse_args(argv)
     try:
         info = read_checkpoint_info(a.checkpoint, a.iteration)
@@ -650,7 +652,8 @@ def main_export(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main_import(argv: list[str] | None = None) -> int:
+def build_import_parser() -> argparse.ArgumentParser:
+    """The `snakellm import-nemo` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm import-nemo",
         description="Import a .nemo (NeMo 1.x layout, mcore GPT, TP=PP=1, as NeMo's save_to writes it) into a "
@@ -658,6 +661,11 @@ def main_import(argv: list[str] | None = None) -> int:
     )
     p.add_argument("nemo", help="the .nemo file (or an extracted .nemo folder)")
     p.add_argument("run_dir", help="the run directory to create (must not hold checkpoints)")
+    return p
+
+
+def main_import(argv: list[str] | None = None) -> int:
+    p = build_import_parser()
     a = p.parse_args(argv)
     try:
         res = import_nemo(a.nemo, a.run_dir)

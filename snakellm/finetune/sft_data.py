@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from snakellm.config.sections import SftDataSettings
+from snakellm.config.settings import add_arguments
 from snakellm.io.atomic import atomic_group
 
 SPLITS = ("train", "validation", "test")
@@ -243,37 +245,29 @@ def prepare(
     return stats
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `snakellm prepare-sft` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm prepare-sft",
         description="SQuAD json (or jsonl with configurable keys) -> {input, output} jsonl train/validation/test "
         "splits for fine-tuning, plus rejected.jsonl and stats.json (bad records quarantined with a count).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("source", help="a SQuAD-format .json or a .jsonl file")
     p.add_argument(
         "out_dir", help="directory for train.jsonl, validation.jsonl, test.jsonl, rejected.jsonl, stats.json"
     )
-    p.add_argument("--format", dest="fmt", default="squad", choices=("squad", "jsonl"))
-    p.add_argument(
-        "--template",
-        default=None,
-        help=f"prompt template; squad fields: context, question, title (default {DEFAULT_SQUAD_TEMPLATE!r}); "
-        "jsonl: any string field of the record (default: the input key's value as is)",
-    )
-    p.add_argument("--input-key", default="input", help="jsonl: key of the prompt")
-    p.add_argument(
-        "--output-key", default="output", help="jsonl: key of the answer (a string or a list of gold answers)"
-    )
-    p.add_argument("--split", default="80,10,10", help="train,validation,test shares")
-    p.add_argument("--seed", type=int, default=1234, help="seed of the shuffle before splitting")
-    p.add_argument("--limit", type=int, default=None, help="use only this many records (after the shuffle)")
+    add_arguments(p.add_argument_group("data set (config: sft_data.NAME)"), SftDataSettings)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     try:
         stats = prepare(
             a.source,
             a.out_dir,
-            fmt=a.fmt,
+            fmt=a.format,
             template=a.template,
             input_key=a.input_key,
             output_key=a.output_key,

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from snakellm.config.sections import GenerateSettings
+from snakellm.config.settings import add_arguments, defaults
 from snakellm.io.atomic import write_text
 
 
@@ -502,18 +504,8 @@ def load_generator(
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--min-new-tokens", type=int, default=0, help="EOD is not allowed before this many tokens")
-    g.add_argument("--greedy", action="store_true", help="argmax decoding (temperature/top-k/top-p ignored)")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0: off")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
-    g.add_argument(
-        "--end-string", dest="end_strings", action="append", default=[], help="stop at this text (repeatable)"
-    )
-    g.add_argument("--seed", type=int, default=None)
+    """The prompts and sampling flags, with the config's defaults (snakellm.config.sections.GenerateSettings)."""
+    add_arguments(p.add_argument_group("prompts and sampling (config: generate)"), GenerateSettings)
 
 
 def params_from_args(a: argparse.Namespace) -> SamplingParams:
@@ -525,12 +517,13 @@ def params_from_args(a: argparse.Namespace) -> SamplingParams:
         top_k=a.top_k,
         top_p=a.top_p,
         repetition_penalty=a.repetition_penalty,
-        end_strings=a.end_strings,
+        end_strings=a.end_string or [],
         seed=a.seed,
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `snakellm generate` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm generate",
         description="Continue prompts with a checkpoint (KV-cached decoding, one batch). Prompts come from "
@@ -538,8 +531,11 @@ def main(argv: list[str] | None = None) -> int:
         "jsonl ({prompt, completion, finish_reason, tokens}) or, with --markdown, a readable report.",
     )
     p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
-    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", default=None, help="prompts, one per line (or .jsonl with 'prompt')")
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        help="prompts, one per line (or .jsonl with 'prompt'); with it, the default prompts are not used",
+    )
     p.add_argument("--out", default=None, help="write the jsonl here (atomically) instead of stdout")
     p.add_argument("--markdown", default=None, help="also write the samples as a markdown report here")
     p.add_argument("--blend", default=None, help="blend.json naming the tokenizer files (default: the run_config's)")
@@ -548,8 +544,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--add-bos", action="store_true", help="prepend the BOS token to every prompt")
     add_sampling_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
-    prompts = list(a.prompt)
+    prompts = list(a.prompt or ([] if a.prompts_file else defaults(GenerateSettings)["prompts"]))
     if a.prompts_file:
         path = Path(a.prompts_file)
         if not path.is_file():

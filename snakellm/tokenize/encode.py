@@ -380,7 +380,8 @@ def _tokenize_file(
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `snakellm tokenize` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm tokenize",
         description="Tokenize a jsonl chunk into Megatron's MMIDIDX {prefix}.bin/.idx, with an EOD token "
@@ -409,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         help="compare every document when the chunk is at most this many MB (default 2)",
     )
     tokmod.add_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     try:
         tok = tokmod.from_args(a)

@@ -27,6 +27,8 @@ from typing import Any
 
 import orjson
 
+from snakellm.config.sections import SampleSettings, TokenizerTrainSettings
+from snakellm.config.settings import add_arguments, from_namespace
 from snakellm.io.atomic import atomic_group
 
 MODEL_TYPES = ("bpe", "unigram", "char", "word")
@@ -159,14 +161,8 @@ def vocab_text(sp) -> str:
     return "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.vocab_size()))
 
 
-def _option(s: str) -> tuple[str, str]:
-    k, sep, v = s.partition("=")
-    if not sep or not k:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
-    return k, v
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `snakellm train-tokenizer` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm train-tokenizer",
         description="Train a SentencePiece model on a seeded sample of jsonl chunks "
@@ -188,31 +184,15 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="pieces in the model (exactly; an error if the text cannot give them)",
     )
-    p.add_argument("--model-type", default="bpe", choices=MODEL_TYPES, help="default bpe")
-    p.add_argument("--character-coverage", type=float, default=1.0, help="share of characters covered (default 1.0)")
-    p.add_argument("--byte-fallback", action="store_true", help="decompose unknown characters into UTF-8 byte pieces")
-    p.add_argument(
-        "--user-defined-symbol",
-        action="append",
-        default=[],
-        dest="symbols",
-        help="a piece that is never split (repeatable)",
-    )
-    p.add_argument("--max-sentence-length", type=int, default=16384, help="longest line in bytes used for training")
-    p.add_argument("--max-bytes", type=int, default=100_000_000, help="text in the sample (0: everything)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the document sample")
-    p.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="training threads (unigram models depend on it)"
-    )
-    p.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        type=_option,
-        metavar="KEY=VALUE",
-        help="any other SentencePieceTrainer option",
-    )
+    add_arguments(p.add_argument_group("training (config: tokenizers.NAME.train)"), TokenizerTrainSettings)
+    add_arguments(p.add_argument_group("sample (config: tokenizers.NAME.train.sample)"), SampleSettings)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
+    train = from_namespace(TokenizerTrainSettings, a)
     keys = a.key or ["text"]
     if len(keys) == 1:
         keys = keys * len(a.inputs)
@@ -227,15 +207,15 @@ def main(argv: list[str] | None = None) -> int:
             a.vocab or stem + ".vocab",
             a.stats or stem + ".stats.json",
             vocab_size=a.vocab_size,
-            model_type=a.model_type,
-            character_coverage=a.character_coverage,
-            byte_fallback=a.byte_fallback,
-            user_defined_symbols=a.symbols,
-            max_sentence_length=a.max_sentence_length,
+            model_type=train.model_type,
+            character_coverage=train.character_coverage,
+            byte_fallback=train.byte_fallback,
+            user_defined_symbols=train.user_defined_symbols,
+            max_sentence_length=train.max_sentence_length,
             max_bytes=a.max_bytes,
             seed=a.seed,
-            threads=a.threads,
-            options=dict(a.option),
+            threads=train.threads,
+            options=train.options,
         )
     except (TrainError, OSError) as e:
         print(f"snakellm train-tokenizer: error: {e}", file=sys.stderr)
