@@ -36,6 +36,7 @@ import orjson
 
 from snakellm.config.sections import SOURCE_FORMATS, SourceSettings
 from snakellm.config.settings import add_arguments
+from snakellm.errors import StepFailed
 from snakellm.io.atomic import atomic_group
 from snakellm.io.progress import progress
 from snakellm.io.readers import BOM, compression_of, detect_compression, open_shard, shard_lines
@@ -54,11 +55,11 @@ REASONS = (
 )
 
 
-class VerificationError(RuntimeError):
+class VerificationError(StepFailed, RuntimeError):
     pass
 
 
-class ManifestMismatchError(RuntimeError):
+class ManifestMismatchError(StepFailed, RuntimeError):
     """A downloaded shard that is not what its manifest recorded (or is gone)."""
 
 

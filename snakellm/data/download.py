@@ -61,6 +61,7 @@ from snakellm import __version__
 from snakellm.config.sections import DownloadSettings
 from snakellm.config.settings import add_arguments
 from snakellm.data.planning import url_to_relpath
+from snakellm.errors import StepFailed
 from snakellm.io.atomic import write_json
 from snakellm.io.progress import progress
 
@@ -100,7 +101,7 @@ class ShardResult:
         }
 
 
-class ShardError(RuntimeError):
+class ShardError(StepFailed, RuntimeError):
     """A shard that could not be downloaded: the message names its URL and the last status/error."""
 
     def __init__(self, url: str, message: str) -> None:
@@ -108,7 +109,7 @@ class ShardError(RuntimeError):
         self.url = url
 
 
-class _Retryable(Exception):
+class _Retryable(StepFailed):
     """An attempt failed in a way another attempt may fix (429, 5xx, network)."""
 
     def __init__(self, message: str, retry_after: float | None = None) -> None:
@@ -116,11 +117,11 @@ class _Retryable(Exception):
         self.retry_after = retry_after
 
 
-class _Restart(Exception):
+class _Restart(StepFailed):
     """The partial file cannot be continued (416, wrong Content-Range): start from zero now."""
 
 
-class _Stopped(Exception):
+class _Stopped(StepFailed):
     """The job is being interrupted; leave the .part for the next run."""
 
 
@@ -633,7 +634,7 @@ def download_chunk(
     return man
 
 
-class DownloadError(RuntimeError):
+class DownloadError(StepFailed, RuntimeError):
     """Some shards of the chunk failed; each line names a URL and its last status or error."""
 
     def __init__(self, errors: list[ShardError], n_done: int, n_total: int, dest: Path) -> None:

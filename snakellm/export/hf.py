@@ -29,13 +29,14 @@ from typing import Any
 
 from snakellm.config.sections import ExportHfSettings, ImportHfSettings
 from snakellm.config.settings import add_arguments
+from snakellm.errors import UsageError
 from snakellm.io.atomic import write_json
 from snakellm.io.log import log
 from snakellm.models import families
 from snakellm.models.families import FamilyError
 
 
-class ExportError(ValueError):
+class ExportError(UsageError, ValueError):
     """A model that has no faithful Hugging Face equivalent, or a malformed HF directory."""
 
 

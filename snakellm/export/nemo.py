@@ -43,6 +43,7 @@ import yaml
 
 from snakellm.config.sections import ExportNemoSettings
 from snakellm.config.settings import add_arguments
+from snakellm.errors import UsageError
 from snakellm.io.atomic import atomic_path, write_json
 
 NEMO_TARGET = "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel"
@@ -51,7 +52,7 @@ CONFIG_FILE = "model_config.yaml"
 TE_CHOICES = ("auto", "true", "false")
 
 
-class NemoError(ValueError):
+class NemoError(UsageError, ValueError):
     """A checkpoint or ``.nemo`` that cannot be converted, phrased with the file and the reason."""
 
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import UsageError
 from snakellm.train import checkpoint as ckpt
 
 
-class BaseModelError(ValueError):
+class BaseModelError(UsageError, ValueError):
     pass
 
 

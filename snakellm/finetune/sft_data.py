@@ -27,13 +27,14 @@ from typing import Any
 
 from snakellm.config.sections import SftDataSettings
 from snakellm.config.settings import add_arguments
+from snakellm.errors import UsageError
 from snakellm.io.atomic import atomic_group
 
 SPLITS = ("train", "validation", "test")
 DEFAULT_SQUAD_TEMPLATE = "Context: {context} Question: {question} Answer:"
 
 
-class SFTDataError(ValueError):
+class SFTDataError(UsageError, ValueError):
     """Input that cannot be read at all (not a quarantinable record), phrased with the file."""
 
 

@@ -22,6 +22,8 @@ from typing import BinaryIO
 
 import zstandard
 
+from snakellm.errors import DataError
+
 READ_SIZE = 1 << 20
 _ZSTD_FEED = 1 << 18  # compressed bytes per decompress() call: bounds the output of one call
 
@@ -30,7 +32,7 @@ COMPRESSIONS = ("none", "zstd", "gzip", "bz2", "xz")
 _NAMES = {"zstd": "zstd", "gzip": "gzip", "bz2": "bzip2", "xz": "xz"}
 
 
-class DamagedShardError(ValueError):
+class DamagedShardError(DataError):
     """A shard that cannot be read completely; the message names the file and the reason."""
 
 

@@ -44,10 +44,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from snakellm.errors import ConfigError
+
 RUNTIMES = ("none", "pyxis", "apptainer")
 
 
-class LaunchConfigError(ValueError):
+class LaunchConfigError(ConfigError):
     """The resources or the container block describe a launch that cannot work."""
 
 

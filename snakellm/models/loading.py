@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import UsageError
 from snakellm.models.architecture import MODEL_KEYS, ModelConfigError, padded_vocab_size, resolve
 from snakellm.train import checkpoint as ckpt
 
 
-class LoadError(RuntimeError):
+class LoadError(UsageError, RuntimeError):
     """The path holds no loadable checkpoint; the message says what is missing."""
 
 

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from snakellm.errors import StepFailed
 from snakellm.io.atomic import atomic_path, write_text
 from snakellm.report.layered_svg import graph_label, to_svg
 
@@ -34,7 +35,7 @@ _NODE = re.compile(r'^\s*(\w+)\[label = "((?:[^"\\]|\\.)*)", color = "([^"]*)", 
 _EDGE = re.compile(r"^\s*(\w+) -> (\w+)\s*$")
 
 
-class DagError(RuntimeError):
+class DagError(StepFailed, RuntimeError):
     pass
 
 

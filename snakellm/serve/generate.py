@@ -38,10 +38,11 @@ from typing import Any
 
 from snakellm.config.sections import GenerateSettings
 from snakellm.config.settings import add_arguments, defaults
+from snakellm.errors import UsageError
 from snakellm.io.atomic import write_text
 
 
-class GenerationError(ValueError):
+class GenerationError(UsageError, ValueError):
     """A request that cannot be served, phrased with the offending field."""
 
     def __init__(self, msg: str, field: str | None = None) -> None:

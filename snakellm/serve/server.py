@@ -31,12 +31,13 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from snakellm.errors import UsageError
 from snakellm.serve.generate import GenerationError, Generator, SamplingParams, token_strings
 
 MAX_SENTENCES = 128
 
 
-class BadRequest(ValueError):
+class BadRequest(UsageError, ValueError):
     def __init__(self, msg: str, field: str | None = None) -> None:
         super().__init__(msg)
         self.field = field

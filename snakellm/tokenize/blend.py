@@ -22,13 +22,14 @@ import json
 import sys
 from pathlib import Path
 
+from snakellm.errors import DataError
 from snakellm.io.atomic import atomic_group
 from snakellm.tokenize.encoders import megatron_args, nemo_tokenizer
 
 _SAME = ("kind", "vocab_size", "eod_id", "sha256")
 
 
-class BlendError(ValueError):
+class BlendError(DataError):
     pass
 
 

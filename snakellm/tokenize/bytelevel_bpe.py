@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from snakellm.errors import StepFailed
+
 # tokenizers' ByteLevel(use_regex=true) pattern (pre_tokenizers/byte_level.rs), as tiktoken writes it
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -54,7 +56,7 @@ class Plan:
     build: Any = None  # () -> another tiktoken.Encoding equal to ``encoding`` (one per encoder thread)
 
 
-class NotExpressible(Exception):
+class NotExpressible(StepFailed):
     """The file has a part tiktoken cannot reproduce exactly (the message says which)."""
 
 

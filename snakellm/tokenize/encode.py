@@ -44,6 +44,7 @@ from typing import NamedTuple
 import numpy as np
 import orjson
 
+from snakellm.errors import DataError, StepFailed
 from snakellm.io.atomic import atomic_group
 from snakellm.io.progress import progress
 from snakellm.tokenize import encoders as tokmod
@@ -52,11 +53,11 @@ from snakellm.tokenize.indexed import IndexedWriter, dtype_name, optimal_dtype, 
 MIN_BLOCK = 1 << 16  # the smallest block the reader cuts towards the end of a file
 
 
-class TokenizeError(ValueError):
+class TokenizeError(DataError):
     """Bad input to tokenize, phrased with the file (and line) at fault."""
 
 
-class BlockError(Exception):
+class BlockError(StepFailed):
     """Bad input in a block, at a line counted from the block's first (the main thread adds the block's own)."""
 
     def __init__(self, line: int, reason: str) -> None:
@@ -75,7 +76,7 @@ class Verify(NamedTuple):
     every: int  # each document whose index in the chunk is a multiple of this (1: all)
 
 
-class VerificationFailed(Exception):
+class VerificationFailed(StepFailed):
     """The fast encoder's ids differ from the reference library's on a document."""
 
     def __init__(self, source: str, mismatch: Mismatch) -> None:

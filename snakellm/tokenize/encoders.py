@@ -43,13 +43,15 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from snakellm.errors import StepFailed
+
 KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
 GPT2_EOD = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex (tiktoken_ext.openai_public.r50k_pat_str; Megatron's gpt2_tokenization.py)
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-class TokenizerError(ValueError):
+class TokenizerError(StepFailed, ValueError):
     """A tokenizer that cannot be used, phrased with the file at fault."""
 
 

@@ -29,12 +29,13 @@ import orjson
 
 from snakellm.config.sections import SampleSettings, TokenizerTrainSettings
 from snakellm.config.settings import add_arguments, from_namespace
+from snakellm.errors import StepFailed
 from snakellm.io.atomic import atomic_group
 
 MODEL_TYPES = ("bpe", "unigram", "char", "word")
 
 
-class TrainError(ValueError):
+class TrainError(StepFailed, ValueError):
     pass
 
 

@@ -25,13 +25,14 @@ from typing import Any
 
 from snakellm import models
 from snakellm.config.settings import from_namespace
+from snakellm.errors import UsageError
 from snakellm.launch import distributed as distmod
 from snakellm.train import checkpoint as ckpt
 from snakellm.train.dataset import Blend, check_splits, read_blend
 from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
 
 
-class RequestError(ValueError):
+class RequestError(UsageError, ValueError):
     """A request that cannot run, found before training starts."""
 
 
