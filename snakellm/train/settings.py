@@ -10,8 +10,27 @@ the torch-free config package, so that the Snakefile, the schema test and
 from __future__ import annotations
 
 from snakellm.config.sections import ParallelSettings, TrainSettings
-from snakellm.config.settings import trajectory_keys
+from snakellm.config.settings import (
+    REQUIRED,
+    add_arguments,
+    defaults,
+    from_namespace,
+    setting,
+    to_flags,
+    trajectory_keys,
+)
 
-__all__ = ["TRAJECTORY_KEYS", "ParallelSettings", "TrainSettings"]
+# The framework's names stay importable from here (their first home) for code written against it.
+__all__ = [
+    "REQUIRED",
+    "TRAJECTORY_KEYS",
+    "ParallelSettings",
+    "TrainSettings",
+    "add_arguments",
+    "defaults",
+    "from_namespace",
+    "setting",
+    "to_flags",
+]
 
 TRAJECTORY_KEYS: tuple[str, ...] = trajectory_keys(TrainSettings)
