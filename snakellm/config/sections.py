@@ -45,7 +45,10 @@ class SourceSettings:
     url: str | list[str] | None = setting(None, "URL template(s) with shell-style braces", cli=False)
     urls: list[str] | None = setting(None, "explicit URLs (added to those from `url`)", cli=False)
     format: str = setting(
-        REQUIRED, "shard format (compression is taken from each shard's magic bytes)", choices=SOURCE_FORMATS
+        REQUIRED,
+        "shard format (compression is taken from each shard's magic bytes)",
+        choices=SOURCE_FORMATS,
+        cli_default="jsonl",
     )
     key: str = setting("text", "JSON key holding the document text")
     weight: float = setting(1.0, "sampling weight in the blend (multiplied by the source's token count)", cli=False)

@@ -41,6 +41,7 @@ def setting(
     sep: str | None = None,
     section: type | None = None,
     parse: Callable[[str], Any] | None = None,
+    cli_default: Any = None,
 ) -> Any:
     """A dataclass field carrying what the CLI, the rule and the resume logic need to know.
 
@@ -50,6 +51,8 @@ def setting(
     (``--lora-targets linear_qkv,linear_proj``); a dict field is ``--flag KEY=VALUE``
     repeated. ``section``: the field is a nested config section (its own dataclass,
     never a flag). ``parse``: how one option value (a list item) is read.
+    ``cli_default``: what the flag defaults to where the config requires the key
+    (a step run by hand may leave it out).
     """
     meta = {
         "help": help,
@@ -60,6 +63,7 @@ def setting(
         "sep": sep,
         "section": section,
         "parse": parse,
+        "cli_default": cli_default,
     }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
@@ -149,7 +153,10 @@ def _argument(f: dataclasses.Field, hint: Any, required: bool) -> dict[str, Any]
             kw["metavar"] = "KEY=VALUE"
     else:
         kw.update(type=parse, choices=m.get("choices"))
-        if default is dataclasses.MISSING:
+        if default is dataclasses.MISSING and m.get("cli_default") is not None:
+            kw["default"] = m["cli_default"]
+            kw["help"] = f"{m.get('help')} (default: {m['cli_default']})"
+        elif default is dataclasses.MISSING:
             kw["required"] = required
         else:
             kw["default"] = default
