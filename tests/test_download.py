@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from httpserver import ShardServer
 
-from snakellm.data import chunk, download
 from snakellm.data.chunk import _read_manifest
 from snakellm.data.planning import url_to_relpath
+from snakellm.steps import chunk, download
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "resources" / "corpus" / "wikitext"

@@ -17,7 +17,7 @@ from snakellm.config import checks, resolve, sections, settings, validate
 from snakellm.config import flags as flagmod
 from snakellm.config.settings import defaults
 from snakellm.config.validate import ConfigError
-from snakellm.train.cli import build_parser
+from snakellm.steps.train import build_parser
 from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
 
 SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())
@@ -189,13 +189,19 @@ def test_every_schema_section_equals_its_settings_dataclass(where):
 
 def _parsers():
     """(step, parser, arguments that make the required ones, settings classes it takes)."""
-    from snakellm.data import chunk, download
-    from snakellm.eval import evaluate
-    from snakellm.export import hf, nemo
-    from snakellm.finetune import cli as ftcli
-    from snakellm.finetune import sft_data
-    from snakellm.serve import generate
-    from snakellm.tokenize import encode, sentencepiece_trainer
+    from snakellm.steps import (
+        chunk,
+        download,
+        evaluate,
+        export_hf,
+        export_nemo,
+        generate,
+        import_hf,
+        prepare_sft,
+        train_tokenizer,
+    )
+    from snakellm.steps import finetune as ftcli
+    from snakellm.steps import tokenize as encode
 
     S = sections
     return [
@@ -204,11 +210,11 @@ def _parsers():
         ("tokenize", encode.build_parser(), ["i", "p", "--kind", "gpt2-bpe"], [S.TokenizerSettings]),
         (
             "train-tokenizer",
-            sentencepiece_trainer.build_parser(),
+            train_tokenizer.build_parser(),
             ["i", "--model", "m", "--vocab-size", "9"],
             [S.TokenizerTrainSettings, S.SampleSettings],
         ),
-        ("prepare-sft", sft_data.build_parser(), ["s", "o"], [S.SftDataSettings]),
+        ("prepare-sft", prepare_sft.build_parser(), ["s", "o"], [S.SftDataSettings]),
         (
             "finetune",
             ftcli.build_parser(),
@@ -216,9 +222,9 @@ def _parsers():
             [S.FinetuneSettings, S.LoraSettings, S.PtuningSettings, S.ExamplesSettings, S.FinetuneTrainSettings],
         ),
         ("evaluate", evaluate.build_parser(), ["--base", "b", "--test", "t", "--out-dir", "o"], [S.EvaluateSettings]),
-        ("export-hf", hf.build_export_parser(), ["c", "o"], [S.ExportHfSettings]),
-        ("import-hf", hf.build_import_parser(), ["h", "r"], [S.ImportHfSettings]),
-        ("export-nemo", nemo.build_export_parser(), ["c", "o"], [S.ExportNemoSettings]),
+        ("export-hf", export_hf.build_parser(), ["c", "o"], [S.ExportHfSettings]),
+        ("import-hf", import_hf.build_parser(), ["h", "r"], [S.ImportHfSettings]),
+        ("export-nemo", export_nemo.build_parser(), ["c", "o"], [S.ExportNemoSettings]),
         ("generate", generate.build_parser(), ["c"], [S.GenerateSettings]),
         (
             "train",
@@ -249,7 +255,7 @@ def test_every_step_takes_its_settings_with_the_config_defaults(step, parser, ar
 
 def test_generate_defaults_are_the_config_ones():
     """They once disagreed: the schema said 48 / 0.8 / 40, `snakellm generate --help` 64 / 1.0 / 0."""
-    from snakellm.serve import generate
+    from snakellm.steps import generate
 
     args = generate.build_parser().parse_args(["runs/x"])
     g = SCHEMA["properties"]["generate"]["properties"]
@@ -274,9 +280,8 @@ def _full_config():
 
 def test_rule_flags_parse_back_into_the_step_settings():
     """What a rule passes (snakellm.config.flags / to_flags) is what the step reads: every setting round-trips."""
-    from snakellm.eval import evaluate
-    from snakellm.finetune import cli as ftcli
-    from snakellm.serve import generate
+    from snakellm.steps import evaluate, generate
+    from snakellm.steps import finetune as ftcli
 
     cfg = _full_config()
     ft = cfg["finetune"]["ft"]
@@ -302,7 +307,8 @@ def test_rule_flags_parse_back_into_the_step_settings():
 
 
 def test_tokenizer_flags_fill_a_trained_model_file_and_options():
-    from snakellm.tokenize import encode, sentencepiece_trainer
+    from snakellm.steps import tokenize as encode
+    from snakellm.steps import train_tokenizer
 
     spec = {
         "kind": "sentencepiece",
@@ -314,7 +320,7 @@ def test_tokenizer_flags_fill_a_trained_model_file_and_options():
     spec = validate.validate(cfg, SCHEMA)["tokenizers"]["spm"]
     a = encode.build_parser().parse_args(["i", "p", *shlex.split(flagmod.tokenizer_flags("spm", spec))])
     assert a.model_file == "tokenizers/spm/tokenizer.model" and a.vocab_size == 2000
-    t = sentencepiece_trainer.build_parser().parse_args(
+    t = train_tokenizer.build_parser().parse_args(
         ["i", "--model", "m", *shlex.split(flagmod.train_tokenizer_flags(spec))]
     )
     train = settings.from_namespace(sections.TokenizerTrainSettings, t, sample={})

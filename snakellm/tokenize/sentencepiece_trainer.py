@@ -14,12 +14,10 @@ appear together and only on success.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
 import random
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +25,6 @@ from typing import Any
 
 import orjson
 
-from snakellm.config.sections import SampleSettings, TokenizerTrainSettings
-from snakellm.config.settings import add_arguments, from_namespace
 from snakellm.errors import StepFailed
 from snakellm.io.atomic import atomic_group
 
@@ -160,75 +156,3 @@ def train_sentencepiece(
 def vocab_text(sp) -> str:
     """The ``.vocab`` file SentencePiece writes: ``piece<TAB>score`` per line (C++ ostream float)."""
     return "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.vocab_size()))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The `snakellm train-tokenizer` flags (settings from snakellm.config.sections, with the config's defaults)."""
-    p = argparse.ArgumentParser(
-        prog="snakellm train-tokenizer",
-        description="Train a SentencePiece model on a seeded sample of jsonl chunks "
-        "(like train_sentencepiece_tokenizer.py --vocab_size 2000 on Botchan).",
-    )
-    p.add_argument("inputs", nargs="+", help="chunk .jsonl files, in a fixed order")
-    p.add_argument(
-        "--key",
-        action="append",
-        default=[],
-        help="JSON text key: once for all inputs, or once per input in order (default text)",
-    )
-    p.add_argument("--model", required=True, help="output .model")
-    p.add_argument("--vocab", help="output .vocab (default: the model path with .vocab)")
-    p.add_argument("--stats", help="output stats json (default: the model path with .stats.json)")
-    p.add_argument(
-        "--vocab-size",
-        type=int,
-        required=True,
-        help="pieces in the model (exactly; an error if the text cannot give them)",
-    )
-    add_arguments(p.add_argument_group("training (config: tokenizers.NAME.train)"), TokenizerTrainSettings)
-    add_arguments(p.add_argument_group("sample (config: tokenizers.NAME.train.sample)"), SampleSettings)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    a = p.parse_args(argv)
-    train = from_namespace(TokenizerTrainSettings, a)
-    keys = a.key or ["text"]
-    if len(keys) == 1:
-        keys = keys * len(a.inputs)
-    if len(keys) != len(a.inputs):
-        p.error(f"{len(a.inputs)} inputs but {len(keys)} --key values")
-    model = a.model
-    stem = model[: -len(".model")] if model.endswith(".model") else model
-    try:
-        st = train_sentencepiece(
-            list(zip(a.inputs, keys)),
-            model,
-            a.vocab or stem + ".vocab",
-            a.stats or stem + ".stats.json",
-            vocab_size=a.vocab_size,
-            model_type=train.model_type,
-            character_coverage=train.character_coverage,
-            byte_fallback=train.byte_fallback,
-            user_defined_symbols=train.user_defined_symbols,
-            max_sentence_length=train.max_sentence_length,
-            max_bytes=a.max_bytes,
-            seed=a.seed,
-            threads=train.threads,
-            options=train.options,
-        )
-    except (TrainError, OSError) as e:
-        print(f"snakellm train-tokenizer: error: {e}", file=sys.stderr)
-        return 1
-    s = st["sample"]
-    print(
-        f"{model}: {st['vocab_size']} pieces ({st['settings']['model_type']}) from {s['sentences']} sentences, "
-        f"{s['bytes'] / 1e6:.2f} MB sampled from {len(s['inputs'])} chunks, in {st['seconds']} s",
-        file=sys.stderr,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
