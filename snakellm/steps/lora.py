@@ -1,4 +1,4 @@
-"""``snakellm lora``: merge a LoRA adapter into its base, or write it in PEFT format (snakellm.finetune.adapters_cli)."""
+"""``snakellm lora``: merge a LoRA adapter into its base, or write it in PEFT format (snakellm.finetune.adapters)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from snakellm.finetune.adapters_cli import merge
+from snakellm.finetune.adapters import merge
 
 
 def main(argv: list[str] | None = None) -> int:
