@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from httpserver import ShardServer
 
+from snakellm.data import download
 from snakellm.data.chunk import _read_manifest
 from snakellm.data.planning import url_to_relpath
-from snakellm.data import chunk, download
 from snakellm.steps import chunk as chunk_step
 from snakellm.steps import download as download_step
 
