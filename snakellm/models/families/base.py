@@ -228,7 +228,7 @@ class Family:
     """Everything snakellm knows about one model family; see the module docstring and docs/extending.md."""
 
     name: str  # the model style: runs.<run>.model.style
-    summary: str  # one phrase for --help and the schema description
+    summary: str  # one phrase for --help (ModelSettings.style's help)
     defaults: Mapping[str, Any]
     presets: Mapping[str, Mapping[str, Any]]
     features: Mapping[str, Any]
