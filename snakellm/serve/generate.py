@@ -31,7 +31,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,7 +319,10 @@ class Generator:
         params: SamplingParams,
         add_bos: bool = False,
         prompt_logprobs: bool = False,
+        on_step: Callable[[int, Any, Any], None] | None = None,
     ) -> list[Completion]:
+        """``on_step(step, tokens, done)``, if given, sees each step's tokens [b] and which rows have ended [b]
+        (device tensors); the server streams from it, and an exception raised there ends the generation."""
         import torch
 
         params.check()
@@ -419,6 +422,8 @@ class Generator:
                             lengths[i], reason[i], done[i] = step + 1, 2, True
                 if params.repetition_penalty != 1.0:
                     seen[rows, nxt] = True
+                if on_step is not None:
+                    on_step(step, nxt, done)
                 if step == n_new - 1 or ((ends or step % 8 == 7) and bool(done.all())):
                     break
                 tokens[:, cur] = nxt
