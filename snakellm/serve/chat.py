@@ -79,7 +79,7 @@ def _from_file(path: Path) -> str | None:
 
 def load_template(option: str | None, tokenizer_block: dict, run_dir: Path | None, tok: Any) -> ChatTemplate:
     """The chat template: the option, else the run's tokenizer directory, else the default."""
-    from snakellm.serve.generate import bos_id, token_strings
+    from snakellm.serve.generate import bos_id, token_strings, tokenizer_base
 
     specials = {"bos_token": token_strings(tok, [bos_id(tok)])[0], "eos_token": token_strings(tok, [tok.eod_id])[0]}
     if option:
@@ -90,11 +90,12 @@ def load_template(option: str | None, tokenizer_block: dict, run_dir: Path | Non
                 f"--chat-template {option}: not a Jinja file or a tokenizer_config.json with chat_template"
             )
         return ChatTemplate(text, str(p), **specials)
+    base = tokenizer_base(tokenizer_block, run_dir) if run_dir is not None else None
     dirs = []
     for f in (tokenizer_block.get("files") or {}).values():
         p = Path(f)
-        if not p.is_absolute() and run_dir is not None and not p.exists():
-            p = run_dir / p
+        if not p.is_absolute() and base is not None:
+            p = base / p
         if p.parent not in dirs:
             dirs.append(p.parent)
     for d in dirs:
