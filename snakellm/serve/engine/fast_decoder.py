@@ -73,13 +73,14 @@ class FastDecoder:
         self.sin: Any = None
         if decoder.rope:
             self.cos, self.sin = self._rope_table(max_len + 1)
+            self.qkv_cos, self.qkv_sin = self._qkv_rope_table()
         self.batch_buckets = buckets(rows, 1)
         self.length_buckets = buckets(max_len, 64)
         self.graphs_on = graphs and self.device.type == "cuda"
         self.compile = compile and self.graphs_on
-        self.graphs: dict[tuple[int, int, bool], Any] = {}
+        self.graphs: dict[tuple[int, int, bool, bool, bool], Any] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_on else None
-        self._compiled: dict[tuple[int, int, bool], Any] = {}
+        self._compiled: dict[tuple[int, int, bool, bool, bool], Any] = {}
 
     def _rope_table(self, n: int) -> tuple[Any, Any]:
         """cos/sin [n, d] in the model's dtype, computed as the eager decoder computes them per step."""
@@ -88,6 +89,24 @@ class FastDecoder:
         freqs = torch.arange(n, device=self.device).float()[:, None] * self.dec.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dec.dtype), emb.sin().to(self.dec.dtype)
+
+    def _qkv_rope_table(self) -> tuple[Any, Any]:
+        """cos and signed sin [max_len + 1, per + 2, d] for one group's q heads, k and v (cos 1, sin 0).
+
+        With these, one ``addcmul(t * cos, flip(t), sin)`` rotates a group's queries and key and
+        leaves its value as it is (v * 1 + 0): the eager ``t * cos + cat(-t2, t1) * sin`` in three
+        kernels for the whole ``[q, k, v]`` block, which then goes to the cache in one write.
+        """
+        import torch
+
+        half = self.dec.d // 2
+        sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        heads = self.per + 2
+        cos_t = self.cos[:, None, :].repeat(1, heads, 1)
+        sin_t = sin[:, None, :].repeat(1, heads, 1)
+        cos_t[:, -1] = 1
+        sin_t[:, -1] = 0
+        return cos_t, sin_t
 
     # ------------------------------------------------------------------ the layer stack
 
@@ -114,7 +133,7 @@ class FastDecoder:
             h = F.silu(a1) * a2
         else:
             h = F.gelu(h)
-        return x + F.linear(h, L["fc2_w"], L["fc2_b"])
+        return self._residual(x, h, L["fc2_w"], L["fc2_b"])
 
     def _head(self, x: Any) -> Any:
         import torch.nn.functional as F
@@ -182,8 +201,12 @@ class FastDecoder:
 
     # ------------------------------------------------------------------ the decode step
 
-    def _step(self, B: int, Lb: int, greedy_only: bool) -> None:
-        """One token for rows 0..B-1: forward, sample, advance. Static shapes only (capturable)."""
+    def _step(self, B: int, Lb: int, greedy_only: bool, penalty: bool, probs: bool) -> None:
+        """One token for rows 0..B-1: forward, sample, advance. Static shapes only (capturable).
+
+        ``probs``: log-probabilities, and the logits kept (for a request that asked for every step's
+        distribution).
+        """
         import torch
         import torch.nn.functional as F
 
@@ -193,45 +216,60 @@ class FastDecoder:
         rows = self.row_ids[:B]
         # idle rows sit on the spare slot (pos = max_len): clamp for the learned position table
         x = self._embed(self.tokens[:B, None], pos.clamp(max=self.max_len - 1)[:, None], prefill=False)
-        cos = sin = None
+        cos: Any = None
+        sin: Any = None
         if self.cos is not None:
-            cos, sin = self.cos[pos][:, None, None, None, :], self.sin[pos][:, None, None, None, :]
+            cos, sin = self.qkv_cos[pos][:, None, None], self.qkv_sin[pos][:, None, None]  # [B, 1, 1, per+2, d]
         mask = (torch.arange(Lb, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
         for li, L in enumerate(dec.layers):
             h = dec._norm(x, L["ln1_w"], L["ln1_b"])
             qkv = F.linear(h, L["qkv_w"], L["qkv_b"]).view(B, 1, g, per + 2, d)
-            qk = qkv[:, :, :, : per + 1]
             if cos is not None:
-                qk = dec._rotate(qk, cos, sin)
-            kc, vc = self.cache.keys(li), self.cache.values(li)
-            kc[rows, :, pos] = qk[:, 0, :, per]
-            vc[rows, :, pos] = qkv[:, 0, :, per + 1]
-            q = qk[:, 0, :, :per]  # [B, g, per, d]: a group's query heads attend together to its keys
-            o = F.scaled_dot_product_attention(q, kc[:B, :, :Lb], vc[:B, :, :Lb], attn_mask=mask)
-            x = x + F.linear(o.reshape(B, 1, dec.n * d), L["proj_w"], L["proj_b"])
+                flipped = qkv.view(B, 1, g, per + 2, 2, d // 2).flip(-2).view(B, 1, g, per + 2, d)
+                qkv = torch.addcmul(qkv * cos, flipped, sin)
+            kv = self.cache.data[li]  # [2, rows, g, max_len + 1, d]
+            kv[:, rows, :, pos] = qkv[:, 0, :, per:].transpose(1, 2)  # [B, 2, g, d]: k and v in one write
+            q = qkv[:, 0, :, :per]  # [B, g, per, d]: a group's query heads attend together to its keys
+            o = F.scaled_dot_product_attention(q, kv[0, :B, :, :Lb], kv[1, :B, :, :Lb], attn_mask=mask)
+            x = self._residual(x, o.reshape(B, 1, dec.n * d), L["proj_w"], L["proj_b"])
             x = self._mlp(x, L)
         logits = self._head(x[:, 0])
-        nxt, lp = self.sampler.sample(logits, rows, greedy_only)
-        self.logits[:B].copy_(logits)
+        nxt, lp = self.sampler.sample(logits, rows, greedy_only, penalty, probs)
+        if probs:
+            self.logits[:B].copy_(logits)
         self.out_tokens[:B].copy_(nxt)
         self.out_logprobs[:B].copy_(lp)
         self.tokens[:B].copy_(nxt)
         self.pos[:B].copy_(torch.clamp(pos + self.active[:B].long(), max=self.max_len))
 
-    def decode(self, highest_row: int, longest: int, greedy_only: bool) -> None:
-        """Run one decode step for rows 0..highest_row whose longest row will hold ``longest`` tokens."""
+    @staticmethod
+    def _residual(x: Any, h: Any, w: Any, b: Any) -> Any:
+        """``x + linear(h, w, b)``; without a bias the add rides in the matrix product (one kernel)."""
+        import torch
+        import torch.nn.functional as F
+
+        if b is not None:
+            return x + F.linear(h, w, b)
+        return torch.addmm(x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]), w.t()).view(x.shape)
+
+    def decode(self, highest_row: int, longest: int, greedy_only: bool, penalty: bool, probs: bool) -> None:
+        """One decode step for rows 0..highest_row, the longest holding ``longest`` tokens after it.
+
+        The flags choose the sampler's variant (see :meth:`SamplingState.sample`); each (batch bucket,
+        length bucket, flags) is one graph.
+        """
         B = pick(self.batch_buckets, highest_row + 1)
         Lb = pick(self.length_buckets, longest)
         if not self.graphs_on:
-            self._step(B, Lb, greedy_only)
+            self._step(B, Lb, greedy_only, penalty, probs)
             return
-        key = (B, Lb, greedy_only)
+        key = (B, Lb, greedy_only, penalty, probs)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(key)
         graph.replay()
 
-    def _fn(self, key: tuple[int, int, bool]) -> Any:
+    def _fn(self, key: tuple[int, int, bool, bool, bool]) -> Any:
         """The step for ``key`` as a function of no arguments (torch.compile'd once per key if asked)."""
         import functools
 
@@ -247,7 +285,7 @@ class FastDecoder:
             self._compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False)
         return self._compiled[key]
 
-    def _capture(self, key: tuple[int, int, bool]) -> Any:
+    def _capture(self, key: tuple[int, int, bool, bool, bool]) -> Any:
         """Warm up and capture the step for ``key`` without disturbing the rows in flight."""
         import torch
 

@@ -80,28 +80,37 @@ class SamplingState:
         if p.repetition_penalty != 1.0 and prompt:
             self.seen[row, torch.tensor(prompt, dtype=torch.long, device=self.seen.device)] = True
 
-    def sample(self, logits: Any, rows: Any, greedy_only: bool) -> tuple[Any, Any]:
+    def sample(
+        self, logits: Any, rows: Any, greedy_only: bool, penalty: bool = True, probs: bool = True
+    ) -> tuple[Any, Any]:
         """Next token and its log-probability (of the raw logits) for ``rows``; advances their counters.
 
         ``greedy_only``: every row in ``rows`` is greedy, so the sort for top-k/top-p and the noise
-        are left out (a separate captured graph; the result is the same as the general path's).
+        are left out; ``penalty``: some row has a repetition penalty (else the [rows, vocab] pass is
+        left out); ``probs``: some row wants log-probabilities (else they are zeros). Each
+        combination is its own captured graph; the tokens are the general path's.
         """
         import torch
 
-        seen = self.seen.index_select(0, rows)
-        pen = self.penalty.index_select(0, rows)[:, None]
-        scores = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+        scores = logits
+        if penalty:
+            pen = self.penalty.index_select(0, rows)[:, None]
+            seen = self.seen.index_select(0, rows)
+            scores = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
         n_gen = self.n_gen.index_select(0, rows)
-        ban = (n_gen < self.min_new.index_select(0, rows))[:, None] & (self.vocab_ids == self.eod)[None, :]
-        scores = scores.masked_fill(ban, float("-inf"))
+        ban = n_gen < self.min_new.index_select(0, rows)  # EOD not allowed yet
+        eod_col = torch.where(ban, float("-inf"), scores[:, self.eod])
+        scores = torch.cat((scores[:, : self.eod], eod_col[:, None], scores[:, self.eod + 1 :]), dim=-1)
         best = scores.argmax(dim=-1)
         if greedy_only:
             nxt = best
         else:
             nxt = torch.where(self.greedy.index_select(0, rows), best, self._draw(scores, rows, n_gen))
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None])[:, 0]
+        lp = logits.gather(-1, nxt[:, None])[:, 0]
+        lp = lp - torch.logsumexp(logits, dim=-1) if probs else torch.zeros_like(lp)
         self.n_gen.index_add_(0, rows, torch.ones_like(n_gen))
-        self.seen.index_put_((rows, nxt), torch.ones_like(nxt, dtype=torch.bool))
+        if penalty:
+            self.seen.index_put_((rows, nxt), torch.ones_like(nxt, dtype=torch.bool))
         return nxt, lp
 
     def _draw(self, scores: Any, rows: Any, n_gen: Any) -> Any:

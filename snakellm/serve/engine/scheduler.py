@@ -151,20 +151,21 @@ class Engine:
         self._drop_cancelled()
         joined = self._admit()
         running = list(self.running.values())
+        want_full = any(r.params.all_probs for r in running)
+        probs = want_full or any(r.params.logprobs for r in running)
         if running:
             greedy = all(r.params.greedy for r in running)
+            penalty = any(r.params.repetition_penalty != 1.0 for r in running)
             longest = min(max(len(r.prompt) + len(r.ids) + 1 for r in running), self.max_len)
-            self.fast.decode(max(r.row for r in running), longest, greedy)
+            self.fast.decode(max(r.row for r in running), longest, greedy, penalty, probs)
         emitted: list[tuple[Request, int, float, Any]] = []
         if joined is not None:
-            batch, nxt, lp, full = joined
+            batch, nxt, lp, first_full = joined
             for i, (r, t, x) in enumerate(zip(batch, nxt.tolist(), lp.tolist(), strict=True)):
-                emitted.append((r, t, x, None if full is None else full[i]))
+                emitted.append((r, t, x, None if first_full is None else first_full[i]))
         if running:
             toks, lps = self.fast.out_tokens.tolist(), self.fast.out_logprobs.tolist()
-            full = None
-            if any(r.params.all_probs for r in running):
-                full = torch.log_softmax(self.fast.logits, dim=-1).cpu()
+            full = torch.log_softmax(self.fast.logits, dim=-1).cpu() if want_full else None
             emitted += [(r, toks[r.row], lps[r.row], None if full is None else full[r.row]) for r in running]
         for r, t, x, f in emitted:
             self._emit(r, t, x, f)
