@@ -55,6 +55,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=32, help="concurrent streaming clients (0: skip)")
     p.add_argument("--eval-prompts", type=int, default=1000, help="evaluation-shaped prompts (0: skip)")
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument(
+        "--serve-check",
+        action="store_true",
+        help="then serve the same model with snakellm serve on 127.0.0.1 and ask it once per API",
+    )
     a = p.parse_args()
     if a.toy:
         a.preset, a.prompt_len, a.new_tokens, a.repeats = "tiny-llama", 16, 16, 1
@@ -378,6 +383,8 @@ def main() -> int:
         results["clients"] = bench_clients(a, gen, tok.vocab_size)
     if a.eval_prompts:
         results["eval"] = bench_eval(a, gen, tok.vocab_size)
+    if a.serve_check:
+        serve_check(gen, a.device)
     bars = []
     if "1" in results["batches"]:
         v = results["batches"]["1"]["engine_tokens_per_s"]
@@ -390,6 +397,44 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     return 0 if all(ok for _, ok in bars) or not cuda else 1
+
+
+def serve_check(gen: Any, device: str) -> None:
+    """NeMo's PUT /generate and OpenAI's /v1/completions against this device's model, over real HTTP."""
+    import urllib.request
+
+    from snakellm.serve.server import serve_in_thread
+    from snakellm.serve.settings import ServeSettings
+
+    url, stop = serve_in_thread(gen, ServeSettings(port=0, quiet=True), "bench")
+
+    def call(path: str, method: str, body: dict) -> tuple[int, Any]:
+        req = urllib.request.Request(
+            url + path, data=json.dumps(body).encode(), method=method, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+
+    code, r = call(
+        "/generate",
+        "PUT",
+        {
+            "sentences": ["Deep learning is", "The capital of France"],
+            "tokens_to_generate": min(300, gen.decoder.max_len - 8),
+            "temperature": 1.0,
+            "add_BOS": True,
+            "top_k": 0,
+            "top_p": 0.9,
+            "greedy": False,
+            "all_probs": False,
+            "repetition_penalty": 1.2,
+            "min_tokens_to_generate": 2,
+        },
+    )
+    print(f"serve on {device}: PUT /generate -> {code}, keys {sorted(r)}, {len(r['token_ids'][0])} tokens in row 0")
+    code, r = call("/v1/completions", "POST", {"model": "bench", "prompt": "Hello", "max_tokens": 16, "temperature": 0})
+    print(f"serve on {device}: POST /v1/completions -> {code}, usage {r['usage']}")
+    stop()
 
 
 if __name__ == "__main__":
