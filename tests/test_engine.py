@@ -165,8 +165,12 @@ def test_budget_admission_and_too_large(gen):
     with pytest.raises(ConfigError, match="max_seq_len"):
         engine(gen, max_seq_len=10_000)
     with pytest.raises(RequestTooLarge) as e:
-        eng.add(Request(list(range(60)), greedy(5)))
+        eng.add(Request(list(range(60)), greedy(6)))
     assert e.value.http_status == 413 and e.value.field == "tokens_to_generate"
+    edge = eng.add(Request(list(range(60)), greedy(5, stop_at_eod=False)))  # fills the row: the last token is not fed
+    while eng.has_work():
+        eng.step()
+    assert edge.ids == gen.generate([list(range(60))], greedy(5, stop_at_eod=False))[0].ids
     reqs = [eng.add(Request(gen.tok.encode(p), greedy(6, stop_at_eod=False))) for p in PROMPTS * 2]
     eng.step()
     assert len(eng.running) == 3 and len(eng.waiting) == 3  # full: the rest wait, none fails

@@ -112,7 +112,8 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < V]
         if bad:
             raise GenerationError(f"token id {bad[0]} outside the vocabulary of {V}", "sentences")
-        if len(prompt) + params.max_new_tokens > self.max_len:
+        # the last new token is never fed back: prompt + new tokens may be one more than a row holds
+        if len(prompt) > self.max_len or len(prompt) + params.max_new_tokens > self.max_len + 1:
             raise RequestTooLarge(
                 f"tokens_to_generate: a prompt of {len(prompt)} tokens + {params.max_new_tokens} new tokens exceeds "
                 f"the {self.max_len} tokens a KV-cache row holds (max_seq_len)",
