@@ -75,6 +75,7 @@ class Choice:
     finish_reason: str  # "stop" | "length"
     scored: Scored | None = None  # prompt + generated ids, when logprobs were asked
     eod: bool = False  # ended by the end-of-document token (the last of ``ids``)
+    offsets: list[int] | None = None  # text_offset of prompt + generated tokens (computed once)
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -303,7 +304,9 @@ def _completion_logprobs(gen: Any, c: Choice, echo: bool, lo: int, hi: int) -> d
     assert c.scored is not None
     tok = gen.tok
     ids = c.scored.ids
-    offs = text_offsets(tok, ids)
+    if c.offsets is None:
+        c.offsets = text_offsets(tok, ids)
+    offs = c.offsets
     start = 0 if echo else len(c.prompt_ids)
     lo = max(lo, start)
     top: list[dict[str, float] | None] = []
