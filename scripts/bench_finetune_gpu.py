@@ -68,7 +68,7 @@ def make_base(root: Path, preset: str, seq: int, device: str) -> Path:
 import sys
 sys.path.insert(0, {str(REPO)!r})
 from snakellm.finetune import runtime
-from snakellm.finetune.cli import save_model
+from snakellm.finetune.artifacts import save_model
 from snakellm import models
 from snakellm.models.build import build_model
 if __name__ == "__main__":

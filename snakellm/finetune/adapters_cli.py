@@ -16,17 +16,15 @@ from pathlib import Path
 
 
 def merge(base: str, adapter: str, out: str, device: str = "auto", tp: int = 1) -> Path:
-    from snakellm.eval.evaluate import attach_artifacts
-    from snakellm.finetune import runtime
-    from snakellm.finetune.cli import save_model
+    from snakellm.finetune import artifacts, runtime
     from snakellm.finetune.lora import merge as merge_into
 
     rt = runtime.start(device, tp)
     try:
         gpt, _, arch, vocab, _, tok_info = runtime.load_base(rt, base)
-        _, conf, ad = attach_artifacts(rt, gpt, arch, adapter, None)
+        _, conf, ad = artifacts.attach(rt, gpt, arch, adapter, None)
         merge_into(gpt, ad)
-        return save_model(gpt, Path(out), arch, vocab, conf.get("tokenizer") or tok_info, rt)
+        return artifacts.save_model(gpt, Path(out), arch, vocab, conf.get("tokenizer") or tok_info, rt)
     finally:
         runtime.stop()
 

@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from snakellm.io import checkpoint as ckpt
 from snakellm.io.atomic import write_json, write_text
 from snakellm.io.log import log
-from snakellm.train import checkpoint as ckpt
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
 METHODS = ("lora", "full", "ptuning")
@@ -220,8 +220,8 @@ def trainable_sharded_state(method: str, ft, extra) -> dict:
 
 
 def finetune(a: argparse.Namespace) -> int:
+    from snakellm.finetune import artifacts, runtime
     from snakellm.finetune import dataset as ds
-    from snakellm.finetune import runtime
 
     out = Path(a.out_dir)
     ckpt_dir = out / "checkpoints"
@@ -517,7 +517,7 @@ def finetune(a: argparse.Namespace) -> int:
         if chosen != it:
             loaded = ckpt.load(ckpt_dir, chosen, {"model": trainable_sharded_state(a.method, ft, extra)})
             load_trainable(a.method, ft, extra, loaded["model"])
-        write_artifacts(a, rt, ft, extra, mcfg, arch, vocab, cfg, tok_info, fp, out)
+        artifacts.write(a, rt, ft, extra, mcfg, arch, vocab, cfg, tok_info, fp, out)
         if rank0:
             recs = merge_metrics(ckpt_dir / ckpt.LIVE_METRICS)
             write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
@@ -575,50 +575,6 @@ def load_trainable(method: str, ft, extra, loaded: dict) -> None:
         else:
             for n, p in extra.encoder.named_parameters():
                 p.copy_(loaded[f"ptuning.{n}"])
-
-
-def write_artifacts(
-    a, rt, ft, extra, mcfg, arch: dict, vocab: int, cfg: dict, tok_info: dict, fp: str, out: Path
-) -> None:
-    """adapter/ (LoRA), prompt/ (p-tuning) or model/ (full): what evaluate and the exporters read."""
-    from safetensors.torch import save_file
-
-    from snakellm.io.atomic import atomic_path
-
-    rank0 = rt.rank == 0
-    meta = {
-        "base": cfg["base"],
-        "model": arch,
-        "padded_vocab": vocab,
-        "tokenizer": tok_info,
-        "examples": cfg["examples"],
-        "fingerprint": fp,
-    }
-    if a.method == "lora":
-        from snakellm.finetune.lora import full_tensors
-
-        tensors = full_tensors(extra)
-        if rank0:
-            with atomic_path(out / "adapter" / "adapter.safetensors") as tmp:
-                save_file(tensors, str(tmp), metadata={"format": "pt", "snakellm": "lora"})
-            write_json(out / "adapter" / "adapter_config.json", {"method": "lora", "lora": mcfg.as_dict(), **meta})
-    elif a.method == "ptuning":
-        if rank0:
-            enc = {k: v.detach().float().cpu().contiguous() for k, v in extra.encoder.state_dict().items()}
-            with atomic_path(out / "prompt" / "prompt_encoder.safetensors") as tmp:
-                save_file(enc, str(tmp))
-            with atomic_path(out / "prompt" / "virtual_tokens.safetensors") as tmp:
-                save_file({"prompt_table": extra.virtual_embeddings().contiguous()}, str(tmp))
-            write_json(out / "prompt" / "prompt_config.json", {"method": "ptuning", "ptuning": mcfg.as_dict(), **meta})
-    else:
-        save_model(ft.gpt, out / "model", arch, vocab, tok_info, rt)
-
-
-def save_model(gpt, run_dir: Path, arch: dict, vocab: int, tokenizer: dict, rt) -> Path:
-    """A model-only checkpoint directory (iteration 0) that snakellm.models.load and load_base read like a run."""
-    from snakellm.models.loading import save_model_checkpoint
-
-    return save_model_checkpoint(run_dir, gpt, arch, vocab, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

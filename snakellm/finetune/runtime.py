@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from snakellm.train import checkpoint as ckpt
+from snakellm.io import checkpoint as ckpt
 
 
 class BaseModelError(ValueError):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snakellm.io import checkpoint as ckpt
 from snakellm.models.architecture import MODEL_KEYS, ModelConfigError, padded_vocab_size, resolve
-from snakellm.train import checkpoint as ckpt
 
 
 class LoadError(RuntimeError):

@@ -17,11 +17,11 @@ import os
 from typing import Any
 
 from snakellm import models
+from snakellm.io import checkpoint as ckpt
 from snakellm.io.atomic import write_json, write_text
 from snakellm.io.log import log
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime, watchdog
-from snakellm.train import checkpoint as ckpt
 from snakellm.train import dataset as datamod
 from snakellm.train.metrics import MetricsLogger, merge_metrics, peak_tflops_of
 from snakellm.train.profiling import StepProfiler, parse_range
