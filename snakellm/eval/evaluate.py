@@ -83,6 +83,7 @@ def generate_answers(gpt, arch: dict, tok, prompts: list[list[int]], a, seq: int
 
 
 def evaluate(a: argparse.Namespace) -> dict:
+    from snakellm import models
     from snakellm.finetune import artifacts, runtime
     from snakellm.finetune import dataset as ds
     from snakellm.finetune.metrics import exact_string_match, squad_scores
@@ -91,10 +92,11 @@ def evaluate(a: argparse.Namespace) -> dict:
     torch = rt.torch
     try:
         bf16 = (a.precision == "bf16") or (a.precision == "auto" and rt.cuda)
-        gpt, _, arch, _, ck, tok_info = runtime.load_base(rt, a.base, bf16=bf16, seq_length=a.max_seq_length)
+        base = models.load(a.base, device=rt.device, bf16=bf16, seq_length=a.max_seq_length)
+        gpt, arch, ck = base.model, base.arch, base.checkpoint
         seq = a.max_seq_length or arch["seq_length"]
-        tok = runtime.load_tokenizer(a.blend, fallback=tok_info)
-        virtual, conf, extra = artifacts.attach(rt, gpt, arch, a.adapter, a.prompt)
+        tok = runtime.load_tokenizer(a.blend, fallback=base.tokenizer)
+        virtual, conf, extra = artifacts.attach(rt.device, gpt, arch, a.adapter, a.prompt)
         ex_cfg = (conf or {}).get("examples") or {}
         template = ex_cfg.get("template", a.template)
         enc = ds.Encoder(
@@ -162,11 +164,12 @@ def evaluate(a: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from snakellm.finetune.dataset import SFTFormatError
     from snakellm.finetune.runtime import BaseModelError
+    from snakellm.models.loading import LoadError
 
     a = build_parser().parse_args(argv)
     try:
         m = evaluate(a)
-    except (SFTFormatError, BaseModelError, FileNotFoundError) as e:
+    except (SFTFormatError, BaseModelError, LoadError, FileNotFoundError) as e:
         print(f"snakellm evaluate: error: {e}", file=sys.stderr)
         return 2
     print(

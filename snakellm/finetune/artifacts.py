@@ -12,26 +12,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from snakellm.io.atomic import write_json
 
 
-def write(a, rt, ft, extra, mcfg, arch: dict, vocab: int, cfg: dict, tok_info: dict, fp: str, out: Path) -> None:
-    """adapter/ (LoRA), prompt/ (p-tuning) or model/ (full): what evaluate and the exporters read."""
+def write(method: str, rank0: bool, ft: Any, extra: Any, mcfg: Any, meta: dict[str, Any], out: Path) -> None:
+    """adapter/ (LoRA), prompt/ (p-tuning) or model/ (full): what evaluate and the exporters read.
+
+    ``meta`` (base, model, padded_vocab, tokenizer, examples, fingerprint) goes into the config file
+    beside the tensors. Collective for ``lora`` and ``full`` (the tensor-parallel shards are gathered).
+    """
     from safetensors.torch import save_file
 
     from snakellm.io.atomic import atomic_path
 
-    rank0 = rt.rank == 0
-    meta = {
-        "base": cfg["base"],
-        "model": arch,
-        "padded_vocab": vocab,
-        "tokenizer": tok_info,
-        "examples": cfg["examples"],
-        "fingerprint": fp,
-    }
-    if a.method == "lora":
+    if method == "lora":
         from snakellm.finetune.lora import full_tensors
 
         tensors = full_tensors(extra)
@@ -39,7 +35,7 @@ def write(a, rt, ft, extra, mcfg, arch: dict, vocab: int, cfg: dict, tok_info: d
             with atomic_path(out / "adapter" / "adapter.safetensors") as tmp:
                 save_file(tensors, str(tmp), metadata={"format": "pt", "snakellm": "lora"})
             write_json(out / "adapter" / "adapter_config.json", {"method": "lora", "lora": mcfg.as_dict(), **meta})
-    elif a.method == "ptuning":
+    elif method == "ptuning":
         if rank0:
             enc = {k: v.detach().float().cpu().contiguous() for k, v in extra.encoder.state_dict().items()}
             with atomic_path(out / "prompt" / "prompt_encoder.safetensors") as tmp:
@@ -48,17 +44,17 @@ def write(a, rt, ft, extra, mcfg, arch: dict, vocab: int, cfg: dict, tok_info: d
                 save_file({"prompt_table": extra.virtual_embeddings().contiguous()}, str(tmp))
             write_json(out / "prompt" / "prompt_config.json", {"method": "ptuning", "ptuning": mcfg.as_dict(), **meta})
     else:
-        save_model(ft.gpt, out / "model", arch, vocab, tok_info, rt)
+        save_model(ft.gpt, out / "model", meta["model"], meta["padded_vocab"], meta["tokenizer"])
 
 
-def save_model(gpt, run_dir: Path, arch: dict, vocab: int, tokenizer: dict, rt) -> Path:
-    """A model-only checkpoint directory (iteration 0) that snakellm.models.load and load_base read like a run."""
+def save_model(gpt: Any, run_dir: Path, arch: dict, vocab: int, tokenizer: dict) -> Path:
+    """A model-only checkpoint directory (iteration 0) that :func:`snakellm.models.load` reads like a run."""
     from snakellm.models.loading import save_model_checkpoint
 
     return save_model_checkpoint(run_dir, gpt, arch, vocab, tokenizer)
 
 
-def attach(rt, gpt, arch: dict, adapter: str | None, prompt: str | None):
+def attach(device: Any, gpt: Any, arch: dict, adapter: str | None, prompt: str | None) -> tuple[int, Any, Any]:
     """Put a saved LoRA adapter or p-tuning prompt table onto the base model; returns (virtual tokens, config)."""
     import torch
     from safetensors.torch import load_file
@@ -82,6 +78,6 @@ def attach(rt, gpt, arch: dict, adapter: str | None, prompt: str | None):
             gpt.embedding.word_embeddings.weight.device,
         )
         table = load_file(str(Path(prompt) / "virtual_tokens.safetensors"))["prompt_table"]
-        pt.table = table.to(device=rt.device, dtype=torch.float32)
+        pt.table = table.to(device=device, dtype=torch.float32)
         return pt.cfg.virtual_tokens, conf, pt
     return 0, None, None

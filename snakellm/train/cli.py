@@ -35,8 +35,10 @@ from snakellm.io import checkpoint as ckpt
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime
 from snakellm.models.attention import ATTENTION_BACKENDS
+from snakellm.train.assembly import JobError
 from snakellm.train.dataset import DataError
 from snakellm.train.request import RequestError, make_request
+from snakellm.train.resume import ResumeError
 from snakellm.train.settings import ParallelSettings, TrainSettings, add_arguments
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
@@ -150,9 +152,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return pretrain(req)
-    except (RequestError, runtime.LaunchError, models.ModelConfigError, DataError, ckpt.CheckpointError) as e:
+    except (
+        RequestError,
+        ResumeError,
+        JobError,
+        runtime.LaunchError,
+        models.ModelConfigError,
+        DataError,
+        ckpt.CheckpointError,
+    ) as e:
         _error(e)
-        return EXIT_USAGE if isinstance(e, (RequestError, runtime.LaunchError)) else EXIT_ERROR
+        return EXIT_USAGE if isinstance(e, (RequestError, ResumeError, JobError, runtime.LaunchError)) else EXIT_ERROR
     except FloatingPointError as e:
         _error(e)
         return EXIT_ERROR
