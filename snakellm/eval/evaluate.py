@@ -39,7 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--base", required=True, help="pretrained run (or a full fine-tune's model/ directory)")
-    p.add_argument("--blend", default=None, help="a blend.json whose tokenizer to use (default: the run's own)")
     p.add_argument("--test", required=True, help="test split jsonl ({input, output[, answers]})")
     p.add_argument("--out-dir", required=True, help="directory for metrics.json and predictions.jsonl")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory (finetune's adapter/)")
@@ -95,7 +94,7 @@ def evaluate(a: argparse.Namespace) -> dict:
         base = models.load(a.base, device=rt.device, bf16=bf16, seq_length=a.max_seq_length)
         gpt, arch, ck = base.model, base.arch, base.checkpoint
         seq = a.max_seq_length or arch["seq_length"]
-        tok = runtime.load_tokenizer(a.blend, fallback=base.tokenizer)
+        tok = runtime.load_tokenizer(base.tokenizer)  # the tokenizer the run carries
         virtual, conf, extra = artifacts.attach(rt.device, gpt, arch, a.adapter, a.prompt)
         ex_cfg = (conf or {}).get("examples") or {}
         template = ex_cfg.get("template", a.template)

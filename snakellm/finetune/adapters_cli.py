@@ -25,9 +25,7 @@ def merge(base: str, adapter: str, out: str, device: str = "auto", tp: int = 1) 
         m = models.load(base, device=rt.device, tp=rt.tp)
         _, conf, ad = artifacts.attach(rt.device, m.model, m.arch, adapter, None)
         merge_into(m.model, ad)
-        return artifacts.save_model(
-            m.model, Path(out), m.arch, m.padded_vocab_size, conf.get("tokenizer") or m.tokenizer
-        )
+        return artifacts.save_model(m.model, Path(out), m.arch, m.padded_vocab_size, m.tokenizer)
     finally:
         runtime.stop()
 

@@ -92,11 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--base", required=True, help="pretrained run dir, its checkpoints/ or an iter_NNNNNNN/ dir")
-    p.add_argument(
-        "--blend",
-        default=None,
-        help="a blend.json whose tokenizer to use (default: the one recorded with the base run)",
-    )
     p.add_argument("--data-dir", required=True, help="directory with train.jsonl and validation.jsonl")
     p.add_argument("--out-dir", required=True, help="output directory (runs/RUN/finetune/TASK)")
     p.add_argument("--method", required=True, choices=METHODS)

@@ -117,9 +117,7 @@ class FinetuneRecipe:
         self.base = describe_run(a.base, seq_length=a.max_seq_length, tp=a.tp)
         self.arch, self.vocab = self.base["arch"], self.base["padded_vocab_size"]
         self.seq = a.max_seq_length or self.arch["seq_length"]
-        self.tok_info = self.base["tokenizer"]
-        if getattr(a, "blend", None):  # the rules' override, until runs carry their tokenizer
-            self.tok_info = json.loads(Path(a.blend).read_text()).get("tokenizer", self.tok_info)
+        self.tok_info = self.base["tokenizer"]  # the base run's own copy (snakellm.io.run_tokenizer)
         self.virtual = mcfg.virtual_tokens if a.method == "ptuning" else 0
         self._encode()
         self.extra: Any = None

@@ -7,23 +7,25 @@ architecture and tokenizer:
 * ``checkpoints/run_config.json``: ``config.model`` (the resolved architecture),
   ``config.padded_vocab`` and, next to the config, ``tokenizer`` (the blend's
   tokenizer block: kind, files, vocab size, EOD id) and ``blend``;
+* ``tokenizer/``: the tokenizer files the run was trained with and their manifest;
 * ``checkpoints/iter_NNNNNNN/``: a megatron.core.dist_checkpointing directory;
   only its ``model`` part is read, so a training checkpoint (with optimizer
   and RNG states) and a model-only one (written by an import) load alike.
 
-Runs trained before the tokenizer was recorded are still loadable: the
-tokenizer then comes from the blend named in ``train_summary.json``.
+A run carries its tokenizer (``RUN_DIR/tokenizer/``, :mod:`snakellm.io.run_tokenizer`):
+the tokenizer block :func:`describe_run` returns names those files by absolute
+path, so a run loads, generates and exports from any working directory.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from snakellm.io import checkpoint as ckpt
+from snakellm.io import run_tokenizer
 from snakellm.models.architecture import MODEL_KEYS, ModelConfigError, check_parallel, padded_vocab_size, resolve
 
 
@@ -92,7 +94,10 @@ def describe_run(
         arch = resolve(None, {k: v for k, v in cfg.get("model", {}).items() if k in MODEL_KEYS})
     except ModelConfigError as e:
         raise LoadError(f"{ckpt_dir / ckpt.RUN_CONFIG}: {e}") from None
-    tokenizer = rc.get("tokenizer") or _tokenizer_from_summary(ckpt_dir.parent)
+    try:
+        tokenizer = run_tokenizer.resolve(ckpt_dir.parent, rc.get("tokenizer"))
+    except run_tokenizer.RunTokenizerError as e:
+        raise LoadError(str(e)) from None
     vocab = int(cfg.get("padded_vocab") or padded_vocab_size(int(tokenizer["vocab_size"]), arch))
     _fit(arch, vocab, seq_length, tp)
     return {
@@ -120,15 +125,6 @@ def _fit(arch: dict[str, Any], vocab: int, seq_length: int | None, tp: int) -> N
         check_parallel(arch, tp, 1)
     except ModelConfigError as e:
         raise LoadError(str(e)) from None
-
-
-def _tokenizer_from_summary(run_dir: Path) -> dict[str, Any]:
-    summary = run_dir / "train_summary.json"
-    if summary.is_file():
-        blend = json.loads(summary.read_text()).get("blend")
-        if blend and Path(blend).is_file():
-            return dict(json.loads(Path(blend).read_text())["tokenizer"])
-    raise LoadError(f"{run_dir}: the run's tokenizer is not recorded (no tokenizer in run_config.json, no blend)")
 
 
 def load(
@@ -198,9 +194,11 @@ def save_model_checkpoint(
     p = Path(path)
     ckpt_dir = p if p.name == "checkpoints" else p / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     config = {"model": {k: arch[k] for k in MODEL_KEYS}, "padded_vocab": int(padded_vocab), **(extra or {})}
-    ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tokenizer)
+    if rank == 0:
+        tokenizer = run_tokenizer.carry(tokenizer, ckpt_dir.parent)  # the model dir carries its tokenizer
+        ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tokenizer)
     state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return ckpt.save(ckpt_dir, iteration, state, rank=rank, barrier=barrier)

@@ -15,6 +15,7 @@ this module's, the same code for both:
   auto|require|never, on_config_change archive|error);
 * megatron-core DDP, AdamW with fp32 master weights (sharded over the
   data-parallel ranks on request), the warmup + decay schedule;
+* the run's copy of its tokenizer (``RUN_DIR/tokenizer/``, :mod:`snakellm.io.run_tokenizer`);
 * the checkpoint manager (model part, optimizer, RNG states and the data
   position, so a SIGKILLed job resumes bit for bit), metrics, validation,
   early stopping and the loop (:class:`snakellm.train.trainer.Trainer`).
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from snakellm.io import checkpoint as ckpt
+from snakellm.io import run_tokenizer
 from snakellm.io.log import log
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime, watchdog
@@ -317,6 +319,9 @@ def _prepare_checkpoint_dir(
             dest = ckpt.archive(job.ckpt_dir)
             s.log(f"checkpoints moved aside to {dest} ({why}); starting fresh")
         s.barrier()
+    if s.rank0 and record.get("tokenizer"):
+        # the run carries the tokenizer it is trained with: every later step reads RUN_DIR/tokenizer/
+        run_tokenizer.carry(record["tokenizer"], job.run_dir)
     if action in ("archive", "fresh") and s.rank0:
         job.ckpt_dir.mkdir(parents=True, exist_ok=True)
         ckpt.write_run_config(job.ckpt_dir, fp, cfg, **record)
