@@ -30,8 +30,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from snakellm.config.settings import add_arguments
 from snakellm.io import checkpoint as ckpt
-from snakellm.train.settings import ResumeSettings, add_arguments
+from snakellm.train.settings import ResumeSettings
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
 METHODS = ("lora", "full", "ptuning")
