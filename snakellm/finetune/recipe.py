@@ -32,6 +32,7 @@ from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
 from snakellm.io.atomic import write_json, write_text
 from snakellm.train import assembly
+from snakellm.train.resume import check_required
 from snakellm.train.trainer import Batch
 
 METHODS = ("lora", "full", "ptuning")
@@ -54,8 +55,9 @@ EXAMPLE_KEYS = ("template", "add_bos", "add_eos", "answer_only_loss", "truncatio
 
 def finetune(a: argparse.Namespace, mcfg: Any) -> int:
     """Run one fine-tune to its last step (0) or a clean stop (75); ``mcfg``: the method's config (or None)."""
-    recipe = FinetuneRecipe(a, mcfg)
-    return assembly.run(job_of(a), recipe)
+    job = job_of(a)
+    check_required(job.ckpt_dir, job)  # before the base and the data are read
+    return assembly.run(job, FinetuneRecipe(a, mcfg))
 
 
 def job_of(a: argparse.Namespace) -> assembly.Job:
