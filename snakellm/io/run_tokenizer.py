@@ -70,14 +70,18 @@ def carry(block: dict[str, Any], run_dir: str | os.PathLike, base: str | os.Path
                 shutil.copyfile(src, tmp)
         files[key], sums[name] = name, _sha256(target)
     # paths derived from the original files (NeMo's and Megatron's flags) would name the originals: left out
-    carried = {k: v for k, v in block.items() if k not in ("files", "nemo", "megatron_args")} | {"files": files}
+    carried = {k: v for k, v in block.items() if k not in ("files", "nemo", "megatron_args")}
+    if "files" in block:  # a tokenizer with no files (tests' synthetic one) stays as recorded
+        carried["files"] = files
     write_json(dest / MANIFEST, {"kind": block.get("kind"), "files": files, "sha256": sums, "block": carried})
     return _absolute(carried, dest)
 
 
 def _absolute(block: dict[str, Any], dest: Path) -> dict[str, Any]:
+    if "files" not in block:
+        return dict(block)
     root = dest.resolve()
-    return {**block, "files": {k: str(root / v) for k, v in (block.get("files") or {}).items()}}
+    return {**block, "files": {k: str(root / v) for k, v in block["files"].items()}}
 
 
 def resolve(run_dir: str | os.PathLike, recorded: dict[str, Any] | None) -> dict[str, Any]:
