@@ -255,6 +255,11 @@ class Family:
     # NeMo model_config.yaml: keys beyond the shared table, and why NeMo 1.x cannot hold the model
     nemo_extra: Callable[[Arch], dict[str, Any]] = _no_extras
     nemo_refuses: Callable[[Arch], str | None] = _no_reason
+    # architecture keys read from a NeMo model_config.yaml beyond the shared table (and its checks)
+    nemo_import_extra: Callable[[dict[str, Any], str], dict[str, Any]] = _no_import_checks
+    # two families sharing one HF model_type (Llama 2 and Llama 3.x): the later one claims the configs
+    # that are its own (e.g. rope_scaling of type llama3); None claims every config of its model_type
+    hf_claims: Callable[[dict[str, Any]], bool] | None = None
 
     # ---------------------------------------------------------------- architecture
 
