@@ -342,17 +342,6 @@ def get_run_done(wildcards):
     return f"runs/{wildcards.run}/train_summary.json"
 
 
-def get_export_nemo_blend(wildcards):
-    """A trained run's .nemo packs the tokenizer of its blend; an import's is recorded with its checkpoint."""
-    return [] if wildcards.run in IMPORTS else [get_train_blend(wildcards)]
-
-
-def get_export_nemo_blend_flag(wildcards):
-    return " ".join(
-        f"--blend {shlex.quote(b)}" for b in get_export_nemo_blend(wildcards)
-    )
-
-
 def get_export_nemo_targets():
     return [f"runs/{run}/{run}.nemo" for run in RUNS] if EXPORT_NEMO["enabled"] else []
 

@@ -39,8 +39,7 @@ rule evaluate_finetune:
     params:
         model=get_evaluate_model,
         flags=get_evaluate_flags,
-        blend=get_blend_flag,
         out=subpath(output.metrics, parent=True),
     shell:
-        "snakellm evaluate {params.model} --label {wildcards.which} {params.blend} --test {input.test} "
+        "snakellm evaluate {params.model} --label {wildcards.which} --test {input.test} "
         "--out-dir {params.out} --threads {threads} {params.flags} 2> {log}"

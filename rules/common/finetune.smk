@@ -29,18 +29,10 @@ def _ft(wildcards):
 
 
 def _base_inputs(ft):
-    """The base model's final file, and (for a trained run) the blend.json whose tokenizer it was trained with;
-    an imported model carries its own tokenizer in its run_config."""
+    """The base model's final file (the run carries its tokenizer: runs/RUN/tokenizer/)."""
     if ft["run"] in RUNS:
-        return {
-            "base": f"runs/{ft['run']}/train_summary.json",
-            "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
-        }
+        return {"base": f"runs/{ft['run']}/train_summary.json"}
     return {"base": f"runs/{ft['run']}/import_summary.json"}
-
-
-def get_blend_flag(wildcards, input):
-    return f"--blend {shlex.quote(input.blend)}" if "blend" in input.keys() else ""
 
 
 def get_finetune_input(wildcards):

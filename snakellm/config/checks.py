@@ -77,12 +77,12 @@ def check_hf_exports(config: dict[str, Any], run_models: dict[str, dict[str, Any
     """Every run's architecture has a Hugging Face class that computes exactly what it does."""
     if not config.get("export_hf", {}).get("enabled", True):
         return
-    from snakellm.export.hf import ExportError, hf_family
+    from snakellm.models import families
 
     for name, arch in run_models.items():
         try:
-            hf_family(arch)
-        except ExportError as e:
+            families.for_arch(arch)
+        except families.FamilyError as e:
             raise ConfigError(f"config key runs.{name}.model: Hugging Face export: {e}") from None
 
 

@@ -13,16 +13,16 @@ from pathlib import Path
 
 
 def merge(base: str, adapter: str, out: str, device: str = "auto", tp: int = 1) -> Path:
-    from snakellm.eval.evaluate import attach_artifacts
-    from snakellm.finetune import runtime
-    from snakellm.finetune.cli import save_model
+    """Base checkpoint + LoRA adapter -> a model-only checkpoint directory holding the merged weights."""
+    from snakellm import models
+    from snakellm.finetune import artifacts, runtime
     from snakellm.finetune.lora import merge as merge_into
 
     rt = runtime.start(device, tp)
     try:
-        gpt, _, arch, vocab, _, tok_info = runtime.load_base(rt, base)
-        _, conf, ad = attach_artifacts(rt, gpt, arch, adapter, None)
-        merge_into(gpt, ad)
-        return save_model(gpt, Path(out), arch, vocab, conf.get("tokenizer") or tok_info, rt)
+        m = models.load(base, device=rt.device, tp=rt.tp)
+        _, conf, ad = artifacts.attach(rt.device, m.model, m.arch, adapter, None)
+        merge_into(m.model, ad)
+        return artifacts.save_model(m.model, Path(out), m.arch, m.padded_vocab_size, m.tokenizer)
     finally:
         runtime.stop()

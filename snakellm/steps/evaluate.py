@@ -17,7 +17,6 @@ def build_parser() -> argparse.ArgumentParser:
         "loss -> metrics.json + predictions.jsonl ({input, pred, label}).",
     )
     p.add_argument("--base", required=True, help="pretrained run (or a full fine-tune's model/ directory)")
-    p.add_argument("--blend", default=None, help="a blend.json whose tokenizer to use (default: the run's own)")
     p.add_argument("--test", required=True, help="test split jsonl ({input, output[, answers]})")
     p.add_argument("--out-dir", required=True, help="directory for metrics.json and predictions.jsonl")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory (finetune's adapter/)")
@@ -35,11 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from snakellm.finetune.dataset import SFTFormatError
     from snakellm.finetune.runtime import BaseModelError
+    from snakellm.models.loading import LoadError
 
     a = build_parser().parse_args(argv)
     try:
         m = evaluate(a)
-    except (SFTFormatError, BaseModelError, FileNotFoundError) as e:
+    except (SFTFormatError, BaseModelError, LoadError, FileNotFoundError) as e:
         print(f"snakellm evaluate: error: {e}", file=sys.stderr)
         return 2
     print(

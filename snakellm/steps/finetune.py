@@ -1,4 +1,4 @@
-"""``snakellm finetune``: LoRA, full SFT or p-tuning of a run (snakellm.finetune.cli)."""
+"""``snakellm finetune``: LoRA, full SFT or p-tuning of a run (the recipe: snakellm.finetune.recipe)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from snakellm.config.sections import (
 )
 from snakellm.config.settings import add_arguments
 from snakellm.errors import EXIT_FAILED, EXIT_USAGE
-from snakellm.finetune.cli import finetune
-from snakellm.train import checkpoint as ckpt
+from snakellm.io import checkpoint as ckpt
+from snakellm.train.settings import ResumeSettings
 
 
 def add_data_arguments(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -37,11 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 done; 1 error; 2 usage error; 75 stopped on a signal/--max-time after a checkpoint.",
     )
     p.add_argument("--base", required=True, help="pretrained run dir, its checkpoints/ or an iter_NNNNNNN/ dir")
-    p.add_argument(
-        "--blend",
-        default=None,
-        help="a blend.json whose tokenizer to use (default: the one recorded with the base run)",
-    )
     p.add_argument("--data-dir", required=True, help="directory with train.jsonl and validation.jsonl")
     p.add_argument("--out-dir", required=True, help="output directory (runs/RUN/finetune/TASK)")
     add_arguments(p, FinetuneSettings)
@@ -55,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("best", "last"),
         help="which checkpoint the artifacts come from: the best validation loss (NeMo's default) or the last",
     )
+    add_arguments(c, ResumeSettings)
     c.add_argument("--max-time", type=float, default=None, help="seconds; then checkpoint and exit 75")
     s = p.add_argument_group("parallelism")
     add_arguments(s, FinetuneParallelSettings)
@@ -66,14 +62,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def method_config(a: argparse.Namespace):
+    """The chosen method's configuration from its flags (None for a full fine-tune)."""
+    from snakellm.finetune.lora import LoRAConfig
+    from snakellm.finetune.ptuning import PTuningConfig
+
+    if a.method == "lora":
+        return LoRAConfig(
+            rank=a.lora_rank,
+            alpha=a.lora_alpha,
+            dropout=a.lora_dropout,
+            targets=tuple(t.strip() for t in a.lora_targets if t.strip()),
+            layers=tuple(a.lora_layers) if a.lora_layers else None,
+            column_init=a.lora_column_init,
+            row_init=a.lora_row_init,
+            seed=a.seed,
+            modules_to_save=tuple(m.strip() for m in a.lora_modules_to_save if m.strip()),
+        )
+    if a.method == "ptuning":
+        return PTuningConfig(
+            virtual_tokens=a.virtual_tokens, encoder=a.prompt_encoder, hidden=a.prompt_encoder_hidden, seed=a.seed
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from snakellm.finetune.dataset import SFTFormatError
+    from snakellm.finetune.recipe import finetune
     from snakellm.finetune.runtime import BaseModelError
+    from snakellm.models.loading import LoadError
+    from snakellm.train.assembly import JobError
+    from snakellm.train.resume import ResumeError
 
     a = build_parser().parse_args(argv)
     try:
-        return finetune(a)
-    except (SFTFormatError, BaseModelError, ValueError, ckpt.CheckpointError) as e:
+        return finetune(a, method_config(a))
+    except (SFTFormatError, BaseModelError, LoadError, JobError, ResumeError, ValueError, ckpt.CheckpointError) as e:
         print(f"snakellm finetune: error: {e}", file=sys.stderr)
         return EXIT_USAGE if not isinstance(e, ckpt.CheckpointError) else EXIT_FAILED
 

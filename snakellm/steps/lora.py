@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--adapter", required=True, help="finetune's adapter/ directory")
     e.add_argument("--out", required=True, help="output directory")
     a = p.parse_args(argv)
+    from snakellm.models.loading import LoadError
+
     try:
         if a.cmd == "merge":
             path = merge(a.base, a.adapter, a.out, a.device)
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             from snakellm.finetune.peft_export import write_peft
 
             path = write_peft(a.adapter, a.out)
-    except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+    except (OSError, KeyError, ValueError, json.JSONDecodeError, LoadError) as e:
         print(f"snakellm lora: error: {e}", file=sys.stderr)
         return 2
     print(f"snakellm lora {a.cmd}: wrote {path}", file=sys.stderr)

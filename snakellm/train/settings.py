@@ -9,7 +9,7 @@ the torch-free config package, so that the Snakefile, the schema test and
 
 from __future__ import annotations
 
-from snakellm.config.sections import ParallelSettings, TrainSettings
+from snakellm.config.sections import ParallelSettings, ResumeSettings, TrainSettings
 from snakellm.config.settings import (
     REQUIRED,
     add_arguments,
@@ -25,6 +25,7 @@ __all__ = [
     "REQUIRED",
     "TRAJECTORY_KEYS",
     "ParallelSettings",
+    "ResumeSettings",
     "TrainSettings",
     "add_arguments",
     "defaults",
