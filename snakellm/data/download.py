@@ -58,7 +58,7 @@ from urllib.parse import urlsplit
 from urllib.request import Request, urlopen
 
 from snakellm import __version__
-from snakellm.data.planning import url_to_relpath
+from snakellm.data.planning import read_shard_list, url_to_relpath
 from snakellm.io.atomic import write_json
 from snakellm.io.progress import progress
 
@@ -677,7 +677,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("urls", nargs="*", metavar="URL", help="shard URLs, in chunk order")
-    p.add_argument("--url-file", help="read more URLs from this file (one per line; for very long lists)")
+    p.add_argument(
+        "--url-file",
+        help="read more URLs from this file (a shard list as the planner writes it: one JSON string per line, "
+        "# notes; plain lines work too); for very long lists",
+    )
     p.add_argument("--dest", required=True, help="directory the shards are stored under (data/raw/{source}/shards)")
     p.add_argument(
         "--manifest",
@@ -715,8 +719,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     urls = list(a.urls)
     if a.url_file:
-        with open(a.url_file) as fh:
-            urls += [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            urls += [u.strip() for u in read_shard_list(a.url_file)]
+        except (OSError, ValueError) as e:
+            p.error(f"cannot read --url-file: {e}")
     if not urls:
         p.error("no URLs given")
     if a.concurrency < 1 or a.retries < 0 or a.backoff < 0 or a.max_backoff < 0 or a.timeout <= 0:
