@@ -1,17 +1,13 @@
-"""Hugging Face export and import: megatron-core GPTModel <-> GPT2LMHeadModel / LlamaForCausalLM.
+"""Hugging Face export and import: megatron-core GPTModel <-> the family's HF class (GPT2LMHeadModel, ...).
 
-Weight mapping (megatron-core local-spec names; TE-spec ``layer_norm_*`` names are
-folded into them first):
-
-* ``linear_qkv`` rows are grouped per query group as ``[q (heads_per_group x d),
-  k (d), v (d)]``; HF keeps q, k, v apart (Llama) or as ``[q; k; v]`` over all
-  heads (GPT-2's ``c_attn``).
-* ``linear_fc1`` of a SwiGLU MLP is ``cat(gate, up)``; Llama has ``gate_proj`` and ``up_proj``.
-* GPT-2's ``Conv1D`` stores ``[in, out]``: every GPT-2 linear weight is transposed.
-* The embedding (and an untied output layer) is padded to a multiple of
-  ``make_vocab_size_divisible_by``: rows past the tokenizer's vocabulary are dropped on export
-  and zero-filled on import.
-* Tied embeddings: no ``lm_head.weight`` in the file, ``tie_word_embeddings: true``.
+What a tensor or a config key is called on either side is the family's business
+(``snakellm/models/families/<style>.py``: one weight table and one config table, read
+in both directions); this module does the files: safetensors (sharded), config.json,
+generation_config.json, the tokenizer files, atomic publication. megatron-core
+tensors are taken by local-spec name; TE-spec ``layer_norm_*`` names are folded into
+them first. The embedding (and an untied output layer) is padded to a multiple of
+``make_vocab_size_divisible_by``: rows past the tokenizer's vocabulary are dropped on
+export and zero-filled on import. Tied embeddings: no ``lm_head.weight`` in the file.
 
 Which HF class a model maps to is decided from the architecture alone
 (:func:`hf_family`), before any weights are read, so an unsupported combination
@@ -21,16 +17,20 @@ is an error before work starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from snakellm.io.atomic import write_json
 from snakellm.io.log import log
+from snakellm.models import families
+from snakellm.models.families import FamilyError
 
 
 class ExportError(ValueError):
@@ -48,33 +48,28 @@ _TE_NAMES = {
 # ----------------------------------------------------------------------------- architecture (no torch)
 
 
+@contextlib.contextmanager
+def _as_export_error() -> Iterator[None]:
+    """A family's refusal, raised as this module's error (what the export and import callers catch)."""
+    try:
+        yield
+    except FamilyError as e:
+        raise ExportError(str(e)) from None
+
+
 def hf_family(arch: dict[str, Any]) -> str:
-    """ "gpt2" or "llama": the HF class that computes exactly what this architecture does."""
-    gpt2 = dict(position_embedding="learned", normalization="LayerNorm", activation="gelu")
-    llama = dict(position_embedding="rope", normalization="RMSNorm", activation="swiglu")
-    for family, want in (("gpt2", gpt2), ("llama", llama)):
-        if all(arch.get(k) == v for k, v in want.items()):
-            if family == "gpt2" and arch["num_query_groups"] != arch["num_attention_heads"]:
-                raise ExportError(
-                    f"GPT-2 style with {arch['num_query_groups']} query groups for {arch['num_attention_heads']} heads: "
-                    "GPT2LMHeadModel has no grouped-query attention"
-                )
-            return family
-    got = ", ".join(f"{k}={arch.get(k)}" for k in gpt2)
-    raise ExportError(
-        f"no Hugging Face class computes this model ({got}): GPT2LMHeadModel needs learned positions, LayerNorm, "
-        "gelu; LlamaForCausalLM needs rope, RMSNorm, swiglu"
-    )
+    """The family (``gpt2``, ``llama``, ...) whose HF class computes exactly what this architecture does."""
+    with _as_export_error():
+        return families.for_arch(arch).name
 
 
 def hf_config(arch: dict[str, Any], vocab_size: int, specials: dict[str, int], dtype: str) -> dict[str, Any]:
     """config.json for the architecture (vocabulary trimmed to the tokenizer's)."""
-    family = hf_family(arch)
-    h, n = arch["hidden_size"], arch["num_attention_heads"]
+    with _as_export_error():
+        family = families.for_arch(arch)
     eos = specials.get("eos_token_id")
     common = {
         "vocab_size": vocab_size,
-        "tie_word_embeddings": bool(arch["tie_embeddings"]),
         "torch_dtype": dtype,
         "bos_token_id": specials.get("bos_token_id", eos),
         "eos_token_id": eos,
@@ -82,106 +77,16 @@ def hf_config(arch: dict[str, Any], vocab_size: int, specials: dict[str, int], d
     }
     if specials.get("pad_token_id") is not None:
         common["pad_token_id"] = specials["pad_token_id"]
-    if family == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            **common,
-            "n_layer": arch["num_layers"],
-            "n_embd": h,
-            "n_head": n,
-            "n_inner": arch["ffn_hidden_size"],
-            "n_positions": arch["seq_length"],
-            "n_ctx": arch["seq_length"],
-            "activation_function": "gelu",  # exact erf GeLU, as megatron-core's F.gelu (not GPT-2's gelu_new)
-            "layer_norm_epsilon": arch["layernorm_epsilon"],
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "initializer_range": arch["init_method_std"],
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **common,
-        "num_hidden_layers": arch["num_layers"],
-        "hidden_size": h,
-        "num_attention_heads": n,
-        "num_key_value_heads": arch["num_query_groups"],
-        "head_dim": h // n,
-        "intermediate_size": arch["ffn_hidden_size"],
-        "max_position_embeddings": arch["seq_length"],
-        "rms_norm_eps": arch["layernorm_epsilon"],
-        "rope_theta": float(arch["rotary_base"]),
-        "rope_scaling": None,
-        "hidden_act": "silu",
-        "attention_bias": bool(arch["bias"]),
-        "mlp_bias": bool(arch["bias"]),
-        "attention_dropout": 0.0,
-        "initializer_range": arch["init_method_std"],
-        "pretraining_tp": 1,
-    }
+    return {**family.hf_config(arch), **common}
 
 
 def arch_from_hf(config: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
-    """Our architecture dict for an HF GPT-2 or Llama config; anything we cannot compute exactly is an error."""
+    """Our architecture dict for an HF config of a registered family; anything we cannot compute exactly is an error."""
     from snakellm.models.architecture import resolve
 
-    mt = config.get("model_type")
-    if mt == "gpt2":
-        act = config.get("activation_function", "gelu_new")
-        if act != "gelu":
-            raise ExportError(
-                f"{where}: activation_function {act!r}: snakellm's GPT-2 style computes the exact GeLU ('gelu') only"
-            )
-        if config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
-            raise ExportError(f"{where}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
-        h = config["n_embd"]
-        over = dict(
-            style="gpt2",
-            num_layers=config["n_layer"],
-            hidden_size=h,
-            num_attention_heads=config["n_head"],
-            ffn_hidden_size=config.get("n_inner") or 4 * h,
-            seq_length=config["n_positions"],
-            layernorm_epsilon=config.get("layer_norm_epsilon", 1e-5),
-            tie_embeddings=config.get("tie_word_embeddings", True),
-            init_method_std=config.get("initializer_range", 0.02),
-        )
-    elif mt == "llama":
-        if config.get("hidden_act", "silu") != "silu":
-            raise ExportError(f"{where}: hidden_act {config['hidden_act']!r}: only silu (SwiGLU) is supported")
-        rs = config.get("rope_scaling")
-        rp = config.get("rope_parameters") or {}
-        if (rs and rs.get("rope_type", rs.get("type")) not in (None, "default")) or rp.get(
-            "rope_type", "default"
-        ) != "default":
-            raise ExportError(f"{where}: rope scaling {rs or rp} is not supported (plain RoPE only)")
-        h, n = config["hidden_size"], config["num_attention_heads"]
-        if config.get("head_dim") not in (None, h // n):
-            raise ExportError(f"{where}: head_dim {config['head_dim']} != hidden_size / heads ({h // n})")
-        if bool(config.get("attention_bias", False)) != bool(config.get("mlp_bias", False)):
-            raise ExportError(f"{where}: attention_bias and mlp_bias differ; megatron-core biases all linears or none")
-        base = config.get("rope_theta", rp.get("rope_theta", 10000.0))
-        over = dict(
-            style="llama",
-            num_layers=config["num_hidden_layers"],
-            hidden_size=h,
-            num_attention_heads=n,
-            num_query_groups=config.get("num_key_value_heads") or n,
-            ffn_hidden_size=config["intermediate_size"],
-            seq_length=config["max_position_embeddings"],
-            layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
-            rotary_base=int(base) if float(base).is_integer() else base,
-            tie_embeddings=config.get("tie_word_embeddings", False),
-            bias=bool(config.get("attention_bias")),
-            init_method_std=config.get("initializer_range", 0.02),
-        )
-    else:
-        raise ExportError(f"{where}: model_type {mt!r}: import supports gpt2 and llama")
+    with _as_export_error():
+        family = families.by_model_type(config.get("model_type"), where)
+        over = family.arch_from_hf(config, where)
     return resolve(None, over)
 
 
@@ -201,165 +106,16 @@ def megatron_tensors(model) -> dict[str, Any]:
     return out
 
 
-def _split_qkv(w, arch):
-    n, g = arch["num_attention_heads"], arch["num_query_groups"]
-    d = arch["hidden_size"] // n
-    per = n // g
-    x = w.reshape(g, per + 2, d, *w.shape[1:])
-    q = x[:, :per].reshape(n * d, *w.shape[1:])
-    return q, x[:, per].reshape(g * d, *w.shape[1:]), x[:, per + 1].reshape(g * d, *w.shape[1:])
-
-
-def _merge_qkv(q, k, v, arch):
-    import torch
-
-    n, g = arch["num_attention_heads"], arch["num_query_groups"]
-    d = arch["hidden_size"] // n
-    per = n // g
-    rest = q.shape[1:]
-    x = torch.cat([q.reshape(g, per, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest)], dim=1)
-    return x.reshape(g * (per + 2) * d, *rest)
-
-
 def to_hf(arch: dict[str, Any], m: dict[str, Any], vocab_size: int) -> dict[str, Any]:
-    """HF state dict (independent contiguous tensors) from megatron tensors."""
-    family = hf_family(arch)
-    L, f = arch["num_layers"], arch["ffn_hidden_size"]
-    out: dict[str, Any] = {}
-
-    def put(name, t):
-        out[name] = t.detach().contiguous().clone()
-
-    emb = m["embedding.word_embeddings.weight"][:vocab_size]
-    if family == "gpt2":
-        put("transformer.wte.weight", emb)
-        put("transformer.wpe.weight", m["embedding.position_embeddings.weight"])
-        for i in range(L):
-            a, p = f"decoder.layers.{i}.", f"transformer.h.{i}."
-            q, k, v = _split_qkv(m[a + "self_attention.linear_qkv.weight"], arch)
-            import torch
-
-            put(p + "attn.c_attn.weight", torch.cat([q, k, v]).t())
-            put(p + "attn.c_proj.weight", m[a + "self_attention.linear_proj.weight"].t())
-            put(p + "mlp.c_fc.weight", m[a + "mlp.linear_fc1.weight"].t())
-            put(p + "mlp.c_proj.weight", m[a + "mlp.linear_fc2.weight"].t())
-            if arch["bias"]:
-                put(p + "attn.c_attn.bias", torch.cat(_split_qkv(m[a + "self_attention.linear_qkv.bias"], arch)))
-                put(p + "attn.c_proj.bias", m[a + "self_attention.linear_proj.bias"])
-                put(p + "mlp.c_fc.bias", m[a + "mlp.linear_fc1.bias"])
-                put(p + "mlp.c_proj.bias", m[a + "mlp.linear_fc2.bias"])
-            else:  # GPT2LMHeadModel always has biases: zeros compute the same
-                h = arch["hidden_size"]
-                z = m[a + "self_attention.linear_proj.weight"].new_zeros
-                out.update(
-                    {
-                        p + "attn.c_attn.bias": z(3 * h),
-                        p + "attn.c_proj.bias": z(h),
-                        p + "mlp.c_fc.bias": z(f),
-                        p + "mlp.c_proj.bias": z(h),
-                    }
-                )
-            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-                put(p + theirs + ".weight", m[a + ours + ".weight"])
-                put(p + theirs + ".bias", m[a + ours + ".bias"])
-        put("transformer.ln_f.weight", m["decoder.final_layernorm.weight"])
-        put("transformer.ln_f.bias", m["decoder.final_layernorm.bias"])
-    else:
-        put("model.embed_tokens.weight", emb)
-        for i in range(L):
-            a, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            qkv_w = _split_qkv(m[a + "self_attention.linear_qkv.weight"], arch)
-            for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_w, strict=True):
-                put(p + f"self_attn.{name}.weight", t)
-            put(p + "self_attn.o_proj.weight", m[a + "self_attention.linear_proj.weight"])
-            fc1 = m[a + "mlp.linear_fc1.weight"]
-            put(p + "mlp.gate_proj.weight", fc1[:f])
-            put(p + "mlp.up_proj.weight", fc1[f:])
-            put(p + "mlp.down_proj.weight", m[a + "mlp.linear_fc2.weight"])
-            if arch["bias"]:
-                qkv_b = _split_qkv(m[a + "self_attention.linear_qkv.bias"], arch)
-                for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_b, strict=True):
-                    put(p + f"self_attn.{name}.bias", t)
-                put(p + "self_attn.o_proj.bias", m[a + "self_attention.linear_proj.bias"])
-                b1 = m[a + "mlp.linear_fc1.bias"]
-                put(p + "mlp.gate_proj.bias", b1[:f])
-                put(p + "mlp.up_proj.bias", b1[f:])
-                put(p + "mlp.down_proj.bias", m[a + "mlp.linear_fc2.bias"])
-            put(p + "input_layernorm.weight", m[a + "input_layernorm.weight"])
-            put(p + "post_attention_layernorm.weight", m[a + "pre_mlp_layernorm.weight"])
-        put("model.norm.weight", m["decoder.final_layernorm.weight"])
-    if not arch["tie_embeddings"]:
-        put("lm_head.weight", m["output_layer.weight"][:vocab_size])
-    return out
+    """HF state dict (independent contiguous tensors) from megatron tensors: the family's weight table."""
+    with _as_export_error():
+        return families.for_arch(arch).to_hf(arch, m, vocab_size)
 
 
 def from_hf(arch: dict[str, Any], hf: dict[str, Any], padded_vocab: int) -> dict[str, Any]:
     """Megatron tensors (local-spec names) from an HF state dict; the vocabulary zero-padded."""
-    import torch
-
-    family = hf_family(arch)
-    L = arch["num_layers"]
-    out: dict[str, Any] = {}
-
-    def get(name):
-        if name not in hf:
-            raise ExportError(f"tensor {name} missing from the Hugging Face checkpoint")
-        return hf[name]
-
-    def pad(t):
-        if t.shape[0] > padded_vocab:
-            raise ExportError(f"vocabulary {t.shape[0]} is larger than the padded size {padded_vocab}")
-        return torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
-
-    if family == "gpt2":
-        wte = get("transformer.wte.weight")
-        out["embedding.word_embeddings.weight"] = pad(wte)
-        out["embedding.position_embeddings.weight"] = get("transformer.wpe.weight")
-        h = arch["hidden_size"]
-        for i in range(L):
-            a, p = f"decoder.layers.{i}.", f"transformer.h.{i}."
-            w = get(p + "attn.c_attn.weight").t()
-            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(w[:h], w[h : 2 * h], w[2 * h :], arch)
-            out[a + "self_attention.linear_proj.weight"] = get(p + "attn.c_proj.weight").t()
-            out[a + "mlp.linear_fc1.weight"] = get(p + "mlp.c_fc.weight").t()
-            out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.c_proj.weight").t()
-            if arch["bias"]:
-                b = get(p + "attn.c_attn.bias")
-                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(b[:h], b[h : 2 * h], b[2 * h :], arch)
-                out[a + "self_attention.linear_proj.bias"] = get(p + "attn.c_proj.bias")
-                out[a + "mlp.linear_fc1.bias"] = get(p + "mlp.c_fc.bias")
-                out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.c_proj.bias")
-            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-                out[a + ours + ".weight"] = get(p + theirs + ".weight")
-                out[a + ours + ".bias"] = get(p + theirs + ".bias")
-        out["decoder.final_layernorm.weight"] = get("transformer.ln_f.weight")
-        out["decoder.final_layernorm.bias"] = get("transformer.ln_f.bias")
-        lm = hf.get("lm_head.weight", wte)
-    else:
-        emb = get("model.embed_tokens.weight")
-        out["embedding.word_embeddings.weight"] = pad(emb)
-        for i in range(L):
-            a, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            qkv = [get(p + f"self_attn.{x}.weight") for x in ("q_proj", "k_proj", "v_proj")]
-            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(qkv[0], qkv[1], qkv[2], arch)
-            out[a + "self_attention.linear_proj.weight"] = get(p + "self_attn.o_proj.weight")
-            out[a + "mlp.linear_fc1.weight"] = torch.cat(
-                [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-            )
-            out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
-            if arch["bias"]:
-                qkvb = [get(p + f"self_attn.{x}.bias") for x in ("q_proj", "k_proj", "v_proj")]
-                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(qkvb[0], qkvb[1], qkvb[2], arch)
-                out[a + "self_attention.linear_proj.bias"] = get(p + "self_attn.o_proj.bias")
-                out[a + "mlp.linear_fc1.bias"] = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
-                out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.down_proj.bias")
-            out[a + "input_layernorm.weight"] = get(p + "input_layernorm.weight")
-            out[a + "pre_mlp_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
-        out["decoder.final_layernorm.weight"] = get("model.norm.weight")
-        lm = hf.get("lm_head.weight", emb)
-    if not arch["tie_embeddings"]:
-        out["output_layer.weight"] = pad(lm)
-    return out
+    with _as_export_error():
+        return families.for_arch(arch).from_hf(arch, hf, padded_vocab)
 
 
 # ----------------------------------------------------------------------------- files

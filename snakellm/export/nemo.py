@@ -9,7 +9,7 @@ writes: an *uncompressed* tar of one folder added as ``.`` (members ``./...``)::
         .metadata __0_0.distcp __0_1.distcp common.pt metadata.json
 
 Two things make the file readable by more than the newest NeMo
-(``../shared/reference/nemo-formats.md`` section 1.5, and the README's table):
+(docs/export-and-serving.md, "Which NeMo reads the file"):
 
 * ``.metadata`` is rewritten without ``storage_meta`` (a ``StorageMeta`` object
   that torch < 2.4, i.e. the 24.05/24.07 containers, cannot unpickle) and

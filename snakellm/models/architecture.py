@@ -1,11 +1,10 @@
-"""Model architecture settings: one dataclass, presets + style defaults, checks (torch-free).
+"""Model architecture settings: one dataclass, presets + family defaults, checks (torch-free).
 
-Two architectures, both megatron-core ``GPTModel``:
-
-* ``gpt2``: learned absolute positions, LayerNorm, GeLU MLP, biases, tied
-  input/output embeddings (GPT-2 / Megatron-LM's GPT).
-* ``llama``: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases,
-  untied embeddings.
+Every architecture is a megatron-core ``GPTModel``; a model family
+(``snakellm/models/families/<style>.py``) fixes the keys a config leaves out and names its
+presets. Today: ``gpt2`` (learned absolute positions, LayerNorm, GeLU MLP, biases, tied
+input/output embeddings: GPT-2 / Megatron-LM's GPT) and ``llama`` (RoPE, RMSNorm, SwiGLU MLP,
+grouped-query attention, no biases, untied embeddings).
 
 :class:`ModelSettings` is the one source of the architecture keys: the config
 schema (``runs.*.model``), the ``snakellm train`` flags, the pretrain rule's
@@ -22,9 +21,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from snakellm.models.presets import PRESETS
+from snakellm.models import families
 
-STYLES = ("gpt2", "llama")
+STYLES: tuple[str, ...] = tuple(families.FAMILIES)
+# Each preset names every architectural key it fixes; config overrides replace single keys.
+PRESETS: dict[str, dict[str, Any]] = families.presets()
 
 
 def _key(help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -35,11 +36,7 @@ def _key(help: str, choices: tuple[str, ...] | None = None) -> Any:
 class ModelSettings:
     """Every architectural key; ``None`` means "the preset's, else the style's default"."""
 
-    style: str | None = _key(
-        "gpt2: learned positions, LayerNorm, GeLU, biases, tied embeddings; "
-        "llama: RoPE, RMSNorm, SwiGLU, GQA, no biases, untied",
-        STYLES,
-    )
+    style: str | None = _key("; ".join(f"{f.name}: {f.summary}" for f in families.FAMILIES.values()), STYLES)
     num_layers: int | None = _key("transformer layers")
     hidden_size: int | None = _key("model width")
     num_attention_heads: int | None = _key("query heads")
@@ -61,28 +58,6 @@ class ModelSettings:
 
 MODEL_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ModelSettings))
 
-# Defaults per style for the keys a preset does not name.
-_STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gpt2": dict(
-        position_embedding="learned",
-        normalization="LayerNorm",
-        activation="gelu",
-        tie_embeddings=True,
-        bias=True,
-        rotary_base=10000,
-        layernorm_epsilon=1e-5,
-    ),
-    "llama": dict(
-        position_embedding="rope",
-        normalization="RMSNorm",
-        activation="swiglu",
-        tie_embeddings=False,
-        bias=False,
-        rotary_base=10000,
-        layernorm_epsilon=1e-5,
-    ),
-}
-
 _COMMON_DEFAULTS: dict[str, Any] = dict(
     num_query_groups=None,  # None: one KV head per query head (plain multi-head attention)
     init_method_std=0.02,
@@ -99,16 +74,18 @@ class ModelConfigError(ValueError):
 def resolve(preset: str | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Preset + style defaults + overrides -> a complete, checked architecture dict."""
     overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(MODEL_KEYS))
-    if unknown:
-        raise ModelConfigError(f"unknown model key(s) {', '.join(unknown)} (allowed: {', '.join(MODEL_KEYS)})")
     if preset is not None and preset not in PRESETS:
         raise ModelConfigError(f"unknown model preset {preset!r} (presets: {', '.join(PRESETS)})")
     base = copy.deepcopy(PRESETS[preset]) if preset else {}
-    style = overrides.get("style", base.get("style", "gpt2"))
+    style = overrides.get("style", base.get("style", STYLES[0]))
     if style not in STYLES:
         raise ModelConfigError(f"unknown model style {style!r} (styles: {', '.join(STYLES)})")
-    cfg = {**_COMMON_DEFAULTS, **_STYLE_DEFAULTS[style], **base, **overrides, "style": style}
+    family = families.get(style)
+    allowed = (*MODEL_KEYS, *family.arch_keys)
+    unknown = sorted(set(overrides) - set(allowed))
+    if unknown:
+        raise ModelConfigError(f"unknown model key(s) {', '.join(unknown)} (allowed: {', '.join(allowed)})")
+    cfg = {**_COMMON_DEFAULTS, **family.arch_keys, **family.defaults, **base, **overrides, "style": style}
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length") if cfg.get(k) is None]
     if missing:
         raise ModelConfigError(f"model needs {', '.join(missing)} (or a preset: {', '.join(PRESETS)})")
@@ -130,7 +107,7 @@ def resolve(preset: str | None, overrides: dict[str, Any] | None = None) -> dict
         raise ModelConfigError(f"normalization must be LayerNorm or RMSNorm, got {cfg['normalization']!r}")
     if cfg["activation"] not in ("gelu", "swiglu"):
         raise ModelConfigError(f"activation must be gelu or swiglu, got {cfg['activation']!r}")
-    return {k: cfg[k] for k in MODEL_KEYS}
+    return {k: cfg[k] for k in allowed}
 
 
 def padded_vocab_size(vocab_size: int, cfg: dict[str, Any], tp: int = 1) -> int:

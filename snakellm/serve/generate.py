@@ -335,7 +335,8 @@ class Generator:
                     f"prompt {i}: token id {bad[0]} outside the vocabulary of {self.vocab_size}", "sentences"
                 )
         longest = max(map(len, batch))
-        if longest + params.max_new_tokens > self.decoder.max_len:
+        # the last new token is never fed back, so prompt + new tokens may be one more than the positions
+        if longest > self.decoder.max_len or longest + params.max_new_tokens > self.decoder.max_len + 1:
             raise GenerationError(
                 f"tokens_to_generate: a prompt of {longest} tokens + {params.max_new_tokens} new tokens exceeds the "
                 f"model's sequence length {self.decoder.max_len}",
