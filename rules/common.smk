@@ -126,7 +126,8 @@ def get_download_options(wildcards):
     d = config["download"]
     return (
         f"--concurrency {d['concurrency']} --retries {d['retries']} --backoff {d['backoff_s']} "
-        f"--max-backoff {d['max_backoff_s']} --timeout {d['timeout_s']}"
+        f"--max-backoff {d['max_backoff_s']} --timeout {d['timeout_s']} --deadline {d['deadline_s']} "
+        f"--min-rate {d['min_rate_bytes_s']} --format {SOURCES[wildcards.source]['format']}"
     )
 
 

@@ -293,8 +293,9 @@ def test_unreadable_shard_is_named(tmp_path):
         p = d / "secret.jsonl"
         p.write_bytes(DOCS[0])
         p.chmod(0)
-        child = "import os,sys\nif os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
-        child += "from snakellm.data import chunk\nsys.exit(chunk.main(sys.argv[1:]))"
+        # everything imported first: `nobody` may not read the interpreter's own library
+        child = "import os, sys, argparse, json\nfrom snakellm.data import chunk\n"
+        child += "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\nsys.exit(chunk.main(sys.argv[1:]))"
         env = dict(os.environ, PYTHONPATH=str(Path(chunkmod.__file__).resolve().parents[2]))
         proc = subprocess.run(
             [sys.executable, "-c", child, str(p), "-o", str(d / "out" / "c.jsonl"), "--no-progress"],

@@ -37,6 +37,7 @@ from typing import BinaryIO
 import orjson
 
 from snakellm.data.planning import read_shard_list, shard_identity
+from snakellm.errors import DataError, StepFailed
 from snakellm.io.atomic import atomic_group
 from snakellm.io.progress import progress
 from snakellm.io.readers import (
@@ -65,19 +66,19 @@ REASONS = (
 )
 
 
-class VerificationError(RuntimeError):
-    pass
+class VerificationError(StepFailed):
+    """What the job wrote does not account for every line it read."""
 
 
-class ManifestMismatchError(RuntimeError):
+class ManifestMismatchError(DataError):
     """A downloaded shard that is not what its manifest recorded (or is gone)."""
 
 
-class ShardFileError(RuntimeError):
+class ShardFileError(DataError):
     """A local shard that cannot be read: not found, not a regular file, no permission, changed while read."""
 
 
-class RejectedFractionError(RuntimeError):
+class RejectedFractionError(DataError):
     """A shard whose share of rejected lines is past ``max_rejected_fraction``: likely not the declared format."""
 
 

@@ -22,6 +22,8 @@ from typing import Any, BinaryIO
 
 import zstandard
 
+from snakellm.errors import DataError
+
 READ_SIZE = 1 << 20
 # Compressed bytes per zstd decompress() call: one byte can expand to ~32,000 (RLE blocks),
 # so 1 KiB bounds one call's output at ~32 MiB whatever the file holds (no cost in speed).
@@ -36,7 +38,7 @@ COMPRESSIONS = ("none", "zstd", "gzip", "bz2", "xz")
 _NAMES = {"zstd": "zstd", "gzip": "gzip", "bz2": "bzip2", "xz": "xz"}
 
 
-class DamagedShardError(ValueError):
+class DamagedShardError(DataError):
     """A shard that cannot be read completely; the message names the file and the reason."""
 
 
