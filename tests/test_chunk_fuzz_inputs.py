@@ -22,7 +22,6 @@ import os
 import shutil
 import time
 
-import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
