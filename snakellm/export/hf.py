@@ -85,7 +85,7 @@ def arch_from_hf(config: dict[str, Any], where: str = "config.json") -> dict[str
     from snakellm.models.architecture import resolve
 
     with _as_export_error():
-        family = families.by_model_type(config.get("model_type"), where)
+        family = families.by_model_type(config.get("model_type"), where, config)
         over = family.arch_from_hf(config, where)
     return resolve(None, over)
 

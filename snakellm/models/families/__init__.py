@@ -54,12 +54,20 @@ def get(name: str) -> Family:
         raise FamilyError(f"unknown model style {name!r} (styles: {', '.join(FAMILIES)})") from None
 
 
-def by_model_type(model_type: Any, where: str = "config.json") -> Family:
-    """The family whose Hugging Face ``model_type`` this is (what ``import-hf`` reads)."""
-    for fam in FAMILIES.values():
-        if fam.hf_model_type == model_type:
+def by_model_type(model_type: Any, where: str = "config.json", config: dict[str, Any] | None = None) -> Family:
+    """The family of a Hugging Face ``model_type`` (what ``import-hf`` reads).
+
+    Where families share a model_type, one whose ``hf_claims(config)`` is true comes first;
+    the one without ``hf_claims`` takes the rest.
+    """
+    same = [f for f in FAMILIES.values() if f.hf_model_type == model_type]
+    for fam in same:
+        if fam.hf_claims is not None and config is not None and fam.hf_claims(config):
             return fam
-    known = " and ".join(f.hf_model_type for f in FAMILIES.values())
+    for fam in same:
+        if fam.hf_claims is None:
+            return fam
+    known = " and ".join(dict.fromkeys(f.hf_model_type for f in FAMILIES.values()))
     raise FamilyError(f"{where}: model_type {model_type!r}: import supports {known}")
 
 
