@@ -15,9 +15,10 @@ rule download:
     params:
         dest=get_raw_dir,
         flags=DOWNLOAD_FLAGS,
+        format=lambda w: SOURCES[w.source]["format"],
     shell:
         "snakellm download --dest {params.dest} --manifest {output.manifest} "
-        "--source {wildcards.source} --chunk {wildcards.chunk} {params.flags} "
+        "--source {wildcards.source} --chunk {wildcards.chunk} --format {params.format} {params.flags} "
         "--url-file {input.urls} 2> {log}"
 
 
@@ -38,9 +39,10 @@ rule chunk:
     params:
         shards=get_chunk_shards_option,
         flags=get_source_flags,
+        limits=get_chunk_limits,
     shell:
         "snakellm chunk {params.shards} --output {output.jsonl} --stats {output.stats} "
-        "--rejected {output.rejected} {params.flags} "
+        "--rejected {output.rejected} {params.flags} {params.limits} "
         "--source {wildcards.source} --chunk {wildcards.chunk} --threads {threads} 2> {log}"
 
 

@@ -53,6 +53,13 @@ class SourceSettings:
     key: str = setting("text", "JSON key holding the document text")
     weight: float = setting(1.0, "sampling weight in the blend (multiplied by the source's token count)", cli=False)
     shards_per_chunk: int = setting(REQUIRED, "shards concatenated into one chunk (one job per chunk)", cli=False)
+    # flags of `snakellm chunk` whose command-line default is "no limit" (steps/chunk.py); the rule passes these
+    max_document_bytes: int = setting(
+        67108864, "a longer document is quarantined as too_long, never held whole in memory", cli=False
+    )
+    max_rejected_fraction: float = setting(
+        0.5, "a shard of at least 10 lines with a larger share rejected fails its chunk job (1: off)", cli=False
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +73,14 @@ class DownloadSettings:
     backoff_s: float = setting(1.0, "first retry delay in seconds; doubles each time", flag="backoff")
     max_backoff_s: float = setting(60.0, "cap on one retry delay (and on Retry-After), seconds", flag="max_backoff")
     timeout_s: float = setting(60.0, "connect/read timeout per request, seconds", flag="timeout")
+    deadline_s: float = setting(
+        7200.0, "a shard not complete this long after its first request fails its job (0: no deadline)", flag="deadline"
+    )
+    min_rate_bytes_s: float = setting(
+        1024.0,
+        "bytes/s an attempt must average over each timeout_s window, else it ends and counts as a failure (0: none)",
+        flag="min_rate",
+    )
 
 
 # ---------------------------------------------------------------- tokenize stage

@@ -8,13 +8,17 @@ import sys
 from snakellm.config.sections import SourceSettings
 from snakellm.config.settings import add_arguments
 from snakellm.data.chunk import (
+    ALARM_MIN_LINES,
     Expected,
+    Limits,
     ManifestMismatchError,
+    RejectedFractionError,
+    ShardFileError,
     VerificationError,
     _read_manifest,
     build_chunk,
-    read_shard_list,
 )
+from snakellm.data.planning import read_shard_list
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="FILE",
         help="file(s) listing shard paths, one per line (for lists too long for a command line)",
+    )
+    p.add_argument(
+        "--max-document-bytes",
+        type=int,
+        default=None,
+        help="a longer document (line) is quarantined as too_long, never held whole (default: no limit; "
+        "config: sources.NAME.max_document_bytes)",
+    )
+    p.add_argument(
+        "--max-rejected-fraction",
+        type=float,
+        default=None,
+        help=f"fail on a shard of at least {ALARM_MIN_LINES} lines with a larger share of them rejected "
+        "(default: no alarm; 1 turns it off; config: sources.NAME.max_rejected_fraction)",
     )
     p.add_argument("-o", "--output", required=True, help="the chunk's .jsonl")
     p.add_argument("--rejected", help="default: {output stem}.rejected.jsonl")
@@ -74,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for f in a.shard_list:
             shards.extend(read_shard_list(f))
-    except OSError as e:
+    except (OSError, ValueError) as e:
         p.error(f"cannot read shard list: {e}")
     if not shards:
         p.error("no shards given (positional files, --shard-list or --manifest)")
@@ -91,8 +109,16 @@ def main(argv: list[str] | None = None) -> int:
             workers=a.threads,
             show_progress=not a.no_progress,
             expected=expected,
+            limits=Limits(a.max_document_bytes, a.max_rejected_fraction),
         )
-    except (FileNotFoundError, ValueError, VerificationError, ManifestMismatchError) as e:
+    except (
+        FileNotFoundError,
+        ValueError,
+        VerificationError,
+        ManifestMismatchError,
+        ShardFileError,
+        RejectedFractionError,
+    ) as e:
         print(f"snakellm chunk: error: {e}", file=sys.stderr)
         return 1
     print(

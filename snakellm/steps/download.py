@@ -9,6 +9,7 @@ import sys
 from snakellm.config.sections import DownloadSettings
 from snakellm.config.settings import add_arguments
 from snakellm.data.download import HELP, DownloadError, Options, download_chunk
+from snakellm.data.planning import read_shard_list
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("urls", nargs="*", metavar="URL", help="shard URLs, in chunk order")
-    p.add_argument("--url-file", help="read more URLs from this file (one per line; for very long lists)")
+    p.add_argument(
+        "--url-file",
+        help="read more URLs from this file (a shard list as the planner writes it: one JSON string per line, "
+        "# notes; plain lines work too); for very long lists",
+    )
     p.add_argument("--dest", required=True, help="directory the shards are stored under (data/raw/{source}/shards)")
     p.add_argument(
         "--manifest",
@@ -29,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", default="", help="source name, recorded in the manifest")
     p.add_argument("--chunk", default="", help="chunk name, recorded in the manifest")
     add_arguments(p.add_argument_group("download (config: download)"), DownloadSettings)
+    p.add_argument(
+        "--format",
+        default="",
+        help="the source's format (jsonl.zst, mediawiki, ...): with each URL's suffix, the compression its body "
+        "must have; an HTML/text body or Content-Type for a compressed shard is retried, then fails",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -38,13 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     urls = list(a.urls)
     if a.url_file:
-        with open(a.url_file) as fh:
-            urls += [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            urls += [u.strip() for u in read_shard_list(a.url_file)]
+        except (OSError, ValueError) as e:
+            p.error(f"cannot read --url-file: {e}")
     if not urls:
         p.error("no URLs given")
-    if a.concurrency < 1 or a.retries < 0 or a.backoff < 0 or a.max_backoff < 0 or a.timeout <= 0:
-        p.error("--concurrency must be >= 1, --retries/--backoff/--max-backoff >= 0 and --timeout > 0")
-    opts = Options(a.concurrency, a.retries, a.backoff, a.max_backoff, a.timeout)
+    if a.concurrency < 1 or min(a.retries, a.backoff, a.max_backoff, a.deadline, a.min_rate) < 0 or a.timeout <= 0:
+        p.error(
+            "--concurrency must be >= 1, --retries/--backoff/--max-backoff/--deadline/--min-rate >= 0 and --timeout > 0"
+        )
+    opts = Options(a.concurrency, a.retries, a.backoff, a.max_backoff, a.timeout, a.deadline, a.min_rate, a.format)
     try:
         man = download_chunk(
             urls, a.dest, a.manifest, opts=opts, source=a.source, chunk=a.chunk, show_progress=not a.no_progress
