@@ -9,6 +9,7 @@ import yaml
 from conftest import REPO
 
 from snakellm.config import validate as cfgmod
+from snakellm.data.planning import read_shard_list
 
 EXAMPLES = sorted((REPO / "config" / "examples").glob("*.yaml"))
 SCHEMA = cfgmod.load_schema(REPO / "config" / "schema.yaml")
@@ -189,7 +190,7 @@ def test_wikipedia_example_plans_one_chunk_per_dump_file(workspace):
     lists = workspace.run("-n", "data")
     assert lists.stdout.count("rule chunk:") == 3  # the multistream index is not a dump
     order = [
-        (workspace.root / f"data/plan/wikipedia/chunk-0000{i}.list").read_text().strip().rsplit("/", 1)[1]
+        read_shard_list(workspace.root / f"data/plan/wikipedia/chunk-0000{i}.list")[0].rsplit("/", 1)[1]
         for i in range(3)
     ]
     assert order == [

@@ -115,7 +115,7 @@ class ShardError(StepFailed, RuntimeError):
         self.url = url
 
 
-class _Retryable(Exception):
+class _Retryable(StepFailed):
     """An attempt failed in a way another attempt may fix (429, 5xx, network).
 
     ``progress=False``: whatever bytes it brought do not reset the failure
