@@ -49,7 +49,7 @@ _TE_NAMES = {
 
 
 def hf_family(arch: dict[str, Any]) -> str:
-    """ "gpt2" or "llama": the HF class that computes exactly what this architecture does."""
+    """ "gpt2", "llama", "qwen2" or "mistral": the HF class that computes exactly what this architecture does."""
     gpt2 = dict(position_embedding="learned", normalization="LayerNorm", activation="gelu")
     llama = dict(position_embedding="rope", normalization="RMSNorm", activation="swiglu")
     for family, want in (("gpt2", gpt2), ("llama", llama)):
@@ -59,12 +59,26 @@ def hf_family(arch: dict[str, Any]) -> str:
                     f"GPT-2 style with {arch['num_query_groups']} query groups for {arch['num_attention_heads']} heads: "
                     "GPT2LMHeadModel has no grouped-query attention"
                 )
-            return family
+            if family == "gpt2" and (arch.get("sliding_window") or arch.get("rope_scaling_factor")):
+                raise ExportError("GPT-2 style with a sliding window or RoPE scaling: GPT2LMHeadModel has neither")
+            if family == "gpt2" and arch.get("qkv_bias", arch["bias"]) != arch["bias"]:
+                raise ExportError("GPT-2 style with q/k/v-only biases: GPT2LMHeadModel biases every linear or none")
+            return _llama_variant(arch) if family == "llama" else family
     got = ", ".join(f"{k}={arch.get(k)}" for k in gpt2)
     raise ExportError(
         f"no Hugging Face class computes this model ({got}): GPT2LMHeadModel needs learned positions, LayerNorm, "
         "gelu; LlamaForCausalLM needs rope, RMSNorm, swiglu"
     )
+
+
+def _llama_variant(arch: dict[str, Any]) -> str:
+    """LlamaForCausalLM, or Qwen2 (q/k/v-only biases) or Mistral (a sliding window) where Llama has no key."""
+    window, qkv_only = arch.get("sliding_window"), arch.get("qkv_bias") and not arch["bias"]
+    if window is not None and (qkv_only or arch["bias"]):
+        raise ExportError("a sliding window with biases: MistralForCausalLM has no biases, Qwen2 no global window")
+    if window is not None:
+        return "mistral"
+    return "qwen2" if qkv_only else "llama"
 
 
 def hf_config(arch: dict[str, Any], vocab_size: int, specials: dict[str, int], dtype: str) -> dict[str, Any]:
@@ -103,9 +117,18 @@ def hf_config(arch: dict[str, Any], vocab_size: int, specials: dict[str, int], d
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
         }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    return _llama_like_config(arch, family, common)
+
+
+def _llama_like_config(arch: dict[str, Any], family: str, common: dict[str, Any]) -> dict[str, Any]:
+    """config.json of LlamaForCausalLM, Qwen2ForCausalLM or MistralForCausalLM."""
+    from snakellm.models import rope
+
+    h, n = arch["hidden_size"], arch["num_attention_heads"]
+    cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[family]
+    cfg = {
+        "architectures": [cls],
+        "model_type": family,
         **common,
         "num_hidden_layers": arch["num_layers"],
         "hidden_size": h,
@@ -118,16 +141,22 @@ def hf_config(arch: dict[str, Any], vocab_size: int, specials: dict[str, int], d
         "rope_theta": float(arch["rotary_base"]),
         "rope_scaling": None,
         "hidden_act": "silu",
-        "attention_bias": bool(arch["bias"]),
-        "mlp_bias": bool(arch["bias"]),
         "attention_dropout": 0.0,
         "initializer_range": arch["init_method_std"],
-        "pretraining_tp": 1,
     }
+    if rope.scaled(arch):
+        cfg["rope_scaling"] = {"rope_type": "llama3", **{hf: arch[k] for k, hf in rope.LLAMA3_KEYS.items()}}
+    if family == "llama":
+        cfg.update(attention_bias=bool(arch["bias"]), mlp_bias=bool(arch["bias"]), pretraining_tp=1)
+    elif family == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=arch["num_layers"])
+    else:
+        cfg["sliding_window"] = arch["sliding_window"]
+    return cfg
 
 
 def arch_from_hf(config: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
-    """Our architecture dict for an HF GPT-2 or Llama config; anything we cannot compute exactly is an error."""
+    """Our architecture for an HF GPT-2, Llama, Qwen2 or Mistral config; what we cannot compute is an error."""
     from snakellm.models.architecture import resolve
 
     mt = config.get("model_type")
@@ -151,38 +180,88 @@ def arch_from_hf(config: dict[str, Any], where: str = "config.json") -> dict[str
             tie_embeddings=config.get("tie_word_embeddings", True),
             init_method_std=config.get("initializer_range", 0.02),
         )
-    elif mt == "llama":
-        if config.get("hidden_act", "silu") != "silu":
-            raise ExportError(f"{where}: hidden_act {config['hidden_act']!r}: only silu (SwiGLU) is supported")
-        rs = config.get("rope_scaling")
-        rp = config.get("rope_parameters") or {}
-        if (rs and rs.get("rope_type", rs.get("type")) not in (None, "default")) or rp.get(
-            "rope_type", "default"
-        ) != "default":
-            raise ExportError(f"{where}: rope scaling {rs or rp} is not supported (plain RoPE only)")
-        h, n = config["hidden_size"], config["num_attention_heads"]
-        if config.get("head_dim") not in (None, h // n):
-            raise ExportError(f"{where}: head_dim {config['head_dim']} != hidden_size / heads ({h // n})")
+    elif mt in ("llama", "qwen2", "mistral"):
+        over = _llama_like_from_hf(config, where, mt)
+    else:
+        raise ExportError(f"{where}: model_type {mt!r}: import supports gpt2, llama, qwen2 and mistral")
+    from snakellm.models.architecture import ModelConfigError
+
+    try:
+        return resolve(None, over)
+    except ModelConfigError as e:
+        raise ExportError(f"{where}: {e}") from None
+
+
+def _rope_from_hf(config: dict[str, Any], where: str) -> dict[str, Any]:
+    """rotary_base and Llama 3.x scaling keys from ``rope_scaling`` / ``rope_parameters`` (v4 and v5 names)."""
+    from snakellm.models.rope import LLAMA3_KEYS
+
+    rs = dict(config.get("rope_scaling") or {})
+    rp = dict(config.get("rope_parameters") or {})
+    params = {**rp, **rs}
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    base = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    if float(params.pop("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ExportError(f"{where}: partial_rotary_factor {config.get('partial_rotary_factor')}: full rotary only")
+    out: dict[str, Any] = {"rotary_base": int(base) if float(base).is_integer() else base}
+    if kind == "default":
+        wanted: dict[str, str] = {}
+    elif kind == "llama3":
+        wanted = LLAMA3_KEYS
+    else:
+        raise ExportError(f"{where}: rope_type {kind!r} ({rs or rp}) is not supported (default and llama3 only)")
+    unknown = sorted(set(params) - set(wanted.values()))
+    if unknown:
+        raise ExportError(f"{where}: rope parameter {unknown[0]}={params[unknown[0]]!r} is not supported for {kind}")
+    for ours, theirs in wanted.items():
+        if theirs not in params:
+            raise ExportError(f"{where}: rope_type llama3 needs {theirs}")
+        out[ours] = params[theirs]
+    return out
+
+
+def _llama_like_from_hf(config: dict[str, Any], where: str, mt: str) -> dict[str, Any]:
+    """Architecture keys of a Llama, Qwen2 or Mistral config (the Llama layout with variations)."""
+    if config.get("hidden_act", "silu") != "silu":
+        raise ExportError(f"{where}: hidden_act {config['hidden_act']!r}: only silu (SwiGLU) is supported")
+    h, n = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim") not in (None, h // n):
+        raise ExportError(f"{where}: head_dim {config['head_dim']} != hidden_size / heads ({h // n})")
+    if int(config.get("pretraining_tp") or 1) != 1:
+        raise ExportError(f"{where}: pretraining_tp {config['pretraining_tp']}: only 1 is supported")
+    bias = qkv_bias = False
+    window = None
+    if mt == "llama":
         if bool(config.get("attention_bias", False)) != bool(config.get("mlp_bias", False)):
             raise ExportError(f"{where}: attention_bias and mlp_bias differ; megatron-core biases all linears or none")
-        base = config.get("rope_theta", rp.get("rope_theta", 10000.0))
-        over = dict(
-            style="llama",
-            num_layers=config["num_hidden_layers"],
-            hidden_size=h,
-            num_attention_heads=n,
-            num_query_groups=config.get("num_key_value_heads") or n,
-            ffn_hidden_size=config["intermediate_size"],
-            seq_length=config["max_position_embeddings"],
-            layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
-            rotary_base=int(base) if float(base).is_integer() else base,
-            tie_embeddings=config.get("tie_word_embeddings", False),
-            bias=bool(config.get("attention_bias")),
-            init_method_std=config.get("initializer_range", 0.02),
-        )
-    else:
-        raise ExportError(f"{where}: model_type {mt!r}: import supports gpt2 and llama")
-    return resolve(None, over)
+        bias = qkv_bias = bool(config.get("attention_bias"))
+    elif mt == "qwen2":
+        qkv_bias = True  # Qwen2's q, k, v projections always have biases, o and the MLP never
+        if config.get("use_sliding_window"):
+            raise ExportError(f"{where}: use_sliding_window true is not supported (per-layer windows)")
+    else:  # mistral: the Llama layout, no biases, one window for every layer
+        window = config.get("sliding_window")
+    seq = config["max_position_embeddings"]
+    if window is not None and window < seq:
+        # attention over at most `window` tokens is the full causal attention: exact up to there
+        log(f"{where}: sliding_window {window} < max_position_embeddings {seq}: seq_length {window} (exact up to it)")
+        seq = window
+    return dict(
+        style="llama",
+        num_layers=config["num_hidden_layers"],
+        hidden_size=h,
+        num_attention_heads=n,
+        num_query_groups=config.get("num_key_value_heads") or n,
+        ffn_hidden_size=config["intermediate_size"],
+        seq_length=seq,
+        layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        bias=bias,
+        qkv_bias=qkv_bias,
+        sliding_window=window,
+        init_method_std=config.get("initializer_range", 0.02),
+        **_rope_from_hf(config, where),
+    )
 
 
 # ----------------------------------------------------------------------------- weights (torch)
@@ -276,10 +355,11 @@ def to_hf(arch: dict[str, Any], m: dict[str, Any], vocab_size: int) -> dict[str,
             put(p + "mlp.gate_proj.weight", fc1[:f])
             put(p + "mlp.up_proj.weight", fc1[f:])
             put(p + "mlp.down_proj.weight", m[a + "mlp.linear_fc2.weight"])
-            if arch["bias"]:
+            if arch.get("qkv_bias", arch["bias"]):
                 qkv_b = _split_qkv(m[a + "self_attention.linear_qkv.bias"], arch)
                 for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_b, strict=True):
                     put(p + f"self_attn.{name}.bias", t)
+            if arch["bias"]:
                 put(p + "self_attn.o_proj.bias", m[a + "self_attention.linear_proj.bias"])
                 b1 = m[a + "mlp.linear_fc1.bias"]
                 put(p + "mlp.gate_proj.bias", b1[:f])
@@ -347,9 +427,10 @@ def from_hf(arch: dict[str, Any], hf: dict[str, Any], padded_vocab: int) -> dict
                 [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
             )
             out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
-            if arch["bias"]:
+            if arch.get("qkv_bias", arch["bias"]):
                 qkvb = [get(p + f"self_attn.{x}.bias") for x in ("q_proj", "k_proj", "v_proj")]
                 out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(qkvb[0], qkvb[1], qkvb[2], arch)
+            if arch["bias"]:
                 out[a + "self_attention.linear_proj.bias"] = get(p + "self_attn.o_proj.bias")
                 out[a + "mlp.linear_fc1.bias"] = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
                 out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.down_proj.bias")

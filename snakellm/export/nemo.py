@@ -114,7 +114,8 @@ def model_config(
         "post_process": True,
         "persist_layer_norm": False,
         "bias": arch["bias"],
-        "qkv_bias": arch["bias"],
+        "qkv_bias": bool(arch.get("qkv_bias", arch["bias"])),
+        **_nemo_rope_scaling(arch),
         "activation": "gelu" if arch["activation"] == "gelu" else "swiglu",
         "headscale": False,
         "transformer_block_type": "pre_ln",
@@ -186,6 +187,31 @@ def model_config(
 _ACTIVATIONS = {"gelu": "gelu", "swiglu": "swiglu", "fast-swiglu": "swiglu"}
 
 
+# NeMo 1.x's Llama 3.x scaling keys (mcore_model_customize -> apply_rope_scaling) and their defaults
+_NEMO_ROPE = {
+    "rope_scaling_factor": ("scale_factor", 8),
+    "rope_low_freq_factor": ("low_freq_factor", 1),
+    "rope_high_freq_factor": ("high_freq_factor", 4),
+    "rope_original_max_positions": ("old_context_len", 8192),
+}
+
+
+def _nemo_rope_scaling(arch: dict[str, Any]) -> dict[str, Any]:
+    """``scale_positional_embedding`` and its four values, as NeMo 1.x applies them after building the model."""
+    from snakellm.models import rope
+
+    if not rope.scaled(arch):
+        return {"scale_positional_embedding": False}
+    return {"scale_positional_embedding": True, **{nemo: arch[k] for k, (nemo, _) in _NEMO_ROPE.items()}}
+
+
+def _rope_scaling_from_nemo(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Our four scaling keys from a NeMo config that scales its RoPE (NeMo's defaults where a key is absent)."""
+    if not cfg.get("scale_positional_embedding", False):
+        return {}
+    return {k: cfg.get(nemo, default) for k, (nemo, default) in _NEMO_ROPE.items()}
+
+
 def arch_from_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """Our architecture dict for a NeMo ``model_config.yaml``; anything we cannot rebuild exactly is an error."""
     from snakellm.models import architecture
@@ -212,8 +238,9 @@ def arch_from_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     if act not in _ACTIVATIONS or cfg.get("openai_gelu", False):
         raise NemoError(f"{where}: activation {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
     bias = bool(cfg.get("bias", True))
-    if bool(cfg.get("qkv_bias", bias)) != bias and not bias:
-        raise NemoError(f"{where}: qkv_bias without bias is not supported")
+    qkv_bias = bias or bool(cfg.get("qkv_bias", False))  # megatron-core: q, k, v biased when either is set
+    if cfg.get("seq_len_interpolation_factor") not in (None, 1, 1.0):
+        raise NemoError(f"{where}: seq_len_interpolation_factor {cfg['seq_len_interpolation_factor']} is not supported")
     h, n = need("hidden_size"), need("num_attention_heads")
     if cfg.get("kv_channels") not in (None, h // n):
         raise NemoError(f"{where}: kv_channels {cfg['kv_channels']} != hidden_size / num_attention_heads")
@@ -235,7 +262,9 @@ def arch_from_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         "activation": _ACTIVATIONS[act],
         "tie_embeddings": bool(cfg.get("share_embeddings_and_output_weights", True)),
         "bias": bias,
+        "qkv_bias": qkv_bias,
         "rotary_base": cfg.get("rotary_base", 10000),
+        **_rope_scaling_from_nemo(cfg),
         "layernorm_epsilon": float(cfg.get("layernorm_epsilon", 1e-5)),
         "init_method_std": float(cfg.get("init_method_std", 0.02)),
         "hidden_dropout": float(cfg.get("hidden_dropout", 0.1)),

@@ -51,7 +51,15 @@ class ModelSettings:
     activation: str | None = _key("MLP activation (swiglu: gated)", ("gelu", "swiglu"))
     tie_embeddings: bool | None = _key("share input and output embeddings")
     bias: bool | None = _key("biases in the linear layers")
+    qkv_bias: bool | None = _key("biases on the q, k, v projections (Qwen2: these only); default: bias")
     rotary_base: int | None = _key("RoPE base (theta)")
+    rope_scaling_factor: float | None = _key("Llama 3.x RoPE scaling: factor (unset: plain RoPE)")
+    rope_low_freq_factor: float | None = _key("Llama 3.x RoPE scaling: low frequency factor")
+    rope_high_freq_factor: float | None = _key("Llama 3.x RoPE scaling: high frequency factor")
+    rope_original_max_positions: int | None = _key("Llama 3.x RoPE scaling: original max position embeddings")
+    sliding_window: int | None = _key(
+        "Mistral's attention window (unset: none); exact only when seq_length <= sliding_window"
+    )
     layernorm_epsilon: float | None = _key("epsilon of the norms")
     init_method_std: float | None = _key("std of the normal weight init")
     hidden_dropout: float | None = _key("dropout after attention and MLP")
@@ -89,6 +97,12 @@ _COMMON_DEFAULTS: dict[str, Any] = dict(
     hidden_dropout=0.0,
     attention_dropout=0.0,
     make_vocab_size_divisible_by=128,
+    qkv_bias=None,  # None: the same as bias
+    rope_scaling_factor=None,
+    rope_low_freq_factor=None,
+    rope_high_freq_factor=None,
+    rope_original_max_positions=None,
+    sliding_window=None,
 )
 
 
@@ -130,7 +144,31 @@ def resolve(preset: str | None, overrides: dict[str, Any] | None = None) -> dict
         raise ModelConfigError(f"normalization must be LayerNorm or RMSNorm, got {cfg['normalization']!r}")
     if cfg["activation"] not in ("gelu", "swiglu"):
         raise ModelConfigError(f"activation must be gelu or swiglu, got {cfg['activation']!r}")
+    _check_attention_variants(cfg)
     return {k: cfg[k] for k in MODEL_KEYS}
+
+
+def _check_attention_variants(cfg: dict[str, Any]) -> None:
+    """q/k/v-only biases, Llama 3.x RoPE scaling and a sliding window: only where computed exactly."""
+    from snakellm.models import rope
+
+    if cfg["qkv_bias"] is None:
+        cfg["qkv_bias"] = cfg["bias"]
+    if cfg["bias"] and not cfg["qkv_bias"]:
+        raise ModelConfigError("bias: true with qkv_bias: false: megatron-core biases q, k, v whenever it biases all")
+    try:
+        rope.check_llama3(cfg)
+    except ValueError as e:
+        raise ModelConfigError(str(e)) from None
+    if rope.scaled(cfg) and cfg["position_embedding"] != "rope":
+        raise ModelConfigError("rope_scaling_factor needs position_embedding: rope")
+    window = cfg["sliding_window"]
+    if window is not None and window < cfg["seq_length"]:
+        raise ModelConfigError(
+            f"sliding_window {window} < seq_length {cfg['seq_length']}: snakellm attends to the whole sequence, "
+            "which equals the windowed attention only when seq_length <= sliding_window; use seq_length <= "
+            f"{window}"
+        )
 
 
 def padded_vocab_size(vocab_size: int, cfg: dict[str, Any], tp: int = 1) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from snakellm.models import rope
 from snakellm.models.architecture import ModelConfigError
 from snakellm.models.attention import sdpa_attention_class
 from snakellm.models.loss import cross_entropy
@@ -82,7 +83,7 @@ def build_model(
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=cfg["bias"],
-        add_qkv_bias=cfg["bias"],
+        add_qkv_bias=cfg.get("qkv_bias", cfg["bias"]),
         hidden_dropout=cfg["hidden_dropout"],
         attention_dropout=cfg["attention_dropout"],
         init_method_std=cfg["init_method_std"],
@@ -142,6 +143,8 @@ def build_model(
         position_embedding_type="learned_absolute" if cfg["position_embedding"] == "learned" else "rope",
         rotary_base=cfg["rotary_base"],
     )
+    if cfg["position_embedding"] == "rope":
+        rope.install(model, cfg)  # Llama 3.x scaling with any of its parameters (snakellm.models.rope)
     if bf16:
         # what Megatron-LM's Float16Module does: every parameter in bf16, norms included
         # (torch's LayerNorm/RMSNorm are created in fp32 whatever params_dtype says)

@@ -146,7 +146,6 @@ class Decoder:
     """KV-cached forward over a megatron-core GPTModel's own parameters."""
 
     def __init__(self, model, arch: dict[str, Any], vocab_size: int, virtual=None) -> None:
-        import torch
 
         from snakellm.export.hf import megatron_tensors
 
@@ -191,10 +190,9 @@ class Decoder:
         self.eps = arch["layernorm_epsilon"]
         self.rope = arch["position_embedding"] == "rope"
         if self.rope:
-            d = self.d
-            self.inv_freq = 1.0 / (
-                arch["rotary_base"] ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d)
-            )
+            from snakellm.models import rope
+
+            self.inv_freq = rope.inv_freq(arch, device=self.device)  # Llama 3.x scaling included
         self.max_len = arch["seq_length"]
 
     def _norm(self, x, w, b):
