@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
+
+from snakellm.errors import SnakellmError
 
 # step name -> (module, one-line summary)
 STEPS: dict[str, tuple[str, str]] = {
@@ -84,7 +87,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"snakellm: unknown step {step!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(STEPS[step][0])
-    return int(module.main(argv) or 0)
+    return run_step(f"snakellm {step}", module.main, argv)
+
+
+def run_step(prog: str, step_main: Callable[[list[str]], int | None], argv: list[str]) -> int:
+    """Run a step's ``main``; a :class:`SnakellmError` becomes one line on stderr and its exit status.
+
+    Steps raise; this is the one place that turns their errors into the exit
+    status contract of :mod:`snakellm.errors` (2: usage/config, nothing done;
+    1: failed while working; 75: clean stop to resume), without a traceback.
+    """
+    try:
+        return int(step_main(argv) or 0)
+    except SnakellmError as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        return e.exit_code
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line (a message may quote a multi-line input)."""
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ import pytest
 import yaml
 from conftest import REPO
 
-from snakellm import models
+from snakellm import cli, errors, models
 from snakellm.config import resolve
+from snakellm.config.settings import defaults
 from snakellm.config.validate import ConfigError
 from snakellm.train.cli import build_parser
-from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings, defaults
+from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
 
 SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())
 RUN = SCHEMA["properties"]["runs"]["additionalProperties"]["properties"]
@@ -116,3 +117,22 @@ def test_tokenizer_checks_name_the_key():
     cfg["tokenizers"]["gpt2"]["train"] = {}
     with pytest.raises(ConfigError, match="only a sentencepiece tokenizer without model_file is trained"):
         resolve.check_tokenizers(cfg)
+
+
+@pytest.mark.parametrize(
+    "error, status",
+    [
+        (errors.UsageError("bad flag --x"), 2),
+        (ConfigError("config key a.b: unknown key 'c'"), 2),
+        (errors.StepFailed("shard 3 failed"), 1),
+        (errors.DataError("data.jsonl line 4: not json"), 1),
+        (errors.StopToResume("time limit: checkpoint at step 7"), 75),
+    ],
+)
+def test_cli_maps_an_error_to_its_exit_status_and_one_line(error, status, capsys):
+    def step(argv):
+        raise error
+
+    assert cli.run_step("snakellm x", step, []) == status
+    err = capsys.readouterr().err
+    assert err == f"snakellm x: error: {error}\n"

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from snakellm import models
+from snakellm.config.settings import to_flags
 from snakellm.config.validate import ConfigError
-from snakellm.train.settings import ParallelSettings, TrainSettings, to_flags
+from snakellm.train.settings import ParallelSettings, TrainSettings
 
 
 def check_tokenizers(config: dict[str, Any]) -> None:

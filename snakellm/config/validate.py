@@ -17,9 +17,9 @@ import jsonschema
 import yaml
 from jsonschema import Draft202012Validator
 
+from snakellm.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A config problem, phrased for the person who wrote the config."""
+__all__ = ["ConfigError", "load", "load_schema", "require_file", "validate"]
 
 
 def _with_defaults(cls):

@@ -31,13 +31,14 @@ import argparse
 import sys
 
 from snakellm import models
+from snakellm.config.settings import add_arguments
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime
 from snakellm.models.attention import ATTENTION_BACKENDS
 from snakellm.train import checkpoint as ckpt
 from snakellm.train.dataset import DataError
 from snakellm.train.request import RequestError, make_request
-from snakellm.train.settings import ParallelSettings, TrainSettings, add_arguments
+from snakellm.train.settings import ParallelSettings, TrainSettings
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
 

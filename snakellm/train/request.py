@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from snakellm import models
+from snakellm.config.settings import from_namespace
 from snakellm.launch import distributed as distmod
 from snakellm.train import checkpoint as ckpt
 from snakellm.train.dataset import Blend, check_splits, read_blend
-from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings, from_namespace
+from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
 
 
 class RequestError(ValueError):

@@ -10,38 +10,26 @@ facts about it:
 * ``cli``: whether ``snakellm train`` takes it as a flag (``retries`` is a
   Snakemake rule setting, not a trainer one).
 
-From these dataclasses come the ``snakellm train`` flags (:func:`add_arguments`),
-the pretrain rule's command line (:func:`to_flags`), the fingerprinted keys
-(:data:`TRAJECTORY_KEYS`), and a test checks that ``config/schema.yaml`` has
-exactly these keys with exactly these defaults.
+The framework (:func:`setting`, :func:`add_arguments`, :func:`to_flags` ...)
+lives in :mod:`snakellm.config.settings`; from these dataclasses come the
+``snakellm train`` flags, the pretrain rule's command line, the fingerprinted
+keys (:data:`TRAJECTORY_KEYS`), and a test checks that ``config/schema.yaml``
+has exactly these keys with exactly these defaults.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import shlex
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-
-def setting(
-    default: Any,
-    help: str,
-    *,
-    trajectory: bool = False,
-    choices: tuple[Any, ...] | None = None,
-    cli: bool = True,
-    flag: str | None = None,
-) -> Any:
-    """A dataclass field carrying what the CLI, the rule and the resume logic need to know."""
-    meta = {"help": help, "trajectory": trajectory, "choices": choices, "cli": cli, "flag": flag}
-    return field(default=default, metadata=meta)
-
-
-REQUIRED: Any = dataclasses.MISSING
+from snakellm.config.settings import (  # noqa: F401  (re-exported: the framework's old home)
+    REQUIRED,
+    add_arguments,
+    defaults,
+    from_namespace,
+    setting,
+    to_flags,
+)
 
 
 @dataclass(frozen=True)
@@ -141,64 +129,3 @@ class ParallelSettings:
 
 
 TRAJECTORY_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrainSettings) if f.metadata["trajectory"])
-
-
-def _base_type(tp: Any) -> Any:
-    """``int | None`` -> int; ``str | float | None`` -> str (parsed later); ``bool`` stays bool."""
-    hints = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
-    real = [h for h in hints if h is not type(None)]
-    return str if len(real) != 1 else real[0]
-
-
-def _resolved_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def add_arguments(group: Any, cls: type, *, required: bool = True) -> None:
-    """Add one ``--flag`` per CLI field of ``cls`` to an argparse parser or group."""
-    hints = _resolved_types(cls)
-    for f in dataclasses.fields(cls):
-        m = f.metadata
-        if not m.get("cli", True):
-            continue
-        opt = "--" + (m.get("flag") or f.name).replace("_", "-")
-        typ = _base_type(hints[f.name])
-        kw: dict[str, Any] = {"dest": f.name, "help": m.get("help")}
-        if typ is bool:
-            kw.update(action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            kw.update(type=typ, choices=m.get("choices"))
-            if f.default is dataclasses.MISSING:
-                kw["required"] = required
-            else:
-                kw["default"] = f.default
-        group.add_argument(opt, **kw)
-
-
-def from_namespace(cls: type, ns: argparse.Namespace) -> Any:
-    """The dataclass from parsed arguments (non-CLI fields take their defaults)."""
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if f.metadata["cli"]})
-
-
-def to_flags(cls: type, values: dict[str, Any], exclude: tuple[str, ...] = ()) -> str:
-    """The ``snakellm train`` flags for a config section (defaults filled), as one shell-quoted string.
-
-    ``None`` values are left out (the CLI's own default is then also None).
-    """
-    out: list[str] = []
-    for f in dataclasses.fields(cls):
-        m = f.metadata
-        if not m.get("cli", True) or f.name in exclude or f.name not in values or values[f.name] is None:
-            continue
-        opt = "--" + (m.get("flag") or f.name).replace("_", "-")
-        v = values[f.name]
-        if isinstance(v, bool):
-            out.append(opt if v else "--no-" + opt[2:])
-        else:
-            out += [opt, str(v)]
-    return shlex.join(out)
-
-
-def defaults(cls: type) -> dict[str, Any]:
-    """Field -> default (required fields left out): what the schema's defaults must equal."""
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
