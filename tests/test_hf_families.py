@@ -172,3 +172,54 @@ def test_import_refuses_with_key_and_value(over, match):
     cfg = {"model_type": "llama", **SHAPE, **over}
     with pytest.raises(ExportError, match=match):
         arch_from_hf(cfg)
+
+
+@pytest.mark.parametrize(
+    "preset, hf_cls, params, vocab",
+    [
+        # the published parameter counts of Llama 3.2 1B and Qwen2.5 0.5B
+        ("llama3-1b", "LlamaConfig", 1_235_814_400, 128256),
+        ("qwen2.5-0.5b", "Qwen2Config", 494_032_768, 151936),
+    ],
+)
+def test_presets_are_the_real_shapes(preset, hf_cls, params, vocab):
+    """The presets equal what import makes of the real models' config.json (its sequence length aside)."""
+    from snakellm.export.hf import arch_from_hf
+    from snakellm.models import param_count, resolve
+
+    shape = {
+        "llama3-1b": dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        ),
+        "qwen2.5-0.5b": dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+    }[preset]
+    config = getattr(transformers, hf_cls)(vocab_size=vocab, **shape).to_dict()
+    ours = resolve(preset)
+    imported = arch_from_hf(config)
+    assert {**imported, "seq_length": ours["seq_length"]} == ours
+    assert param_count(ours, vocab) == params

@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -300,146 +301,175 @@ def _merge_qkv(q, k, v, arch):
     return x.reshape(g * (per + 2) * d, *rest)
 
 
-def to_hf(arch: dict[str, Any], m: dict[str, Any], vocab_size: int) -> dict[str, Any]:
-    """HF state dict (independent contiguous tensors) from megatron tensors."""
+def _getter(tensors: Any, what: str) -> Callable[[str], Any]:
+    """``name -> tensor`` over a dict or a lazy reader; a missing name is an error naming it."""
+
+    def get(name: str) -> Any:
+        if name not in tensors:
+            raise ExportError(f"tensor {name} missing from the {what}")
+        return tensors[name]
+
+    return get
+
+
+def layer_to_hf(arch: dict[str, Any], i: int, get: Callable[[str], Any]) -> dict[str, Any]:
+    """HF tensors of transformer layer ``i`` (independent contiguous tensors); ``get``: megatron name -> tensor."""
+    import torch
+
     family = hf_family(arch)
-    L, f = arch["num_layers"], arch["ffn_hidden_size"]
+    f = arch["ffn_hidden_size"]
+    a = f"decoder.layers.{i}."
     out: dict[str, Any] = {}
 
-    def put(name, t):
+    def put(name: str, t: Any) -> None:
         out[name] = t.detach().contiguous().clone()
 
-    emb = m["embedding.word_embeddings.weight"][:vocab_size]
+    qkv_bias, bias = arch.get("qkv_bias", arch["bias"]), arch["bias"]
     if family == "gpt2":
-        put("transformer.wte.weight", emb)
-        put("transformer.wpe.weight", m["embedding.position_embeddings.weight"])
-        for i in range(L):
-            a, p = f"decoder.layers.{i}.", f"transformer.h.{i}."
-            q, k, v = _split_qkv(m[a + "self_attention.linear_qkv.weight"], arch)
-            import torch
+        p = f"transformer.h.{i}."
+        q, k, v = _split_qkv(get(a + "self_attention.linear_qkv.weight"), arch)
+        put(p + "attn.c_attn.weight", torch.cat([q, k, v]).t())
+        put(p + "attn.c_proj.weight", get(a + "self_attention.linear_proj.weight").t())
+        put(p + "mlp.c_fc.weight", get(a + "mlp.linear_fc1.weight").t())
+        put(p + "mlp.c_proj.weight", get(a + "mlp.linear_fc2.weight").t())
+        if bias:
+            put(p + "attn.c_attn.bias", torch.cat(_split_qkv(get(a + "self_attention.linear_qkv.bias"), arch)))
+            put(p + "attn.c_proj.bias", get(a + "self_attention.linear_proj.bias"))
+            put(p + "mlp.c_fc.bias", get(a + "mlp.linear_fc1.bias"))
+            put(p + "mlp.c_proj.bias", get(a + "mlp.linear_fc2.bias"))
+        else:  # GPT2LMHeadModel always has biases: zeros compute the same
+            h = arch["hidden_size"]
+            z = get(a + "self_attention.linear_proj.weight").new_zeros
+            out.update({p + "attn.c_attn.bias": z(3 * h), p + "attn.c_proj.bias": z(h), p + "mlp.c_fc.bias": z(f)})
+            out[p + "mlp.c_proj.bias"] = z(h)
+        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+            put(p + theirs + ".weight", get(a + ours + ".weight"))
+            put(p + theirs + ".bias", get(a + ours + ".bias"))
+        return out
+    p = f"model.layers.{i}."
+    for name, t in zip(("q_proj", "k_proj", "v_proj"), _split_qkv(get(a + "self_attention.linear_qkv.weight"), arch)):
+        put(p + f"self_attn.{name}.weight", t)
+    put(p + "self_attn.o_proj.weight", get(a + "self_attention.linear_proj.weight"))
+    fc1 = get(a + "mlp.linear_fc1.weight")
+    put(p + "mlp.gate_proj.weight", fc1[:f])
+    put(p + "mlp.up_proj.weight", fc1[f:])
+    put(p + "mlp.down_proj.weight", get(a + "mlp.linear_fc2.weight"))
+    if qkv_bias:
+        for name, t in zip(("q_proj", "k_proj", "v_proj"), _split_qkv(get(a + "self_attention.linear_qkv.bias"), arch)):
+            put(p + f"self_attn.{name}.bias", t)
+    if bias:
+        put(p + "self_attn.o_proj.bias", get(a + "self_attention.linear_proj.bias"))
+        b1 = get(a + "mlp.linear_fc1.bias")
+        put(p + "mlp.gate_proj.bias", b1[:f])
+        put(p + "mlp.up_proj.bias", b1[f:])
+        put(p + "mlp.down_proj.bias", get(a + "mlp.linear_fc2.bias"))
+    put(p + "input_layernorm.weight", get(a + "input_layernorm.weight"))
+    put(p + "post_attention_layernorm.weight", get(a + "pre_mlp_layernorm.weight"))
+    return out
 
-            put(p + "attn.c_attn.weight", torch.cat([q, k, v]).t())
-            put(p + "attn.c_proj.weight", m[a + "self_attention.linear_proj.weight"].t())
-            put(p + "mlp.c_fc.weight", m[a + "mlp.linear_fc1.weight"].t())
-            put(p + "mlp.c_proj.weight", m[a + "mlp.linear_fc2.weight"].t())
-            if arch["bias"]:
-                put(p + "attn.c_attn.bias", torch.cat(_split_qkv(m[a + "self_attention.linear_qkv.bias"], arch)))
-                put(p + "attn.c_proj.bias", m[a + "self_attention.linear_proj.bias"])
-                put(p + "mlp.c_fc.bias", m[a + "mlp.linear_fc1.bias"])
-                put(p + "mlp.c_proj.bias", m[a + "mlp.linear_fc2.bias"])
-            else:  # GPT2LMHeadModel always has biases: zeros compute the same
-                h = arch["hidden_size"]
-                z = m[a + "self_attention.linear_proj.weight"].new_zeros
-                out.update(
-                    {
-                        p + "attn.c_attn.bias": z(3 * h),
-                        p + "attn.c_proj.bias": z(h),
-                        p + "mlp.c_fc.bias": z(f),
-                        p + "mlp.c_proj.bias": z(h),
-                    }
-                )
-            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-                put(p + theirs + ".weight", m[a + ours + ".weight"])
-                put(p + theirs + ".bias", m[a + ours + ".bias"])
-        put("transformer.ln_f.weight", m["decoder.final_layernorm.weight"])
-        put("transformer.ln_f.bias", m["decoder.final_layernorm.bias"])
+
+def outer_to_hf(arch: dict[str, Any], get: Callable[[str], Any], vocab_size: int) -> dict[str, Any]:
+    """HF tensors outside the layers: embeddings, final norm, an untied output layer (padding rows dropped)."""
+    gpt2 = hf_family(arch) == "gpt2"
+    out = {
+        ("transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"): get("embedding.word_embeddings.weight")[
+            :vocab_size
+        ]
+    }
+    if gpt2:
+        out["transformer.wpe.weight"] = get("embedding.position_embeddings.weight")
+        out["transformer.ln_f.weight"] = get("decoder.final_layernorm.weight")
+        out["transformer.ln_f.bias"] = get("decoder.final_layernorm.bias")
     else:
-        put("model.embed_tokens.weight", emb)
-        for i in range(L):
-            a, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            qkv_w = _split_qkv(m[a + "self_attention.linear_qkv.weight"], arch)
-            for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_w, strict=True):
-                put(p + f"self_attn.{name}.weight", t)
-            put(p + "self_attn.o_proj.weight", m[a + "self_attention.linear_proj.weight"])
-            fc1 = m[a + "mlp.linear_fc1.weight"]
-            put(p + "mlp.gate_proj.weight", fc1[:f])
-            put(p + "mlp.up_proj.weight", fc1[f:])
-            put(p + "mlp.down_proj.weight", m[a + "mlp.linear_fc2.weight"])
-            if arch.get("qkv_bias", arch["bias"]):
-                qkv_b = _split_qkv(m[a + "self_attention.linear_qkv.bias"], arch)
-                for name, t in zip(("q_proj", "k_proj", "v_proj"), qkv_b, strict=True):
-                    put(p + f"self_attn.{name}.bias", t)
-            if arch["bias"]:
-                put(p + "self_attn.o_proj.bias", m[a + "self_attention.linear_proj.bias"])
-                b1 = m[a + "mlp.linear_fc1.bias"]
-                put(p + "mlp.gate_proj.bias", b1[:f])
-                put(p + "mlp.up_proj.bias", b1[f:])
-                put(p + "mlp.down_proj.bias", m[a + "mlp.linear_fc2.bias"])
-            put(p + "input_layernorm.weight", m[a + "input_layernorm.weight"])
-            put(p + "post_attention_layernorm.weight", m[a + "pre_mlp_layernorm.weight"])
-        put("model.norm.weight", m["decoder.final_layernorm.weight"])
+        out["model.norm.weight"] = get("decoder.final_layernorm.weight")
     if not arch["tie_embeddings"]:
-        put("lm_head.weight", m["output_layer.weight"][:vocab_size])
+        out["lm_head.weight"] = get("output_layer.weight")[:vocab_size]
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def to_hf(arch: dict[str, Any], m: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """HF state dict (independent contiguous tensors) from megatron tensors."""
+    get = _getter(m, "megatron checkpoint")
+    out = outer_to_hf(arch, get, vocab_size)
+    for i in range(arch["num_layers"]):
+        out.update(layer_to_hf(arch, i, get))
+    return out
+
+
+def layer_from_hf(arch: dict[str, Any], i: int, get: Callable[[str], Any]) -> dict[str, Any]:
+    """Megatron tensors (local-spec names) of transformer layer ``i``; ``get``: HF name -> tensor."""
+    import torch
+
+    a = f"decoder.layers.{i}."
+    out: dict[str, Any] = {}
+    qkv_bias, bias = arch.get("qkv_bias", arch["bias"]), arch["bias"]
+    if hf_family(arch) == "gpt2":
+        h = arch["hidden_size"]
+        p = f"transformer.h.{i}."
+        w = get(p + "attn.c_attn.weight").t()
+        out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(w[:h], w[h : 2 * h], w[2 * h :], arch)
+        out[a + "self_attention.linear_proj.weight"] = get(p + "attn.c_proj.weight").t()
+        out[a + "mlp.linear_fc1.weight"] = get(p + "mlp.c_fc.weight").t()
+        out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.c_proj.weight").t()
+        if bias:
+            b = get(p + "attn.c_attn.bias")
+            out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(b[:h], b[h : 2 * h], b[2 * h :], arch)
+            out[a + "self_attention.linear_proj.bias"] = get(p + "attn.c_proj.bias")
+            out[a + "mlp.linear_fc1.bias"] = get(p + "mlp.c_fc.bias")
+            out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.c_proj.bias")
+        for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
+            out[a + ours + ".weight"] = get(p + theirs + ".weight")
+            out[a + ours + ".bias"] = get(p + theirs + ".bias")
+        return out
+    p = f"model.layers.{i}."
+    qkv = [get(p + f"self_attn.{x}.weight") for x in ("q_proj", "k_proj", "v_proj")]
+    out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(qkv[0], qkv[1], qkv[2], arch)
+    out[a + "self_attention.linear_proj.weight"] = get(p + "self_attn.o_proj.weight")
+    out[a + "mlp.linear_fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+    out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
+    if qkv_bias:
+        qkvb = [get(p + f"self_attn.{x}.bias") for x in ("q_proj", "k_proj", "v_proj")]
+        out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(qkvb[0], qkvb[1], qkvb[2], arch)
+    if bias:
+        out[a + "self_attention.linear_proj.bias"] = get(p + "self_attn.o_proj.bias")
+        out[a + "mlp.linear_fc1.bias"] = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
+        out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.down_proj.bias")
+    out[a + "input_layernorm.weight"] = get(p + "input_layernorm.weight")
+    out[a + "pre_mlp_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
+    return out
+
+
+def outer_from_hf(
+    arch: dict[str, Any], get: Callable[[str], Any], has: Callable[[str], bool], padded_vocab: int
+) -> dict[str, Any]:
+    """Megatron tensors outside the layers; the vocabulary zero-padded to ``padded_vocab``."""
+    import torch
+
+    def pad(t: Any) -> Any:
+        if t.shape[0] > padded_vocab:
+            raise ExportError(f"vocabulary {t.shape[0]} is larger than the padded size {padded_vocab}")
+        return torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
+
+    gpt2 = hf_family(arch) == "gpt2"
+    emb_name = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
+    out = {"embedding.word_embeddings.weight": pad(get(emb_name))}
+    if gpt2:
+        out["embedding.position_embeddings.weight"] = get("transformer.wpe.weight")
+        out["decoder.final_layernorm.weight"] = get("transformer.ln_f.weight")
+        out["decoder.final_layernorm.bias"] = get("transformer.ln_f.bias")
+    else:
+        out["decoder.final_layernorm.weight"] = get("model.norm.weight")
+    if not arch["tie_embeddings"]:
+        out["output_layer.weight"] = pad(get("lm_head.weight" if has("lm_head.weight") else emb_name))
     return out
 
 
 def from_hf(arch: dict[str, Any], hf: dict[str, Any], padded_vocab: int) -> dict[str, Any]:
     """Megatron tensors (local-spec names) from an HF state dict; the vocabulary zero-padded."""
-    import torch
-
-    family = hf_family(arch)
-    L = arch["num_layers"]
-    out: dict[str, Any] = {}
-
-    def get(name):
-        if name not in hf:
-            raise ExportError(f"tensor {name} missing from the Hugging Face checkpoint")
-        return hf[name]
-
-    def pad(t):
-        if t.shape[0] > padded_vocab:
-            raise ExportError(f"vocabulary {t.shape[0]} is larger than the padded size {padded_vocab}")
-        return torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
-
-    if family == "gpt2":
-        wte = get("transformer.wte.weight")
-        out["embedding.word_embeddings.weight"] = pad(wte)
-        out["embedding.position_embeddings.weight"] = get("transformer.wpe.weight")
-        h = arch["hidden_size"]
-        for i in range(L):
-            a, p = f"decoder.layers.{i}.", f"transformer.h.{i}."
-            w = get(p + "attn.c_attn.weight").t()
-            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(w[:h], w[h : 2 * h], w[2 * h :], arch)
-            out[a + "self_attention.linear_proj.weight"] = get(p + "attn.c_proj.weight").t()
-            out[a + "mlp.linear_fc1.weight"] = get(p + "mlp.c_fc.weight").t()
-            out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.c_proj.weight").t()
-            if arch["bias"]:
-                b = get(p + "attn.c_attn.bias")
-                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(b[:h], b[h : 2 * h], b[2 * h :], arch)
-                out[a + "self_attention.linear_proj.bias"] = get(p + "attn.c_proj.bias")
-                out[a + "mlp.linear_fc1.bias"] = get(p + "mlp.c_fc.bias")
-                out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.c_proj.bias")
-            for ours, theirs in (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")):
-                out[a + ours + ".weight"] = get(p + theirs + ".weight")
-                out[a + ours + ".bias"] = get(p + theirs + ".bias")
-        out["decoder.final_layernorm.weight"] = get("transformer.ln_f.weight")
-        out["decoder.final_layernorm.bias"] = get("transformer.ln_f.bias")
-        lm = hf.get("lm_head.weight", wte)
-    else:
-        emb = get("model.embed_tokens.weight")
-        out["embedding.word_embeddings.weight"] = pad(emb)
-        for i in range(L):
-            a, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            qkv = [get(p + f"self_attn.{x}.weight") for x in ("q_proj", "k_proj", "v_proj")]
-            out[a + "self_attention.linear_qkv.weight"] = _merge_qkv(qkv[0], qkv[1], qkv[2], arch)
-            out[a + "self_attention.linear_proj.weight"] = get(p + "self_attn.o_proj.weight")
-            out[a + "mlp.linear_fc1.weight"] = torch.cat(
-                [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-            )
-            out[a + "mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
-            if arch.get("qkv_bias", arch["bias"]):
-                qkvb = [get(p + f"self_attn.{x}.bias") for x in ("q_proj", "k_proj", "v_proj")]
-                out[a + "self_attention.linear_qkv.bias"] = _merge_qkv(qkvb[0], qkvb[1], qkvb[2], arch)
-            if arch["bias"]:
-                out[a + "self_attention.linear_proj.bias"] = get(p + "self_attn.o_proj.bias")
-                out[a + "mlp.linear_fc1.bias"] = torch.cat([get(p + "mlp.gate_proj.bias"), get(p + "mlp.up_proj.bias")])
-                out[a + "mlp.linear_fc2.bias"] = get(p + "mlp.down_proj.bias")
-            out[a + "input_layernorm.weight"] = get(p + "input_layernorm.weight")
-            out[a + "pre_mlp_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
-        out["decoder.final_layernorm.weight"] = get("model.norm.weight")
-        lm = hf.get("lm_head.weight", emb)
-    if not arch["tie_embeddings"]:
-        out["output_layer.weight"] = pad(lm)
+    get = _getter(hf, "Hugging Face checkpoint")
+    out = outer_from_hf(arch, get, lambda name: name in hf, padded_vocab)
+    for i in range(arch["num_layers"]):
+        out.update(layer_from_hf(arch, i, get))
     return out
 
 
@@ -463,33 +493,6 @@ def parse_size(text: str | int) -> int:
         if s.endswith(suf):
             return int(float(s[: -len(suf)]) * mul)
     return int(s)
-
-
-def save_safetensors(out: Path, tensors: dict[str, Any], max_shard_bytes: int) -> list[str]:
-    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when larger than one shard."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    total = 0
-    for k, t in tensors.items():
-        nb = t.numel() * t.element_size()
-        total += nb
-        if shards[-1] and size + nb > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += nb
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards, strict=True):
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return names
 
 
 def read_hf_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -535,43 +538,94 @@ def export_hf(
     tokenizer_base: Path | None = None,
 ) -> Path:
     """Write ``out/`` (config.json, generation_config.json, safetensors, tokenizer files) from a loaded model."""
+    m = megatron_tensors(loaded.model)
+    layers: dict[int, dict[str, Any]] = {}
+    outer = {}
+    for k, t in m.items():
+        if k.startswith("decoder.layers."):
+            layers.setdefault(int(k.split(".")[2]), {})[k] = t.detach().cpu()
+        else:
+            outer[k] = t.detach().cpu()
+    groups = iter([outer, *(layers[i] for i in sorted(layers))])
+    source = {"source": str(loaded.checkpoint), "iteration": loaded.iteration}
+    return write_export(
+        loaded.arch,
+        groups,
+        loaded.tokenizer,
+        loaded.padded_vocab_size,
+        source,
+        out,
+        max_shard_size,
+        dtype,
+        tokenizer_base,
+    )
+
+
+def export_hf_from_checkpoint(
+    info: dict[str, Any],
+    out: str | os.PathLike,
+    *,
+    max_shard_size: str = "5GB",
+    dtype: str = "auto",
+    tokenizer_base: Path | None = None,
+) -> Path:
+    """:func:`export_hf` reading the checkpoint one layer at a time (``info``: ``describe_run``'s)."""
+    from snakellm.export.stream import read_groups
+
+    groups = read_groups(info["checkpoint_dir"], info["iteration"], info["arch"], info["padded_vocab_size"])
+    source = {"source": str(info["checkpoint_dir"]), "iteration": info["iteration"]}
+    return write_export(
+        info["arch"],
+        groups,
+        info["tokenizer"],
+        info["padded_vocab_size"],
+        source,
+        out,
+        max_shard_size,
+        dtype,
+        tokenizer_base,
+    )
+
+
+def write_export(
+    arch: dict[str, Any],
+    groups: Any,
+    tok: dict[str, Any],
+    padded: int,
+    source: dict[str, Any],
+    out: str | os.PathLike,
+    max_shard_size: str,
+    dtype: str,
+    tokenizer_base: Path | None,
+) -> Path:
+    """The HF directory from megatron tensor groups (outer, then each layer), written shard by shard."""
     import torch
 
-    arch = loaded.arch
+    from snakellm.export.hf_tokenizer import export_tokenizer
+    from snakellm.export.stream import write_hf_weights
+
     hf_family(arch)
-    tok = loaded.tokenizer
-    vocab = int(tok.get("vocab_size") or loaded.padded_vocab_size)
+    vocab = int(tok.get("vocab_size") or padded)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    from snakellm.export.hf_tokenizer import export_tokenizer
-
     specials = (
         export_tokenizer(tok, tmp, base=tokenizer_base, model_max_length=arch["seq_length"]) if tok.get("kind") else {}
     )
-    tensors = to_hf(arch, megatron_tensors(loaded.model), vocab)
-    if dtype != "auto":
-        tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        tensors = {k: v.to(tdt) for k, v in tensors.items()}
-    dt = str(next(iter(tensors.values())).dtype).replace("torch.", "")
-    tensors = {k: v.cpu() for k, v in tensors.items()}
-    save_safetensors(tmp, tensors, parse_size(max_shard_size))
+    tdt = (
+        None
+        if dtype == "auto"
+        else {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    )
+    _, dt = write_hf_weights(groups, arch, vocab, tmp, parse_size(max_shard_size), tdt)
     config = hf_config(arch, vocab, specials, dt)
     write_json(tmp / "config.json", config)
     gen = {"_from_model_config": True, "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     if "pad_token_id" in config:
         gen["pad_token_id"] = config["pad_token_id"]
     write_json(tmp / "generation_config.json", gen)
-    write_json(
-        tmp / "snakellm.json",
-        {
-            "source": str(loaded.checkpoint),
-            "iteration": loaded.iteration,
-            "arch": arch,
-            "padded_vocab_size": loaded.padded_vocab_size,
-        },
-    )
+    write_json(tmp / "snakellm.json", {**source, "arch": arch, "padded_vocab_size": padded})
     _publish_dir(tmp, out)
     return out
 
@@ -587,16 +641,21 @@ def build_for_import(arch: dict[str, Any], padded_vocab: int, device: str = "cpu
 
 
 def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_size_divisible_by: int = 128) -> dict:
-    """An HF GPT-2/Llama directory -> a model-only checkpoint under ``dest`` (a run dir); returns its summary."""
-    import torch
+    """An HF GPT-2/Llama/Qwen2/Mistral directory -> a model-only checkpoint under ``dest`` (a run dir).
 
+    safetensors (one file or sharded) convert in bounded memory, one layer at a time, in the
+    checkpoint's own dtype (:func:`snakellm.export.stream.import_streaming`); a ``pytorch_model.bin``
+    is read whole. Returns the import's summary.
+    """
     from snakellm.export.hf_tokenizer import import_tokenizer
     from snakellm.models.architecture import padded_vocab_size
-    from snakellm.models.loading import save_model_checkpoint
 
     hf_dir, dest = Path(hf_dir), Path(dest)
-    config, tensors = read_hf_dir(hf_dir)
-    arch = arch_from_hf(config, str(hf_dir / "config.json"))
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ExportError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
+    config = json.loads(cfg_path.read_text())
+    arch = arch_from_hf(config, str(cfg_path))
     arch["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     vocab = int(config["vocab_size"])
     padded = padded_vocab_size(vocab, arch)
@@ -604,13 +663,32 @@ def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_
     if tok["vocab_size"] > vocab:
         raise ExportError(f"{hf_dir}: the tokenizer has {tok['vocab_size']} tokens, the model's vocab_size is {vocab}")
     tok["vocab_size"] = vocab  # the model's (HF embeddings may be larger than the tokenizer)
+    extra = {"imported_from": str(hf_dir)}
+    if (hf_dir / "model.safetensors").is_file() or (hf_dir / "model.safetensors.index.json").is_file():
+        from snakellm.export.stream import import_streaming
+
+        import_streaming(hf_dir, arch, padded, dest, tok, extra)
+    else:
+        _import_in_memory(hf_dir, arch, padded, dest, tok, extra)
+    return {"arch": arch, "padded_vocab_size": padded, "tokenizer": tok, "source": str(hf_dir)}
+
+
+def _import_in_memory(
+    hf_dir: Path, arch: dict[str, Any], padded: int, dest: Path, tok: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    """A ``pytorch_model.bin`` (one pickle: no tensor-by-tensor reading) converted whole, in fp32."""
+    import torch
+
+    from snakellm.models.loading import save_model_checkpoint
+
+    _, tensors = read_hf_dir(hf_dir)
     msd = from_hf(arch, {k: v.float() for k, v in tensors.items()}, padded)
     model = build_for_import(arch, padded)
     expected = megatron_tensors(model)
-    missing, extra = sorted(set(expected) - set(msd)), sorted(set(msd) - set(expected))
-    if missing or extra:
+    missing, unexpected = sorted(set(expected) - set(msd)), sorted(set(msd) - set(expected))
+    if missing or unexpected:
         raise ExportError(
-            f"{hf_dir}: weights do not fit the architecture (missing {missing[:4]}, unexpected {extra[:4]})"
+            f"{hf_dir}: weights do not fit the architecture (missing {missing[:4]}, unexpected {unexpected[:4]})"
         )
     with torch.no_grad():
         for k, t in expected.items():
@@ -619,8 +697,7 @@ def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_
                     f"{hf_dir}: {k} has shape {tuple(msd[k].shape)}, the architecture needs {tuple(t.shape)}"
                 )
             t.copy_(msd[k])
-    save_model_checkpoint(dest, model, arch, padded, tok, 0, extra={"imported_from": str(hf_dir)})
-    return {"arch": arch, "padded_vocab_size": padded, "tokenizer": tok, "source": str(hf_dir)}
+    save_model_checkpoint(dest, model, arch, padded, tok, 0, extra=extra)
 
 
 # ----------------------------------------------------------------------------- command lines
@@ -663,7 +740,7 @@ def main_export(argv: list[str] | None = None) -> int:
         help="directory that relative tokenizer file paths are relative to (default: the working directory)",
     )
     a = p.parse_args(argv)
-    from snakellm.models.loading import LoadError, describe_run, load
+    from snakellm.models.loading import LoadError, describe_run
 
     try:
         info = describe_run(a.checkpoint, a.iteration)
@@ -677,16 +754,17 @@ def main_export(argv: list[str] | None = None) -> int:
         print(f"snakellm export-hf: {e}", file=sys.stderr)
         return 2
     t0 = time.time()
-    loaded = load(info["checkpoint_dir"], info["iteration"])
-    loaded.tokenizer = tok
-    out = export_hf(
-        loaded,
+    from snakellm.launch.runtime import ensure_single_process
+
+    ensure_single_process("cpu")
+    out = export_hf_from_checkpoint(  # one layer in memory at a time
+        {**info, "tokenizer": tok},
         a.out,
         max_shard_size=a.max_shard_size,
         dtype=a.dtype,
         tokenizer_base=Path(a.tokenizer_base) if a.tokenizer_base else None,
     )
-    log(f"exported {loaded.checkpoint} ({family}) to {out} in {time.time() - t0:.1f} s")
+    log(f"exported {info['checkpoint_dir']} ({family}) to {out} in {time.time() - t0:.1f} s")
     return 0
 
 

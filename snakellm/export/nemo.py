@@ -116,6 +116,9 @@ def model_config(
         "bias": arch["bias"],
         "qkv_bias": bool(arch.get("qkv_bias", arch["bias"])),
         **_nemo_rope_scaling(arch),
+        # Mistral's window: no NeMo 1.x key computes it (nor does it need to: seq_length <= window, so
+        # full attention is exact); recorded under a name TransformerConfig does not have, for import
+        **({"sliding_window": arch["sliding_window"]} if arch.get("sliding_window") else {}),
         "activation": "gelu" if arch["activation"] == "gelu" else "swiglu",
         "headscale": False,
         "transformer_block_type": "pre_ln",
@@ -265,6 +268,7 @@ def arch_from_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         "qkv_bias": qkv_bias,
         "rotary_base": cfg.get("rotary_base", 10000),
         **_rope_scaling_from_nemo(cfg),
+        "sliding_window": cfg.get("sliding_window"),
         "layernorm_epsilon": float(cfg.get("layernorm_epsilon", 1e-5)),
         "init_method_std": float(cfg.get("init_method_std", 0.02)),
         "hidden_dropout": float(cfg.get("hidden_dropout", 0.1)),

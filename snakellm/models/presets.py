@@ -44,4 +44,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         ffn_hidden_size=5632,
         seq_length=2048,
     ),
+    # Llama 3.2 1B's shape: 16 layers, d=2048, 32 heads in 8 KV groups, SwiGLU 8192, tied embeddings, RoPE base
+    # 500000 with its Llama 3.x scaling (factor 32, low/high 1/4, original 8192); trains at 2048 tokens
+    "llama3-1b": dict(
+        style="llama",
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=8192,
+        seq_length=2048,
+        tie_embeddings=True,
+        rotary_base=500000,
+        rope_scaling_factor=32.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_positions=8192,
+    ),
+    # Qwen2.5 0.5B's shape: 24 layers, d=896, 14 heads in 2 KV groups, SwiGLU 4864, q/k/v-only biases, tied
+    # embeddings, RoPE base 1e6, RMSNorm eps 1e-6; trains at 2048 tokens
+    "qwen2.5-0.5b": dict(
+        style="llama",
+        num_layers=24,
+        hidden_size=896,
+        num_attention_heads=14,
+        num_query_groups=2,
+        ffn_hidden_size=4864,
+        seq_length=2048,
+        tie_embeddings=True,
+        qkv_bias=True,
+        rotary_base=1000000,
+        layernorm_epsilon=1e-6,
+    ),
 }

@@ -57,7 +57,8 @@ def inv_freq(arch: dict[str, Any], device: Any = None):
 
     dim = arch["hidden_size"] // arch["num_attention_heads"]
     base = arch["rotary_base"]
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float()  # device given: also under meta
+    freqs = 1.0 / (base ** (steps / dim))
     if not scaled(arch):
         return freqs
     factor = arch["rope_scaling_factor"]
