@@ -525,30 +525,26 @@ def export_nemo(
     check_tokenizer(tok, str(checkpoint))
     arch, vocab = info["arch"], info["padded_vocab_size"]
     te = transformer_engine_for(arch, transformer_engine)
-    import torch
-
-    from snakellm.models import load
+    from snakellm.export.stream import save_nemo_weights
 
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with model_parallel(), tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmpdir:
-        module = load(info["checkpoint_dir"], info["iteration"], bf16=info["precision"] == "bf16").model
         folder = Path(tmpdir) / "nemo"
         folder.mkdir()
         tok_cfg = pack_tokenizer(tok, folder)
         # bf16 weights are written upcast to fp32 (lossless): NeMo without megatron_amp_O2 keeps fp32
         # parameters and runs bf16 under autocast, which is what `precision: bf16` asks for
-        precision = "bf16" if next(module.parameters()).dtype == torch.bfloat16 else 32
-        module.float()
+        precision = "bf16" if info["precision"] == "bf16" else 32
         cfg = model_config(arch, vocab, tok_cfg, precision=precision, transformer_engine=te)
         (folder / CONFIG_FILE).write_text(yaml.safe_dump(cfg, sort_keys=False))
-        save_weights(module, folder / WEIGHTS_DIR, prefix="model.")
+        # one layer in memory at a time (snakellm.export.stream)
+        nparams = save_nemo_weights(info, folder / WEIGHTS_DIR, prefix="model.")
         rewrite_metadata(folder / WEIGHTS_DIR)
         with atomic_path(out) as tmp:
             # exactly SaveRestoreConnector._make_nemo_file_from_folder: uncompressed, members ./...
             with tarfile.open(tmp, "w:") as tar:
-                tar.add(str(folder), arcname=".")
-        nparams = sum(p.numel() for p in module.parameters())
+                _tar_moving(tar, folder)
     return {
         "output": str(out),
         "iteration": info["iteration"],
@@ -557,6 +553,19 @@ def export_nemo(
         "tokenizer": tok_cfg,
         "bytes": out.stat().st_size,
     }
+
+
+def _tar_moving(tar: tarfile.TarFile, folder: Path) -> None:
+    """``tar.add(folder, arcname=".")``, each file removed once it is in the archive.
+
+    An 8B model's fp32 weights are 32 GB: holding them twice (folder and archive) is what a
+    conversion on a login node's disk cannot afford.
+    """
+    tar.add(str(folder), arcname=".", recursive=False)
+    for p in sorted(folder.rglob("*")):
+        tar.add(str(p), arcname=f"./{p.relative_to(folder)}", recursive=False)
+        if p.is_file():
+            p.unlink()
 
 
 def _safe_extract(archive: Path, dest: Path) -> None:

@@ -30,41 +30,82 @@ from snakellm.export.hf import ExportError, layer_from_hf, layer_to_hf, outer_fr
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64"}
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(entries by name, offset of the data) of a safetensors file: 8-byte length, JSON header, data."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 class SafetensorsReader:
-    """``name -> tensor`` over a Hugging Face directory's safetensors, reading only the tensor asked for."""
+    """``name -> tensor`` over a Hugging Face directory's safetensors, reading only the tensor asked for.
+
+    Each tensor is read with one positioned read into its own buffer, from the file's header offsets
+    (the format safetensors' ``safe_open`` reads): no file is memory-mapped, so pages of a shard read
+    earlier never count towards the process's resident memory.
+    """
 
     def __init__(self, hf_dir: Path) -> None:
         index = hf_dir / "model.safetensors.index.json"
         if (hf_dir / "model.safetensors").is_file():
-            self.files = {"model.safetensors"}
-            from safetensors import safe_open
-
-            with safe_open(str(hf_dir / "model.safetensors"), "pt") as f:
-                self.where = {k: "model.safetensors" for k in f.keys()}
+            files = ["model.safetensors"]
         elif index.is_file():
-            self.where = dict(json.loads(index.read_text())["weight_map"])
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
             raise ExportError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
-        self.dir = hf_dir
-        self._open: dict[str, Any] = {}
+        self.entries: dict[str, tuple[Path, dict[str, Any], int]] = {}
+        for f in files:
+            header, start = read_safetensors_header(hf_dir / f)
+            for name, e in header.items():
+                self.entries[name] = (hf_dir / f, e, start)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.where
+        return name in self.entries
 
     def __getitem__(self, name: str) -> Any:
-        from safetensors import safe_open
+        import torch
 
-        f = self.where[name]
-        if f not in self._open:
-            self._open[f] = safe_open(str(self.dir / f), "pt")
-        return self._open[f].get_tensor(name)
+        path, e, start = self.entries[name]
+        if e["dtype"] not in _ST_DTYPES:
+            raise ExportError(f"{path}: {name} has dtype {e['dtype']} (float32, bfloat16, float16 only)")
+        lo, hi = e["data_offsets"]
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(start + lo)
+            if f.readinto(buf.numpy().data) != hi - lo:
+                raise ExportError(f"{path}: {name} is cut short (file truncated?)")
+        return buf.view(getattr(torch, _ST_DTYPES[e["dtype"]])).reshape(e["shape"])
 
     def dtype(self) -> Any:
         """The dtype of the checkpoint's tensors (of its first one)."""
-        return self[next(iter(self.where))].dtype
+        import torch
 
-    def close(self) -> None:
-        self._open.clear()
+        return getattr(torch, _ST_DTYPES.get(next(iter(self.entries.values()))[1]["dtype"], "float32"))
+
+
+def write_safetensors(path: Path, tensors: dict[str, Any]) -> None:
+    """One safetensors file, each tensor's bytes written from its own memory (no serialised copy)."""
+    import torch
+
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for k, t in tensors.items():
+        nb = t.numel() * t.element_size()
+        header[k] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nb]}
+        offset += nb
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(t.contiguous().view(-1).view(torch.uint8).numpy().data)
 
 
 def meta_model(arch: dict[str, Any], padded_vocab: int, dtype: Any) -> Any:
@@ -80,6 +121,15 @@ def meta_model(arch: dict[str, Any], padded_vocab: int, dtype: Any) -> Any:
     return model.to(dtype)
 
 
+def _group_of(name: str) -> int:
+    """The layer a (possibly prefixed) parameter name belongs to; -1 outside the layers."""
+    parts = name.split(".")
+    for j in range(len(parts) - 2):
+        if parts[j] == "decoder" and parts[j + 1] == "layers":
+            return int(parts[j + 2])
+    return -1
+
+
 class _LayerCache:
     """The converted tensors of one group (a layer, or everything outside the layers) at a time."""
 
@@ -89,7 +139,7 @@ class _LayerCache:
         self.tensors: dict[str, Any] = {}
 
     def get(self, name: str) -> Any:
-        group = int(name.split(".")[2]) if name.startswith("decoder.layers.") else -1
+        group = _group_of(name)
         if group != self.group:
             self.tensors = {}  # the previous layer is freed before the next is read
             self.tensors = {k: v.to(self.dtype).contiguous() for k, v in self.convert(group).items()}
@@ -115,7 +165,7 @@ def _planner_class() -> type:
 
             def layer(item: Any) -> int:
                 idx = item.index
-                return int(idx.offset[0]) if idx.fqn.startswith(decoder) and idx.offset else -1
+                return int(idx.offset[0]) if decoder in idx.fqn and idx.offset else -1
 
             plan.items.sort(key=layer)  # stable: each layer converted once, in file order
             return plan
@@ -184,7 +234,7 @@ def import_streaming(
 
     model = meta_model(arch, padded, dtype)
     cache = _LayerCache(convert, dtype)
-    _check_shapes(model, arch, convert, hf_dir)
+    _check_shapes(model, convert, hf_dir)
     sharded = model.sharded_state_dict()
     ckpt_dir = dest / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +243,6 @@ def import_streaming(
     state = {"model": sharded, "iteration": 0, "checkpoint_version": 3.0}
     names = _data_names(sharded)
     ckpt.save(ckpt_dir, 0, state, rank=0, barrier=lambda: None, sharded_strategy=_lazy_strategy(cache.get, names))
-    reader.close()
 
 
 def _data_names(sharded: dict[str, Any]) -> dict[tuple[str, tuple[int, ...]], tuple[str, Any, Any]]:
@@ -224,7 +273,7 @@ def _data_names(sharded: dict[str, Any]) -> dict[tuple[str, tuple[int, ...]], tu
     return names
 
 
-def _check_shapes(model: Any, arch: dict[str, Any], convert: Callable[[int], dict[str, Any]], where: Path) -> None:
+def _check_shapes(model: Any, convert: Callable[[int], dict[str, Any]], where: Path) -> None:
     """The first layer and the outer tensors fit the model (names and shapes), before anything is written."""
     params = dict(model.named_parameters())
     got = {**convert(-1), **convert(0)}
@@ -244,6 +293,42 @@ def _check_shapes(model: Any, arch: dict[str, Any], convert: Callable[[int], dic
 # ----------------------------------------------------------------------------- export
 
 
+def save_nemo_weights(info: dict[str, Any], weights_dir: Path, prefix: str) -> int:
+    """NeMo's ``model_weights/`` (fp32, keys under ``prefix``) from our checkpoint, one layer at a time.
+
+    Returns the number of parameters. The checkpoint's groups come in the order the lazy writer asks
+    for them (outside the layers, then layer 0, 1, ...), so each is read once.
+    """
+    import torch
+
+    from snakellm.export.hf import _TE_NAMES
+
+    arch, padded = info["arch"], info["padded_vocab_size"]
+    groups = read_groups(info["checkpoint_dir"], info["iteration"], arch, padded)
+    seen: dict[int, dict[str, Any]] = {}
+
+    def convert(group: int) -> dict[str, Any]:
+        while group not in seen:
+            g = next(groups)
+            seen.clear()  # the previous group is no longer needed
+            seen[_group_of(next(iter(g)))] = g
+        return {prefix + k: v for k, v in seen[group].items()}
+
+    model = meta_model(arch, padded, torch.float32)
+    cache = _LayerCache(convert, torch.float32)
+    sharded = model.sharded_state_dict(prefix=prefix)
+    names = _data_names(sharded)
+    for key, (name, data, root) in list(names.items()):
+        for te, local in _TE_NAMES.items():  # the checkpoint's groups use local-spec names
+            if name.endswith(te):
+                names[key] = (name[: -len(te)] + local, data, root)
+    from megatron.core import dist_checkpointing
+
+    weights_dir.mkdir(parents=True)
+    dist_checkpointing.save(sharded, str(weights_dir), sharded_strategy=_lazy_strategy(cache.get, names))
+    return sum(p.numel() for p in model.parameters())
+
+
 def layer_groups(model: Any, ssd: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any]]]:
     """The sharded state dict split into groups: -1 (outside the layers), then each layer."""
     groups: dict[int, dict[str, Any]] = {}
@@ -255,16 +340,55 @@ def layer_groups(model: Any, ssd: dict[str, Any]) -> Iterator[tuple[int, dict[st
     yield from sorted(groups.items())
 
 
-def _materialise(group: dict[str, Any]) -> dict[str, Any]:
-    """The group's sharded tensors (and factories) with real, empty CPU tensors to load into."""
-    import dataclasses
+class ChunkReader:
+    """Tensors of a torch_dist checkpoint read chunk by chunk, straight from its ``.distcp`` files.
 
-    import torch
+    megatron-core's ``dist_checkpointing.load`` wants the whole of each layer-stacked tensor in one
+    request; a layer is one chunk of it (offset ``(i, 0, ...)``), stored as its own ``torch.save``
+    record whose file, offset and length the checkpoint's ``.metadata`` lists. Reading that record
+    is what DCP's own reader does for it.
+    """
 
-    out = {}
-    for k, v in group.items():
-        out[k] = dataclasses.replace(v, data=torch.empty(v.data.shape, dtype=v.data.dtype))
-    return out
+    def __init__(self, iter_dir: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.dir = iter_dir
+        self.storage = FileSystemReader(str(iter_dir)).read_metadata().storage_data
+
+    def read(self, key: str, offset: tuple[int, ...]) -> Any:
+        import io
+
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.storage.get(MetadataIndex(key, torch.Size(offset)))
+        if info is None:
+            raise ExportError(f"{self.dir}: no chunk {key} at {offset} in the checkpoint")
+        if getattr(info, "transform_descriptors", None):
+            raise ExportError(f"{self.dir}: {key} is stored with transforms {info.transform_descriptors}")
+        with open(self.dir / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.length)
+        return torch.load(io.BytesIO(raw), weights_only=True)
+
+
+def _load_group(reader: ChunkReader, group: dict[str, Any]) -> dict[str, Any]:
+    """The group's tensors: its sharded tensors read chunk by chunk, factories (SwiGLU halves) merged."""
+    import copy
+
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories
+
+    built = copy.copy(group)
+    apply_factories(built)
+
+    def read(sh: Any) -> Any:
+        if not isinstance(sh, ShardedTensor):
+            return sh
+        return reader.read(sh.key, tuple(sh.global_offset)).reshape(sh.local_shape)
+
+    loaded = dict_list_map_inplace(read, built)
+    return {k: group[k].merge_fn(v) if isinstance(group[k], ShardedTensorFactory) else v for k, v in loaded.items()}
 
 
 def read_groups(ckpt_dir: Path, iteration: int, arch: dict[str, Any], padded: int) -> Iterator[dict[str, Any]]:
@@ -274,10 +398,10 @@ def read_groups(ckpt_dir: Path, iteration: int, arch: dict[str, Any], padded: in
 
     dtype = _checkpoint_dtype(ckpt_dir, iteration)
     model = meta_model(arch, padded, dtype)
+    reader = ChunkReader(ckpt_dir / ckpt.iter_name(iteration))
     for _, group in layer_groups(model, model.sharded_state_dict()):
-        loaded = ckpt.load(ckpt_dir, iteration, _materialise(group))
         out = {}
-        for k, t in loaded.items():
+        for k, t in _load_group(reader, group).items():
             for te, local in _TE_NAMES.items():
                 if k.endswith(te):
                     k = k[: -len(te)] + local
@@ -316,12 +440,10 @@ class ShardWriter:
             self.total += nb
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.pending:
             return
         name = f".part-{len(self.parts):05d}.safetensors"
-        save_file(self.pending, str(self.out / name), metadata={"format": "pt"})
+        write_safetensors(self.out / name, self.pending)
         self.parts.append((name, list(self.pending)))
         self.pending, self.size = {}, 0
 
