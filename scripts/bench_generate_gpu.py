@@ -153,14 +153,12 @@ def main() -> int:
 
 def serve_check(gen, device: str) -> None:
     """NeMo's PUT /generate and OpenAI's /v1/completions against this device's model, over real HTTP."""
-    import threading
     import urllib.request
 
-    from snakellm.serve.server import App, Server, make_handler
+    from snakellm.serve.server import serve_in_thread
+    from snakellm.serve.settings import ServeSettings
 
-    httpd = Server(("127.0.0.1", 0), make_handler(App(gen, "bench"), quiet=True))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    url, stop = serve_in_thread(gen, ServeSettings(port=0, quiet=True), "bench")
 
     def call(path, method, body):
         req = urllib.request.Request(
@@ -188,7 +186,7 @@ def serve_check(gen, device: str) -> None:
     print(f"serve on {device}: PUT /generate -> {code}, keys {sorted(r)}, {len(r['token_ids'][0])} tokens in row 0")
     code, r = call("/v1/completions", "POST", {"model": "bench", "prompt": "Hello", "max_tokens": 16, "temperature": 0})
     print(f"serve on {device}: POST /v1/completions -> {code}, usage {r['usage']}")
-    httpd.shutdown()
+    stop()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""Build the shipped corpus under resources/corpus from ../shared/data (run once; output is committed).
+"""Build the shipped corpus under resources/corpus from the original files (run once; output is committed).
+
+Usage: python scripts/make_corpus.py SOURCE_DIR, where SOURCE_DIR holds the originals named in
+resources/README.md (WikiText-2's test split as
+wikitext-2-test.txt, botchan.txt).
 
 - wikitext: WikiText-2 (raw, test split), one document per article, 62 articles in 16
   zstd shards laid out like SlimPajama: chunk{1,2}/example_train_{0..7}.jsonl.zst
@@ -19,7 +23,6 @@ from pathlib import Path
 import zstandard
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT.parent / "shared" / "data"
 OUT = ROOT / "resources" / "corpus"
 
 
@@ -56,15 +59,18 @@ def botchan_docs(path: Path) -> list[dict]:
 
 
 def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit("usage: python scripts/make_corpus.py SOURCE_DIR  (holding wikitext-2-test.txt and botchan.txt)")
+    src = Path(sys.argv[1])
     cctx = zstandard.ZstdCompressor(level=10, write_checksum=True)
-    arts = wikitext_articles(SHARED / "wikitext-2-test.txt")
+    arts = wikitext_articles(src / "wikitext-2-test.txt")
     assert len(arts) == 62, len(arts)  # 62 " = Title = " lines in the test split
     for i in range(16):
         d = OUT / "wikitext" / f"chunk{1 + i // 8}"
         d.mkdir(parents=True, exist_ok=True)
         payload = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in arts[4 * i : 4 * i + 4])
         (d / f"example_train_{i % 8}.jsonl.zst").write_bytes(cctx.compress(payload.encode()))
-    docs = botchan_docs(SHARED / "botchan.txt")
+    docs = botchan_docs(src / "botchan.txt")
     (OUT / "botchan").mkdir(parents=True, exist_ok=True)
     with open(OUT / "botchan" / "botchan.jsonl", "w", encoding="utf-8") as fh:
         for d in docs:

@@ -56,7 +56,10 @@ STEPS: dict[str, tuple[str, str]] = {
         "snakellm.report.cli",
         "plots and tables for `snakemake --report` (data, tokens, train, any metrics table)",
     ),
-    "dag": ("snakellm.report.dag", "render the workflow's rule graph and job DAG to SVG with Graphviz"),
+    "dag": (
+        "snakellm.report.dag",
+        "draw the workflow's rule graph and job DAG as SVG (Graphviz, else a built-in renderer)",
+    ),
 }
 
 

@@ -65,8 +65,8 @@ def _configs():
             ),
             "Qwen2ForCausalLM",
         ),
-        "mistral-window": (MistralConfig(**SHAPE, sliding_window=32, head_dim=16), "MistralForCausalLM"),
-        "mistral-no-window": (MistralConfig(**SHAPE, sliding_window=None, head_dim=16), "LlamaForCausalLM"),
+        "mistral-window": (MistralConfig(**SHAPE, sliding_window=64, head_dim=16), "MistralForCausalLM"),
+        "mistral-no-window": (MistralConfig(**SHAPE, sliding_window=None, head_dim=16), "MistralForCausalLM"),
     }
 
 
@@ -150,16 +150,18 @@ def test_family_features_in_the_architecture():
     qwen = arch_from_hf(cfgs["qwen2-tied"][0].to_dict())
     assert (qwen["qkv_bias"], qwen["bias"], qwen["rotary_base"]) == (True, False, 1000000)
     mistral = arch_from_hf(cfgs["mistral-window"][0].to_dict())
-    assert (mistral["sliding_window"], mistral["seq_length"]) == (32, 32)  # exact up to the window
+    assert (mistral["style"], mistral["sliding_window"], mistral["seq_length"]) == ("mistral", 64, 64)
+    assert (llama["style"], qwen["style"]) == ("llama3", "qwen2")
 
 
 @pytest.mark.parametrize(
     "over, match",
     [
-        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling .*yarn"),
         (dict(rope_scaling={**LLAMA3_ROPE, "attention_factor": 2.0}), "attention_factor=2.0"),
-        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "needs low_freq_factor"),
-        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "llama3 needs high_freq_factor"),
+        (dict(rope_scaling=LLAMA3_ROPE, partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(model_type="mistral", sliding_window=32), "sliding_window 32 < max_position_embeddings 64"),
         (dict(head_dim=32), "head_dim 32"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16), "use_sliding_window"),

@@ -27,9 +27,6 @@ from chromium import find_chromium
 from conftest import BIN, REPO, SNAKEFILE, Workspace, env_with_venv
 
 pytestmark = []
-NEEDS_DOT = pytest.mark.skipif(
-    shutil.which("dot") is None, reason="Graphviz dot missing: bash scripts/setup-report-tools.sh"
-)
 NEEDS_CHROMIUM = pytest.mark.skipif(
     find_chromium() is None, reason="chromium missing: bash scripts/setup-report-tools.sh"
 )
@@ -250,7 +247,6 @@ def test_a_registered_table_is_a_report_output_with_its_category(tmp_path):
 
 
 @pytest.mark.slow
-@NEEDS_DOT
 def test_dag_of_a_60000_shard_source_collapses_repeated_chunks(tmp_path):
     cfg = {
         "sources": {
@@ -322,6 +318,117 @@ def test_collapse_keeps_edges_between_collapsed_groups():
     assert ("1", "10") in kept_edges and ("6", "15") in kept_edges  # first and last chunk stay as they were
 
 
+def path_without(tool: str, root: Path) -> str:
+    """A PATH that finds everything the current one does except ``tool``.
+
+    One directory of symlinks to the first hit of every executable on PATH (the venv's bin
+    first, as subprocesses see it), ``tool`` left out: removing the directory that holds
+    ``dot`` would also remove bash and coreutils, which live next to it in /usr/bin.
+    """
+    bindir = root / f"bin-without-{tool}"
+    bindir.mkdir()
+    for d in env_with_venv()["PATH"].split(os.pathsep):
+        if not d or not os.path.isdir(d):
+            continue
+        for entry in os.scandir(d):
+            link = bindir / entry.name
+            if entry.name != tool and not link.exists() and os.access(entry.path, os.X_OK):
+                link.symlink_to(entry.path)
+    path = str(bindir)
+    assert shutil.which(tool, path=path) is None and shutil.which("snakemake", path=path)
+    return path
+
+
+@pytest.mark.slow
+def test_default_workflow_draws_its_dag_without_graphviz(tmp_path):
+    """A plain `pip install` has no `dot`: the default target's dag rule still draws both pictures."""
+    shutil.copytree(REPO / "resources", tmp_path / "resources")
+    shutil.copy(REPO / "config" / "config.yaml", tmp_path / "config.yaml")
+    ws = Workspace(tmp_path)
+    targets = ["results/report/workflow/rulegraph.svg", "results/report/workflow/jobs.svg"]
+    env = env_with_venv()
+    env["PATH"] = path_without("dot", tmp_path)
+    proc = subprocess.run(
+        [str(BIN / "snakemake"), "-s", str(SNAKEFILE), "-d", str(tmp_path), "--configfile", str(ws.config_path)]
+        + ["--replace-workflow-config", "-c", "2", "--nocolor", *targets],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = ws.path("logs/report/dag.log").read_text()
+    assert log.count("Graphviz's `dot` not found") == 1, log  # one warning line for both pictures
+    rules = set(
+        re.findall(
+            r"^\s*rule (\w+):", "\n".join(p.read_text() for p in [SNAKEFILE, *(REPO / "rules").glob("*.smk")]), re.M
+        )
+    )
+    rg = svg_text(ws.path(targets[0]))
+    drawn = set(rg.split())
+    for rule in (
+        "all",
+        "chunk",
+        "tokenize",
+        "train_tokenizer",
+        "blend",
+        "pretrain",
+        "export_hf",
+        "dag",
+        "report_train",
+    ):
+        assert rule in drawn and rule in rules, rule
+    assert "(drawn without Graphviz)" in rg and re.search(r"snakellm rule graph: \d+ rules", rg)
+    jobs = svg_text(ws.path(targets[1]))
+    assert "chunk-00000" in jobs and "run: tiny" in jobs and "tokenizer: spm2k" in jobs
+    assert re.search(r"snakellm job DAG: \d+ jobs", jobs)
+
+
+def test_layered_svg_draws_inputs_above_consumers_without_overlaps():
+    from snakellm.report.dag import parse_dot
+    from snakellm.report.layered_svg import to_svg
+
+    text = (
+        "digraph snakemake_dag {\n    graph[bgcolor=white];\n"
+        '\t0[label = "all", color = "0.00 0.6 0.85", style="rounded"];\n'
+        '\t1[label = "chunk\\nchunk: chunk-00000", color = "0.05 0.6 0.85", style="rounded"];\n'
+        '\t2[label = "chunk\\nchunk: chunk-00001", color = "0.05 0.6 0.85", style="rounded"];\n'
+        '\t3[label = "tokenize", color = "0.61 0.6 0.85", style="rounded,dashed"];\n'
+        '\t4[label = "blend & <mix>", color = "0.03 0.6 0.85", style="rounded"];\n'
+        "\t1 -> 3\n\t2 -> 3\n\t3 -> 4\n\t4 -> 0\n\t1 -> 0\n}\n"
+    )
+    _, nodes, edges, _ = parse_dot(text)
+    svg = to_svg("a <title>", nodes, edges)
+    root = ET.fromstring(svg.encode())
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    boxes = {}  # by the label's last line
+    for g in root.findall("s:g", ns):
+        r = g.find("s:rect", ns)
+        lines = [t.text for t in g.findall("s:text", ns)]
+        x, y, w, h = (float(r.get(k)) for k in ("x", "y", "width", "height"))
+        boxes[lines[-1]] = {
+            "x": x,
+            "y": y,
+            "w": w,
+            "lines": lines,
+            "stroke": r.get("stroke"),
+            "dash": r.get("stroke-dasharray"),
+        }
+    assert set(boxes) == {"all", "chunk: chunk-00000", "chunk: chunk-00001", "tokenize", "blend & <mix>"}
+    assert boxes["chunk: chunk-00001"]["lines"] == ["chunk", "chunk: chunk-00001"]
+    top = {k: b["y"] for k, b in boxes.items()}
+    # every input sits above its consumer; the long edge chunk-00000 -> all does not shorten the chain
+    assert top["chunk: chunk-00000"] == top["chunk: chunk-00001"] < top["tokenize"] < top["blend & <mix>"] < top["all"]
+    a, b = sorted((boxes["chunk: chunk-00000"], boxes["chunk: chunk-00001"]), key=lambda b: b["x"])
+    assert a["x"] + a["w"] < b["x"], "boxes in a layer overlap"
+    assert boxes["tokenize"]["dash"] and not boxes["all"]["dash"]
+    assert boxes["all"]["stroke"] == "#d95757"  # Snakemake's "0.00 0.6 0.85" as RGB
+    assert len(root.findall("s:path", ns)) == 5 and root.find("s:title", ns).text == "a <title>"
+    assert float(root.get("width")) > 200 and float(root.get("height")) > 100
+
+
 # ---------------------------------------------------------------- the whole report, in a browser
 
 
@@ -377,7 +484,6 @@ def _decode(uri: str) -> str:
 
 
 @pytest.mark.slow
-@NEEDS_DOT
 @NEEDS_CHROMIUM
 def test_report_of_the_default_workflow_in_headless_chromium(default_workflow, tmp_path, capsys):
     from chromium import Chromium

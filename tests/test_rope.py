@@ -19,8 +19,11 @@ def _arch(h, n, theta, factor, low, high, orig):
     from snakellm.models.architecture import resolve
 
     return resolve(
-        "tiny-llama",
+        None,
         dict(
+            style="llama3",
+            num_layers=2,
+            ffn_hidden_size=128,
             hidden_size=h,
             num_attention_heads=n,
             num_query_groups=n,
@@ -39,7 +42,7 @@ def test_llama3_inv_freq_equals_transformers(case):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from snakellm.models import rope
+    from snakellm.models.families.llama3 import inv_freq
 
     h, n, theta, factor, low, high, orig = case
     cfg = LlamaConfig(
@@ -56,46 +59,45 @@ def test_llama3_inv_freq_equals_transformers(case):
         ),
     )
     theirs, scale = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    ours = rope.inv_freq(_arch(*case))
+    ours = inv_freq(_arch(*case), h // n)
     assert scale == 1.0
     assert ours.dtype == theirs.dtype == torch.float32
     assert torch.equal(ours, theirs)
-    plain = rope.inv_freq({**_arch(*case), "rope_scaling_factor": None})
-    assert not torch.equal(plain, ours)  # the scaling changes something
+    from snakellm.models.families.base import default_rope_inv_freq
+
+    assert not torch.equal(default_rope_inv_freq(_arch(*case), h // n), ours)  # the scaling changes something
 
 
 def test_megatron_model_and_decoder_use_the_scaled_frequencies():
     from snakellm.export.hf import build_for_import
-    from snakellm.models import rope
+    from snakellm.models.families.llama3 import inv_freq
 
     arch = _arch(*CASES[2])
     model = build_for_import(arch, 128)
-    assert torch.equal(model.rotary_pos_emb.inv_freq, rope.inv_freq(arch))
+    assert torch.equal(model.rotary_pos_emb.inv_freq, inv_freq(arch, 32))
     from snakellm.serve.generate import Decoder
 
-    assert torch.equal(Decoder(model, arch, 100).inv_freq, rope.inv_freq(arch))
+    assert torch.equal(Decoder(model, arch, 100).inv_freq, inv_freq(arch, 32))
 
 
 @pytest.mark.parametrize(
-    "over, match",
+    "style, over, match",
     [
-        (dict(rope_scaling_factor=8.0), "needs rope_low_freq_factor"),
-        (dict(rope_low_freq_factor=1.0), "without rope_scaling_factor"),
-        (
-            dict(
-                rope_scaling_factor=8.0,
-                rope_low_freq_factor=4.0,
-                rope_high_freq_factor=4.0,
-                rope_original_max_positions=8192,
-            ),
-            "must be larger than rope_low_freq_factor",
-        ),
-        (dict(qkv_bias=False, bias=True), "qkv_bias: false"),
-        (dict(sliding_window=64, seq_length=128), "sliding_window 64 < seq_length 128"),
+        ("llama3", dict(rope_low_freq_factor=4.0, rope_high_freq_factor=4.0), "must exceed rope_low_freq_factor"),
+        ("llama", dict(rope_scaling_factor=8.0), "unknown model key"),
+        ("qwen2", dict(bias=True, qkv_bias=True), "Qwen2ForCausalLM has no o_proj"),
+        ("mistral", dict(sliding_window=64, seq_length=128), "sliding_window 64 < seq_length 128"),
     ],
 )
-def test_what_we_cannot_compute_is_refused(over, match):
+def test_what_we_cannot_compute_is_refused(style, over, match):
+    """Refused when built (training, generation) or exported, with the key and value."""
+    from snakellm.export.hf import ExportError, hf_config
     from snakellm.models.architecture import ModelConfigError, resolve
+    from snakellm.models.families import FamilyError
+    from snakellm.models.families.base import Family
 
-    with pytest.raises(ModelConfigError, match=match):
-        resolve("tiny-llama", over)
+    with pytest.raises((ModelConfigError, FamilyError, ExportError), match=match):
+        arch = resolve("tiny-llama", {"style": style, **over})
+        fam: Family = __import__("snakellm.models.families", fromlist=["get"]).get(style)
+        fam.megatron_config(arch)
+        hf_config(arch, 100, {}, "float32")

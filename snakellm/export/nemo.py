@@ -9,7 +9,7 @@ writes: an *uncompressed* tar of one folder added as ``.`` (members ``./...``)::
         .metadata __0_0.distcp __0_1.distcp common.pt metadata.json
 
 Two things make the file readable by more than the newest NeMo
-(``../shared/reference/nemo-formats.md`` section 1.5, and the README's table):
+(docs/export-and-serving.md, "Which NeMo reads the file"):
 
 * ``.metadata`` is rewritten without ``storage_meta`` (a ``StorageMeta`` object
   that torch < 2.4, i.e. the 24.05/24.07 containers, cannot unpickle) and
@@ -35,13 +35,15 @@ import sys
 import tarfile
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from snakellm.io.atomic import atomic_path, write_json
+from snakellm.models import families
 
 NEMO_TARGET = "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel"
 WEIGHTS_DIR = "model_weights"
@@ -63,100 +65,127 @@ def transformer_engine_for(arch: dict[str, Any], choice: str = "auto") -> bool:
     return choice == "true"
 
 
-def model_config(
-    arch: dict[str, Any],
-    padded_vocab: int,
-    tokenizer_cfg: dict[str, Any],
-    *,
-    precision: Any = 32,
-    transformer_engine: bool = False,
-) -> dict[str, Any]:
-    """The ``model_config.yaml`` mapping MegatronGPTModel rebuilds this architecture from.
+@dataclass(frozen=True)
+class NemoKey:
+    """One architecture key of ``model_config.yaml`` and ours (both directions read this row).
 
-    Keys follow NeMo's ``megatron_gpt_config.yaml``/``megatron_llama_config.yaml``;
-    the architecture ones are copied into megatron-core's ``TransformerConfig`` by
-    name, so they must say exactly what our model is (a wrong ``num_query_groups``
-    fails NeMo's load with a shape mismatch; a wrong ``activation`` would load and
-    compute something else, which the NeMo test guards against with logits).
+    ``values``: NeMo's spelling -> ours, for keys with a fixed set of values (export writes the
+    first NeMo spelling of ours; import refuses one not listed, naming the choices). ``default``:
+    what NeMo assumes when the key is absent or null (None: required). ``export_only``: written for NeMo,
+    derived from another key.
     """
-    h, n = arch["hidden_size"], arch["num_attention_heads"]
-    seq = arch["seq_length"]
-    cfg: dict[str, Any] = {
-        "mcore_gpt": True,
-        "micro_batch_size": 1,
-        "global_batch_size": 1,
-        "rampup_batch_size": None,
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "virtual_pipeline_model_parallel_size": None,
-        "encoder_seq_length": seq,
-        "max_position_embeddings": seq,
-        "num_layers": arch["num_layers"],
-        "hidden_size": h,
-        "ffn_hidden_size": arch["ffn_hidden_size"],
-        "num_attention_heads": n,
-        "num_query_groups": arch["num_query_groups"],
-        "kv_channels": h // n,
-        "init_method_std": arch["init_method_std"],
-        "use_scaled_init_method": True,
-        "hidden_dropout": arch["hidden_dropout"],
-        "attention_dropout": arch["attention_dropout"],
-        "ffn_dropout": 0.0,
-        "position_embedding_type": "learned_absolute" if arch["position_embedding"] == "learned" else "rope",
-        "rotary_percentage": 1.0,
-        "rotary_base": arch["rotary_base"],
-        "apply_query_key_layer_scaling": False,
-        "normalization": "layernorm" if arch["normalization"] == "LayerNorm" else "rmsnorm",
-        "layernorm_epsilon": arch["layernorm_epsilon"],
-        "do_layer_norm_weight_decay": False,
-        "make_vocab_size_divisible_by": arch["make_vocab_size_divisible_by"],
-        "pre_process": True,
-        "post_process": True,
-        "persist_layer_norm": False,
-        "bias": arch["bias"],
-        "qkv_bias": bool(arch.get("qkv_bias", arch["bias"])),
-        **_nemo_rope_scaling(arch),
-        # Mistral's window: no NeMo 1.x key computes it (nor does it need to: seq_length <= window, so
-        # full attention is exact); recorded under a name TransformerConfig does not have, for import
-        **({"sliding_window": arch["sliding_window"]} if arch.get("sliding_window") else {}),
-        "activation": "gelu" if arch["activation"] == "gelu" else "swiglu",
-        "headscale": False,
-        "transformer_block_type": "pre_ln",
-        "openai_gelu": False,
-        "normalize_attention_scores": True,
-        "share_embeddings_and_output_weights": arch["tie_embeddings"],
-        "attention_type": "multihead",
-        "precision": precision,
-        "megatron_amp_O2": False,
-        "native_amp_init_scale": 4294967296,
-        "native_amp_growth_interval": 1000,
-        "hysteresis": 2,
-        "fp32_residual_connection": False,
-        "fp16_lm_cross_entropy": False,
-        "seed": 1234,
-        "use_cpu_initialization": False,
-        "onnx_safe": False,
-        "apex_transformer_log_level": 30,
-        "gradient_as_bucket_view": True,
-        "sync_batch_comm": False,
-        "activations_checkpoint_granularity": None,
-        "activations_checkpoint_method": None,
-        "activations_checkpoint_num_layers": None,
-        "num_micro_batches_with_partial_activation_checkpoints": None,
-        "activations_checkpoint_layers_per_pipeline": None,
-        "sequence_parallel": False,
-        "transformer_engine": transformer_engine,
-        "fp8": False,
-        "gradient_accumulation_fusion": False,
-        "bias_activation_fusion": False,
-        "bias_dropout_add_fusion": False,
-        "masked_softmax_fusion": False,
-        "apply_rope_fusion": False,
-        "get_attention_mask_from_fusion": True,
-        "dist_ckpt_format": "torch_dist",
-        "dist_ckpt_load_on_device": True,
-        "dist_ckpt_parallel_save": False,
-        "tokenizer": tokenizer_cfg,
+
+    nemo: str
+    ours: str
+    default: Any = None
+    values: dict[Any, Any] | None = None
+    cast: Callable[[Any], Any] = lambda v: v
+    export_only: bool = False
+
+    def to_nemo(self, value: Any) -> Any:
+        if self.values is None:
+            return value
+        return next(k for k, v in self.values.items() if v == value)
+
+    def from_nemo(self, cfg: dict[str, Any], where: str) -> Any:
+        value = cfg.get(self.nemo)
+        if value is None:  # absent, or null as NeMo's own configs write an unset key
+            value = self.default
+        if value is None:
+            raise NemoError(f"{where}: model_config.yaml has no {self.nemo!r}")
+        if self.values is None:
+            return self.cast(value)
+        value = self.cast(value)
+        if value not in self.values:
+            raise NemoError(f"{where}: {self.nemo} {value!r} is not supported ({', '.join(self.values)})")
+        return self.values[value]
+
+
+# NeMo's megatron_gpt_config.yaml / megatron_llama_config.yaml keys, which NeMo copies by name into
+# megatron-core's TransformerConfig: they must say exactly what our model is (a wrong num_query_groups
+# fails NeMo's load with a shape mismatch; a wrong activation would load and compute something else)
+NEMO_KEYS: tuple[NemoKey, ...] = (
+    NemoKey("encoder_seq_length", "seq_length"),
+    NemoKey("max_position_embeddings", "seq_length", export_only=True),
+    NemoKey("num_layers", "num_layers"),
+    NemoKey("hidden_size", "hidden_size"),
+    NemoKey("ffn_hidden_size", "ffn_hidden_size"),
+    NemoKey("num_attention_heads", "num_attention_heads"),
+    NemoKey("num_query_groups", "num_query_groups", default=0),  # 0/None: one per head
+    NemoKey("init_method_std", "init_method_std", 0.02, cast=float),
+    NemoKey("hidden_dropout", "hidden_dropout", 0.1, cast=float),
+    NemoKey("attention_dropout", "attention_dropout", 0.1, cast=float),
+    NemoKey(
+        "position_embedding_type",
+        "position_embedding",
+        "learned_absolute",
+        {"learned_absolute": "learned", "rope": "rope"},
+    ),
+    NemoKey("rotary_base", "rotary_base", 10000),
+    NemoKey("normalization", "normalization", "layernorm", {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}, str.lower),
+    NemoKey("layernorm_epsilon", "layernorm_epsilon", 1e-5, cast=float),
+    NemoKey("make_vocab_size_divisible_by", "make_vocab_size_divisible_by", 128, cast=int),
+    NemoKey("bias", "bias", True, cast=bool),
+    NemoKey("qkv_bias", "bias", export_only=True),
+    NemoKey("activation", "activation", "gelu", {"gelu": "gelu", "swiglu": "swiglu", "fast-swiglu": "swiglu"}),
+    NemoKey("share_embeddings_and_output_weights", "tie_embeddings", True, cast=bool),
+)
+
+# everything else MegatronGPTModel reads: one process, no fusions, inference-ready defaults
+_NEMO_FIXED: dict[str, Any] = {
+    "micro_batch_size": 1,
+    "global_batch_size": 1,
+    "rampup_batch_size": None,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "use_scaled_init_method": True,
+    "ffn_dropout": 0.0,
+    "rotary_percentage": 1.0,
+    "apply_query_key_layer_scaling": False,
+    "do_layer_norm_weight_decay": False,
+    "pre_process": True,
+    "post_process": True,
+    "persist_layer_norm": False,
+    "headscale": False,
+    "transformer_block_type": "pre_ln",
+    "openai_gelu": False,
+    "normalize_attention_scores": True,
+    "attention_type": "multihead",
+    "megatron_amp_O2": False,
+    "native_amp_init_scale": 4294967296,
+    "native_amp_growth_interval": 1000,
+    "hysteresis": 2,
+    "fp32_residual_connection": False,
+    "fp16_lm_cross_entropy": False,
+    "seed": 1234,
+    "use_cpu_initialization": False,
+    "onnx_safe": False,
+    "apex_transformer_log_level": 30,
+    "gradient_as_bucket_view": True,
+    "sync_batch_comm": False,
+    "activations_checkpoint_granularity": None,
+    "activations_checkpoint_method": None,
+    "activations_checkpoint_num_layers": None,
+    "num_micro_batches_with_partial_activation_checkpoints": None,
+    "activations_checkpoint_layers_per_pipeline": None,
+    "sequence_parallel": False,
+    "fp8": False,
+    "gradient_accumulation_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_add_fusion": False,
+    "masked_softmax_fusion": False,
+    "apply_rope_fusion": False,
+    "get_attention_mask_from_fusion": True,
+    "dist_ckpt_format": "torch_dist",
+    "dist_ckpt_load_on_device": True,
+    "dist_ckpt_parallel_save": False,
+}
+
+
+def _data_and_optim(seq: int) -> dict[str, Any]:
+    """The ``data``/``optim`` blocks NeMo's config must have (nothing trains from them here)."""
+    return {
         "data": {
             "data_prefix": [],
             "index_mapping_dir": None,
@@ -178,8 +207,35 @@ def model_config(
             "betas": [0.9, 0.98],
             "sched": {"name": "CosineAnnealing", "warmup_steps": 0, "constant_steps": 0, "min_lr": 1.0e-5},
         },
-        "target": NEMO_TARGET,
     }
+
+
+def model_config(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    tokenizer_cfg: dict[str, Any],
+    *,
+    precision: Any = 32,
+    transformer_engine: bool = False,
+) -> dict[str, Any]:
+    """The ``model_config.yaml`` mapping MegatronGPTModel rebuilds this architecture from.
+
+    The architecture part is :data:`NEMO_KEYS` plus the family's ``nemo_extra``; a family
+    whose model NeMo 1.x cannot represent says why (``nemo_refuses``) and nothing is written.
+    """
+    family = families.get(arch["style"])
+    why = family.nemo_refuses(arch)
+    if why:
+        raise NemoError(f"NeMo 1.x cannot represent this {family.name} model: {why}")
+    cfg: dict[str, Any] = {"mcore_gpt": True, **_NEMO_FIXED}
+    cfg.update({key.nemo: key.to_nemo(arch[key.ours]) for key in NEMO_KEYS})
+    cfg["kv_channels"] = arch["hidden_size"] // arch["num_attention_heads"]
+    cfg.update(family.nemo_extra(arch))
+    cfg["precision"] = precision
+    cfg["transformer_engine"] = transformer_engine
+    cfg["tokenizer"] = tokenizer_cfg
+    cfg.update(_data_and_optim(arch["seq_length"]))
+    cfg["target"] = NEMO_TARGET
     if transformer_engine:
         # a TE model also asks for core_attention._extra_state, which a local-spec checkpoint
         # cannot have: log it instead of failing (NeMo >= 2.0.0rc1 reads this key)
@@ -187,94 +243,56 @@ def model_config(
     return cfg
 
 
-_ACTIVATIONS = {"gelu": "gelu", "swiglu": "swiglu", "fast-swiglu": "swiglu"}
-
-
-# NeMo 1.x's Llama 3.x scaling keys (mcore_model_customize -> apply_rope_scaling) and their defaults
-_NEMO_ROPE = {
-    "rope_scaling_factor": ("scale_factor", 8),
-    "rope_low_freq_factor": ("low_freq_factor", 1),
-    "rope_high_freq_factor": ("high_freq_factor", 4),
-    "rope_original_max_positions": ("old_context_len", 8192),
-}
-
-
-def _nemo_rope_scaling(arch: dict[str, Any]) -> dict[str, Any]:
-    """``scale_positional_embedding`` and its four values, as NeMo 1.x applies them after building the model."""
-    from snakellm.models import rope
-
-    if not rope.scaled(arch):
-        return {"scale_positional_embedding": False}
-    return {"scale_positional_embedding": True, **{nemo: arch[k] for k, (nemo, _) in _NEMO_ROPE.items()}}
-
-
-def _rope_scaling_from_nemo(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Our four scaling keys from a NeMo config that scales its RoPE (NeMo's defaults where a key is absent)."""
-    if not cfg.get("scale_positional_embedding", False):
-        return {}
-    return {k: cfg.get(nemo, default) for k, (nemo, default) in _NEMO_ROPE.items()}
-
-
-def arch_from_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    """Our architecture dict for a NeMo ``model_config.yaml``; anything we cannot rebuild exactly is an error."""
-    from snakellm.models import architecture
-
-    def need(key: str) -> Any:
-        if cfg.get(key) is None:
-            raise NemoError(f"{where}: model_config.yaml has no {key!r}")
-        return cfg[key]
-
+def _check_config(cfg: dict[str, Any], where: str) -> None:
+    """What a model_config.yaml may say that we cannot rebuild exactly: refused, naming the key."""
     if not cfg.get("mcore_gpt", False):
         raise NemoError(f"{where}: not a megatron-core GPT (mcore_gpt is not true); only mcore GPT .nemo files import")
     for key, ok in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1)):
         if cfg.get(key, 1) != ok:
             raise NemoError(f"{where}: {key} is {cfg.get(key)}; only .nemo files saved with 1 import")
-    pos = cfg.get("position_embedding_type", "learned_absolute")
-    if pos not in ("learned_absolute", "rope"):
-        raise NemoError(f"{where}: position_embedding_type {pos!r} is not supported (learned_absolute, rope)")
-    if pos == "rope" and float(cfg.get("rotary_percentage", 1.0)) != 1.0:
+    if cfg.get("position_embedding_type") == "rope" and float(cfg.get("rotary_percentage", 1.0)) != 1.0:
         raise NemoError(f"{where}: rotary_percentage {cfg['rotary_percentage']} is not supported (1.0 only)")
-    norm = str(cfg.get("normalization", "layernorm")).lower()
-    if norm not in ("layernorm", "rmsnorm"):
-        raise NemoError(f"{where}: normalization {norm!r} is not supported (layernorm, rmsnorm)")
-    act = cfg.get("activation", "gelu")
-    if act not in _ACTIVATIONS or cfg.get("openai_gelu", False):
-        raise NemoError(f"{where}: activation {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
-    bias = bool(cfg.get("bias", True))
-    qkv_bias = bias or bool(cfg.get("qkv_bias", False))  # megatron-core: q, k, v biased when either is set
+    if cfg.get("openai_gelu", False):
+        raise NemoError(f"{where}: activation {cfg.get('activation', 'gelu')!r} with openai_gelu is not supported")
     if cfg.get("seq_len_interpolation_factor") not in (None, 1, 1.0):
         raise NemoError(f"{where}: seq_len_interpolation_factor {cfg['seq_len_interpolation_factor']} is not supported")
-    h, n = need("hidden_size"), need("num_attention_heads")
-    if cfg.get("kv_channels") not in (None, h // n):
+    h, n = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if h and n and cfg.get("kv_channels") not in (None, h // n):
         raise NemoError(f"{where}: kv_channels {cfg['kv_channels']} != hidden_size / num_attention_heads")
     for key in ("headscale", "fp32_residual_connection"):
         if cfg.get(key):
             raise NemoError(f"{where}: {key}: true is not supported")
     if cfg.get("transformer_block_type", "pre_ln") != "pre_ln":
         raise NemoError(f"{where}: transformer_block_type {cfg['transformer_block_type']!r} is not supported (pre_ln)")
-    overrides = {
-        "style": "llama" if pos == "rope" else "gpt2",
-        "num_layers": need("num_layers"),
-        "hidden_size": h,
-        "num_attention_heads": n,
-        "num_query_groups": cfg.get("num_query_groups") or n,
-        "ffn_hidden_size": need("ffn_hidden_size"),
-        "seq_length": need("encoder_seq_length"),
-        "position_embedding": "learned" if pos == "learned_absolute" else "rope",
-        "normalization": "LayerNorm" if norm == "layernorm" else "RMSNorm",
-        "activation": _ACTIVATIONS[act],
-        "tie_embeddings": bool(cfg.get("share_embeddings_and_output_weights", True)),
-        "bias": bias,
-        "qkv_bias": qkv_bias,
-        "rotary_base": cfg.get("rotary_base", 10000),
-        **_rope_scaling_from_nemo(cfg),
-        "sliding_window": cfg.get("sliding_window"),
-        "layernorm_epsilon": float(cfg.get("layernorm_epsilon", 1e-5)),
-        "init_method_std": float(cfg.get("init_method_std", 0.02)),
-        "hidden_dropout": float(cfg.get("hidden_dropout", 0.1)),
-        "attention_dropout": float(cfg.get("attention_dropout", 0.1)),
-        "make_vocab_size_divisible_by": int(cfg.get("make_vocab_size_divisible_by", 128)),
-    }
+
+
+@contextlib.contextmanager
+def _as_nemo_error() -> Iterator[None]:
+    """A family's refusal, raised as this module's error."""
+    try:
+        yield
+    except families.FamilyError as e:
+        raise NemoError(str(e)) from None
+
+
+def arch_from_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Our architecture dict for a NeMo ``model_config.yaml``; anything we cannot rebuild exactly is an error."""
+    from snakellm.models import architecture
+
+    _check_config(cfg, where)
+    overrides = {key.ours: key.from_nemo(cfg, where) for key in NEMO_KEYS if not key.export_only}
+    overrides["num_query_groups"] = overrides["num_query_groups"] or overrides["num_attention_heads"]
+    family = families.for_nemo(
+        cfg, overrides["position_embedding"], overrides["normalization"], overrides["activation"]
+    )
+    overrides["style"] = family.name
+    if cfg.get("qkv_bias") and not overrides["bias"] and "qkv_bias" not in family.arch_keys:
+        raise NemoError(f"{where}: qkv_bias without bias is not supported for a {family.name} model")
+    for key in ("scale_positional_embedding", "sliding_window"):  # what only a family that claims it reads
+        if cfg.get(key) and family.nemo_claims is None:
+            raise NemoError(f"{where}: {key} {cfg[key]!r} is not supported for a {family.name} model")
+    with _as_nemo_error():
+        overrides.update(family.nemo_import_extra(cfg, where))
     try:
         return architecture.resolve(None, overrides)
     except architecture.ModelConfigError as e:

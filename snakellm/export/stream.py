@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from snakellm.export.hf import ExportError, layer_from_hf, layer_to_hf, outer_from_hf, outer_to_hf
+from snakellm.export.hf import ExportError, group_from_hf, group_to_hf
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -214,7 +214,6 @@ def import_streaming(
     """Write ``dest``'s model-only checkpoint from ``hf_dir``'s safetensors, one layer in memory at a time."""
     import torch
 
-    from snakellm.models.architecture import MODEL_KEYS
     from snakellm.train import checkpoint as ckpt
 
     reader = SafetensorsReader(hf_dir)
@@ -222,15 +221,8 @@ def import_streaming(
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ExportError(f"{hf_dir}: weights of dtype {dtype} (float32, bfloat16 or float16 only)")
 
-    def get(name: str) -> Any:
-        if name not in reader:
-            raise ExportError(f"{hf_dir}: tensor {name} missing from the Hugging Face checkpoint")
-        return reader[name]
-
     def convert(group: int) -> dict[str, Any]:
-        if group < 0:
-            return outer_from_hf(arch, get, reader.__contains__, padded)
-        return layer_from_hf(arch, group, get)
+        return group_from_hf(arch, reader, padded, group)
 
     model = meta_model(arch, padded, dtype)
     cache = _LayerCache(convert, dtype)
@@ -238,7 +230,7 @@ def import_streaming(
     sharded = model.sharded_state_dict()
     ckpt_dir = dest / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    config = {"model": {k: arch[k] for k in MODEL_KEYS}, "padded_vocab": int(padded), **extra}
+    config = {"model": dict(arch), "padded_vocab": int(padded), **extra}
     ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tok)
     state = {"model": sharded, "iteration": 0, "checkpoint_version": 3.0}
     names = _data_names(sharded)
@@ -481,11 +473,10 @@ def write_hf_weights(
     dt = ""
     for group in groups:
         if any(k.startswith("decoder.layers.") for k in group):
-            i = int(next(iter(group)).split(".")[2])
-            tensors = layer_to_hf(arch, i, group.__getitem__)
+            tensors = group_to_hf(arch, group, vocab, int(next(iter(group)).split(".")[2]))
         else:
             outer = group
-            both = outer_to_hf(arch, outer.__getitem__, vocab)
+            both = group_to_hf(arch, outer, vocab, -1)
             # embeddings first (as transformers writes them), the final norm and head after the layers
             first = {
                 k: v for k, v in both.items() if "embed" in k or k.startswith(("transformer.wte", "transformer.wpe"))

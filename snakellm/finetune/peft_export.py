@@ -2,17 +2,15 @@
 
 ``adapter_config.json`` + ``adapter_model.safetensors`` as ``peft`` writes them
 (keys ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``), with
-the module names of the Hugging Face class our base is exported to:
-
-* ``llama`` style -> ``LlamaForCausalLM``: ``linear_qkv`` becomes ``q_proj``,
-  ``k_proj``, ``v_proj`` (one shared ``A``; ``B``'s rows taken out of
-  megatron-core's per-query-group interleaving ``[q_g..., k_g, v_g]``),
-  ``linear_proj`` -> ``o_proj``, ``linear_fc1`` -> ``gate_proj`` + ``up_proj``
-  (its ``[gate; up]`` halves), ``linear_fc2`` -> ``down_proj``.
-* ``gpt2`` style -> ``GPT2LMHeadModel``: ``linear_qkv`` -> ``attn.c_attn`` (rows
-  reordered from per-head ``[q_h, k_h, v_h]`` to ``[q; k; v]``), ``linear_proj``
-  -> ``attn.c_proj``, ``linear_fc1`` -> ``mlp.c_fc``, ``linear_fc2`` ->
-  ``mlp.c_proj`` (``Conv1D`` modules: ``fan_in_fan_out`` true).
+the module names of the Hugging Face class our base is exported to. Both come
+from the family's weight table (``snakellm/models/families/<style>.py``): the
+HF module(s) a megatron-core linear becomes, and how its output rows split. A
+LoRA ``B`` (one row per output) is split like the weight it adapts; ``A`` is
+shared by every part. For example ``llama``'s ``linear_qkv`` becomes ``q_proj``,
+``k_proj``, ``v_proj`` (``B``'s rows taken out of megatron-core's per-query-group
+interleaving ``[q_g..., k_g, v_g]``) and ``linear_fc1`` becomes ``gate_proj`` +
+``up_proj``; ``gpt2``'s ``linear_qkv`` becomes ``attn.c_attn`` (rows reordered to
+``[q; k; v]``), a ``Conv1D``: ``fan_in_fan_out`` true.
 
 Modules trained whole beside the adapters (``modules_to_save``: the final
 norm) go under their Hugging Face names (``transformer.ln_f`` / ``model.norm``),
@@ -31,78 +29,45 @@ from pathlib import Path
 
 import torch
 
+from snakellm.finetune.lora import MODULES_TO_SAVE
+from snakellm.models import families
+from snakellm.models.families.base import ROWS, Sizes
+
 _NAME = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(linear_\w+)$")
-# megatron-core module -> the Hugging Face module of each style (full paths: PEFT matches by suffix, and
-# llama's "norm" alone would also catch every layer's input_layernorm)
-_SAVED = {"decoder.final_layernorm": {"gpt2": "transformer.ln_f", "llama": "model.norm"}}
 
 
-def _qkv_rows(arch: dict) -> tuple[list[int], list[int], list[int]]:
-    """Row indices of q, k, v inside megatron-core's fused, group-interleaved qkv output."""
-    nh, ng = arch["num_attention_heads"], arch["num_query_groups"]
-    d = arch["hidden_size"] // nh
-    per = nh // ng
-    q, k, v = [], [], []
-    for g in range(ng):
-        base = g * (per + 2) * d
-        q += list(range(base, base + per * d))
-        k += list(range(base + per * d, base + (per + 1) * d))
-        v += list(range(base + (per + 1) * d, base + (per + 2) * d))
-    return q, k, v
+def _saved_modules(tensors: dict[str, torch.Tensor], family: families.Family) -> tuple[dict, list[str]]:
+    """PEFT's ``modules_to_save`` tensors under their HF names, and those names."""
+    out: dict[str, torch.Tensor] = {}
+    saved: list[str] = []
+    for key in sorted(k for k in tensors if not k.endswith((".lora_a", ".lora_b"))):
+        module, pname = key.rsplit(".", 1)
+        if module not in MODULES_TO_SAVE.values():
+            raise ValueError(f"adapter tensor {key!r}: not an adapter matrix nor a saved module")
+        # the full HF path (PEFT matches by suffix: llama's "norm" alone would catch every input_layernorm)
+        hf_module = family.hf_module(module)
+        out[f"base_model.model.{hf_module}.{pname}"] = tensors[key].contiguous()
+        if hf_module not in saved:
+            saved.append(hf_module)
+    return out, saved
 
 
 def to_peft(tensors: dict[str, torch.Tensor], arch: dict, lora: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """(PEFT state dict, adapter_config) from our gathered adapter tensors (lora.full_tensors)."""
-    style = arch["style"]
-    out: dict[str, torch.Tensor] = {}
+    family = families.for_arch(arch)
+    sizes = Sizes(arch, 0, 0)
+    out, saved = _saved_modules(tensors, family)
     modules: list[str] = []
-
-    def put(module: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        out[f"base_model.model.{module}.lora_A.weight"] = a.clone().contiguous()  # q/k/v share A: own copies
-        out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
-        modules.append(module)
-
-    saved: list[str] = []
-    for key in sorted(k for k in tensors if not k.endswith((".lora_a", ".lora_b"))):
-        module, pname = key.rsplit(".", 1)
-        if module not in _SAVED:
-            raise ValueError(f"adapter tensor {key!r}: not an adapter matrix nor a saved module")
-        hf_module = _SAVED[module][style]
-        out[f"base_model.model.{hf_module}.{pname}"] = tensors[key].contiguous()
-        if hf_module not in saved:
-            saved.append(hf_module)
     names = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".lora_a", ".lora_b"))})
     for name in names:
-        m = _NAME.match(name)
-        if not m:
+        if not _NAME.match(name):
             raise ValueError(f"adapter tensor {name!r}: not a transformer-layer linear")
-        i, kind = int(m.group(1)), m.group(3)
         a, b = tensors[f"{name}.lora_a"], tensors[f"{name}.lora_b"]
-        if style == "llama":
-            pre = f"model.layers.{i}"
-            if kind == "linear_qkv":
-                q, k, v = _qkv_rows(arch)
-                for proj, rows in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                    put(f"{pre}.self_attn.{proj}", a, b[rows])
-            elif kind == "linear_proj":
-                put(f"{pre}.self_attn.o_proj", a, b)
-            elif kind == "linear_fc1":
-                gate, up = b.chunk(2, dim=0)
-                put(f"{pre}.mlp.gate_proj", a, gate)
-                put(f"{pre}.mlp.up_proj", a, up)
-            else:
-                put(f"{pre}.mlp.down_proj", a, b)
-        else:
-            pre = f"transformer.h.{i}"
-            if kind == "linear_qkv":
-                q, k, v = _qkv_rows(arch)
-                put(f"{pre}.attn.c_attn", a, b[q + k + v])
-            elif kind == "linear_proj":
-                put(f"{pre}.attn.c_proj", a, b)
-            elif kind == "linear_fc1":
-                put(f"{pre}.mlp.c_fc", a, b)
-            else:
-                put(f"{pre}.mlp.c_proj", a, b)
+        hf_modules, rows = family.peft_modules(name)
+        for module, part in zip(hf_modules, ROWS[rows].split(b, sizes), strict=True):
+            out[f"base_model.model.{module}.lora_A.weight"] = a.clone().contiguous()  # parts share A: own copies
+            out[f"base_model.model.{module}.lora_B.weight"] = part.contiguous()
+            modules.append(module)
     # the exact module names as one regex (PEFT full-matches a string target_modules): no suffix
     # ambiguity (gpt2's attn.c_proj / mlp.c_proj) and no layer-pattern guessing
     config = {
@@ -112,7 +77,7 @@ def to_peft(tensors: dict[str, torch.Tensor], arch: dict, lora: dict) -> tuple[d
         "lora_alpha": float(lora["alpha"] if lora.get("alpha") is not None else lora["rank"]),
         "lora_dropout": float(lora.get("dropout", 0.0)),
         "target_modules": "(" + "|".join(re.escape(m) for m in sorted(modules)) + ")",
-        "fan_in_fan_out": style == "gpt2",
+        "fan_in_fan_out": family.fan_in_fan_out,
         "bias": "none",
         "inference_mode": True,
         "base_model_name_or_path": None,

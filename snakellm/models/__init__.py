@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from snakellm.models.architecture import (
     MODEL_KEYS,
+    PRESETS,
     STYLES,
     ModelConfigError,
     ModelSettings,
@@ -29,7 +30,6 @@ from snakellm.models.architecture import (
     resolve,
 )
 from snakellm.models.counts import flops_per_token, param_count
-from snakellm.models.presets import PRESETS
 
 if TYPE_CHECKING:
     from snakellm.models.build import build_model

@@ -1,11 +1,10 @@
-"""Model architecture settings: one dataclass, presets + style defaults, checks (torch-free).
+"""Model architecture settings: one dataclass, presets + family defaults, checks (torch-free).
 
-Two architectures, both megatron-core ``GPTModel``:
-
-* ``gpt2``: learned absolute positions, LayerNorm, GeLU MLP, biases, tied
-  input/output embeddings (GPT-2 / Megatron-LM's GPT).
-* ``llama``: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases,
-  untied embeddings.
+Every architecture is a megatron-core ``GPTModel``; a model family
+(``snakellm/models/families/<style>.py``) fixes the keys a config leaves out and names its
+presets. Today: ``gpt2`` (learned absolute positions, LayerNorm, GeLU MLP, biases, tied
+input/output embeddings: GPT-2 / Megatron-LM's GPT) and ``llama`` (RoPE, RMSNorm, SwiGLU MLP,
+grouped-query attention, no biases, untied embeddings).
 
 :class:`ModelSettings` is the one source of the architecture keys: the config
 schema (``runs.*.model``), the ``snakellm train`` flags, the pretrain rule's
@@ -22,9 +21,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from snakellm.models.presets import PRESETS
+from snakellm.models import families
 
-STYLES = ("gpt2", "llama")
+STYLES: tuple[str, ...] = tuple(families.FAMILIES)
+# Each preset names every architectural key it fixes; config overrides replace single keys.
+PRESETS: dict[str, dict[str, Any]] = families.presets()
 
 
 def _key(help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -35,11 +36,7 @@ def _key(help: str, choices: tuple[str, ...] | None = None) -> Any:
 class ModelSettings:
     """Every architectural key; ``None`` means "the preset's, else the style's default"."""
 
-    style: str | None = _key(
-        "gpt2: learned positions, LayerNorm, GeLU, biases, tied embeddings; "
-        "llama: RoPE, RMSNorm, SwiGLU, GQA, no biases, untied",
-        STYLES,
-    )
+    style: str | None = _key("; ".join(f"{f.name}: {f.summary}" for f in families.FAMILIES.values()), STYLES)
     num_layers: int | None = _key("transformer layers")
     hidden_size: int | None = _key("model width")
     num_attention_heads: int | None = _key("query heads")
@@ -51,15 +48,7 @@ class ModelSettings:
     activation: str | None = _key("MLP activation (swiglu: gated)", ("gelu", "swiglu"))
     tie_embeddings: bool | None = _key("share input and output embeddings")
     bias: bool | None = _key("biases in the linear layers")
-    qkv_bias: bool | None = _key("biases on the q, k, v projections (Qwen2: these only); default: bias")
     rotary_base: int | None = _key("RoPE base (theta)")
-    rope_scaling_factor: float | None = _key("Llama 3.x RoPE scaling: factor (unset: plain RoPE)")
-    rope_low_freq_factor: float | None = _key("Llama 3.x RoPE scaling: low frequency factor")
-    rope_high_freq_factor: float | None = _key("Llama 3.x RoPE scaling: high frequency factor")
-    rope_original_max_positions: int | None = _key("Llama 3.x RoPE scaling: original max position embeddings")
-    sliding_window: int | None = _key(
-        "Mistral's attention window (unset: none); exact only when seq_length <= sliding_window"
-    )
     layernorm_epsilon: float | None = _key("epsilon of the norms")
     init_method_std: float | None = _key("std of the normal weight init")
     hidden_dropout: float | None = _key("dropout after attention and MLP")
@@ -69,40 +58,12 @@ class ModelSettings:
 
 MODEL_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ModelSettings))
 
-# Defaults per style for the keys a preset does not name.
-_STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gpt2": dict(
-        position_embedding="learned",
-        normalization="LayerNorm",
-        activation="gelu",
-        tie_embeddings=True,
-        bias=True,
-        rotary_base=10000,
-        layernorm_epsilon=1e-5,
-    ),
-    "llama": dict(
-        position_embedding="rope",
-        normalization="RMSNorm",
-        activation="swiglu",
-        tie_embeddings=False,
-        bias=False,
-        rotary_base=10000,
-        layernorm_epsilon=1e-5,
-    ),
-}
-
 _COMMON_DEFAULTS: dict[str, Any] = dict(
     num_query_groups=None,  # None: one KV head per query head (plain multi-head attention)
     init_method_std=0.02,
     hidden_dropout=0.0,
     attention_dropout=0.0,
     make_vocab_size_divisible_by=128,
-    qkv_bias=None,  # None: the same as bias
-    rope_scaling_factor=None,
-    rope_low_freq_factor=None,
-    rope_high_freq_factor=None,
-    rope_original_max_positions=None,
-    sliding_window=None,
 )
 
 
@@ -113,16 +74,18 @@ class ModelConfigError(ValueError):
 def resolve(preset: str | None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Preset + style defaults + overrides -> a complete, checked architecture dict."""
     overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(MODEL_KEYS))
-    if unknown:
-        raise ModelConfigError(f"unknown model key(s) {', '.join(unknown)} (allowed: {', '.join(MODEL_KEYS)})")
     if preset is not None and preset not in PRESETS:
         raise ModelConfigError(f"unknown model preset {preset!r} (presets: {', '.join(PRESETS)})")
     base = copy.deepcopy(PRESETS[preset]) if preset else {}
-    style = overrides.get("style", base.get("style", "gpt2"))
+    style = overrides.get("style", base.get("style", STYLES[0]))
     if style not in STYLES:
         raise ModelConfigError(f"unknown model style {style!r} (styles: {', '.join(STYLES)})")
-    cfg = {**_COMMON_DEFAULTS, **_STYLE_DEFAULTS[style], **base, **overrides, "style": style}
+    family = families.get(style)
+    allowed = (*MODEL_KEYS, *family.arch_keys)
+    unknown = sorted(set(overrides) - set(allowed))
+    if unknown:
+        raise ModelConfigError(f"unknown model key(s) {', '.join(unknown)} (allowed: {', '.join(allowed)})")
+    cfg = {**_COMMON_DEFAULTS, **family.arch_keys, **family.defaults, **base, **overrides, "style": style}
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length") if cfg.get(k) is None]
     if missing:
         raise ModelConfigError(f"model needs {', '.join(missing)} (or a preset: {', '.join(PRESETS)})")
@@ -144,31 +107,7 @@ def resolve(preset: str | None, overrides: dict[str, Any] | None = None) -> dict
         raise ModelConfigError(f"normalization must be LayerNorm or RMSNorm, got {cfg['normalization']!r}")
     if cfg["activation"] not in ("gelu", "swiglu"):
         raise ModelConfigError(f"activation must be gelu or swiglu, got {cfg['activation']!r}")
-    _check_attention_variants(cfg)
-    return {k: cfg[k] for k in MODEL_KEYS}
-
-
-def _check_attention_variants(cfg: dict[str, Any]) -> None:
-    """q/k/v-only biases, Llama 3.x RoPE scaling and a sliding window: only where computed exactly."""
-    from snakellm.models import rope
-
-    if cfg["qkv_bias"] is None:
-        cfg["qkv_bias"] = cfg["bias"]
-    if cfg["bias"] and not cfg["qkv_bias"]:
-        raise ModelConfigError("bias: true with qkv_bias: false: megatron-core biases q, k, v whenever it biases all")
-    try:
-        rope.check_llama3(cfg)
-    except ValueError as e:
-        raise ModelConfigError(str(e)) from None
-    if rope.scaled(cfg) and cfg["position_embedding"] != "rope":
-        raise ModelConfigError("rope_scaling_factor needs position_embedding: rope")
-    window = cfg["sliding_window"]
-    if window is not None and window < cfg["seq_length"]:
-        raise ModelConfigError(
-            f"sliding_window {window} < seq_length {cfg['seq_length']}: snakellm attends to the whole sequence, "
-            "which equals the windowed attention only when seq_length <= sliding_window; use seq_length <= "
-            f"{window}"
-        )
+    return {k: cfg[k] for k in allowed}
 
 
 def padded_vocab_size(vocab_size: int, cfg: dict[str, Any], tp: int = 1) -> int:

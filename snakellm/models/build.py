@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from snakellm.models import rope
+from snakellm.models import families
 from snakellm.models.architecture import ModelConfigError
 from snakellm.models.attention import sdpa_attention_class
 from snakellm.models.loss import cross_entropy
@@ -55,22 +55,65 @@ def build_model(
     that supports TP > 1). ``sequence_parallel`` needs ``tp > 1``.
     """
     import torch
-    import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if sequence_parallel and tp == 1:
         raise ModelConfigError("sequence parallelism needs tensor parallel size > 1")
     cuda = device.startswith("cuda")
     if use_te is None:
         use_te = cuda and have_transformer_engine()
+    family = families.get(cfg["style"])
+    tcfg = _transformer_config(cfg, family, tp=tp, cuda=cuda, bf16=bf16, sequence_parallel=sequence_parallel)
+    layers = _layer_spec(cfg, use_te=use_te, attention_backend=attention_backend, sequence_parallel=sequence_parallel)
+    loss_fn = _loss_function(fused_loss, cuda=cuda, tp=tp)
+
+    class SnakeGPTModel(GPTModel):
+        def compute_language_model_loss(self, labels, logits):
+            if loss_fn is None:
+                return super().compute_language_model_loss(labels, logits)
+            return loss_fn(logits, labels)
+
+    model_args: dict[str, Any] = dict(
+        config=tcfg,
+        transformer_layer_spec=layers,
+        vocab_size=vocab,
+        max_sequence_length=cfg["seq_length"],
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg["tie_embeddings"],
+        position_embedding_type="learned_absolute" if cfg["position_embedding"] == "learned" else "rope",
+        rotary_base=cfg["rotary_base"],
+    )
+    model_args.update(family.megatron_model(cfg))  # e.g. rope scaling
+    model = SnakeGPTModel(**model_args)
+    rot = getattr(model, "rotary_pos_emb", None)
+    if rot is not None:
+        # the family's frequencies (Llama 3.x's scaling with any of its values; megatron-core's own
+        # rope_scaling takes the factor only), set before the first forward (its embeddings are cached)
+        rot.inv_freq = family.rope_inv_freq(cfg, cfg["hidden_size"] // cfg["num_attention_heads"], rot.inv_freq.device)
+    if bf16:
+        # what Megatron-LM's Float16Module does: every parameter in bf16, norms included
+        # (torch's LayerNorm/RMSNorm are created in fp32 whatever params_dtype says)
+        model.bfloat16()
+    if cuda:
+        model.cuda(torch.cuda.current_device())
+    if compile_layers:
+        for layer in model.decoder.layers:
+            layer.compile(dynamic=False)
+    return model, tcfg
+
+
+def _transformer_config(
+    cfg: dict[str, Any], family: families.Family, *, tp: int, cuda: bool, bf16: bool, sequence_parallel: bool
+) -> Any:
+    """megatron-core's TransformerConfig for the architecture (plus the family's extra arguments)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
     swiglu = cfg["activation"] == "swiglu"
-    tcfg = TransformerConfig(
+    args: dict[str, Any] = dict(
         num_layers=cfg["num_layers"],
         hidden_size=cfg["hidden_size"],
         num_attention_heads=cfg["num_attention_heads"],
@@ -83,7 +126,7 @@ def build_model(
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=cfg["bias"],
-        add_qkv_bias=cfg.get("qkv_bias", cfg["bias"]),
+        add_qkv_bias=cfg["bias"],
         hidden_dropout=cfg["hidden_dropout"],
         attention_dropout=cfg["attention_dropout"],
         init_method_std=cfg["init_method_std"],
@@ -101,60 +144,45 @@ def build_model(
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
     )
+    args.update(family.megatron_config(cfg))  # the family's own (and overriding) arguments, e.g. add_qkv_bias
+    return TransformerConfig(**args)
+
+
+def _layer_spec(cfg: dict[str, Any], *, use_te: bool, attention_backend: str, sequence_parallel: bool) -> Any:
+    """Transformer Engine's layer spec, or the local one with SDPA core attention (and SP-ready norms)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
     if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(normalization=cfg["normalization"])
-    else:
-        spec = get_gpt_layer_local_spec(normalization=cfg["normalization"])
-        spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class(attention_backend)
-    layers: Any = spec
-    if sequence_parallel and not use_te:
-        norm = _norm_class()
-        spec.submodules.input_layernorm = norm
-        spec.submodules.pre_mlp_layernorm = norm
-        layers = TransformerBlockSubmodules(layer_specs=[spec] * cfg["num_layers"], layer_norm=norm)
+        return get_gpt_layer_with_transformer_engine_spec(normalization=cfg["normalization"])
+    spec = get_gpt_layer_local_spec(normalization=cfg["normalization"])
+    spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class(attention_backend)
+    if not sequence_parallel:
+        return spec
+    norm = _norm_class()
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
+    return TransformerBlockSubmodules(layer_specs=[spec] * cfg["num_layers"], layer_norm=norm)
+
+
+def _loss_function(fused_loss: str, *, cuda: bool, tp: int) -> Any:
+    """The cross-entropy the model's loss uses; None: megatron-core's own (vocab-parallel)."""
+    import torch
 
     if fused_loss == "auto":
         fused_loss = "compiled" if (cuda and tp == 1) else ("eager" if tp == 1 else "megatron")
     if fused_loss != "megatron" and tp != 1:
         raise ModelConfigError(f"loss {fused_loss!r} needs tensor parallel size 1 (got {tp}); use 'megatron'")
-    loss_fn = None
     if fused_loss == "compiled":
-        loss_fn = torch.compile(cross_entropy, dynamic=False)
-    elif fused_loss == "eager":
-        loss_fn = cross_entropy
-    elif fused_loss != "megatron":
+        return torch.compile(cross_entropy, dynamic=False)
+    if fused_loss == "eager":
+        return cross_entropy
+    if fused_loss != "megatron":
         raise ModelConfigError(f"unknown loss implementation {fused_loss!r}")
-
-    class SnakeGPTModel(GPTModel):
-        def compute_language_model_loss(self, labels, logits):
-            if loss_fn is None:
-                return super().compute_language_model_loss(labels, logits)
-            return loss_fn(logits, labels)
-
-    model = SnakeGPTModel(
-        config=tcfg,
-        transformer_layer_spec=layers,
-        vocab_size=vocab,
-        max_sequence_length=cfg["seq_length"],
-        pre_process=True,
-        post_process=True,
-        parallel_output=True,
-        share_embeddings_and_output_weights=cfg["tie_embeddings"],
-        position_embedding_type="learned_absolute" if cfg["position_embedding"] == "learned" else "rope",
-        rotary_base=cfg["rotary_base"],
-    )
-    if cfg["position_embedding"] == "rope":
-        rope.install(model, cfg)  # Llama 3.x scaling with any of its parameters (snakellm.models.rope)
-    if bf16:
-        # what Megatron-LM's Float16Module does: every parameter in bf16, norms included
-        # (torch's LayerNorm/RMSNorm are created in fp32 whatever params_dtype says)
-        model.bfloat16()
-    if cuda:
-        model.cuda(torch.cuda.current_device())
-    if compile_layers:
-        for layer in model.decoder.layers:
-            layer.compile(dynamic=False)
-    return model, tcfg
+    return None
 
 
 def _norm_class() -> Any:

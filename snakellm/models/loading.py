@@ -81,7 +81,8 @@ def describe_run(path: str | os.PathLike, iteration: int | None = None) -> dict[
         raise LoadError(f"{ckpt_dir / ckpt.RUN_CONFIG} is missing: the checkpoint's architecture is unknown")
     cfg = rc.get("config", {})
     try:
-        arch = resolve(None, {k: v for k, v in cfg.get("model", {}).items() if k in MODEL_KEYS})
+        model = cfg.get("model", {})
+        arch = resolve(None, {k: v for k, v in model.items() if k in MODEL_KEYS or k in _family_keys(model)})
     except ModelConfigError as e:
         raise LoadError(f"{ckpt_dir / ckpt.RUN_CONFIG}: {e}") from None
     tokenizer = rc.get("tokenizer") or _tokenizer_from_summary(ckpt_dir.parent)
@@ -94,6 +95,14 @@ def describe_run(path: str | os.PathLike, iteration: int | None = None) -> dict[
         "tokenizer": tokenizer,
         "run_dir": ckpt_dir.parent,
     }
+
+
+def _family_keys(model: dict[str, Any]) -> tuple[str, ...]:
+    """The architecture keys only the model's family has (Llama 3.x's rope scaling, Qwen2's qkv_bias)."""
+    from snakellm.models import families
+
+    style = model.get("style")
+    return tuple(families.FAMILIES[style].arch_keys) if style in families.FAMILIES else ()
 
 
 def _tokenizer_from_summary(run_dir: Path) -> dict[str, Any]:
@@ -157,7 +166,7 @@ def save_model_checkpoint(
     p = Path(path)
     ckpt_dir = p if p.name == "checkpoints" else p / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    config = {"model": {k: arch[k] for k in MODEL_KEYS}, "padded_vocab": int(padded_vocab), **(extra or {})}
+    config = {"model": dict(arch), "padded_vocab": int(padded_vocab), **(extra or {})}
     ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tokenizer)
     state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)

@@ -1,7 +1,9 @@
-"""``snakellm dag``: the workflow's rule graph and job DAG as SVG pictures (Graphviz).
+"""``snakellm dag``: the workflow's rule graph and job DAG as SVG pictures.
 
 Runs ``snakemake --rulegraph`` and ``snakemake --dag --forceall`` on the
-workflow (any Snakemake arguments after ``--``), then Graphviz's ``dot -Tsvg``.
+workflow (any Snakemake arguments after ``--``), then Graphviz's ``dot -Tsvg``,
+or, where ``dot`` is not installed (a plain ``pip install``), the built-in
+layered SVG writer of :mod:`snakellm.report.layered_svg`.
 The rule graph is always small. The job DAG has a node per job: a source of
 60,000 shards in 75 chunks makes hundreds of them, so per-chunk jobs are
 collapsed: of each run of same-rule jobs that differ only in their chunk, the
@@ -26,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from snakellm.io.atomic import atomic_path, write_text
+from snakellm.report.layered_svg import graph_label, to_svg
 
 _NODE = re.compile(r'^\s*(\w+)\[label = "((?:[^"\\]|\\.)*)", color = "([^"]*)", style="([^"]*)"\];\s*$')
 _EDGE = re.compile(r"^\s*(\w+) -> (\w+)\s*$")
@@ -153,19 +156,45 @@ def add_title(dot_text: str, title: str) -> str:
     )
 
 
-def render(dot_text: str, out: str, fmt: str | None = None) -> None:
-    dot = shutil.which("dot")
-    if dot is None:
+_warned_no_dot = False
+
+
+def render(dot_text: str, out: str, fmt: str | None = None, engine: str = "auto") -> str:
+    """Draw ``dot_text`` to ``out``; the engine used: ``"dot"`` (Graphviz) or ``"python"``.
+
+    ``engine="auto"`` uses Graphviz's ``dot`` where it is on PATH and otherwise the built-in
+    layered SVG writer (:mod:`snakellm.report.layered_svg`), so that a plain ``pip install``
+    still completes the default target; the picture's title then says it was drawn without
+    Graphviz, and one line on stderr says why.
+    """
+    global _warned_no_dot
+    fmt = fmt or Path(out).suffix.lstrip(".") or "svg"
+    dot = shutil.which("dot") if engine in ("auto", "dot") else None
+    if dot is None and engine == "dot":
         raise DagError(
             "Graphviz's `dot` is not installed (bash scripts/setup-report-tools.sh, or apt-get install graphviz)"
         )
-    fmt = fmt or Path(out).suffix.lstrip(".") or "svg"
+    if dot is None:
+        if fmt != "svg":
+            raise DagError(f"-T{fmt} needs Graphviz's `dot` (not installed); without it only .svg can be drawn")
+        if not _warned_no_dot:
+            print(
+                "snakellm dag: Graphviz's `dot` not found; drawing with the built-in layered SVG writer",
+                file=sys.stderr,
+            )
+            _warned_no_dot = True
+        header, nodes, edges, _ = parse_dot(dot_text)
+        title = graph_label(header)
+        title = f"{title} (drawn without Graphviz)" if title else "drawn without Graphviz"
+        write_text(out, to_svg(title, nodes, edges))
+        return "python"
     with atomic_path(out) as tmp:
         proc = subprocess.run(
             [dot, f"-T{fmt}", "-o", str(tmp)], input=dot_text, text=True, capture_output=True, check=False
         )
         if proc.returncode != 0:
             raise DagError(f"dot -T{fmt} failed: {proc.stderr.strip()}")
+    return "dot"
 
 
 def snakemake_dot(
@@ -200,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="snakellm dag",
         description="Render the workflow's rule graph (`snakemake --rulegraph`) and job DAG (`snakemake --dag`, "
-        "every job as if all had to run, per-chunk jobs collapsed past --head/--tail) to SVG with Graphviz. "
+        "every job as if all had to run, per-chunk jobs collapsed past --head/--tail) to SVG. "
         "Run it where you run snakemake; arguments after -- go to snakemake (e.g. -- --configfile my.yaml).",
-        epilog="Needs Graphviz's dot (bash scripts/setup-report-tools.sh installs it on Debian/Ubuntu). "
+        epilog="Uses Graphviz's dot where installed (bash scripts/setup-report-tools.sh installs it on "
+        "Debian/Ubuntu), else a built-in layered SVG writer. "
         "The same pictures by hand: snakemake --rulegraph | dot -Tsvg > rulegraph.svg",
     )
     p.add_argument(

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.io.atomic import write_text
+from snakellm.models import families
 
 
 class GenerationError(ValueError):
@@ -189,10 +190,8 @@ class Decoder:
         self.d = arch["hidden_size"] // self.n
         self.eps = arch["layernorm_epsilon"]
         self.rope = arch["position_embedding"] == "rope"
-        if self.rope:
-            from snakellm.models import rope
-
-            self.inv_freq = rope.inv_freq(arch, device=self.device)  # Llama 3.x scaling included
+        if self.rope:  # the family's frequencies (rope scaling changes them), as megatron-core computes them
+            self.inv_freq = families.get(arch["style"]).rope_inv_freq(arch, self.d, self.device)
         self.max_len = arch["seq_length"]
 
     def _norm(self, x, w, b):
@@ -294,6 +293,74 @@ def _filter(logits, top_k: int, top_p: float):
     return logits
 
 
+@dataclass
+class _Run:
+    """The device state of one :meth:`Generator.generate` call: left-padded rows, cache, what was drawn."""
+
+    batch: list[list[int]]
+    dev: Any
+    eod: int
+    longest: int
+    pad: Any  # [b] padding slots before each row's first token
+    tokens: Any  # [b, longest + max_new_tokens]
+    valid: Any  # [b, same]: slots holding real tokens
+    cache: Any
+    gen: Any  # torch.Generator (seeded)
+    seen: Any  # [b, vocab] tokens in the row (repetition penalty)
+    done: Any
+    gen_ids: Any
+    lengths: Any
+    reason: Any  # 0 length, 1 eod, 2 end string
+    gen_lp: Any  # [b, max_new_tokens] log p of the drawn tokens, or None
+    last: Any = None  # the current step's logits [b, vocab]
+    full_steps: list[Any] = field(default_factory=list)
+    p_lp: list[list[float]] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, decoder: Decoder, batch: list[list[int]], params: SamplingParams, vocab: int, eod: int) -> _Run:
+        import torch
+
+        dev = decoder.device
+        b = len(batch)
+        longest = max(map(len, batch))
+        total = longest + params.max_new_tokens
+        pad = torch.tensor([longest - len(x) for x in batch], device=dev)
+        tokens = torch.zeros(b, total, dtype=torch.long, device=dev)
+        for i, ids in enumerate(batch):
+            tokens[i, longest - len(ids) : longest] = torch.tensor(ids, dtype=torch.long)
+        valid = torch.zeros(b, total, dtype=torch.bool, device=dev)
+        valid[:, :longest] = torch.arange(longest, device=dev)[None, :] >= pad[:, None]
+        gen = torch.Generator(device=dev)
+        if params.seed is not None:
+            gen.manual_seed(int(params.seed))
+        else:
+            gen.seed()
+        seen = torch.zeros(b, vocab, dtype=torch.bool, device=dev)
+        if params.repetition_penalty != 1.0:
+            for i, ids in enumerate(batch):
+                seen[i, torch.tensor(ids, device=dev)] = True
+        n_new = params.max_new_tokens
+        want_lp = params.logprobs or params.all_probs
+        return cls(
+            batch=batch,
+            dev=dev,
+            eod=eod,
+            longest=longest,
+            pad=pad,
+            tokens=tokens,
+            valid=valid,
+            cache=decoder.new_cache(b, total),
+            gen=gen,
+            seen=seen,
+            done=torch.zeros(b, dtype=torch.bool, device=dev),
+            gen_ids=torch.full((b, max(n_new, 1)), eod, dtype=torch.long, device=dev),
+            lengths=torch.full((b,), n_new, dtype=torch.long, device=dev),
+            reason=torch.zeros(b, dtype=torch.long, device=dev),
+            gen_lp=torch.zeros(b, max(n_new, 1), device=dev) if want_lp else None,
+            p_lp=[[] for _ in range(b)],
+        )
+
+
 class Generator:
     """Prompts in, completions out, for one loaded model (not thread-safe: callers serialise)."""
 
@@ -324,6 +391,15 @@ class Generator:
         batch = self.encode(prompts, add_bos)
         if not batch:
             return []
+        self._check_batch(batch, params)
+        run = _Run.start(self.decoder, batch, params, self.vocab_size, self.tok.eod_id)
+        with torch.inference_mode():
+            self._prefill(run, prompt_logprobs)
+            self._decode(run, params)
+        return self._completions(run)
+
+    def _check_batch(self, batch: list[list[int]], params: SamplingParams) -> None:
+        """Every prompt has tokens, inside the vocabulary, and leaves room for the new ones."""
         for i, ids in enumerate(batch):
             if not ids:
                 raise GenerationError(f"prompt {i} is empty (no tokens); set add_BOS or give some text", "sentences")
@@ -333,101 +409,97 @@ class Generator:
                     f"prompt {i}: token id {bad[0]} outside the vocabulary of {self.vocab_size}", "sentences"
                 )
         longest = max(map(len, batch))
-        if longest + params.max_new_tokens > self.decoder.max_len:
+        # the last new token is never fed back, so prompt + new tokens may be one more than the positions
+        if longest > self.decoder.max_len or longest + params.max_new_tokens > self.decoder.max_len + 1:
             raise GenerationError(
                 f"tokens_to_generate: a prompt of {longest} tokens + {params.max_new_tokens} new tokens exceeds the "
                 f"model's sequence length {self.decoder.max_len}",
                 "tokens_to_generate",
             )
-        dev = self.decoder.device
-        b = len(batch)
-        total = longest + params.max_new_tokens
-        pad = torch.tensor([longest - len(x) for x in batch], device=dev)
-        tokens = torch.zeros(b, total, dtype=torch.long, device=dev)
-        for i, ids in enumerate(batch):
-            tokens[i, longest - len(ids) : longest] = torch.tensor(ids, dtype=torch.long)
-        valid = torch.zeros(b, total, dtype=torch.bool, device=dev)
-        valid[:, :longest] = torch.arange(longest, device=dev)[None, :] >= pad[:, None]
-        cache = self.decoder.new_cache(b, total)
-        gen = torch.Generator(device=dev)
-        if params.seed is not None:
-            gen.manual_seed(int(params.seed))
-        else:
-            gen.seed()
-        eod = self.tok.eod_id
-        seen = torch.zeros(b, self.vocab_size, dtype=torch.bool, device=dev)
+
+    def _prefill(self, run: _Run, prompt_logprobs: bool) -> None:
+        """The prompts' forward: fills the cache, the first step's logits and (when asked) the prompts' log p."""
+        import torch
+
+        longest, pad, tokens = run.longest, run.pad, run.tokens
+        positions = (torch.arange(longest, device=run.dev)[None, :] - pad[:, None]).clamp(min=0)
+        logits = self.decoder.forward(
+            tokens[:, :longest], positions, run.cache, 0, run.valid, last_only=not prompt_logprobs
+        )
+        if prompt_logprobs:
+            lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:longest, None])[..., 0]
+            for i, ids in enumerate(run.batch):
+                run.p_lp[i] = lp[i, longest - len(ids) :].tolist()
+        run.last = logits[:, -1]
+
+    def _next_tokens(self, run: _Run, params: SamplingParams, step: int) -> Any:
+        """One sampling step over the last logits: penalties, EOD ban, greedy or filtered draw."""
+        import torch
+
+        scores = run.last
         if params.repetition_penalty != 1.0:
-            for i, ids in enumerate(batch):
-                seen[i, torch.tensor(ids, device=dev)] = True
-        done = torch.zeros(b, dtype=torch.bool, device=dev)
-        n_new = params.max_new_tokens
-        # everything per step stays on the device; the host looks only for end strings (which need
-        # text) and, every few steps, whether all rows are done: no GPU sync per token
-        gen_ids = torch.full((b, max(n_new, 1)), eod, dtype=torch.long, device=dev)
-        lengths = torch.full((b,), n_new, dtype=torch.long, device=dev)
-        reason = torch.zeros(b, dtype=torch.long, device=dev)  # 0 length, 1 eod, 2 end string
-        want_lp = params.logprobs or params.all_probs
-        gen_lp = torch.zeros(b, max(n_new, 1), device=dev) if want_lp else None
-        full_steps: list[Any] = []
-        p_lp: list[list[float]] = [[] for _ in range(b)]
+            rp = params.repetition_penalty
+            scores = torch.where(run.seen, torch.where(scores > 0, scores / rp, scores * rp), scores)
+        if step < params.min_new_tokens:
+            scores = scores.clone()
+            scores[:, run.eod] = float("-inf")
+        if params.greedy:
+            nxt = scores.argmax(dim=-1)
+        else:
+            s = _filter(scores / params.temperature, params.top_k, params.top_p)
+            nxt = torch.multinomial(torch.softmax(s, dim=-1), 1, generator=run.gen)[:, 0]
+        return torch.where(run.done, torch.full_like(nxt, run.eod), nxt)
+
+    def _decode(self, run: _Run, params: SamplingParams) -> None:
+        """Sample ``max_new_tokens`` (fewer when every row stopped), one cached forward a token.
+
+        Everything per step stays on the device; the host looks only for end strings (which need
+        text) and, every few steps, whether all rows are done: no GPU sync per token.
+        """
+        import torch
+
+        n_new, b = params.max_new_tokens, len(run.batch)
         ends = [s for s in params.end_strings if s]
-        rows = torch.arange(b, device=dev)
-        with torch.inference_mode():
-            positions = (torch.arange(longest, device=dev)[None, :] - pad[:, None]).clamp(min=0)
-            logits = self.decoder.forward(
-                tokens[:, :longest], positions, cache, 0, valid, last_only=not prompt_logprobs
-            )
-            if prompt_logprobs:
-                lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:longest, None])[..., 0]
-                for i, ids in enumerate(batch):
-                    p_lp[i] = lp[i, longest - len(ids) :].tolist()
-            last = logits[:, -1]
-            cur = longest
-            for step in range(n_new):
-                scores = last
-                if params.repetition_penalty != 1.0:
-                    rp = params.repetition_penalty
-                    scores = torch.where(seen, torch.where(scores > 0, scores / rp, scores * rp), scores)
-                if step < params.min_new_tokens:
-                    scores = scores.clone()
-                    scores[:, eod] = float("-inf")
-                if params.greedy:
-                    nxt = scores.argmax(dim=-1)
-                else:
-                    s = _filter(scores / params.temperature, params.top_k, params.top_p)
-                    nxt = torch.multinomial(torch.softmax(s, dim=-1), 1, generator=gen)[:, 0]
-                nxt = torch.where(done, torch.full_like(nxt, eod), nxt)
-                gen_ids[:, step] = nxt
-                if want_lp:
-                    lsm = torch.log_softmax(last, dim=-1)
-                    gen_lp[:, step] = lsm.gather(-1, nxt[:, None])[:, 0]  # type: ignore[index]
-                    if params.all_probs:
-                        full_steps.append(lsm.cpu())
-                if params.stop_at_eod and step >= params.min_new_tokens:
-                    newly = ~done & (nxt == eod)
-                    lengths = torch.where(newly, step + 1, lengths)
-                    reason = torch.where(newly, 1, reason)
-                    done = done | newly
-                if ends:
-                    host_done = done.tolist()
-                    recent = gen_ids[:, max(0, step - 31) : step + 1].tolist()
-                    for i in range(b):
-                        if not host_done[i] and any(e in self.tok.decode(recent[i]) for e in ends):
-                            lengths[i], reason[i], done[i] = step + 1, 2, True
-                if params.repetition_penalty != 1.0:
-                    seen[rows, nxt] = True
-                if step == n_new - 1 or ((ends or step % 8 == 7) and bool(done.all())):
-                    break
-                tokens[:, cur] = nxt
-                valid[:, cur] = True
-                positions = (cur - pad)[:, None]
-                last = self.decoder.forward(tokens[:, cur : cur + 1], positions, cache, cur, valid)[:, -1]
-                cur += 1
-        n = lengths.tolist()
-        ids_host = gen_ids.tolist()
-        why = [("length", "eod", "end_string")[r] for r in reason.tolist()]
-        lp_host = gen_lp.tolist() if gen_lp is not None else None
-        full = torch.stack(full_steps, dim=1) if full_steps else None  # [b, steps, V]
+        rows = torch.arange(b, device=run.dev)
+        cur = run.longest
+        for step in range(n_new):
+            nxt = self._next_tokens(run, params, step)
+            run.gen_ids[:, step] = nxt
+            if run.gen_lp is not None:
+                lsm = torch.log_softmax(run.last, dim=-1)
+                run.gen_lp[:, step] = lsm.gather(-1, nxt[:, None])[:, 0]
+                if params.all_probs:
+                    run.full_steps.append(lsm.cpu())
+            if params.stop_at_eod and step >= params.min_new_tokens:
+                newly = ~run.done & (nxt == run.eod)
+                run.lengths = torch.where(newly, step + 1, run.lengths)
+                run.reason = torch.where(newly, 1, run.reason)
+                run.done = run.done | newly
+            if ends:
+                host_done = run.done.tolist()
+                recent = run.gen_ids[:, max(0, step - 31) : step + 1].tolist()
+                for i in range(b):
+                    if not host_done[i] and any(e in self.tok.decode(recent[i]) for e in ends):
+                        run.lengths[i], run.reason[i], run.done[i] = step + 1, 2, True
+            if params.repetition_penalty != 1.0:
+                run.seen[rows, nxt] = True
+            if step == n_new - 1 or ((ends or step % 8 == 7) and bool(run.done.all())):
+                break
+            run.tokens[:, cur] = nxt
+            run.valid[:, cur] = True
+            positions = (cur - run.pad)[:, None]
+            run.last = self.decoder.forward(run.tokens[:, cur : cur + 1], positions, run.cache, cur, run.valid)[:, -1]
+            cur += 1
+
+    def _completions(self, run: _Run) -> list[Completion]:
+        import torch
+
+        n = run.lengths.tolist()
+        ids_host = run.gen_ids.tolist()
+        why = [("length", "eod", "end_string")[r] for r in run.reason.tolist()]
+        lp_host = run.gen_lp.tolist() if run.gen_lp is not None else None
+        full = torch.stack(run.full_steps, dim=1) if run.full_steps else None  # [b, steps, V]
+        batch = run.batch
         return [
             Completion(
                 batch[i],
@@ -435,10 +507,10 @@ class Generator:
                 self.continuation(batch[i], ids_host[i][: n[i]]),
                 why[i],
                 lp_host[i][: n[i]] if lp_host else [],
-                p_lp[i],
+                run.p_lp[i],
                 full[i, : n[i]].tolist() if full is not None else None,
             )
-            for i in range(b)
+            for i in range(len(batch))
         ]
 
     def continuation(self, prompt: Sequence[int], ids: Sequence[int]) -> str:

@@ -1,0 +1,270 @@
+"""OpenAI chat completions: messages -> the run's chat template -> a completion.
+
+The template is a Jinja template as Hugging Face writes them
+(``tokenizer_config.json``'s ``chat_template`` or ``chat_template.jinja``),
+rendered the way ``transformers``' ``apply_chat_template`` renders it (a
+sandboxed environment with ``trim_blocks``/``lstrip_blocks``,
+``raise_exception``, ``bos_token``/``eos_token``, ``add_generation_prompt``),
+so a served import gives the same prompt as the Hugging Face model. Where it
+comes from, first found: ``serve --chat-template`` (a Jinja file or a
+tokenizer_config.json), the run's tokenizer directory (an imported model keeps
+its tokenizer_config.json there), else :data:`DEFAULT_TEMPLATE`, a plain-text
+template for runs trained here (they have no chat tokens)::
+
+    System: ...\\n\\nUser: ...\\n\\nAssistant: ...\\n\\nAssistant:
+
+Messages: ``role`` system, developer (rendered as system), user or assistant;
+``content`` a string or a list of ``{"type": "text", "text": ...}`` parts;
+``name`` passed to the template. Tool calls, images and audio are rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snakellm.serve.errors import APIError, bad
+from snakellm.serve.openai_api import Choice, GenRequest, _common, _model, _sampling, _usage, pieces, run
+from snakellm.serve.sampling import Fields, is_int, piece
+
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+ROLES = ("system", "developer", "user", "assistant")
+
+
+@dataclass
+class ChatTemplate:
+    text: str
+    source: str  # where it came from, for the startup log
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def render(self, messages: list[dict]) -> str:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg: str) -> None:
+            raise bad("messages", f"the chat template refused the messages: {msg}")
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.text).render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                tools=None,
+            )
+        except TemplateError as e:
+            raise APIError(500, f"the chat template ({self.source}) failed: {e}") from None
+
+
+def _from_file(path: Path) -> str | None:
+    if path.suffix == ".json":
+        t = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(t, list):  # [{name, template}, ...]: the default one
+            t = next((x.get("template") for x in t if x.get("name") == "default"), None)
+        return t if isinstance(t, str) else None
+    return path.read_text(encoding="utf-8")
+
+
+def load_template(option: str | None, tokenizer_block: dict, run_dir: Path | None, tok: Any) -> ChatTemplate:
+    """The chat template: the option, else the run's tokenizer directory, else the default."""
+    from snakellm.serve.generate import bos_id, token_strings
+
+    specials = {"bos_token": token_strings(tok, [bos_id(tok)])[0], "eos_token": token_strings(tok, [tok.eod_id])[0]}
+    if option:
+        p = Path(option)
+        text = _from_file(p) if p.is_file() else None
+        if text is None:
+            raise ValueError(
+                f"--chat-template {option}: not a Jinja file or a tokenizer_config.json with chat_template"
+            )
+        return ChatTemplate(text, str(p), **specials)
+    dirs = []
+    for f in (tokenizer_block.get("files") or {}).values():
+        p = Path(f)
+        if not p.is_absolute() and run_dir is not None and not p.exists():
+            p = run_dir / p
+        if p.parent not in dirs:
+            dirs.append(p.parent)
+    for d in dirs:
+        for name in ("chat_template.jinja", "tokenizer_config.json"):
+            if (d / name).is_file():
+                text = _from_file(d / name)
+                if text:
+                    return ChatTemplate(text, str(d / name), **specials)
+    return ChatTemplate(DEFAULT_TEMPLATE, "snakellm's default plain-text template", **specials)
+
+
+def _content(i: int, c: Any, role: str) -> str:
+    if isinstance(c, str):
+        return c
+    if c is None and role == "assistant":
+        return ""
+    if isinstance(c, list):
+        out = []
+        for j, part in enumerate(c):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(
+                    f"messages[{i}].content", f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}"
+                )
+            out.append(part["text"])
+        return "".join(out)
+    raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+
+
+def parse_messages(v: Any) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", f"messages[{i}] must be an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(
+                f"messages[{i}].role", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}"
+            )
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise bad(
+                f"messages[{i}]", f"messages[{i}].{sorted(extra)[0]} is not supported (no tools or function calls)"
+            )
+        if "content" not in m:
+            raise bad(f"messages[{i}].content", f"messages[{i}].content is required")
+        msg = {"role": "system" if role == "developer" else role, "content": _content(i, m["content"], role)}
+        if "name" in m:
+            if not isinstance(m["name"], str):
+                raise bad(f"messages[{i}].name", f"messages[{i}].name must be a string")
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def parse_chat(body: Any, model_name: str, limits: Any, template: ChatTemplate) -> GenRequest:
+    """POST /v1/chat/completions' body -> a GenRequest whose one prompt is the rendered conversation."""
+    f = Fields(body)
+    model = _model(f, model_name)
+    messages = parse_messages(f.rest.pop("messages", None))
+    mt = f.take("max_tokens", None, lambda v: is_int(v) and v >= 1, "must be an integer >= 1")
+    mct = f.take("max_completion_tokens", None, lambda v: is_int(v) and v >= 1, "must be an integer >= 1")
+    if mt is not None and mct is not None and mt != mct:
+        raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    max_tokens = mct or mt
+    want = f.take("logprobs", False, lambda v: isinstance(v, bool), "must be a boolean")
+    top = f.take("top_logprobs", None, lambda v: is_int(v) and 0 <= v <= 20, "must be an integer in [0, 20]")
+    if top is not None and not want:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    n, stream, usage = _common(f, limits, 1)
+    params = _sampling(f, max_tokens or 10**9)
+    f.done()
+    prompt = template.render(messages)
+    lp = (top or 0) if want else None
+    return GenRequest(
+        [prompt], n, params, False, lp, stream, usage, list(params.end_strings), model, max_tokens is None
+    )
+
+
+def _entry(tok: Any, t: int, lp: float | None, alts: list[tuple[int, float]]) -> dict:
+    def one(i: int, p: float | None) -> dict:
+        s = piece(tok, i)
+        return {"token": s, "logprob": p, "bytes": list(s.encode("utf-8"))}
+
+    return {**one(t, lp), "top_logprobs": [one(i, p) for i, p in alts]}
+
+
+def _logprobs(gen: Any, c: Choice, lo: int, hi: int) -> dict | None:
+    """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` for tokens lo..hi."""
+    if c.scored is None:
+        return None
+    p = len(c.prompt_ids)
+    return {
+        "content": [
+            _entry(gen.tok, c.scored.ids[p + i], c.scored.logprobs[p + i], c.scored.top[p + i]) for i in range(lo, hi)
+        ]
+    }
+
+
+def _shown(c: Choice) -> int:
+    """Generated tokens the client sees (a final end-of-document token is not content)."""
+    return len(c.ids) - (1 if c.eod else 0)
+
+
+def chat_body(gen: Any, req: GenRequest, choices: list[Choice]) -> dict:
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": _now(),
+        "model": req.model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": _logprobs(gen, c, 0, _shown(c)),
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": _usage(choices, req.n),
+    }
+
+
+def chat_chunks(gen: Any, req: GenRequest, choices: list[Choice]) -> list[dict]:
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", _now()
+
+    def chunk(index: int, delta: dict, lp: dict | None, reason: str | None) -> dict:
+        d: dict[str, Any] = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+        }
+        if req.include_usage:
+            d["usage"] = None
+        return d
+
+    out = []
+    for c in choices:
+        out.append(chunk(c.index, {"role": "assistant", "content": ""}, None, None))
+        for i, text in enumerate(pieces(gen, c)[: _shown(c)]):
+            out.append(chunk(c.index, {"content": text}, _logprobs(gen, c, i, i + 1), None))
+        out.append(chunk(c.index, {}, None, c.finish_reason))
+    if req.include_usage:
+        last = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model}
+        out.append({**last, "choices": [], "usage": _usage(choices, req.n)})
+    return out
+
+
+def _now() -> int:
+    import time
+
+    return int(time.time())
+
+
+async def endpoint(served: Any, request: Any) -> Any:
+    """POST /v1/chat/completions."""
+    from starlette.responses import JSONResponse
+
+    from snakellm.serve.app import _auth, _on_model, _read_json, _sse
+
+    _auth(served, request)
+    req = parse_chat(await _read_json(served, request), served.model_name, served.limits, served.chat_template)
+
+    def job(gen: Any) -> Any:
+        choices = run(gen, req, served.limits, "max_tokens")
+        return chat_chunks(gen, req, choices) if req.stream else chat_body(gen, req, choices)
+
+    out = await _on_model(served, job)
+    return _sse(out) if req.stream else JSONResponse(out)
