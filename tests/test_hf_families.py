@@ -225,3 +225,24 @@ def test_presets_are_the_real_shapes(preset, hf_cls, params, vocab):
     imported = arch_from_hf(config)
     assert {**imported, "seq_length": ours["seq_length"]} == ours
     assert param_count(ours, vocab) == params
+
+
+@pytest.mark.parametrize("preset, over", [("tiny", {}), ("tiny-llama", {"style": "qwen2"})])
+def test_streaming_export_of_a_trained_checkpoint_equals_the_in_memory_one(preset, over, tmp_path, spm_model):
+    """``snakellm export-hf`` reads a checkpoint megatron-core's own writer saved one layer at a time."""
+    from hf_helpers import random_checkpoint, tokenizer_block
+
+    from snakellm.export.hf import export_hf, export_hf_from_checkpoint
+    from snakellm.export.stream import SafetensorsReader
+    from snakellm.models.loading import describe_run, load
+
+    tok = tokenizer_block("sentencepiece", spm_model)
+    random_checkpoint(tmp_path / "run", over, tok, preset=preset)
+    whole = export_hf(load(tmp_path / "run"), tmp_path / "whole", max_shard_size="20KB")
+    streamed = export_hf_from_checkpoint(describe_run(tmp_path / "run"), tmp_path / "streamed", max_shard_size="20KB")
+    a, b = SafetensorsReader(whole), SafetensorsReader(streamed)
+    assert len({e[0] for e in b.entries.values()}) > 3  # several shards
+    assert set(a.entries) == set(b.entries)
+    for name in a.entries:
+        assert torch.equal(a[name], b[name]), name
+    assert json.loads((whole / "config.json").read_text()) == json.loads((streamed / "config.json").read_text())
