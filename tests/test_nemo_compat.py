@@ -50,7 +50,7 @@ CASES = {
     # the families of tests/test_hf_families.py: Llama 3.x RoPE scaling (a short original context, so every
     # branch of the formula is taken), Qwen2's q/k/v-only biases with tied embeddings, Mistral's window
     "llama3": dict(
-        style="llama",
+        style="llama3",
         num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
@@ -64,7 +64,7 @@ CASES = {
         rope_original_max_positions=16,
     ),
     "qwen2": dict(
-        style="llama",
+        style="qwen2",
         num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
@@ -76,7 +76,7 @@ CASES = {
         tie_embeddings=True,
     ),
     "mistral": dict(
-        style="llama",
+        style="mistral",
         num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
@@ -257,7 +257,8 @@ def test_nemo_file_layout(roundtrip):
         assert cfg["normalization"] == "rmsnorm" and cfg["activation"] == "swiglu"
         assert cfg["rotary_base"] == CASES[style].get("rotary_base", 10000)
         assert cfg["qkv_bias"] is (style == "qwen2") and cfg["bias"] is False
-        assert cfg["scale_positional_embedding"] is (style == "llama3")
+        assert cfg.get("scale_positional_embedding", False) is (style == "llama3")
+        assert cfg.get("sliding_window") == CASES[style].get("sliding_window")
         if style == "llama3":
             assert (cfg["scale_factor"], cfg["low_freq_factor"], cfg["high_freq_factor"], cfg["old_context_len"]) == (
                 8.0,
