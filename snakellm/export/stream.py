@@ -214,7 +214,7 @@ def import_streaming(
     """Write ``dest``'s model-only checkpoint from ``hf_dir``'s safetensors, one layer in memory at a time."""
     import torch
 
-    from snakellm.train import checkpoint as ckpt
+    from snakellm.io import checkpoint as ckpt
 
     reader = SafetensorsReader(hf_dir)
     dtype = reader.dtype()
@@ -231,6 +231,9 @@ def import_streaming(
     ckpt_dir = dest / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     config = {"model": dict(arch), "padded_vocab": int(padded), **extra}
+    from snakellm.io import run_tokenizer
+
+    tok = run_tokenizer.carry(tok, dest)  # the run carries its tokenizer (as every model-only checkpoint)
     ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tok)
     state = {"model": sharded, "iteration": 0, "checkpoint_version": 3.0}
     names = _data_names(sharded)
@@ -386,7 +389,7 @@ def _load_group(reader: ChunkReader, group: dict[str, Any]) -> dict[str, Any]:
 def read_groups(ckpt_dir: Path, iteration: int, arch: dict[str, Any], padded: int) -> Iterator[dict[str, Any]]:
     """The checkpoint's tensors (local-spec names), one group (outer, then each layer) at a time."""
     from snakellm.export.hf import _TE_NAMES
-    from snakellm.train import checkpoint as ckpt
+    from snakellm.io import checkpoint as ckpt
 
     dtype = _checkpoint_dtype(ckpt_dir, iteration)
     model = meta_model(arch, padded, dtype)
@@ -406,7 +409,7 @@ def _checkpoint_dtype(ckpt_dir: Path, iteration: int) -> Any:
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from snakellm.train import checkpoint as ckpt
+    from snakellm.io import checkpoint as ckpt
 
     md = FileSystemReader(str(ckpt_dir / ckpt.iter_name(iteration))).read_metadata()
     meta = md.state_dict_metadata["embedding.word_embeddings.weight"]

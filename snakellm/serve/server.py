@@ -22,8 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from snakellm.config.settings import add_arguments, from_namespace
 from snakellm.serve.settings import ServeSettings
-from snakellm.train.settings import add_arguments, from_namespace
 
 log = logging.getLogger("snakellm.serve")
 
