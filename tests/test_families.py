@@ -152,6 +152,7 @@ def test_a_family_sharing_a_model_type_claims_its_own_configs(monkeypatch):
         presets={},
         hf_claims=lambda c: (c.get("rope_scaling") or {}).get("rope_type") == "llama3",
     )
+    monkeypatch.delitem(families.FAMILIES, "llama3")  # the real Llama 3.x family claims the same configs
     monkeypatch.setitem(families.FAMILIES, "llama3x", llama3)
     scaled = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     assert families.by_model_type("llama", "config.json", scaled) is llama3
