@@ -310,6 +310,7 @@ class RequestStream:
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._closed = False
+        self._finished = threading.Event()
         self._text = ""
 
     # producer side (the engine thread)
@@ -319,6 +320,7 @@ class RequestStream:
                 self._events.append(ev)
             if req.done:
                 self._closed = True
+                self._finished.set()
             self._cond.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, event in waiters:
@@ -383,9 +385,13 @@ class RequestStream:
             await event.wait()
 
     def result(self) -> Completion:
-        """Block until the request is finished; its :class:`Completion` (raises the engine's error, if any)."""
-        for _ in self:
-            pass
+        """Block until the request is finished; its :class:`Completion` (raises the engine's error, if any).
+
+        Waits for the end only (no wake-up per token, no text deltas): what a non-streaming caller needs.
+        """
+        self._finished.wait()
+        if self.request.error is not None:
+            raise self.request.error
         return self.worker.engine.completion(self.request)
 
     async def completion(self) -> Completion:
