@@ -407,18 +407,10 @@ def _ft(wildcards):
 
 
 def _base_inputs(ft):
-    """The base model's final file, and (for a trained run) the blend.json whose tokenizer it was trained with;
-    an imported model carries its own tokenizer in its run_config."""
+    """The base model's final file (the run carries its tokenizer: runs/RUN/tokenizer/)."""
     if ft["run"] in RUNS:
-        return {
-            "base": f"runs/{ft['run']}/train_summary.json",
-            "blend": get_blend(RUNS[ft["run"]]["tokenizer"]),
-        }
+        return {"base": f"runs/{ft['run']}/train_summary.json"}
     return {"base": f"runs/{ft['run']}/import_summary.json"}
-
-
-def get_blend_flag(wildcards, input):
-    return f"--blend {shlex.quote(input.blend)}" if "blend" in input.keys() else ""
 
 
 def get_finetune_input(wildcards):
@@ -701,17 +693,6 @@ def _import_tokenizer_kind(hf_dir):
     if has("vocab.json") and has("merges.txt"):
         return "gpt2-bpe"
     return "sentencepiece" if has("tokenizer.model") else "huggingface"
-
-
-def get_export_nemo_blend(wildcards):
-    """A trained run's .nemo packs the tokenizer of its blend; an import's is recorded with its checkpoint."""
-    return [] if wildcards.run in IMPORTS else [get_train_blend(wildcards)]
-
-
-def get_export_nemo_blend_flag(wildcards):
-    return " ".join(
-        f"--blend {shlex.quote(b)}" for b in get_export_nemo_blend(wildcards)
-    )
 
 
 def get_hf_targets():

@@ -38,8 +38,7 @@ rule evaluate_finetune:
     threads: get_finetune_threads
     params:
         args=get_evaluate_args,
-        blend=get_blend_flag,
         out=subpath(output.metrics, parent=True),
     shell:
-        "snakellm evaluate {params.blend} --test {input.test} --out-dir {params.out} --threads {threads} "
+        "snakellm evaluate --test {input.test} --out-dir {params.out} --threads {threads} "
         "{params.args} 2> {log}"

@@ -4,8 +4,8 @@
 
 # ---------------------------------------------------------------- .nemo (snakellm/export/nemo.py)
 # runs/{run}/train_summary.json is written last when pretraining finishes, so it stands for the
-# checkpoint: a retrained run rewrites it and the .nemo follows. The blend supplies the tokenizer
-# files that are packed; params carry the export's own settings. The output is written atomically.
+# checkpoint: a retrained run rewrites it and the .nemo follows. The tokenizer packed is the one the
+# run carries (runs/{run}/tokenizer/); params carry the export's own settings. The output is written atomically.
 # `snakellm import-nemo FILE.nemo runs/NAME` is the reverse (a CLI step, no rule: its input is
 # a file from outside the workflow).
 
@@ -13,7 +13,6 @@
 rule export_nemo:
     input:
         summary=get_run_done,  # train_summary.json, or an import's import_summary.json
-        blend=get_export_nemo_blend,
     output:
         "runs/{run}/{run}.nemo",
     log:
@@ -23,9 +22,8 @@ rule export_nemo:
     threads: 2
     params:
         args=get_export_nemo_args,
-        blend=get_export_nemo_blend_flag,
     shell:
-        "snakellm export-nemo runs/{wildcards.run} {output} {params.blend} --threads {threads} "
+        "snakellm export-nemo runs/{wildcards.run} {output} --threads {threads} "
         "{params.args} 2> {log}"
 
 

@@ -45,11 +45,10 @@ rule finetune:
     params:
         launch=get_launch_prefix,
         args=get_finetune_args,
-        blend=get_blend_flag,
         data=subpath(input.train, parent=True),
         out=subpath(output.summary, parent=True),
     shell:
-        "{params.launch} snakellm finetune --base runs/{wildcards.run} {params.blend} --data-dir {params.data} "
+        "{params.launch} snakellm finetune --base runs/{wildcards.run} --data-dir {params.data} "
         "--out-dir {params.out} --threads {threads} --no-progress {params.args} 2> {log}"
 
 

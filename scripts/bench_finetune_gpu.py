@@ -68,7 +68,7 @@ def make_base(root: Path, preset: str, seq: int, device: str) -> Path:
 import sys
 sys.path.insert(0, {str(REPO)!r})
 from snakellm.finetune import runtime
-from snakellm.finetune.cli import save_model
+from snakellm.finetune.artifacts import save_model
 from snakellm import models
 from snakellm.models.build import build_model
 if __name__ == "__main__":
@@ -76,7 +76,7 @@ if __name__ == "__main__":
     arch = models.resolve({preset!r}, {{"seq_length": {seq}}})
     vocab = models.padded_vocab_size(50257, arch)
     gpt, _ = build_model(arch, vocab, device=str(rt.device), bf16=rt.cuda)
-    save_model(gpt, __import__("pathlib").Path({str(run)!r}), arch, vocab, {GPT2!r}, rt)
+    save_model(gpt, __import__("pathlib").Path({str(run)!r}), arch, vocab, {GPT2!r})
     runtime.stop()
 """
     subprocess.run([sys.executable, "-c", code], check=True)

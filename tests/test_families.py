@@ -135,3 +135,23 @@ def test_peft_names_come_from_the_weight_table(style):
     assert fam.hf_module("decoder.final_layernorm") in hf_names
     with pytest.raises(families.FamilyError):
         fam.peft_modules("decoder.layers.x.mlp.linear_fc1")
+
+
+def test_a_family_sharing_a_model_type_claims_its_own_configs(monkeypatch):
+    """Llama 3.x is model_type llama too: a family with ``hf_claims`` takes the configs it claims, the plain
+    llama family the rest, and each architecture exports through its own style first."""
+    import dataclasses
+
+    llama = families.get("llama")
+    llama3 = dataclasses.replace(
+        llama,
+        name="llama3x",
+        presets={},
+        hf_claims=lambda c: (c.get("rope_scaling") or {}).get("rope_type") == "llama3",
+    )
+    monkeypatch.setitem(families.FAMILIES, "llama3x", llama3)
+    scaled = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    assert families.by_model_type("llama", "config.json", scaled) is llama3
+    assert families.by_model_type("llama", "config.json", {"model_type": "llama"}) is llama
+    arch = resolve("tiny-llama")
+    assert families.for_arch(arch) is llama and families.for_arch({**arch, "style": "llama3x"}) is llama3

@@ -224,8 +224,6 @@ def test_exact_resume_after_sigkill(default_workflow: Workspace, sft: Path) -> N
     args = [
         "--base",
         "runs/tiny",
-        "--blend",
-        "data/tokens/spm2k/blend.json",
         "--data-dir",
         str(sft / "q8"),
         "--method",

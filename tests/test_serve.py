@@ -282,6 +282,62 @@ def test_openai_streaming(server):
     assert parts[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
 
+def test_streams_are_incremental_and_equal_the_answers(server):
+    """Chunks leave as tokens are made; stop strings, n, echo and chat stream what the answers hold."""
+    import http.client
+    from urllib.parse import urlparse
+
+    _, client = _client(server)
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 100, "temperature": 1.0, "seed": 4}
+    body["extra_body"] = {"min_tokens": 100}
+    times = []
+    u = urlparse(server)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    t0 = time.time()
+    raw_body = {**body, "min_tokens": 100, "stream": True}
+    del raw_body["extra_body"]
+    conn.request("POST", "/v1/completions", json.dumps(raw_body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+    line = ""
+    while raw := r.readline():
+        if raw.startswith(b"data: "):
+            line = raw.decode().strip()
+            times.append(time.time() - t0)
+    conn.close()
+    assert line == "data: [DONE]" and len(times) > 50
+    # the first chunk arrives well before the last: the stream is not sent after the generation
+    assert times[0] < 0.5 * times[-1], (times[0], times[-1])
+    ref = client.completions.create(**body)
+    text = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True))
+    assert text == ref.choices[0].text
+    # a stop string in the middle: held back, cut, never sent
+    stop = ref.choices[0].text[20:23]
+    cut = client.completions.create(**{**body, "stop": [stop]})
+    got = "".join(c.choices[0].text for c in client.completions.create(**{**body, "stop": [stop]}, stream=True))
+    assert got == cut.choices[0].text and stop not in got
+    # n and several prompts: each choice's chunks add up to its answer; echo comes first
+    many = {"model": "tiny", "prompt": ["Once", "The river"], "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 9}
+    ref = client.completions.create(**many, echo=True)
+    parts: dict[int, str] = {}
+    for c in client.completions.create(**many, echo=True, stream=True):
+        parts[c.choices[0].index] = parts.get(c.choices[0].index, "") + c.choices[0].text
+    assert parts == {c.index: c.text for c in ref.choices}
+    msgs = [{"role": "user", "content": "Hi"}]
+    ref = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, n=2, temperature=1.0, seed=2)
+    parts = {}
+    for c in client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=8, n=2, temperature=1.0, seed=2, stream=True
+    ):
+        if c.choices:
+            parts[c.choices[0].index] = parts.get(c.choices[0].index, "") + (c.choices[0].delta.content or "")
+    assert parts == {c.index: c.message.content for c in ref.choices}
+    # a bad streamed request gets its status, not a broken stream
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=SEQ, stream=True)
+
+
 def test_openai_chat(server):
     _, client = _client(server)
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]

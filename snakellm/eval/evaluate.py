@@ -39,7 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--base", required=True, help="pretrained run (or a full fine-tune's model/ directory)")
-    p.add_argument("--blend", default=None, help="a blend.json whose tokenizer to use (default: the run's own)")
     p.add_argument("--test", required=True, help="test split jsonl ({input, output[, answers]})")
     p.add_argument("--out-dir", required=True, help="directory for metrics.json and predictions.jsonl")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory (finetune's adapter/)")
@@ -53,35 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
     add_data_arguments(p)
     return p
-
-
-def attach_artifacts(rt, gpt, arch: dict, adapter: str | None, prompt: str | None):
-    """Put a saved LoRA adapter or p-tuning prompt table onto the base model; returns (virtual tokens, config)."""
-    import torch
-    from safetensors.torch import load_file
-
-    if adapter:
-        from snakellm.finetune.lora import LoRAAdapters, LoRAConfig, load_full_tensors
-
-        conf = json.loads((Path(adapter) / "adapter_config.json").read_text())
-        ad = LoRAAdapters(gpt, LoRAConfig.from_dict(conf["lora"]))
-        load_full_tensors(ad, load_file(str(Path(adapter) / "adapter.safetensors")))
-        return 0, conf, ad
-    if prompt:
-        from snakellm.finetune.ptuning import PTuning, PTuningConfig
-
-        conf = json.loads((Path(prompt) / "prompt_config.json").read_text())
-        pt = PTuning(
-            gpt,
-            PTuningConfig(**conf["ptuning"]),
-            arch["hidden_size"],
-            gpt.embedding.word_embeddings.weight.dtype,
-            gpt.embedding.word_embeddings.weight.device,
-        )
-        table = load_file(str(Path(prompt) / "virtual_tokens.safetensors"))["prompt_table"]
-        pt.table = table.to(device=rt.device, dtype=torch.float32)
-        return pt.cfg.virtual_tokens, conf, pt
-    return 0, None, None
 
 
 def generate_answers(gpt, arch: dict, tok, prompts: list[list[int]], a, seq: int, extra) -> list[list[int]]:
@@ -116,18 +86,20 @@ def generate_answers(gpt, arch: dict, tok, prompts: list[list[int]], a, seq: int
 
 
 def evaluate(a: argparse.Namespace) -> dict:
+    from snakellm import models
+    from snakellm.finetune import artifacts, runtime
     from snakellm.finetune import dataset as ds
-    from snakellm.finetune import runtime
     from snakellm.finetune.metrics import exact_string_match, squad_scores
 
     rt = runtime.start(a.device, 1, a.threads)
     torch = rt.torch
     try:
         bf16 = (a.precision == "bf16") or (a.precision == "auto" and rt.cuda)
-        gpt, _, arch, _, ck, tok_info = runtime.load_base(rt, a.base, bf16=bf16, seq_length=a.max_seq_length)
+        base = models.load(a.base, device=rt.device, bf16=bf16, seq_length=a.max_seq_length)
+        gpt, arch, ck = base.model, base.arch, base.checkpoint
         seq = a.max_seq_length or arch["seq_length"]
-        tok = runtime.load_tokenizer(a.blend, fallback=tok_info)
-        virtual, conf, extra = attach_artifacts(rt, gpt, arch, a.adapter, a.prompt)
+        tok = runtime.load_tokenizer(base.tokenizer)  # the tokenizer the run carries
+        virtual, conf, extra = artifacts.attach(rt.device, gpt, arch, a.adapter, a.prompt)
         ex_cfg = (conf or {}).get("examples") or {}
         template = ex_cfg.get("template", a.template)
         enc = ds.Encoder(
@@ -195,11 +167,12 @@ def evaluate(a: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from snakellm.finetune.dataset import SFTFormatError
     from snakellm.finetune.runtime import BaseModelError
+    from snakellm.models.loading import LoadError
 
     a = build_parser().parse_args(argv)
     try:
         m = evaluate(a)
-    except (SFTFormatError, BaseModelError, FileNotFoundError) as e:
+    except (SFTFormatError, BaseModelError, LoadError, FileNotFoundError) as e:
         print(f"snakellm evaluate: error: {e}", file=sys.stderr)
         return 2
     print(

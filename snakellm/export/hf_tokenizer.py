@@ -195,6 +195,10 @@ def import_tokenizer(hf_dir: Path, out: Path) -> dict:
         raise TokenizerExportError(
             f"{hf_dir}: no tokenizer files (vocab.json+merges.txt, tokenizer.model or tokenizer.json)"
         )
+    # the chat template stays with the run (snakellm serve's /v1/chat/completions renders it)
+    for f in ("tokenizer_config.json", "chat_template.jinja"):
+        if (hf_dir / f).is_file():
+            shutil.copyfile(hf_dir / f, out / f)
     info = t.info()
     info["nemo"] = encoders.nemo_tokenizer(info)
     return info

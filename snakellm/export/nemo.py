@@ -460,7 +460,7 @@ def load_weights(module: Any, weights_dir: Path, prefix: str) -> None:
     """Load ``module``'s tensors from a dist-checkpoint whose keys carry ``prefix``; every weight must be there."""
     from megatron.core import dist_checkpointing
 
-    from snakellm.train.checkpoint import _in_process_results_queue
+    from snakellm.io.checkpoint import _in_process_results_queue
 
     _in_process_results_queue()
     request = _drop_extra_state(module.sharded_state_dict(prefix=prefix))
@@ -480,7 +480,7 @@ def load_weights(module: Any, weights_dir: Path, prefix: str) -> None:
 def save_weights(module: Any, weights_dir: Path, prefix: str) -> None:
     from megatron.core import dist_checkpointing
 
-    from snakellm.train.checkpoint import _in_process_results_queue
+    from snakellm.io.checkpoint import _in_process_results_queue
 
     _in_process_results_queue()
     weights_dir.mkdir(parents=True)
@@ -494,8 +494,8 @@ def save_weights(module: Any, weights_dir: Path, prefix: str) -> None:
 
 def read_checkpoint_info(path: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
     """What an export needs to know about a checkpoint, torch-free: checked before any work starts."""
+    from snakellm.io import checkpoint as ckpt
     from snakellm.models.loading import LoadError, describe_run
-    from snakellm.train import checkpoint as ckpt
 
     if not Path(path).exists():
         raise NemoError(f"{path}: no such checkpoint (run `snakemake runs/<run>/train_summary.json` first)")
@@ -595,7 +595,7 @@ def import_nemo(source: str | os.PathLike, run_dir: str | os.PathLike) -> dict[s
     src, run = Path(source), Path(run_dir)
     if not src.exists():
         raise NemoError(f"{src}: no such file")
-    from snakellm.train import checkpoint as ckpt
+    from snakellm.io import checkpoint as ckpt
 
     if (run / "checkpoints").exists() and (
         ckpt.list_iterations(run / "checkpoints") or any((run / "checkpoints").iterdir())

@@ -16,17 +16,16 @@ from pathlib import Path
 
 
 def merge(base: str, adapter: str, out: str, device: str = "auto", tp: int = 1) -> Path:
-    from snakellm.eval.evaluate import attach_artifacts
-    from snakellm.finetune import runtime
-    from snakellm.finetune.cli import save_model
+    from snakellm import models
+    from snakellm.finetune import artifacts, runtime
     from snakellm.finetune.lora import merge as merge_into
 
     rt = runtime.start(device, tp)
     try:
-        gpt, _, arch, vocab, _, tok_info = runtime.load_base(rt, base)
-        _, conf, ad = attach_artifacts(rt, gpt, arch, adapter, None)
-        merge_into(gpt, ad)
-        return save_model(gpt, Path(out), arch, vocab, conf.get("tokenizer") or tok_info, rt)
+        m = models.load(base, device=rt.device, tp=rt.tp)
+        _, conf, ad = artifacts.attach(rt.device, m.model, m.arch, adapter, None)
+        merge_into(m.model, ad)
+        return artifacts.save_model(m.model, Path(out), m.arch, m.padded_vocab_size, m.tokenizer)
     finally:
         runtime.stop()
 
@@ -47,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--adapter", required=True, help="finetune's adapter/ directory")
     e.add_argument("--out", required=True, help="output directory")
     a = p.parse_args(argv)
+    from snakellm.models.loading import LoadError
+
     try:
         if a.cmd == "merge":
             path = merge(a.base, a.adapter, a.out, a.device)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             from snakellm.finetune.peft_export import write_peft
 
             path = write_peft(a.adapter, a.out)
-    except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
+    except (OSError, KeyError, ValueError, json.JSONDecodeError, LoadError) as e:
         print(f"snakellm lora: error: {e}", file=sys.stderr)
         return 2
     print(f"snakellm lora {a.cmd}: wrote {path}", file=sys.stderr)

@@ -7,24 +7,26 @@ architecture and tokenizer:
 * ``checkpoints/run_config.json``: ``config.model`` (the resolved architecture),
   ``config.padded_vocab`` and, next to the config, ``tokenizer`` (the blend's
   tokenizer block: kind, files, vocab size, EOD id) and ``blend``;
+* ``tokenizer/``: the tokenizer files the run was trained with and their manifest;
 * ``checkpoints/iter_NNNNNNN/``: a megatron.core.dist_checkpointing directory;
   only its ``model`` part is read, so a training checkpoint (with optimizer
   and RNG states) and a model-only one (written by an import) load alike.
 
-Runs trained before the tokenizer was recorded are still loadable: the
-tokenizer then comes from the blend named in ``train_summary.json``.
+A run carries its tokenizer (``RUN_DIR/tokenizer/``, :mod:`snakellm.io.run_tokenizer`):
+the tokenizer block :func:`describe_run` returns names those files by absolute
+path, so a run loads, generates and exports from any working directory.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from snakellm.models.architecture import MODEL_KEYS, ModelConfigError, padded_vocab_size, resolve
-from snakellm.train import checkpoint as ckpt
+from snakellm.io import checkpoint as ckpt
+from snakellm.io import run_tokenizer
+from snakellm.models.architecture import MODEL_KEYS, ModelConfigError, check_parallel, padded_vocab_size, resolve
 
 
 class LoadError(RuntimeError):
@@ -43,6 +45,7 @@ class LoadedModel:
     checkpoint: Path
     run_dir: Path
     device: Any = None
+    config: Any = None  # megatron-core TransformerConfig (what DDP wraps the model with)
 
     @property
     def vocab_size(self) -> int:
@@ -73,8 +76,15 @@ def locate(path: str | os.PathLike, iteration: int | None = None) -> tuple[Path,
     return ckpt_dir, iteration
 
 
-def describe_run(path: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
-    """Everything :func:`load` needs except torch: checkpoint, architecture, vocab, tokenizer (torch-free)."""
+def describe_run(
+    path: str | os.PathLike, iteration: int | None = None, *, seq_length: int | None = None, tp: int = 1
+) -> dict[str, Any]:
+    """Everything :func:`load` needs except torch: checkpoint, architecture, vocab, tokenizer (torch-free).
+
+    ``seq_length`` other than the model's: shorter is always possible, longer only with rotary
+    positions (a learned position table has no rows past its length). ``tp``: the tensor-parallel
+    size the model is to be built at (dist_checkpointing reshards the weights on load).
+    """
     ckpt_dir, it = locate(path, iteration)
     rc = ckpt.read_run_config(ckpt_dir)
     if rc is None:
@@ -84,46 +94,72 @@ def describe_run(path: str | os.PathLike, iteration: int | None = None) -> dict[
         arch = resolve(None, {k: v for k, v in cfg.get("model", {}).items() if k in MODEL_KEYS})
     except ModelConfigError as e:
         raise LoadError(f"{ckpt_dir / ckpt.RUN_CONFIG}: {e}") from None
-    tokenizer = rc.get("tokenizer") or _tokenizer_from_summary(ckpt_dir.parent)
-    vocab = cfg.get("padded_vocab") or padded_vocab_size(int(tokenizer["vocab_size"]), arch)
+    try:
+        tokenizer = run_tokenizer.resolve(ckpt_dir.parent, rc.get("tokenizer"))
+    except run_tokenizer.RunTokenizerError as e:
+        raise LoadError(str(e)) from None
+    vocab = int(cfg.get("padded_vocab") or padded_vocab_size(int(tokenizer["vocab_size"]), arch))
+    _fit(arch, vocab, seq_length, tp)
     return {
         "checkpoint_dir": ckpt_dir,
         "iteration": it,
         "arch": arch,
-        "padded_vocab_size": int(vocab),
+        "padded_vocab_size": vocab,
         "tokenizer": tokenizer,
         "run_dir": ckpt_dir.parent,
     }
 
 
-def _tokenizer_from_summary(run_dir: Path) -> dict[str, Any]:
-    summary = run_dir / "train_summary.json"
-    if summary.is_file():
-        blend = json.loads(summary.read_text()).get("blend")
-        if blend and Path(blend).is_file():
-            return dict(json.loads(Path(blend).read_text())["tokenizer"])
-    raise LoadError(f"{run_dir}: the run's tokenizer is not recorded (no tokenizer in run_config.json, no blend)")
+def _fit(arch: dict[str, Any], vocab: int, seq_length: int | None, tp: int) -> None:
+    """Set the sequence length and check the tensor-parallel size, or say why the model cannot have them."""
+    if seq_length is not None and seq_length != arch["seq_length"]:
+        if arch["position_embedding"] == "learned" and seq_length > arch["seq_length"]:
+            raise LoadError(
+                f"sequence length {seq_length} is beyond the model's {arch['seq_length']} learned positions"
+            )
+        if arch["position_embedding"] != "learned":  # rotary positions: any length (not a weight)
+            arch["seq_length"] = seq_length
+    if vocab % tp:
+        raise LoadError(f"padded vocabulary {vocab} is not divisible by tensor parallel size {tp}")
+    try:
+        check_parallel(arch, tp, 1)
+    except ModelConfigError as e:
+        raise LoadError(str(e)) from None
 
 
 def load(
-    path: str | os.PathLike, iteration: int | None = None, device: str = "cpu", bf16: bool = False, **build_options: Any
+    path: str | os.PathLike,
+    iteration: int | None = None,
+    device: Any = "cpu",
+    bf16: bool = False,
+    *,
+    tp: int = 1,
+    seq_length: int | None = None,
+    train: bool = False,
+    **build_options: Any,
 ) -> LoadedModel:
-    """The model of ``path`` at ``iteration`` (default: the latest), ready for inference.
+    """The model of ``path`` at ``iteration`` (default: the latest): the one way a trained model comes back.
 
     Starts a single-process group and megatron-core's parallel state if none
-    is running (export, generation); inside a training or fine-tuning job it
-    uses the job's. ``build_options`` go to :func:`snakellm.models.build.build_model`
-    (e.g. ``attention_backend``).
+    is running (export, generation); inside a training, fine-tuning or
+    evaluation job it uses the job's: ``device`` is then the job's
+    ``torch.device`` and ``tp`` its tensor-parallel size (this rank gets its
+    shard). ``seq_length`` as in :func:`describe_run`. ``train``: leave the
+    model in training mode (fine-tuning). ``build_options`` go to
+    :func:`snakellm.models.build.build_model` (e.g. ``attention_backend``,
+    ``fused_loss``).
     """
-    info = describe_run(path, iteration)
+    info = describe_run(path, iteration, seq_length=seq_length, tp=tp)
     from snakellm.launch.runtime import ensure_single_process
     from snakellm.models.build import build_model
 
-    dev = ensure_single_process(device)
-    model, _ = build_model(info["arch"], info["padded_vocab_size"], device=str(dev), bf16=bf16, **build_options)
+    dev = device if not isinstance(device, str) else ensure_single_process(device)
+    model, config = build_model(
+        info["arch"], info["padded_vocab_size"], tp=tp, device=str(dev), bf16=bf16, **build_options
+    )
     loaded = ckpt.load(info["checkpoint_dir"], info["iteration"], {"model": model.sharded_state_dict()})
     model.load_state_dict(loaded["model"], strict=True)
-    model.eval()
+    model.train(train)
     return LoadedModel(
         model=model,
         arch=info["arch"],
@@ -133,6 +169,7 @@ def load(
         checkpoint=info["checkpoint_dir"] / ckpt.iter_name(info["iteration"]),
         run_dir=info["run_dir"],
         device=dev,
+        config=config,
     )
 
 
@@ -157,9 +194,11 @@ def save_model_checkpoint(
     p = Path(path)
     ckpt_dir = p if p.name == "checkpoints" else p / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     config = {"model": {k: arch[k] for k in MODEL_KEYS}, "padded_vocab": int(padded_vocab), **(extra or {})}
-    ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tokenizer)
+    if rank == 0:
+        tokenizer = run_tokenizer.carry(tokenizer, ckpt_dir.parent)  # the model dir carries its tokenizer
+        ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tokenizer)
     state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return ckpt.save(ckpt_dir, iteration, state, rank=rank, barrier=barrier)

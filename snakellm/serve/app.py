@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,20 +86,69 @@ async def _read_json(served: Served, request: Request) -> Any:
         raise APIError(400, f"We could not parse the JSON body of your request: {e}") from None
 
 
-async def _on_model(served: Served, job: Callable[[Any], Any]) -> Any:
+async def _on_model(served: Served, job: Callable[[Any, threading.Event], Any]) -> Any:
+    """``job(generator, gone)`` on the model worker; ``gone`` is set when the request times out."""
+    gone = threading.Event()
     try:
-        return await served.worker.run(job, served.settings.request_timeout)
+        return await served.worker.run(lambda gen: job(gen, gone), served.settings.request_timeout, gone)
     except (TimeoutError, Abandoned):
         raise APIError(
             503, f"the model did not finish this request within {served.settings.request_timeout} s"
         ) from None
 
 
-def _sse(chunks: list[dict]) -> StreamingResponse:
+def _sse(item: Any) -> bytes:
+    return f"data: {json.dumps(item, ensure_ascii=False)}\n\n".encode()
+
+
+async def _stream(served: Served, job: Callable[[Any, Callable[[Any], None], threading.Event], None]) -> Response:
+    """A streamed response from ``job(generator, emit, gone)`` (see stream.py).
+
+    The status is decided by the job's checks: the response starts once the job has emitted START;
+    a failure before that is the request's error. A failure later ends the stream with an error
+    event; a client that goes away sets ``gone`` and the generation stops at its next token.
+    """
+    from snakellm.serve.stream import END, START
+
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    gone = threading.Event()
+
+    def emit(item: Any) -> None:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def run(gen: Any) -> None:
+        try:
+            job(gen, emit, gone)
+        finally:
+            emit(END)
+
+    task = asyncio.ensure_future(served.worker.run(run, None, gone))
+    try:
+        first = await asyncio.wait_for(q.get(), served.settings.request_timeout)
+    except TimeoutError:
+        gone.set()
+        raise APIError(
+            503, f"the model did not start this request within {served.settings.request_timeout} s"
+        ) from None
+    if first != START:
+        await task  # the job failed its checks: its APIError is the answer
+        raise APIError(500, "internal error: the stream ended before it started")
+
     async def events() -> AsyncIterator[bytes]:
-        for c in chunks:
-            yield f"data: {json.dumps(c, ensure_ascii=False)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        try:
+            while (item := await q.get()) != END:
+                yield _sse(item)
+            try:
+                await task
+            except APIError as e:
+                yield _sse(e.body())
+            except Exception as e:
+                log.exception("a streamed request failed")
+                yield _sse(APIError(500, f"internal error: {type(e).__name__}: {e}").body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            gone.set()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -124,23 +174,24 @@ def _endpoint(served: Served, fn: Handler, nemo: bool = False) -> Callable[[Requ
 
 
 async def completions(served: Served, request: Request) -> Response:
+    from snakellm.serve.stream import cancel_on, completion_job
+
     _auth(served, request)
     req = openai_api.parse_completion(await _read_json(served, request), served.model_name, served.limits)
+    if req.stream:
+        return await _stream(served, lambda gen, emit, gone: completion_job(gen, req, served.limits, emit, gone))
 
-    def job(gen: Any) -> Any:
-        choices = openai_api.run(gen, req, served.limits)
-        if req.stream:
-            return openai_api.completion_chunks(gen, req, choices)
+    def job(gen: Any, gone: threading.Event) -> Any:
+        choices = openai_api.run(gen, req, served.limits, on_step=cancel_on(gone))
         return openai_api.completion_body(gen, req, choices)
 
-    out = await _on_model(served, job)
-    return _sse(out) if req.stream else JSONResponse(out)
+    return JSONResponse(await _on_model(served, job))
 
 
 async def nemo_generate(served: Served, request: Request) -> Response:
     _auth(served, request)
     sentences, params, opts = nemo_api.parse(await _read_json(served, request), served.limits)
-    out = await _on_model(served, lambda gen: nemo_api.run(gen, sentences, params, opts, served.limits))
+    out = await _on_model(served, lambda gen, gone: nemo_api.run(gen, sentences, params, opts, served.limits, gone))
     return JSONResponse(out)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.serve.errors import APIError, bad
-from snakellm.serve.openai_api import Choice, GenRequest, _common, _model, _sampling, _usage, pieces, run
+from snakellm.serve.openai_api import Choice, GenRequest, _common, _model, _sampling, _usage, pieces, run, usage_chunk
 from snakellm.serve.sampling import Fields, is_int, piece
 
 DEFAULT_TEMPLATE = (
@@ -79,7 +79,7 @@ def _from_file(path: Path) -> str | None:
 
 def load_template(option: str | None, tokenizer_block: dict, run_dir: Path | None, tok: Any) -> ChatTemplate:
     """The chat template: the option, else the run's tokenizer directory, else the default."""
-    from snakellm.serve.generate import bos_id, token_strings
+    from snakellm.serve.generate import bos_id, token_strings, tokenizer_base
 
     specials = {"bos_token": token_strings(tok, [bos_id(tok)])[0], "eos_token": token_strings(tok, [tok.eod_id])[0]}
     if option:
@@ -90,11 +90,12 @@ def load_template(option: str | None, tokenizer_block: dict, run_dir: Path | Non
                 f"--chat-template {option}: not a Jinja file or a tokenizer_config.json with chat_template"
             )
         return ChatTemplate(text, str(p), **specials)
+    base = tokenizer_base(tokenizer_block, run_dir) if run_dir is not None else None
     dirs = []
     for f in (tokenizer_block.get("files") or {}).values():
         p = Path(f)
-        if not p.is_absolute() and run_dir is not None and not p.exists():
-            p = run_dir / p
+        if not p.is_absolute() and base is not None:
+            p = base / p
         if p.parent not in dirs:
             dirs.append(p.parent)
     for d in dirs:
@@ -220,30 +221,31 @@ def chat_body(gen: Any, req: GenRequest, choices: list[Choice]) -> dict:
     }
 
 
-def chat_chunks(gen: Any, req: GenRequest, choices: list[Choice]) -> list[dict]:
-    cid, created = f"chatcmpl-{uuid.uuid4().hex}", _now()
+def chat_chunk(
+    req: GenRequest, cid: str, created: int, index: int, delta: dict, lp: dict | None, reason: str | None
+) -> dict:
+    d: dict[str, Any] = {
+        "id": cid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": req.model,
+        "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}],
+    }
+    if req.include_usage:
+        d["usage"] = None
+    return d
 
-    def chunk(index: int, delta: dict, lp: dict | None, reason: str | None) -> dict:
-        d: dict[str, Any] = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": req.model,
-            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}],
-        }
-        if req.include_usage:
-            d["usage"] = None
-        return d
 
+def chat_chunks(gen: Any, req: GenRequest, choices: list[Choice], cid: str, created: int) -> list[dict]:
+    """A finished chat completion as stream chunks: the role, one chunk per token, the finish."""
     out = []
     for c in choices:
-        out.append(chunk(c.index, {"role": "assistant", "content": ""}, None, None))
+        out.append(chat_chunk(req, cid, created, c.index, {"role": "assistant", "content": ""}, None, None))
         for i, text in enumerate(pieces(gen, c)[: _shown(c)]):
-            out.append(chunk(c.index, {"content": text}, _logprobs(gen, c, i, i + 1), None))
-        out.append(chunk(c.index, {}, None, c.finish_reason))
+            out.append(chat_chunk(req, cid, created, c.index, {"content": text}, _logprobs(gen, c, i, i + 1), None))
+        out.append(chat_chunk(req, cid, created, c.index, {}, None, c.finish_reason))
     if req.include_usage:
-        last = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model}
-        out.append({**last, "choices": [], "usage": _usage(choices, req.n)})
+        out.append(usage_chunk(req, cid, created, "chat.completion.chunk", choices))
     return out
 
 
@@ -257,14 +259,15 @@ async def endpoint(served: Any, request: Any) -> Any:
     """POST /v1/chat/completions."""
     from starlette.responses import JSONResponse
 
-    from snakellm.serve.app import _auth, _on_model, _read_json, _sse
+    from snakellm.serve.app import _auth, _on_model, _read_json, _stream
+    from snakellm.serve.stream import cancel_on, chat_job
 
     _auth(served, request)
     req = parse_chat(await _read_json(served, request), served.model_name, served.limits, served.chat_template)
+    if req.stream:
+        return await _stream(served, lambda gen, emit, gone: chat_job(gen, req, served.limits, emit, gone))
 
-    def job(gen: Any) -> Any:
-        choices = run(gen, req, served.limits, "max_tokens")
-        return chat_chunks(gen, req, choices) if req.stream else chat_body(gen, req, choices)
+    def job(gen: Any, gone: Any) -> Any:
+        return chat_body(gen, req, run(gen, req, served.limits, on_step=cancel_on(gone)))
 
-    out = await _on_model(served, job)
-    return _sse(out) if req.stream else JSONResponse(out)
+    return JSONResponse(await _on_model(served, job))

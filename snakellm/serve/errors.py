@@ -15,6 +15,8 @@ model queue did not reach the request within the request timeout.
 
 from __future__ import annotations
 
+from snakellm.errors import SnakellmError
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -28,8 +30,8 @@ _TYPES = {
 }
 
 
-class APIError(Exception):
-    """A request the server answers with ``status`` and a message naming ``param``."""
+class APIError(SnakellmError):
+    """A request the server answers with ``status`` and a message naming ``param`` (the server goes on)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

@@ -31,7 +31,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -385,7 +385,10 @@ class Generator:
         params: SamplingParams,
         add_bos: bool = False,
         prompt_logprobs: bool = False,
+        on_step: Callable[[int, Any, Any], None] | None = None,
     ) -> list[Completion]:
+        """``on_step(step, tokens, done)``, if given, sees each step's tokens [b] and which rows have ended [b]
+        (device tensors); the server streams from it, and an exception raised there ends the generation."""
         import torch
 
         params.check()
@@ -396,7 +399,7 @@ class Generator:
         run = _Run.start(self.decoder, batch, params, self.vocab_size, self.tok.eod_id)
         with torch.inference_mode():
             self._prefill(run, prompt_logprobs)
-            self._decode(run, params)
+            self._decode(run, params, on_step)
         return self._completions(run)
 
     def _check_batch(self, batch: list[list[int]], params: SamplingParams) -> None:
@@ -451,7 +454,9 @@ class Generator:
             nxt = torch.multinomial(torch.softmax(s, dim=-1), 1, generator=run.gen)[:, 0]
         return torch.where(run.done, torch.full_like(nxt, run.eod), nxt)
 
-    def _decode(self, run: _Run, params: SamplingParams) -> None:
+    def _decode(
+        self, run: _Run, params: SamplingParams, on_step: Callable[[int, Any, Any], None] | None = None
+    ) -> None:
         """Sample ``max_new_tokens`` (fewer when every row stopped), one cached forward a token.
 
         Everything per step stays on the device; the host looks only for end strings (which need
@@ -484,6 +489,8 @@ class Generator:
                         run.lengths[i], run.reason[i], run.done[i] = step + 1, 2, True
             if params.repetition_penalty != 1.0:
                 run.seen[rows, nxt] = True
+            if on_step is not None:
+                on_step(step, nxt, run.done)
             if step == n_new - 1 or ((ends or step % 8 == 7) and bool(run.done.all())):
                 break
             run.tokens[:, cur] = nxt
@@ -562,11 +569,27 @@ def load_generator(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     info = describe_run(checkpoint, iteration)
     tok_block = tokenizer_from_blend(blend) if blend else info["tokenizer"]
-    tok = load_tokenizer(tok_block)
+    tok = load_tokenizer(tok_block, tokenizer_base(tok_block, Path(info["run_dir"])))
     if bf16 is None:
         bf16 = device.startswith("cuda")
     loaded = load(info["checkpoint_dir"], info["iteration"], device=device, bf16=bf16)
     return Generator(loaded.model, loaded.arch, tok, int(tok_block.get("vocab_size") or tok.vocab_size))
+
+
+def tokenizer_base(block: dict[str, Any], run_dir: Path) -> Path | None:
+    """Where a run's relative tokenizer paths resolve when the working directory is elsewhere.
+
+    A workflow records them relative to its directory (``tokenizers/spm2k/tokenizer.model``), which
+    holds ``runs/NAME``; a run that carries its tokenizer, relative to the run. The first directory
+    in which every relative file exists; None (the working directory) if none.
+    """
+    rel = [Path(f) for f in (block.get("files") or {}).values() if not Path(f).is_absolute()]
+    if not rel or all(f.exists() for f in rel):
+        return None
+    for base in (run_dir, run_dir.parent.parent):
+        if all((base / f).exists() for f in rel):
+            return base
+    return None
 
 
 # ----------------------------------------------------------------------------- snakellm generate

@@ -134,15 +134,17 @@ def clip(gen: Any, rows: list[list[int]], params: SamplingParams, limits: Limits
         )
 
 
-def run(gen: Any, sentences: list[str], params: SamplingParams, opts: dict, limits: Limits) -> dict:
-    """Generate on the model thread; NeMo's response object."""
+def run(gen: Any, sentences: list[str], params: SamplingParams, opts: dict, limits: Limits, gone: Any = None) -> dict:
+    """Generate on the model thread; NeMo's response object (``gone`` set: the request gave up, stop)."""
+    from snakellm.serve.stream import cancel_on
+
     rows = gen.encode(sentences, opts["add_bos"])
     for i, r in enumerate(rows):
         if not r:
             raise bad("sentences", f"sentence {i} is empty (no tokens); set add_BOS or give some text")
     clip(gen, rows, params, limits)
     try:
-        outs = gen.generate(rows, params)
+        outs = gen.generate(rows, params, on_step=cancel_on(gone) if gone is not None else None)
     except GenerationError as e:
         f = "tokens_to_generate" if e.field == "max_new_tokens" else e.field or "sentences"
         raise bad(f, str(e)) from None

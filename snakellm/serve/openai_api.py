@@ -75,6 +75,7 @@ class Choice:
     finish_reason: str  # "stop" | "length"
     scored: Scored | None = None  # prompt + generated ids, when logprobs were asked
     eod: bool = False  # ended by the end-of-document token (the last of ``ids``)
+    offsets: list[int] | None = None  # text_offset of prompt + generated tokens (computed once)
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -242,24 +243,42 @@ def _finish(gen: Any, prompt: list[int], c: Any, stops: list[str]) -> tuple[str,
     return c.text, "length"
 
 
-def run(gen: Any, req: GenRequest, limits: Limits, max_field: str = "max_tokens") -> list[Choice]:
-    """Generate (and score) on the model thread; choices in OpenAI's order (prompt-major, then n)."""
+def prepare(gen: Any, req: GenRequest, limits: Limits, max_field: str = "max_tokens") -> list[list[int]]:
+    """The prompts' token ids, checked against the vocabulary, the context and the limits (APIError if not)."""
     prompts = _encode(gen, req.prompts)
     if req.fill_context:
         req.params.max_new_tokens = max(1, gen.decoder.max_len - max(map(len, prompts)))
     _check_fit(gen, prompts, req, limits, max_field)
+    return prompts
+
+
+def prompt_text(gen: Any, src: str | list[int], ids: list[int]) -> str:
+    """The prompt as echoed: the string as sent, or the decoded token ids."""
+    return src if isinstance(src, str) else str(gen.tok.decode(ids))
+
+
+def run(
+    gen: Any,
+    req: GenRequest,
+    limits: Limits,
+    max_field: str = "max_tokens",
+    prompts: list[list[int]] | None = None,
+    on_step: Any = None,
+) -> list[Choice]:
+    """Generate (and score) on the model thread; choices in OpenAI's order (prompt-major, then n)."""
+    if prompts is None:
+        prompts = prepare(gen, req, limits, max_field)
     rows = [p for p in prompts for _ in range(req.n)]
     if req.params.max_new_tokens == 0:
         outs: list[Any] = [None] * len(rows)
     else:
         try:
-            outs = gen.generate(rows, req.params)
+            outs = gen.generate(rows, req.params, on_step=on_step)
         except GenerationError as e:  # the engine's own checks, in OpenAI's words
             raise bad(max_field if e.field == "max_new_tokens" else (e.field or "prompt"), str(e)) from None
     choices = []
     for i, (ids, c) in enumerate(zip(rows, outs)):
-        src = req.prompts[i // req.n]
-        ptext = src if isinstance(src, str) else gen.tok.decode(ids)
+        ptext = prompt_text(gen, req.prompts[i // req.n], ids)
         if c is None:
             choices.append(Choice(i, ids, ptext, [], "", "length"))
             continue
@@ -285,7 +304,9 @@ def _completion_logprobs(gen: Any, c: Choice, echo: bool, lo: int, hi: int) -> d
     assert c.scored is not None
     tok = gen.tok
     ids = c.scored.ids
-    offs = text_offsets(tok, ids)
+    if c.offsets is None:
+        c.offsets = text_offsets(tok, ids)
+    offs = c.offsets
     start = 0 if echo else len(c.prompt_ids)
     lo = max(lo, start)
     top: list[dict[str, float] | None] = []
@@ -340,40 +361,47 @@ def pieces(gen: Any, c: Choice) -> list[str]:
     return out
 
 
-def completion_chunks(gen: Any, req: GenRequest, choices: list[Choice]) -> list[dict]:
-    """The SSE chunks of a streamed completion: per choice, the echo, one chunk per token, the finish."""
-    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+def completion_chunk(
+    req: GenRequest, cid: str, created: int, index: int, text: str, lp: dict | None, reason: str | None
+) -> dict:
+    d: dict[str, Any] = {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": req.model,
+        "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": reason}],
+    }
+    if req.include_usage:
+        d["usage"] = None
+    return d
 
-    def chunk(index: int, text: str, lp: dict | None, reason: str | None) -> dict:
-        d: dict[str, Any] = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": req.model,
-            "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": reason}],
-        }
-        if req.include_usage:
-            d["usage"] = None
-        return d
 
+def usage_chunk(req: GenRequest, cid: str, created: int, obj: str, choices: list[Choice]) -> dict:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+    return {
+        "id": cid,
+        "object": obj,
+        "created": created,
+        "model": req.model,
+        "choices": [],
+        "usage": _usage(choices, req.n),
+    }
+
+
+def completion_chunks(gen: Any, req: GenRequest, choices: list[Choice], cid: str, created: int) -> list[dict]:
+    """A finished completion as stream chunks: per choice, the echo, one chunk per token, the finish."""
     out = []
     for c in choices:
         p = len(c.prompt_ids)
         if req.echo:
             lp = _completion_logprobs(gen, c, True, 0, p) if c.scored else None
-            out.append(chunk(c.index, c.prompt_text, lp, None if c.ids else c.finish_reason))
+            out.append(
+                completion_chunk(req, cid, created, c.index, c.prompt_text, lp, None if c.ids else c.finish_reason)
+            )
         for i, text in enumerate(pieces(gen, c)):
             lp = _completion_logprobs(gen, c, True, p + i, p + i + 1) if c.scored else None
-            out.append(chunk(c.index, text, lp, c.finish_reason if i == len(c.ids) - 1 else None))
+            reason = c.finish_reason if i == len(c.ids) - 1 else None
+            out.append(completion_chunk(req, cid, created, c.index, text, lp, reason))
     if req.include_usage:
-        out.append(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": req.model,
-                "choices": [],
-                "usage": _usage(choices, req.n),
-            }
-        )
+        out.append(usage_chunk(req, cid, created, "text_completion", choices))
     return out

@@ -23,10 +23,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from snakellm.config.settings import add_arguments, from_namespace
 from snakellm.errors import SnakellmError
 from snakellm.serve.engine.settings import EngineSettings
 from snakellm.serve.settings import ServeSettings
-from snakellm.train.settings import add_arguments, from_namespace
 
 log = logging.getLogger("snakellm.serve")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from snakellm.train.settings import setting
+from snakellm.config.settings import setting
 
 
 @dataclass(frozen=True)

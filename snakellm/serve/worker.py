@@ -37,9 +37,15 @@ class ModelWorker:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snakellm-model")
         self.busy = threading.Lock()  # held while a job runs (for /health and the tests)
 
-    async def run(self, job: Callable[[Any], T], timeout: float | None = None) -> T:
-        """``job(generator)`` on the model thread; ``asyncio.TimeoutError`` after ``timeout`` seconds."""
-        cancelled = threading.Event()
+    async def run(
+        self, job: Callable[[Any], T], timeout: float | None = None, cancel: threading.Event | None = None
+    ) -> T:
+        """``job(generator)`` on the model thread; ``TimeoutError`` after ``timeout`` seconds.
+
+        ``cancel`` is set when the request gives up: a job that watches it (the engine's ``on_step``)
+        stops generating, so an abandoned request frees the model.
+        """
+        cancelled = cancel or threading.Event()
 
         def call() -> T:
             if cancelled.is_set():

@@ -36,7 +36,23 @@ falls back when they differ.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (as in ``encoder.py``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
 
 # tokenizers' ByteLevel(use_regex=true) pattern (pre_tokenizers/byte_level.rs), as tiktoken writes it
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -152,8 +168,6 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
     ``reachable(tokens) -> list[bool]`` runs the file's own BPE on whole tokens (needed
     only when ``ignore_merges`` is false); the caller passes one built on ``tokenizers``.
     """
-    from snakellm.tokenize.encoders import bytes_to_unicode
-
     nfc = _normalizer(spec)
     pattern = _pattern(spec)
     if _type(spec.get("decoder")) != "ByteLevel":

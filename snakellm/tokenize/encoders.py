@@ -37,11 +37,12 @@ import os
 import threading
 import unicodedata
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import orjson
+
+from snakellm.tokenize.bytelevel_bpe import bytes_to_unicode
 
 KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
 GPT2_EOD = "<|endoftext|>"
@@ -51,20 +52,6 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot be used, phrased with the file at fault."""
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (as in ``encoder.py``)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def sha256_file(path: str | os.PathLike) -> str:

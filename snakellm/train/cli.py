@@ -10,7 +10,7 @@ memory per GPU (``--nodes``/``--gpus-per-node`` describe the job to come).
 The flags are derived from the settings dataclasses (model:
 :class:`snakellm.models.ModelSettings`; training and parallelism:
 :mod:`snakellm.train.settings`), the same ones the config schema and the
-pretrain rule use. Checkpoints (:mod:`snakellm.train.checkpoint`) are
+pretrain rule use. Checkpoints (:mod:`snakellm.io.checkpoint`) are
 Megatron-LM's ``iter_{N:07d}/`` + ``latest_checkpointed_iteration.txt``; a
 restarted run resumes exactly where an uninterrupted one would be; after an
 incompatible settings change the old checkpoints are moved aside or the run
@@ -32,12 +32,14 @@ import sys
 
 from snakellm import models
 from snakellm.config.settings import add_arguments
+from snakellm.io import checkpoint as ckpt
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime
 from snakellm.models.attention import ATTENTION_BACKENDS
-from snakellm.train import checkpoint as ckpt
+from snakellm.train.assembly import JobError
 from snakellm.train.dataset import DataError
 from snakellm.train.request import RequestError, make_request
+from snakellm.train.resume import ResumeError
 from snakellm.train.settings import ParallelSettings, TrainSettings
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
@@ -151,9 +153,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return pretrain(req)
-    except (RequestError, runtime.LaunchError, models.ModelConfigError, DataError, ckpt.CheckpointError) as e:
+    except (
+        RequestError,
+        ResumeError,
+        JobError,
+        runtime.LaunchError,
+        models.ModelConfigError,
+        DataError,
+        ckpt.CheckpointError,
+    ) as e:
         _error(e)
-        return EXIT_USAGE if isinstance(e, (RequestError, runtime.LaunchError)) else EXIT_ERROR
+        return EXIT_USAGE if isinstance(e, (RequestError, ResumeError, JobError, runtime.LaunchError)) else EXIT_ERROR
     except FloatingPointError as e:
         _error(e)
         return EXIT_ERROR

@@ -1,35 +1,27 @@
-"""Pretraining: a GPT on a blend, assembled from the parts and run by the :class:`Trainer`.
+"""Pretraining: the recipe for a GPT on a blend, run by the one training assembly.
 
 :func:`pretrain` takes a checked :class:`snakellm.train.request.TrainRequest`
-and does what is specific to pretraining: decide resume / fresh / archive from
-the stored settings, start the process group and megatron-core's parallel
-state, build the model (megatron-core DDP) and :class:`MixedPrecisionAdamW` (or,
-sharded over the data-parallel ranks, :class:`DistributedAdamW`),
-Megatron's blended ``GPTDataset`` for training and validation, restore a
-checkpoint (model, optimizer, RNG), then hand everything to the loop and write
-``metrics.jsonl`` and ``train_summary.json`` when it reached its last step.
+and hands :mod:`snakellm.train.assembly` (process group, resume policy, DDP,
+optimizer, checkpoints, metrics, the loop) what is specific to pretraining:
+a freshly initialised model whose every parameter trains, Megatron's blended
+``GPTDataset`` for training and validation, the mean token loss, and
+``metrics.jsonl`` + ``train_summary.json`` when the run reached its last step.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from snakellm import models
+from snakellm.io import checkpoint as ckpt
 from snakellm.io.atomic import write_json, write_text
 from snakellm.io.log import log
-from snakellm.launch import distributed as distmod
-from snakellm.launch import runtime, watchdog
-from snakellm.train import checkpoint as ckpt
+from snakellm.train import assembly
 from snakellm.train import dataset as datamod
-from snakellm.train.metrics import MetricsLogger, merge_metrics, peak_tflops_of
-from snakellm.train.profiling import StepProfiler, parse_range
-from snakellm.train.request import TrainRequest, decide_resume, fingerprint, run_config
-from snakellm.train.rng import rng_states, seed_all, set_rng_states
-from snakellm.train.signals import StopPolicy
-from snakellm.train.trainer import EXIT_OK, Batch, Intervals, Trainer
-from snakellm.train.validator import Validator
+from snakellm.train.metrics import merge_metrics
+from snakellm.train.request import TrainRequest, run_config
+from snakellm.train.trainer import Batch
 
 
 def lm_loss(model: Any, b: Batch) -> Any:
@@ -41,110 +33,92 @@ def lm_loss(model: Any, b: Batch) -> Any:
 
 def pretrain(req: TrainRequest) -> int:
     """Run the request to its last step (EXIT_OK) or to a clean stop (EXIT_STOPPED)."""
-    import time
+    return assembly.run(job_of(req), PretrainRecipe(req))
 
-    a, t, par, d = req.args, req.train, req.parallel, req.dist
-    rank0 = d.is_rank0
-    stop = StopPolicy(max_time=req.max_time, max_time_text=str(t.max_time))
-    import torch
 
-    dropout = bool(req.model["hidden_dropout"] or req.model["attention_dropout"])
-    cuda = runtime.prepare(torch, a.device, par.tp, par.threads, cpu_tp=True, dropout=dropout)
-    if cuda and par.sequence_parallel:
-        # megatron-core's advice for sequence parallelism: one hardware queue, so that its all-gathers are
-        # scheduled before the GEMMs they overlap with (read when the CUDA context is created, below)
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    precision = t.precision if t.precision != "auto" else ("bf16" if cuda else "fp32")
-    cfg = run_config(req, precision)
-    fp = fingerprint(cfg)
-
-    distmod.export(d)
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-
-    from snakellm.models.build import build_model
-    from snakellm.train.optim import DistributedAdamW, MixedPrecisionAdamW
-    from snakellm.train.schedule import CosineSchedule
-
-    device = runtime.pick_device(torch, "cuda" if cuda else "cpu", d.local_rank)
-    # the backend's own timeout is the backstop; the watchdog fires first and names the rank
-    runtime.init_process_group(torch, d, device, timeout_s=t.collective_timeout + 60)
-    wd = watchdog.start(
-        torch, d, t.collective_timeout, log=lambda m: log(m, rank0), record=req.run_dir / "watchdog.log"
-    )
-    stop_group = torch.distributed.new_group(backend="gloo") if cuda and d.world_size > 1 else None
-    stop.world_size, stop.group = d.world_size, stop_group
-
-    def barrier() -> None:
-        torch.distributed.barrier(group=stop_group)
-
-    try:
-        runtime.init_model_parallel(par.tp, par.pp, cuda=cuda)
-        lock = _lock_run_dir(req, rank0)  # noqa: F841  (held until this process exits)
-        barrier()
-        # decided under the lock: a previous attempt still saving cannot change it afterwards
-        action, resume_it, why = decide_resume(req.ckpt_dir, t, cfg, fp)
-        _prepare_checkpoint_dir(req, action, why, fp, cfg, rank0, barrier)
-
-        seed_all(t.seed)
-        if cuda:
-            tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
-        module, tcfg = build_model(
-            req.model,
-            req.vocab,
-            tp=par.tp,
-            device=str(device),
-            bf16=precision == "bf16",
-            fused_loss=par.loss,
-            compile_layers=par.compile,
-            attention_backend=a.attention_backend,
-            sequence_parallel=par.sequence_parallel,
-        )
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=cuda and req.dp > 1,
-            use_distributed_optimizer=par.distributed_optimizer,
-        )
-        model = DDP(tcfg, ddp_cfg, module)
-        model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
-        adamw: dict[str, Any] = dict(
+def job_of(req: TrainRequest) -> assembly.Job:
+    """The assembly's job from a checked pretraining request."""
+    a, t, par = req.args, req.train, req.parallel
+    return assembly.Job(
+        prog="snakellm train",
+        desc=f"train {req.run_name}",
+        run_name=req.run_name,
+        run_dir=req.run_dir,
+        device=a.device,
+        steps=t.steps,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        optim=assembly.Optim(
             lr=t.lr,
+            min_lr=t.min_lr,
+            warmup_steps=t.warmup_steps,
+            decay_steps=req.decay_steps,
+            decay_style=t.lr_decay_style,
             weight_decay=t.weight_decay,
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps,
             clip_grad=t.clip_grad,
-        )
-        opt: MixedPrecisionAdamW | DistributedAdamW
-        if par.distributed_optimizer:
-            opt = DistributedAdamW(model, **adamw)
-            log(
-                f"distributed optimizer: rank {d.rank} holds the Adam states of {opt.numel:,} of "
-                f"{sum(p.numel() for p in opt.params):,} parameters",
-                rank0,
-            )
-        else:
-            opt = MixedPrecisionAdamW(model, **adamw)
-        sched = CosineSchedule(t.lr, t.min_lr, t.warmup_steps, req.decay_steps, t.lr_decay_style)
-        nparams, flops_tok = _count(req, module, rank0)
-        peak = (
-            a.peak_tflops
-            if a.peak_tflops is not None
-            else (peak_tflops_of(torch.cuda.get_device_name(device)) if cuda else None)
-        )
-        log(
-            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {precision} on "
-            f"{'GPU' if cuda else 'CPU'}; world {d.world_size} ({d.launcher}) = dp {req.dp} x tp {par.tp} x "
-            f"pp {par.pp}; global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {req.dp} x "
-            f"{req.num_micro} accumulation steps; {t.steps} steps"
-            + ("; sequence parallel" if par.sequence_parallel else "")
-            + (f"; optimizer sharded over {req.dp} data-parallel ranks" if par.distributed_optimizer else ""),
-            rank0,
-        )
+            distributed=par.distributed_optimizer,
+        ),
+        tp=par.tp,
+        pp=par.pp,
+        threads=par.threads,
+        seed=t.seed,
+        precision=t.precision,
+        resume=t.resume,
+        on_config_change=t.on_config_change,
+        save_interval=t.save_interval,
+        eval_interval=t.eval_interval,
+        log_interval=t.log_interval,
+        keep_last=t.keep_last,
+        max_time=req.max_time,
+        max_time_text=str(t.max_time),
+        collective_timeout=t.collective_timeout,
+        checkpoints=a.checkpoints,
+        progress=a.progress,
+        tensorboard=a.tensorboard,
+        profile_steps=a.profile_steps,
+        peak_tflops=a.peak_tflops,
+        cpu_tp=True,
+        dropout=bool(req.model["hidden_dropout"] or req.model["attention_dropout"]),
+        sequence_parallel=par.sequence_parallel,
+    )
 
-        seq, gbs, mbs = req.model["seq_length"], t.global_batch_size, t.micro_batch_size
-        train_ds, valid_ds = datamod.build_datasets(
+
+class PretrainRecipe:
+    """Pretraining: a fresh GPT, every parameter trains, Megatron's blended GPTDataset, the mean token loss."""
+
+    loss = staticmethod(lm_loss)
+
+    def __init__(self, req: TrainRequest):
+        self.req = req
+        self.valid_ds: Any = None
+        self.train_ds: Any = None
+        self.nparams = 0
+
+    def trajectory(self, s: assembly.Session) -> dict[str, Any]:
+        return run_config(self.req, s.precision)
+
+    def record(self) -> dict[str, Any]:
+        return {"tokenizer": self.req.blend.tokenizer, "blend": self.req.blend.path}
+
+    def build(self, s: assembly.Session) -> assembly.Parts:
+        from snakellm.models.build import build_model
+
+        req, par, t = self.req, self.req.parallel, self.req.train
+        module, tcfg = build_model(
+            req.model,
+            req.vocab,
+            tp=par.tp,
+            device=str(s.device),
+            bf16=s.precision == "bf16",
+            fused_loss=par.loss,
+            compile_layers=par.compile,
+            attention_backend=req.args.attention_backend,
+            sequence_parallel=par.sequence_parallel,
+        )
+        seq, gbs = req.model["seq_length"], t.global_batch_size
+        self.train_ds, self.valid_ds = datamod.build_datasets(
             req.blend,
             seq_length=seq,
             seed=t.seed,
@@ -153,233 +127,82 @@ def pretrain(req: TrainRequest) -> int:
             valid_samples=t.eval_iters * gbs,
             cache_dir=str(req.run_dir / "data_cache"),
         )
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        dp_rank = parallel_state.get_data_parallel_rank()
+        self.nparams = _count(req, module, s.rank0)
 
-        def sharded_state(is_loading: bool) -> dict[str, Any]:
-            msd = module.sharded_state_dict()
-            return {
-                "model": msd,
-                "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading),
-                "rng_state": ShardedObject(
-                    "rng_state",
-                    [rng_states(cuda)],
-                    (
-                        parallel_state.get_pipeline_model_parallel_world_size(),
-                        parallel_state.get_tensor_model_parallel_world_size(),
-                    ),
-                    (pp_rank, tp_rank),
-                    replica_id=dp_rank,
-                ),
-            }
+        def load_state(sd: dict[str, Any]) -> None:
+            module.load_state_dict(sd, strict=True)
 
-        def common_state(step: int) -> dict[str, Any]:
-            return {
-                "iteration": step,
-                "checkpoint_version": 3.0,
-                "opt_param_scheduler": sched.state_dict(step),
-                "num_floating_point_operations_so_far": step * gbs * seq * flops_tok,
-                "snakellm": {
-                    "fingerprint": fp,
-                    "consumed_samples": step * gbs,
-                    "val_loss": trainer.last_val,
-                    "best": manager.best,
-                    "run": req.run_name,
-                },
-            }
+        flops = models.flops_per_token(req.model, req.vocab)
+        return assembly.Parts(module, tcfg, module, seq, flops, module.sharded_state_dict, load_state)
 
-        manager = ckpt.CheckpointManager(
-            req.ckpt_dir,
-            keep_last=t.keep_last,
-            sharded_state=sharded_state,
-            common_state=common_state,
-            rank=d.rank,
-            barrier=barrier,
-            log=lambda m: log(m, rank0),
+    def describe(self, s: assembly.Session, parts: assembly.Parts) -> str:
+        req, t, par = self.req, self.req.train, self.req.parallel
+        return (
+            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {s.precision} on "
+            f"{'GPU' if s.cuda else 'CPU'}; world {s.dist.world_size} ({s.dist.launcher}) = dp {s.dp} x tp "
+            f"{par.tp} x pp {par.pp}; global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {s.dp} x "
+            f"{s.num_micro} accumulation steps; {t.steps} steps"
+            + ("; sequence parallel" if par.sequence_parallel else "")
+            + (f"; optimizer sharded over {s.dp} data-parallel ranks" if par.distributed_optimizer else "")
         )
-        start_it = 0
-        if action == "resume":
-            assert resume_it is not None
-            start_it = _restore(req, manager, resume_it, module, opt, fp, cuda, rank0)
-        barrier()
 
-        def to_dev(b: Batch) -> Batch:
-            return {k: v.to(device, non_blocking=True) for k, v in b.items()}
+    def _micro_batches(self, s: assembly.Session, ds: Any, start: int, end: int, **kw: Any) -> Iterator[Batch]:
+        from megatron.core import parallel_state
 
-        num_workers = par.num_workers if par.num_workers is not None else (2 if cuda else 0)
-        dp_group = parallel_state.get_data_parallel_group()
-        validator = None
-        if valid_ds is not None and t.eval_iters:
-            validator = Validator(
-                model,
-                lambda: datamod.micro_batches(
-                    valid_ds, 0, t.eval_iters, gbs=gbs, mbs=mbs, dp_rank=dp_rank, dp_size=req.dp, num_workers=0
-                ),
-                lm_loss,
-                to_device=to_dev,
-                dp_group=dp_group,
-                dp_size=req.dp,
+        t = self.req.train
+        return datamod.micro_batches(
+            ds,
+            start,
+            end,
+            gbs=t.global_batch_size,
+            mbs=t.micro_batch_size,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=s.dp,
+            **kw,
+        )
+
+    def train_batches(self, s: assembly.Session, start_step: int) -> Iterator[Batch]:
+        par = self.req.parallel
+        workers = par.num_workers if par.num_workers is not None else (2 if s.cuda else 0)
+        return self._micro_batches(
+            s, self.train_ds, start_step, self.req.train.steps, num_workers=workers, pin_memory=s.cuda
+        )
+
+    def valid_batches(self, s: assembly.Session) -> Callable[[], Iterable[Batch]] | None:
+        iters = self.req.train.eval_iters
+        if self.valid_ds is None or not iters:
+            return None
+        return lambda: self._micro_batches(s, self.valid_ds, 0, iters, num_workers=0)
+
+    def meta(self) -> dict[str, Any]:
+        return {}
+
+    def finish(self, done: assembly.Done) -> None:
+        s = done.session
+        if s.rank0:
+            peak = s.torch.cuda.max_memory_allocated(s.device) if s.cuda else None
+            write_summary(
+                self.req,
+                done.fingerprint,
+                done.manager.best,
+                self.nparams,
+                done.parts.flops_per_token,
+                done.wall,
+                s.precision,
+                done.digests,
+                peak,
             )
-        metrics = MetricsLogger(
-            req.ckpt_dir / ckpt.LIVE_METRICS,
-            rank0=rank0,
-            tokens_per_step=gbs * seq,
-            samples_per_step=gbs,
-            flops_per_token=flops_tok,
-            peak_tflops=peak,
-            world_size=d.world_size,
-            dp_group=dp_group,
-            dp_size=req.dp,
-            tensorboard_dir=req.run_dir / "tensorboard" if a.tensorboard else None,
-            start_step=start_it,
-        )
-        trainer = Trainer(
-            model=model,
-            optimizer=opt,
-            lr_schedule=sched,
-            num_micro=req.num_micro,
-            loss_fn=lm_loss,
-            batches=datamod.micro_batches(
-                train_ds,
-                start_it,
-                t.steps,
-                gbs=gbs,
-                mbs=mbs,
-                dp_rank=dp_rank,
-                dp_size=req.dp,
-                num_workers=num_workers,
-                pin_memory=cuda,
-            ),
-            intervals=Intervals(t.steps, t.save_interval, t.eval_interval, t.log_interval, a.checkpoints),
-            metrics=metrics,
-            stop=stop,
-            checkpoints=manager,
-            validator=validator,
-            to_device=to_dev,
-            start_step=start_it,
-            overlap_grad_reduce=ddp_cfg.overlap_grad_reduce,
-            rank0=rank0,
-            profiler=StepProfiler(parse_range(a.profile_steps), req.run_dir / "profile.txt", cuda, rank0),
-            desc=f"train {req.run_name}",
-            show_progress=a.progress,
-            heartbeat=wd.beat if wd else None,
-            finalize_grads=(lambda: finalize_model_grads([model])) if par.sequence_parallel else None,
-        )
-        status = trainer.fit()
-
-        if wd is not None:
-            wd.beat(trainer.step)
-        digests = replica_digests(module)
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
-        if status == EXIT_OK:
-            if rank0:
-                peak = torch.cuda.max_memory_allocated(device) if cuda else None
-                write_summary(
-                    req, fp, manager.best, nparams, flops_tok, time.time() - stop.started_at, precision, digests, peak
-                )
-            barrier()
-        return status
-    finally:
-        if wd is not None:
-            wd.stop()
-        runtime.shutdown()
 
 
-def _lock_run_dir(req: TrainRequest, rank0: bool) -> Any:
-    """One training job per run directory: rank 0 holds an exclusive lock on RUN_DIR/.train.lock.
-
-    A requeued or retried attempt can start while ranks of the previous one are
-    still finishing their last save (ranks outliving their step, a second
-    Snakemake process): two trainers in one checkpoint directory would resave
-    and delete each other's checkpoints. The next attempt waits for the lock
-    (the kernel drops it when the holder dies), then decides where to resume.
-    """
-    if not rank0:
-        return None
-    import fcntl
-
-    req.run_dir.mkdir(parents=True, exist_ok=True)
-    fh = open(req.run_dir / ".train.lock", "a+")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        log(f"waiting for another snakellm train on {req.run_dir} to finish (a previous attempt still running?)")
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        log(f"{req.run_dir} is free")
-    return fh
-
-
-def _prepare_checkpoint_dir(
-    req: TrainRequest, action: str, why: str, fp: str, cfg: dict[str, Any], rank0: bool, barrier: Any
-) -> None:
-    """Resume, start fresh, or move old checkpoints aside; a fresh start records the settings."""
-    if action == "archive":
-        barrier()
-        if rank0:
-            dest = ckpt.archive(req.ckpt_dir)
-            log(f"checkpoints moved aside to {dest} ({why}); starting fresh", rank0)
-        barrier()
-    if action in ("archive", "fresh") and rank0:
-        req.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.write_run_config(req.ckpt_dir, fp, cfg, tokenizer=req.blend.tokenizer, blend=req.blend.path)
-        live = req.ckpt_dir / ckpt.LIVE_METRICS
-        if live.exists():
-            live.unlink()
-    barrier()
-
-
-def _count(req: TrainRequest, module: Any, rank0: bool) -> tuple[int, float]:
-    """Parameters and FLOPs per token from the shapes; the formula behind MFU is checked against the model."""
+def _count(req: TrainRequest, module: Any, rank0: bool) -> int:
+    """Parameters from the shapes; the formula behind MFU is checked against the model."""
     nparams = models.param_count(req.model, req.vocab)
     if req.parallel.tp == 1:
         built = sum(p.numel() for p in module.parameters())
         req.extra["model_parameters"] = built
         if built != nparams:
             log(f"warning: the model has {built} parameters, the MFU formula counts {nparams}", rank0)
-    return nparams, models.flops_per_token(req.model, req.vocab)
-
-
-def _restore(
-    req: TrainRequest, manager: ckpt.CheckpointManager, it: int, module: Any, opt: Any, fp: str, cuda: bool, rank0: bool
-) -> int:
-    """Model, optimizer and RNG states of ``iter_{it}``; returns the step to continue from."""
-    loaded, common = manager.restore(it)
-    meta = common.get("snakellm", {})
-    if meta.get("fingerprint") not in (None, fp):
-        raise ckpt.CheckpointError(
-            f"{ckpt.iter_name(it)} was saved with settings {meta.get('fingerprint')}, "
-            f"but {ckpt.RUN_CONFIG} says {fp}: the checkpoint directory was edited by hand"
-        )
-    module.load_state_dict(loaded["model"], strict=True)
-    opt.load_state_dict(loaded["optimizer"])
-    rng = loaded["rng_state"]
-    set_rng_states(rng[0] if isinstance(rng, list) else rng, cuda)
-    manager.best = meta.get("best")
-    if rank0:
-        ckpt.truncate_live_metrics(req.ckpt_dir, it)
-        ckpt.mark_resumed(req.ckpt_dir, it)
-    log(
-        f"resumed from {req.ckpt_dir / ckpt.iter_name(it)} (iteration {it}, "
-        f"{it * req.train.global_batch_size} samples consumed)",
-        rank0,
-    )
-    return it
-
-
-def replica_digests(module: Any) -> list[str]:
-    """sha256 of this rank's weights, gathered over its data-parallel group (all must be equal)."""
-    import torch
-    from megatron.core import parallel_state
-
-    h = hashlib.sha256()
-    for name, p in sorted(module.named_parameters()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
-    out: list[Any] = [None] * parallel_state.get_data_parallel_world_size()
-    torch.distributed.all_gather_object(out, h.hexdigest()[:16], group=parallel_state.get_data_parallel_group())
-    return out
+    return nparams
 
 
 def write_summary(

@@ -7,17 +7,14 @@ the request (model shape, batch sizes versus the world size, tensor/pipeline
 sizes, the blend, a required but missing checkpoint) is an :class:`RequestError`
 with the numbers, in milliseconds.
 
-:func:`decide_resume` then compares the settings fingerprint stored with the
-checkpoints to this request's: resume, start fresh, move the old checkpoints
-aside, or refuse. Only :data:`snakellm.train.settings.TRAJECTORY_KEYS`, the
-architecture and the data enter the fingerprint.
+:func:`run_config` is what pretraining fingerprints (only
+:data:`snakellm.train.settings.TRAJECTORY_KEYS`, the architecture and the
+data); :mod:`snakellm.train.resume` decides from it whether to resume.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +22,10 @@ from typing import Any
 
 from snakellm import models
 from snakellm.config.settings import from_namespace
+from snakellm.io import checkpoint as ckpt
 from snakellm.launch import distributed as distmod
-from snakellm.train import checkpoint as ckpt
 from snakellm.train.dataset import Blend, check_splits, read_blend
+from snakellm.train.resume import check_required, decide_resume, fingerprint
 from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
 
 
@@ -144,13 +142,7 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         ckpt_dir,
         args.run_name or run_dir.name,
     )
-    # a required resume is decided here, before anything heavy starts
-    latest = ckpt.latest_iteration(ckpt_dir)  # inconsistent checkpoint directories are errors in every mode
-    if t.resume == "require" and latest is None:
-        raise RequestError(
-            f"--resume require: no checkpoint to resume from in {ckpt_dir} "
-            f"({'directory missing' if not ckpt_dir.exists() else 'no ' + ckpt.TRACKER})"
-        )
+    check_required(ckpt_dir, t)  # a required resume is decided here, before anything heavy starts
     return req
 
 
@@ -166,53 +158,6 @@ def run_config(req: TrainRequest, precision: str) -> dict[str, Any]:
         data=req.blend.fingerprint_items(),
     )
     return cfg
-
-
-def fingerprint(cfg: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def diff_settings(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """``key: old -> new`` for every setting that differs, nested keys dotted."""
-    out = []
-    for k in sorted(set(old) | set(new)):
-        o, n = old.get(k, "<unset>"), new.get(k, "<unset>")
-        if isinstance(o, dict) and isinstance(n, dict):
-            out += diff_settings(o, n, f"{prefix}{k}.")
-        elif o != n:
-            out.append(f"{prefix}{k}: {o!r} -> {n!r}")
-    return out
-
-
-def decide_resume(ckpt_dir: Path, t: TrainSettings, cfg: dict[str, Any], fp: str) -> tuple[str, int | None, str]:
-    """("resume", iteration, why) | ("fresh", None, why) | ("archive", None, why); RequestError to refuse."""
-    latest = ckpt.latest_iteration(ckpt_dir)
-    if t.resume == "never":
-        return ("archive" if ckpt.list_iterations(ckpt_dir) else "fresh"), None, "--resume never"
-    if latest is None:
-        if t.resume == "require":
-            raise RequestError(f"--resume require: no checkpoint to resume from in {ckpt_dir}")
-        # nothing saved yet (a run stopped before its first checkpoint): its run_config.json and
-        # live metrics are simply rewritten
-        return "fresh", None, "no checkpoint yet"
-    stored = ckpt.read_run_config(ckpt_dir)
-    problems = []
-    if stored is None:
-        problems.append(f"{ckpt_dir / ckpt.RUN_CONFIG} is missing, so the checkpoints' settings are unknown")
-    elif stored.get("fingerprint") != fp:
-        problems += diff_settings(stored.get("config", {}), cfg) or ["settings fingerprint differs"]
-    if latest > t.steps:
-        problems.append(f"the latest checkpoint is at iteration {latest}, past --steps {t.steps}")
-    if not problems:
-        return "resume", latest, f"latest checkpoint {ckpt.iter_name(latest)}"
-    what = "; ".join(problems[:8]) + ("; ..." if len(problems) > 8 else "")
-    if t.resume == "require" or t.on_config_change == "error":
-        raise RequestError(
-            f"the checkpoints in {ckpt_dir} (latest iteration {latest}) were made with other settings: {what}. "
-            "Restore the settings to resume, or start fresh with --on-config-change archive "
-            "(config: train.on_config_change: archive), which moves the old checkpoints aside"
-        )
-    return "archive", None, f"settings changed: {what}"
 
 
 def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib: float | None) -> list[str]:

@@ -32,8 +32,27 @@ from snakellm.config.settings import (  # noqa: F401  (re-exported: the framewor
 )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ResumeSettings:
+    """What a restarted job does with the checkpoints it finds: the same two settings for every training job
+    (``runs.<name>.train`` and ``finetune.<name>.train``), read by :mod:`snakellm.train.resume`."""
+
+    resume: str = setting(
+        "auto",
+        "auto: from the latest checkpoint if any; require: fail without one; never: move "
+        "checkpoints aside and start fresh",
+        choices=("auto", "require", "never"),
+    )
+    on_config_change: str = setting(
+        "archive",
+        "checkpoints made with other trajectory settings: move them to checkpoints.old-<time>/ and "
+        "start fresh (archive), or fail (error)",
+        choices=("archive", "error"),
+    )
+
+
 @dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(ResumeSettings):
     """``runs.<name>.train``: steps, batch, optimizer, schedule, checkpoints, stopping."""
 
     steps: int = setting(REQUIRED, "optimizer steps (iterations) in total")
@@ -80,18 +99,6 @@ class TrainSettings:
         600.0,
         "seconds a rank may make no progress before it ends the job, naming the rank(s) it waits for "
         "(snakellm.launch.watchdog); the process group's own timeout is 60 s longer",
-    )
-    resume: str = setting(
-        "auto",
-        "auto: from the latest checkpoint if any; require: fail without one; never: move "
-        "checkpoints aside and start fresh",
-        choices=("auto", "require", "never"),
-    )
-    on_config_change: str = setting(
-        "archive",
-        "checkpoints made with other trajectory settings: move them to checkpoints.old-<time>/ and "
-        "start fresh (archive), or fail (error)",
-        choices=("archive", "error"),
     )
     retries: int | None = setting(
         None,

@@ -8,7 +8,7 @@ optimizer with ``step(lr) -> grad norm``, a learning-rate schedule with
 ``loss_fn(model, batch) -> scalar``. Around it, separate parts with one job
 each:
 
-* :class:`snakellm.train.checkpoint.CheckpointManager`: save, keep-last-K + best, prune;
+* :class:`snakellm.io.checkpoint.CheckpointManager`: save, keep-last-K + best, prune;
 * :class:`snakellm.train.validator.Validator`: validation loss (and an optional early-stopping rule);
 * :class:`snakellm.train.metrics.MetricsLogger`: metrics.jsonl, TensorBoard, tokens/s, MFU;
 * :class:`snakellm.train.signals.StopPolicy`: SIGTERM/SIGUSR1 and max_time.
@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from snakellm.io.checkpoint import CheckpointManager
 from snakellm.io.log import log
 from snakellm.io.progress import progress
-from snakellm.train.checkpoint import CheckpointManager
 from snakellm.train.metrics import MetricsLogger
 from snakellm.train.profiling import StepProfiler
 from snakellm.train.signals import EXIT_STOPPED, StopPolicy

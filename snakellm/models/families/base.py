@@ -178,9 +178,6 @@ class Weight:
         """The megatron-core module path (``decoder.layers.{i}.self_attention.linear_qkv``)."""
         return self.ours.rsplit(".", 1)[0]
 
-    def hf_modules(self) -> tuple[str, ...]:
-        return tuple(t.rsplit(".", 1)[0] for t in self.theirs)
-
 
 _REQUIRED = object()
 
@@ -189,7 +186,8 @@ _REQUIRED = object()
 class HFKey:
     """One ``config.json`` key and the architecture key it carries (both directions).
 
-    ``default``: what import assumes when the key is absent (required when not given);
+    ``default``: what import assumes when the key is absent or null (not given: the key is
+    required; None: the family's default, or what ``resolve`` derives, applies);
     ``to_hf`` / ``from_hf`` convert the value (e.g. float RoPE theta). ``export_only``: written
     for transformers' benefit but derived from another key (``n_ctx``, ``mlp_bias``).
     """
@@ -230,7 +228,7 @@ class Family:
     """Everything snakellm knows about one model family; see the module docstring and docs/extending.md."""
 
     name: str  # the model style: runs.<run>.model.style
-    summary: str  # one phrase for --help and the schema description
+    summary: str  # one phrase for --help (ModelSettings.style's help)
     defaults: Mapping[str, Any]
     presets: Mapping[str, Mapping[str, Any]]
     features: Mapping[str, Any]

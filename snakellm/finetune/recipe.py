@@ -1,0 +1,380 @@
+"""Fine-tuning recipes (LoRA, full, p-tuning) for the one training assembly (:mod:`snakellm.train.assembly`).
+
+What a fine-tune changes against pretraining, and nothing else:
+
+* the model: a pretrained (or imported, or fully fine-tuned) run, read by
+  :func:`snakellm.models.load` at the job's tensor-parallel size;
+* which parameters train: ``full`` all of them; ``lora`` adapters on
+  megatron-core's linears (snakellm.finetune.lora), base frozen; ``ptuning``
+  a prompt encoder for N virtual tokens (snakellm.finetune.ptuning), base
+  frozen. Checkpoints and the optimizer hold only what trains;
+* the data: NeMo-style SFT examples with answer-only loss
+  (snakellm.finetune.dataset), epochs of seeded permutations indexed by the
+  global sample number (so a resumed job draws the same batches);
+* the outputs: ``adapter/``, ``prompt/`` or ``model/`` from the best (or
+  last) checkpoint (snakellm.finetune.artifacts), ``metrics.jsonl`` and
+  ``finetune_summary.json``.
+
+Resume (``--resume``, ``--on-config-change``), checkpoints, the stop policy,
+metrics and early stopping are the assembly's, as in pretraining.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from snakellm.finetune import dataset as ds
+from snakellm.io import checkpoint as ckpt
+from snakellm.io.atomic import write_json, write_text
+from snakellm.train import assembly
+from snakellm.train.resume import check_required
+from snakellm.train.trainer import Batch
+
+METHODS = ("lora", "full", "ptuning")
+TRAJECTORY = (
+    "steps",
+    "global_batch_size",
+    "micro_batch_size",
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "lr_decay_style",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "clip_grad",
+    "seed",
+)
+EXAMPLE_KEYS = ("template", "add_bos", "add_eos", "answer_only_loss", "truncation_method", "packing")
+
+
+def finetune(a: argparse.Namespace, mcfg: Any) -> int:
+    """Run one fine-tune to its last step (0) or a clean stop (75); ``mcfg``: the method's config (or None)."""
+    job = job_of(a)
+    check_required(job.ckpt_dir, job)  # before the base and the data are read
+    return assembly.run(job, FinetuneRecipe(a, mcfg))
+
+
+def job_of(a: argparse.Namespace) -> assembly.Job:
+    """The assembly's job from ``snakellm finetune``'s arguments."""
+    return assembly.Job(
+        prog="snakellm finetune",
+        desc=f"finetune {a.method}",
+        run_name=Path(a.out_dir).name,
+        run_dir=Path(a.out_dir),
+        device=a.device,
+        steps=a.steps,
+        global_batch_size=a.global_batch_size,
+        micro_batch_size=a.micro_batch_size,
+        optim=assembly.Optim(
+            lr=a.lr,
+            min_lr=a.min_lr,
+            warmup_steps=a.warmup_steps,
+            decay_steps=a.steps,
+            decay_style=a.lr_decay_style,
+            weight_decay=a.weight_decay,
+            betas=(a.adam_beta1, a.adam_beta2),
+            clip_grad=a.clip_grad,
+        ),
+        tp=a.tp,
+        threads=a.threads,
+        seed=a.seed,
+        precision=a.precision,
+        resume=a.resume,
+        on_config_change=a.on_config_change,
+        save_interval=a.eval_interval,
+        eval_interval=a.eval_interval,
+        log_interval=1,
+        keep_last=a.keep_last,
+        patience=a.patience,
+        min_delta=a.min_delta,
+        max_time=a.max_time,
+        max_time_text=f"{a.max_time}s",
+        checkpoints=a.checkpoints,
+        progress=a.progress,
+        overlap_grad_reduce=False,
+    )
+
+
+class FinetuneRecipe:
+    """One method over one base run and one SFT data directory."""
+
+    def __init__(self, a: argparse.Namespace, mcfg: Any):
+        from snakellm.models.loading import describe_run
+
+        self.a, self.mcfg = a, mcfg
+        self.train_path, self.valid_path = Path(a.data_dir) / "train.jsonl", Path(a.data_dir) / "validation.jsonl"
+        for f in (self.train_path, self.valid_path):
+            if not f.is_file():
+                raise ds.SFTFormatError(f"{f}: not found (run snakellm prepare-sft)")
+        if a.global_batch_size % a.micro_batch_size:
+            raise ds.SFTFormatError(
+                f"global batch {a.global_batch_size} is not a multiple of micro batch {a.micro_batch_size}"
+            )
+        self.base = describe_run(a.base, seq_length=a.max_seq_length, tp=a.tp)
+        self.arch, self.vocab = self.base["arch"], self.base["padded_vocab_size"]
+        self.seq = a.max_seq_length or self.arch["seq_length"]
+        self.tok_info = self.base["tokenizer"]  # the base run's own copy (snakellm.io.run_tokenizer)
+        self.virtual = mcfg.virtual_tokens if a.method == "ptuning" else 0
+        self._encode()
+        self.extra: Any = None
+        self.ft: Any = None
+
+    def _encode(self) -> None:
+        from snakellm.finetune.runtime import load_tokenizer
+
+        a = self.a
+        self.tok = load_tokenizer(self.tok_info)
+        enc = ds.Encoder(
+            self.tok, self.seq + 1, a.template, a.add_bos, a.add_eos, a.truncation_method, reserved=self.virtual
+        )
+        prefix = [int(self.tok.eod_id)] * self.virtual
+
+        def encode(path: Path) -> list[ds.Example]:
+            exs = enc.encode_all(ds.read_jsonl(path))
+            for e in exs:
+                e.context = prefix + e.context
+            return exs
+
+        self.train_ex = encode(self.train_path)
+        self.train_stats = enc.stats.as_dict()
+        enc.stats = ds.EncodeStats()
+        self.valid_ex = encode(self.valid_path)
+        if a.eval_examples:
+            self.valid_ex = self.valid_ex[: a.eval_examples]
+        self.items = (
+            [[i] for i in range(len(self.train_ex))] if not a.packing else ds.pack(self.train_ex, self.seq, a.seed)
+        )
+
+    @property
+    def base_checkpoint(self) -> Path:
+        return Path(self.base["checkpoint_dir"]) / ckpt.iter_name(self.base["iteration"])
+
+    def trajectory(self, s: assembly.Session) -> dict[str, Any]:
+        a = self.a
+        return {
+            "method": a.method,
+            "method_config": self.mcfg.as_dict() if self.mcfg else None,
+            "base": str(self.base_checkpoint),
+            "model": self.arch,
+            "padded_vocab": self.vocab,
+            "data": {"train": _sha256(self.train_path), "validation": _sha256(self.valid_path)},
+            "examples": {k: getattr(a, k) for k in EXAMPLE_KEYS} | {"seq": self.seq},
+            "train": {k: getattr(a, k) for k in TRAJECTORY} | {"precision": s.precision},
+        }
+
+    def record(self) -> dict[str, Any]:
+        return {"tokenizer": self.tok_info}
+
+    def build(self, s: assembly.Session) -> assembly.Parts:
+        from snakellm import models
+
+        tp = self.a.tp
+        loaded = models.load(
+            self.a.base,
+            device=s.device,
+            bf16=s.precision == "bf16",
+            tp=tp,
+            seq_length=self.a.max_seq_length,
+            train=True,
+        )
+        gpt = loaded.model
+        self.ft, self.extra = attach(s.torch, gpt, self.a.method, self.mcfg, self.arch)
+        return assembly.Parts(
+            module=self.ft,
+            config=loaded.config,
+            gpt=gpt,
+            seq_length=self.seq,
+            # MFU by pretraining's formula (6 N + 12 L h s per token), so methods and pretraining compare as
+            # tokens/s do; frozen weights in fact skip their weight gradients (about a third less work)
+            flops_per_token=models.flops_per_token(self.arch, self.vocab),
+            state=lambda: trainable_sharded_state(self.a.method, self.ft, self.extra),
+            load_state=lambda sd: load_trainable(self.a.method, self.ft, self.extra, sd),
+        )
+
+    def describe(self, s: assembly.Session, parts: assembly.Parts) -> str:
+        from snakellm.models import describe
+
+        self.trainable = assembly.model_numel(self.ft, self.a.tp, trainable_only=True)
+        self.total = assembly.model_numel(self.ft, self.a.tp)
+        return (
+            f"finetune {self.a.method}: {describe(self.arch, self.vocab)}; {self.trainable:,} of {self.total:,} "
+            f"parameters train ({100.0 * self.trainable / self.total:.3f}%); {len(self.train_ex)} train examples "
+            f"in {len(self.items)} sequences, {len(self.valid_ex)} validation; truncated contexts "
+            f"{self.train_stats['context_truncated']}; {s.precision} on {'GPU' if s.cuda else 'CPU'}, world "
+            f"{s.dist.world_size} = dp {s.dp} x tp {self.a.tp}"
+        )
+
+    @staticmethod
+    def loss(m: Any, b: Batch) -> Any:
+        """Answer-only loss: the token mean over the micro-batch's loss mask (NeMo's masked mean)."""
+        per_tok = m(b["tokens"], b["position_ids"], b.get("attention_mask"), labels=b["labels"])
+        mask = b["loss_mask"].to(per_tok.device)
+        return (per_tok.float() * mask).sum() / mask.sum().clamp(min=1)
+
+    def _batch(self, idx: list[int]) -> Batch:
+        a, eod = self.a, self.tok.eod_id
+        if a.packing:
+            b = ds.collate_packed(
+                [[self.train_ex[i] for i in self.items[j]] for j in idx], self.seq, eod, a.answer_only_loss
+            )
+            b["attention_mask"] = ds.packed_attention_mask(b.pop("segment_ids"))
+            return b
+        b = ds.collate(
+            [self.train_ex[self.items[j][0]] for j in idx],
+            eod,
+            a.answer_only_loss,
+            pad_to=self.seq if a.pad_to_max else None,
+        )
+        if self.virtual and not a.answer_only_loss:
+            b["loss_mask"][:, : self.virtual] = 0
+        return b
+
+    def train_batches(self, s: assembly.Session, start_step: int) -> Iterator[Batch]:
+        """Epochs of seeded permutations, indexed by the global sample number (exact resume)."""
+        from megatron.core import parallel_state
+
+        a, dp_rank = self.a, parallel_state.get_data_parallel_rank()
+        for it in range(start_step + 1, a.steps + 1):
+            order = ds.sample_order(len(self.items), a.seed, (it - 1) * a.global_batch_size, a.global_batch_size)
+            mine = order[dp_rank :: s.dp]
+            for m in range(s.num_micro):
+                yield self._batch(mine[m * a.micro_batch_size : (m + 1) * a.micro_batch_size])
+
+    def valid_batches(self, s: assembly.Session) -> Callable[[], Iterable[Batch]] | None:
+        from megatron.core import parallel_state
+
+        if not self.valid_ex:
+            return None
+        a, mine = self.a, list(range(len(self.valid_ex)))[parallel_state.get_data_parallel_rank() :: s.dp]
+
+        def batches() -> Iterator[Batch]:
+            for k in range(0, len(mine), a.micro_batch_size):
+                chunk = [self.valid_ex[i] for i in mine[k : k + a.micro_batch_size]]
+                b = ds.collate(chunk, self.tok.eod_id, a.answer_only_loss)
+                if self.virtual and not a.answer_only_loss:
+                    b["loss_mask"][:, : self.virtual] = 0
+                yield b
+
+        return batches
+
+    def meta(self) -> dict[str, Any]:
+        return {"method": self.a.method}
+
+    def finish(self, done: assembly.Done) -> None:
+        """The artifacts from the best checkpoint (validation loss), else the last step; then the summary."""
+        from snakellm.finetune import artifacts
+
+        a, it, best = self.a, done.trainer.step, done.manager.best
+        chosen = best["iteration"] if best and a.checkpoints and a.select == "best" else it
+        if chosen != it:
+            loaded = ckpt.load(done.manager.dir, chosen, {"model": done.parts.state()})
+            done.parts.load_state(loaded["model"])
+        out = Path(a.out_dir)
+        meta = {
+            "base": str(self.base_checkpoint),
+            "model": self.arch,
+            "padded_vocab": self.vocab,
+            "tokenizer": self.tok_info,
+            "examples": done.config["examples"],
+            "fingerprint": done.fingerprint,
+        }
+        artifacts.write(a.method, done.session.dist.rank == 0, self.ft, self.extra, self.mcfg, meta, out)
+        if done.session.rank0:
+            self._summary(done, chosen, out)
+
+    def _summary(self, done: assembly.Done, chosen: int, out: Path) -> None:
+        from snakellm.train.metrics import merge_metrics
+
+        a = self.a
+        recs = merge_metrics(done.manager.dir / ckpt.LIVE_METRICS)
+        write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
+        train_recs = [r for r in recs if "loss" in r]
+        tps = sorted(r["tokens_per_s"] for r in train_recs[1:] or train_recs)
+        summary = {
+            "method": a.method,
+            "method_config": self.mcfg.as_dict() if self.mcfg else None,
+            "base": str(self.base_checkpoint),
+            "steps_run": done.trainer.step,
+            "steps": a.steps,
+            "stopped_early": done.trainer.stopped_by,
+            "best": done.manager.best,
+            "chosen_iteration": chosen,
+            "first_loss": train_recs[0]["loss"] if train_recs else None,
+            "final_loss": train_recs[-1]["loss"] if train_recs else None,
+            "val_losses": [{"step": r["step"], "val_loss": r["val_loss"]} for r in recs if "val_loss" in r],
+            "trainable_parameters": self.trainable,
+            "total_parameters": self.total,
+            "precision": done.session.precision,
+            "train_examples": len(self.train_ex),
+            "sequences": len(self.items),
+            "validation_examples": len(self.valid_ex),
+            "encode": self.train_stats,
+            "median_tokens_per_s": tps[len(tps) // 2] if tps else None,
+            "flops_per_token": done.parts.flops_per_token,
+            "fingerprint": done.fingerprint,
+        }
+        write_json(out / "finetune_summary.json", summary)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def attach(torch: Any, gpt: Any, method: str, mcfg: Any, arch: dict) -> tuple[Any, Any]:
+    """Freeze what must not train and add the method's module; returns (FTModel, extra module or None)."""
+    from snakellm.finetune.runtime import make_ft_model
+
+    ft = make_ft_model(torch, gpt)
+    if method == "full":
+        return ft, None
+    for p in gpt.parameters():
+        p.requires_grad_(False)
+    w = gpt.embedding.word_embeddings.weight
+    extra: Any
+    if method == "lora":
+        from snakellm.finetune.lora import LoRAAdapters
+
+        extra = LoRAAdapters(gpt, mcfg)
+        extra.unfreeze_saved()
+    else:
+        from snakellm.finetune.ptuning import PTuning
+
+        extra = PTuning(gpt, mcfg, arch["hidden_size"], w.dtype, w.device)
+    ft.extra = extra
+    return ft, extra
+
+
+def trainable_sharded_state(method: str, ft: Any, extra: Any) -> dict:
+    """What a fine-tune's checkpoints hold of the model: the whole GPT (full), the adapters, or the encoder."""
+    if method == "full":
+        return ft.gpt.sharded_state_dict()
+    if method == "lora":
+        return extra.sharded_state_dict()
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tp_rank, dp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    return {
+        f"ptuning.{n}": ShardedTensor.from_rank_offsets(f"ptuning.{n}", p, replica_id=(0, tp_rank, dp_rank))
+        for n, p in extra.encoder.named_parameters()
+    }
+
+
+def load_trainable(method: str, ft: Any, extra: Any, loaded: dict) -> None:
+    """The inverse of :func:`trainable_sharded_state`: put a checkpoint's trained part back."""
+    import torch
+
+    with torch.no_grad():
+        if method == "full":
+            ft.gpt.load_state_dict(loaded, strict=False)
+        elif method == "lora":
+            extra.load_sharded(loaded)
+        else:
+            for n, p in extra.encoder.named_parameters():
+                p.copy_(loaded[f"ptuning.{n}"])
