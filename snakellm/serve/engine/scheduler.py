@@ -303,9 +303,10 @@ class Engine:
 class RequestStream:
     """One request's token events, produced on the engine's thread, read with ``for`` or ``async for``."""
 
-    def __init__(self, worker: EngineWorker, request: Request) -> None:
+    def __init__(self, worker: EngineWorker, request: Request, text: bool = True) -> None:
         self.worker = worker
         self.request = request
+        self.text = text  # fill TokenEvent.text (a decode per token); off for callers that want ids only
         self._events: collections.deque[TokenEvent] = collections.deque()
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
@@ -334,7 +335,8 @@ class RequestStream:
     def _next_ready(self) -> TokenEvent | None:
         """The next event with its text delta, or None when there is none yet; StopIteration at the end."""
         if self._events:
-            return self._with_text(self._events.popleft())
+            ev = self._events.popleft()
+            return self._with_text(ev) if self.text else ev
         if self._closed:
             if self.request.error is not None:
                 raise self.request.error
@@ -413,12 +415,17 @@ class EngineWorker:
         self._thread.start()
 
     def submit(
-        self, prompt: Sequence[int], params: SamplingParams, seed: int | None = None, prompt_logprobs: bool = False
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        seed: int | None = None,
+        prompt_logprobs: bool = False,
+        text: bool = True,
     ) -> RequestStream:
         """Queue a request (thread-safe); GenerationError / RequestTooLarge raised here, before any streaming."""
         self.engine.check(list(prompt), params)
         req = Request(list(prompt), params, params.seed if seed is None else seed, prompt_logprobs)
-        stream = RequestStream(self, req)
+        stream = RequestStream(self, req, text)
         req.sink = stream._push
         with self._cond:
             if self._stop:

@@ -28,16 +28,23 @@ from snakellm.serve.worker import Abandoned, ModelWorker, _consume
 T = TypeVar("T")
 
 
+class _HostRow(list):
+    """One step's values per row, as ``on_step`` reads them (``.tolist()``), without a tensor per step:
+    tensors made on the many request threads would each grow that thread's malloc arena."""
+
+    def tolist(self) -> list:
+        return list(self)
+
+
 class EngineGenerator:
     """A Generator whose ``generate`` goes through the shared engine; everything else is the Generator's."""
 
-    def __init__(self, gen: Any, worker: EngineWorker, model_thread: ThreadPoolExecutor) -> None:
+    def __init__(self, gen: Any, worker: EngineWorker, model_thread: ThreadPoolExecutor, gone: threading.Event) -> None:
         self._gen = gen
         self._worker = worker
         self._model_thread = model_thread
+        self._gone = gone  # set when the request gives up (timeout, client gone)
         self._streams: list[RequestStream] = []
-        self._lock = threading.Lock()
-        self._cancelled = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._gen, name)
@@ -48,8 +55,13 @@ class EngineGenerator:
         params: SamplingParams,
         add_bos: bool = False,
         prompt_logprobs: bool = False,
+        on_step: Callable[[int, Any, Any], None] | None = None,
     ) -> list[Completion]:
-        """The rows of one request, each its own engine request (seed ``seed + i``), in order."""
+        """The rows of one request, each its own engine request (seed ``seed + i``), in order.
+
+        ``on_step(step, tokens, done)`` as :meth:`Generator.generate` calls it: the rows' ``step``-th
+        tokens (EOD for a row that has ended) once every running row has one.
+        """
         from snakellm.serve.errors import APIError
 
         params.check()
@@ -62,29 +74,55 @@ class EngineGenerator:
                 self._worker.engine.check(p, params)
         except RequestTooLarge as e:
             raise APIError(413, str(e), e.field) from None
-        streams = []
-        with self._lock:
-            if self._cancelled:
-                raise Abandoned()
-            for i, p in enumerate(batch):
-                seed = None if params.seed is None else params.seed + i
-                streams.append(self._worker.submit(p, params, seed=seed, prompt_logprobs=prompt_logprobs))
-            self._streams += streams
-        out = [s.result() for s in streams]
+        if self._gone.is_set():
+            raise Abandoned()
+        streams = [
+            self._worker.submit(p, params, None if params.seed is None else params.seed + i, prompt_logprobs, False)
+            for i, p in enumerate(batch)
+        ]
+        self._streams += streams
+        if self._gone.is_set():  # gave up while submitting
+            self.cancel()
+        try:
+            self._follow(streams, on_step)
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
         if any(s.request.finish_reason == "cancelled" for s in streams):
             raise Abandoned()
-        return out
+        return [s.result() for s in streams]
+
+    def _follow(self, streams: list[RequestStream], on_step: Callable[[int, Any, Any], None] | None) -> None:
+        """Read the rows' tokens in step with each other until all have ended (or the request gave up)."""
+        eod = self._gen.tok.eod_id
+        done = [False] * len(streams)
+        step = 0
+        while not all(done):
+            tokens = []
+            for i, s in enumerate(streams):
+                ev = None if done[i] else next(s, None)
+                if ev is None or ev.token is None:
+                    done[i] = True
+                    tokens.append(eod)
+                    continue
+                tokens.append(ev.token)
+                done[i] = ev.finish_reason is not None
+            if self._gone.is_set():
+                raise Abandoned()
+            if on_step is not None:
+                on_step(step, _HostRow(tokens), _HostRow(done))
+            step += 1
+
+    def cancel(self) -> None:
+        """Stop this request's rows now (waiting ones never start; running ones free their row)."""
+        self._gone.set()
+        for s in list(self._streams):
+            s.cancel()
 
     def score(self, rows: Sequence[Sequence[int]], full: bool = False) -> Any:
         """The Generator's scoring forward, on the one model thread (tensor work stays on one thread)."""
         return self._model_thread.submit(self._gen.score, rows, full).result()
-
-    def cancel(self) -> None:
-        """Stop this request's rows (the client left or the request timed out)."""
-        with self._lock:
-            self._cancelled = True
-            for s in self._streams:
-                s.cancel()
 
 
 class BatchingWorker(ModelWorker):
@@ -100,12 +138,15 @@ class BatchingWorker(ModelWorker):
         started.wait()
         self.engine_worker = EngineWorker(Engine(gen, settings))
 
-    async def run(self, job: Callable[[Any], T], timeout: float | None = None) -> T:
+    async def run(
+        self, job: Callable[[Any], T], timeout: float | None = None, cancel: threading.Event | None = None
+    ) -> T:
         """``job(generator)`` on a request thread; its rows are cancelled if the request gives up."""
-        view = EngineGenerator(self.gen, self.engine_worker, self._model_thread)
+        gone = cancel or threading.Event()
+        view = EngineGenerator(self.gen, self.engine_worker, self._model_thread, gone)
 
         def call() -> T:
-            if view._cancelled:
+            if gone.is_set():
                 raise Abandoned()
             return job(view)
 
