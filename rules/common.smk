@@ -40,28 +40,30 @@ def _write_shard_lists():
     """Each chunk's shard list goes to data/plan/{source}/{chunk}.list (rewritten only when it changed).
 
     The jobs read their shards from these files, never from the command line
-    (one argument is capped at 128 KiB). For an http chunk whose manifest no
-    longer matches the shards on disk (one deleted by hand, or removed by
-    `snakellm chunk` for a wrong sha256), the list gets a note saying so: its
-    content changed, so its download runs again and fetches what is missing.
+    (one argument is capped at 128 KiB). A chunk whose inputs changed in a way
+    Snakemake's mtime check misses gets a note in its list: its content
+    changed, so exactly that chunk's job runs again. For an http chunk: its
+    manifest no longer matches the shards on disk (one deleted by hand, or
+    removed by `snakellm chunk` as damaged); its download fetches what is
+    missing. For a local chunk: a shard's size, mtime, ctime or inode differs
+    from what the chunk recorded (a file replaced with an older mtime by
+    `cp -p`, `rsync -a` or `tar x`); a stat per shard, no reads.
     """
     import datetime
 
     for name, chunks in PLAN.items():
         http = SOURCES[name]["kind"] == "http"
         for chunk, shards in chunks.items():
-            why = (
-                planmod.stale_manifest(download_manifest_path(name, chunk))
-                if http
-                else None
-            )
+            if http:
+                why = planmod.stale_manifest(download_manifest_path(name, chunk))
+                what = f"{download_manifest_path(name, chunk)}: {{}}; downloading again"
+            else:
+                why = planmod.stale_local_chunk(chunk_stats_path(name, chunk), shards)
+                what = f"{chunk_stats_path(name, chunk)}: {{}}; chunking again"
             note = None
             if why:
-                print(
-                    f"{download_manifest_path(name, chunk)}: {why}; downloading again",
-                    file=sys.stderr,
-                )
-                note = f"download again ({datetime.datetime.now().isoformat(timespec='seconds')}): {why}"
+                print(what.format(why), file=sys.stderr)
+                note = f"{'download' if http else 'chunk'} again ({datetime.datetime.now().isoformat(timespec='seconds')}): {why}"
             planmod.write_shard_list(shard_list_path(name, chunk), shards, note)
 
 
@@ -71,6 +73,10 @@ def shard_list_path(source, chunk):
 
 def download_manifest_path(source, chunk):
     return f"data/raw/{source}/{chunk}.manifest.json"
+
+
+def chunk_stats_path(source, chunk):
+    return f"data/jsonl/{source}/{chunk}.stats.json"
 
 
 PLAN = _plan_all()  # {source: {chunk: [shard path or URL, ...]}}
@@ -94,12 +100,15 @@ def get_raw_dir(wildcards):
 
 
 def get_chunk_input(wildcards):
-    """A local chunk reads its shard list and the shards; an http chunk its download manifest."""
+    """A local chunk reads its shard list, an http chunk its download manifest.
+
+    The shards themselves are no inputs: the planner compares each one with
+    what the chunk recorded (`_write_shard_lists`), which catches what an mtime
+    check misses, and holds any name a filesystem allows.
+    """
     if SOURCES[wildcards.source]["kind"] == "http":
         return [download_manifest_path(wildcards.source, wildcards.chunk)]
-    return [shard_list_path(wildcards.source, wildcards.chunk)] + PLAN[
-        wildcards.source
-    ][wildcards.chunk]
+    return [shard_list_path(wildcards.source, wildcards.chunk)]
 
 
 def get_chunk_shards_option(wildcards):
@@ -117,7 +126,8 @@ def get_download_options(wildcards):
     d = config["download"]
     return (
         f"--concurrency {d['concurrency']} --retries {d['retries']} --backoff {d['backoff_s']} "
-        f"--max-backoff {d['max_backoff_s']} --timeout {d['timeout_s']}"
+        f"--max-backoff {d['max_backoff_s']} --timeout {d['timeout_s']} --deadline {d['deadline_s']} "
+        f"--min-rate {d['min_rate_bytes_s']} --format {SOURCES[wildcards.source]['format']}"
     )
 
 
@@ -127,6 +137,14 @@ def get_source_format(wildcards):
 
 def get_source_key(wildcards):
     return SOURCES[wildcards.source]["key"]
+
+
+def get_chunk_limits(wildcards):
+    s = SOURCES[wildcards.source]
+    return (
+        f"--max-document-bytes {s['max_document_bytes']} "
+        f"--max-rejected-fraction {s['max_rejected_fraction']}"
+    )
 
 
 def chunk_outputs(source, chunk):

@@ -39,9 +39,10 @@ rule chunk:
         shards=get_chunk_shards_option,
         format=get_source_format,
         key=get_source_key,
+        limits=get_chunk_limits,
     shell:
         "snakellm chunk {params.shards} --output {output.jsonl} --stats {output.stats} "
-        "--rejected {output.rejected} --format {params.format} --key {params.key:q} "
+        "--rejected {output.rejected} --format {params.format} --key {params.key:q} {params.limits} "
         "--source {wildcards.source} --chunk {wildcards.chunk} --threads {threads} 2> {log}"
 
 

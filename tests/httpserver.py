@@ -14,7 +14,10 @@ the queue is empty a path can fail forever (``fail_always``). A fault is a dict:
 * ``{"stall_after": 1000, "stall_s": 2}``: send 1000 bytes then go silent (a
   read timeout on the client);
 * ``{"ignore_range": True}``: answer a Range request with 200 and the whole file;
-* ``{"reset": True}``: close the connection without any response.
+* ``{"reset": True}``: close the connection without any response;
+* ``{"page": b"<html>...", "content_type": "text/html"}``: answer 200 with that body
+  instead of the file (an error page behind a 200);
+* ``{"trickle_bps": 100}``: send the body at about that many bytes per second.
 """
 
 from __future__ import annotations
@@ -146,6 +149,14 @@ class ShardServer:
             h.send_header("Content-Length", "0")
             h.end_headers()
             return
+        if "page" in fault:
+            self._record(h, path, 200, len(fault["page"]))
+            h.send_response(200)
+            h.send_header("Content-Type", fault.get("content_type", "text/html; charset=utf-8"))
+            h.send_header("Content-Length", str(len(fault["page"])))
+            h.end_headers()
+            h.wfile.write(fault["page"])
+            return
         file = (self.root / path.lstrip("/")).resolve()
         if not file.is_file() or self.root.resolve() not in file.parents:
             self._record(h, path, 404, 0)
@@ -181,6 +192,20 @@ class ShardServer:
         if status == 206:
             h.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
         h.end_headers()
+        if "trickle_bps" in fault:
+            step = max(1, int(fault["trickle_bps"] // 10))
+            sent = 0
+            try:
+                while sent < len(body):
+                    h.wfile.write(body[sent : sent + step])
+                    h.wfile.flush()
+                    sent += step
+                    time.sleep(0.1)
+            except OSError:  # the client gave up
+                pass
+            self._record(h, path, status, min(sent, len(body)))
+            h.close_connection = True
+            return
         cut = fault.get("drop_after", fault.get("stall_after"))
         if cut is None:
             h.wfile.write(body)

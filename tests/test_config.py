@@ -100,6 +100,8 @@ def test_60000_shards_5000_per_chunk_plan_and_dry_run_through_list_files(workspa
     )
     lists = sorted((workspace.root / "data/plan/sp").glob("*.list"))
     assert len(lists) == 12
-    first = lists[0].read_text().splitlines()
+    from snakellm.data.planning import read_shard_list
+
+    first = read_shard_list(lists[0])  # one JSON string per line, after a header note
     assert len(first) == 5000 and first[0].endswith("chunk1/example_train_0.jsonl.zst")
     assert len(lists[0].read_bytes()) > 4 * 128 * 1024

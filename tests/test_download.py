@@ -443,3 +443,67 @@ def test_backoff_doubles_with_jitter_and_caps():
         assert base * 0.5 <= d <= base
     assert download.backoff_delay(1, o, retry_after=3.0) == 3.0
     assert download.backoff_delay(1, o, retry_after=3600.0) == 5.0
+
+
+# ----------------------------------------------------------------- downloads that verify what they got
+
+HTML = b"<!DOCTYPE html><html><body><h1>429 Too Many Requests</h1></body></html>\n"
+
+
+def test_html_page_behind_a_200_is_retried_as_a_server_error_then_fails_with_the_url(run, srv):
+    """An error page answered with 200 used to be recorded as the shard (and fail every chunk run)."""
+    srv.fail_always(SHARDS[0], {"page": HTML, "content_type": "text/html; charset=utf-8"})
+    rc, err = run(SHARDS[:2], "--format", "jsonl.zst", "--retries", "2")
+    assert rc == 1
+    assert f"{srv.url(SHARDS[0])}: gave up after 3 attempts" in err
+    assert "HTTP 200 with Content-Type text/html for a zstd shard (an error page?)" in err
+    assert not run.local(SHARDS[0]).exists() and not run.manifest.exists()
+    assert run.local(SHARDS[1]).read_bytes() == run.served(SHARDS[1])
+    srv.fail_always(SHARDS[0], None)
+    rc, err = run(SHARDS[:2], "--format", "jsonl.zst")
+    assert rc == 0, err
+    run.assert_complete(SHARDS[:2])
+
+
+def test_a_body_without_the_formats_magic_bytes_is_fetched_again(run, srv):
+    """An HTML body sent as application/octet-stream: caught by its first bytes, and the retry gets the file."""
+    srv.inject(SHARDS[0], {"page": HTML, "content_type": "application/octet-stream"})
+    rc, err = run(SHARDS[:1], "--format", "jsonl.zst")
+    assert rc == 0, err
+    assert "the body is not a zstd file (it starts with b'<!DOCTYP'" in err
+    assert [r.status for r in srv.seen(SHARDS[0])] == [200, 200]
+    run.assert_complete(SHARDS[:1])
+
+
+def test_a_source_of_plain_jsonl_takes_any_body(run, srv):
+    """No compression promised (format jsonl, no suffix): the magic check does not apply."""
+    (srv.root / "plain.jsonl").write_bytes(b'{"text": "x"}\n')
+    rc, err = run(["plain.jsonl"], "--format", "jsonl")
+    assert rc == 0, err
+
+
+def test_redirect_loop_is_named(run, srv):
+    srv.fail_always(SHARDS[0], {"status": 302, "headers": {"Location": "/" + SHARDS[0]}})
+    rc, err = run(SHARDS[:1])
+    assert rc == 1
+    assert f"{srv.url(SHARDS[0])}: redirect loop (or more than 10 redirects)" in err
+    assert "not retried: a client error" not in err
+
+
+def test_a_trickle_below_the_minimum_rate_is_ended(run, srv):
+    """A server sending 100 bytes/s was waited on for as long as it kept sending."""
+    srv.fail_always(SHARDS[0], {"trickle_bps": 100})
+    t = time.monotonic()
+    rc, err = run(SHARDS[:1], "--timeout", "0.5", "--min-rate", "1000", "--retries", "1")
+    assert rc == 1 and time.monotonic() - t < 20
+    assert "transfer slower than min_rate_bytes_s 1000" in err and "gave up after 2 attempts" in err
+
+
+def test_a_shard_past_its_deadline_fails(run, srv):
+    """Fast enough for the minimum rate, but not done in time: the per-shard deadline ends it."""
+    srv.fail_always(SHARDS[0], {"trickle_bps": 2000})
+    t = time.monotonic()
+    rc, err = run(SHARDS[:1], "--timeout", "5", "--min-rate", "0", "--deadline", "1.5")
+    assert rc == 1 and time.monotonic() - t < 20
+    assert "not complete 1.5 s after its first request (deadline_s)" in err
+    assert "bytes kept in" in err  # the next run resumes what arrived

@@ -177,3 +177,25 @@ def test_deleted_or_damaged_shard_is_fetched_again_by_the_next_run(ws, srv):
     assert bad.read_bytes() == (srv.root / CHUNKS["chunk-00002"][0]).read_bytes()
     dry = ws.run("-n", *TARGETS)
     assert "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout
+
+
+def test_damaged_body_with_a_matching_content_length_is_fetched_again_by_the_next_run(ws, srv):
+    """A server sent a cut-short file with a 200 and its own Content-Length: the download took it as complete
+    (its sha256 went into the manifest) and the chunk job failed on it at every run, never fetching it again."""
+    rel = CHUNKS["chunk-00000"][1]
+    good = (srv.root / rel).read_bytes()
+    (srv.root / rel).write_bytes(good[: len(good) // 2])  # what the server has, for now
+    proc = ws.run(*TARGETS, "--keep-going", check=False)
+    assert proc.returncode != 0
+    log = ws.path("logs/chunk/web/chunk-00000.log").read_text()
+    local = ws.path("data/raw/web/shards") / url_to_relpath(srv.url(rel))
+    assert "truncated zstd data" in log and srv.url(rel) in log and "the next run downloads it again" in log
+    assert not local.exists() and not ws.path("data/jsonl/web/chunk-00000.jsonl").exists()
+    assert ws.path("data/jsonl/web/chunk-00001.jsonl").exists()
+    (srv.root / rel).write_bytes(good)  # the server is fixed
+    srv.clear()
+    ws.run(*TARGETS)
+    assert [r.path for r in srv.seen()] == ["/" + rel]
+    assert local.read_bytes() == good
+    stats = json.loads(ws.path("data/jsonl/web/chunk-00000.stats.json").read_text())
+    assert stats["documents"] == sum(documents((srv.root / r).read_bytes()) for r in CHUNKS["chunk-00000"])

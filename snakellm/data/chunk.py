@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
+import stat as statmod
 import sys
 import time
 from collections import Counter
@@ -34,9 +36,20 @@ from typing import BinaryIO
 
 import orjson
 
+from snakellm.data.planning import read_shard_list, shard_identity
+from snakellm.errors import DataError, StepFailed
 from snakellm.io.atomic import atomic_group
 from snakellm.io.progress import progress
-from snakellm.io.readers import BOM, compression_of, detect_compression, open_shard, shard_lines
+from snakellm.io.readers import (
+    BOM,
+    DamagedShardError,
+    HashingFile,
+    TooLong,
+    compression_of,
+    detect_compression,
+    display,
+    shard_lines,
+)
 
 FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki")
 REASONS = (
@@ -49,15 +62,57 @@ REASONS = (
     "missing_key",
     "not_string",
     "empty_text",
+    "too_long",
 )
 
 
-class VerificationError(RuntimeError):
-    pass
+class VerificationError(StepFailed):
+    """What the job wrote does not account for every line it read."""
 
 
-class ManifestMismatchError(RuntimeError):
+class ManifestMismatchError(DataError):
     """A downloaded shard that is not what its manifest recorded (or is gone)."""
+
+
+class ShardFileError(DataError):
+    """A local shard that cannot be read: not found, not a regular file, no permission, changed while read."""
+
+
+class RejectedFractionError(DataError):
+    """A shard whose share of rejected lines is past ``max_rejected_fraction``: likely not the declared format."""
+
+
+_KINDS = (
+    (statmod.S_ISDIR, "a directory"),
+    (statmod.S_ISFIFO, "a FIFO (named pipe)"),
+    (statmod.S_ISCHR, "a character device"),
+    (statmod.S_ISBLK, "a block device"),
+    (statmod.S_ISSOCK, "a socket"),
+)
+
+
+def stat_shard(shard: str) -> os.stat_result:
+    """The stat of a local shard, or ShardFileError saying exactly what is wrong with it (never just "not found")."""
+    try:
+        st = os.stat(shard)
+    except FileNotFoundError:
+        raise ShardFileError(f"shard not found: {display(shard)}") from None
+    except OSError as e:
+        raise ShardFileError(f"shard {display(shard)}: cannot stat it: {e.strerror}") from None
+    if not statmod.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+        raise ShardFileError(f"shard {display(shard)} is {kind}, not a regular file")
+    return st
+
+
+def open_local(shard: str) -> HashingFile:
+    """Open a shard for reading, hashing it as it is read; PermissionError and the like named as such."""
+    try:
+        return HashingFile(shard)
+    except PermissionError:
+        raise ShardFileError(f"shard {display(shard)} cannot be read: permission denied") from None
+    except OSError as e:
+        raise ShardFileError(f"shard {display(shard)} cannot be read: {e.strerror}") from None
 
 
 @dataclass(frozen=True)
@@ -73,24 +128,27 @@ def _sidecars(path: str) -> list[str]:
     return [path + ".meta.json"]
 
 
-def check_against_manifest(shard: str, exp: Expected) -> None:
-    """Size, then sha256, of a downloaded shard against its manifest, before it is read.
+def check_against_manifest(shard: str, exp: Expected, hash_it: bool = True) -> None:
+    """Size, then (``hash_it``) sha256, of a downloaded shard against its manifest, before it is read.
 
     A shard that does not match is removed (with its download sidecar): the
     workflow sees the missing shard at the next start and runs the chunk's
     download again, which fetches just that shard. Failing forever on a damaged
-    copy would need a hand-made fix.
+    copy would need a hand-made fix. The chunk job itself passes
+    ``hash_it=False`` and compares the sha256 it computes while reading.
     """
     where = f" ({exp.url})" if exp.url else ""
     if not os.path.isfile(shard):
         raise ManifestMismatchError(
-            f"shard {shard}{where} listed in the manifest is missing (deleted after the download?); "
+            f"shard {display(shard)}{where} listed in the manifest is missing (deleted after the download?); "
             "run again: the next run downloads it again"
         )
     size = os.path.getsize(shard)
     if size != exp.size:
         problem = f"is {size} bytes, the manifest recorded {exp.size}"
     else:
+        if not hash_it:
+            return
         h = hashlib.sha256()
         with open(shard, "rb") as fh:
             while buf := fh.read(1 << 22):
@@ -98,13 +156,8 @@ def check_against_manifest(shard: str, exp: Expected) -> None:
         if h.hexdigest() == exp.sha256:
             return
         problem = f"has sha256 {h.hexdigest()}, the manifest recorded {exp.sha256}"
-    removed = ""
-    if exp.url:
-        for p in [shard, *_sidecars(shard)]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-        removed = "; removed it: the next run downloads it again"
-    raise ManifestMismatchError(f"shard {shard}{where} {problem}{removed}")
+    removed = _remove_download(shard) if exp.url else ""
+    raise ManifestMismatchError(f"shard {display(shard)}{where} {problem}{removed}")
 
 
 def _no_constant(name: str) -> None:
@@ -130,29 +183,48 @@ def _classify_bad_json(line: bytes) -> str:
     return "unsupported_json"
 
 
-def _text_documents(path: str, fmt: str, counts: Counter[str]) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw bytes) of the documents of a plain-text shard (a leading BOM dropped)."""
-    with open_shard(path, fmt) as fh:
-        data = fh.read()
-    if data.startswith(BOM):
-        data = data[len(BOM) :]
-        counts["boms_stripped"] += 1
-    if fmt == "text":
-        yield 1, data
-        return
-    # text-blocks: documents separated by one or more blank lines
+def _text_documents(
+    path: str, fmt: str, counts: Counter[str], raw: io.RawIOBase, comp: str, max_doc: int | None
+) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw bytes) of the documents of a plain-text shard (a leading BOM dropped).
+
+    Read line by line with the same limit as jsonl: a document past
+    ``max_doc`` bytes comes out as a :class:`TooLong` head, never held whole.
+    """
+    limit = max_doc if max_doc is not None else 1 << 62
     block: list[bytes] = []
+    size = dropped = 0  # bytes of the current document (held, and dropped beyond the limit)
     start = 1
-    for i, line in enumerate(data.splitlines(keepends=True), start=1):
-        if line.strip():
-            if not block:
-                start = i
-            block.append(line)
-        elif block:
-            yield start, b"".join(block)
-            block = []
-    if block:
-        yield start, b"".join(block)
+    lineno = 0
+    for lineno, line in enumerate(shard_lines(path, fmt, comp, raw, max_line=max_doc), start=1):
+        if lineno == 1 and line.startswith(BOM) and type(line) is bytes:
+            line = line[len(BOM) :]
+            counts["boms_stripped"] += 1
+        n = line.size if type(line) is TooLong else len(line)
+        if fmt == "text-blocks" and not line.strip() and type(line) is bytes:
+            if block or dropped:
+                yield start, _document(block, size, dropped)
+            block, size, dropped = [], 0, 0
+            continue
+        if not block and not dropped:
+            start = lineno
+        if dropped or size + n > limit or type(line) is TooLong:
+            if not dropped:  # past the limit: keep the head, count the rest
+                block, dropped, size = [(b"".join(block) + bytes(line[:1024]))[:1024]], size + n, 0
+            else:
+                dropped += n
+            continue
+        block.append(line)
+        size += n
+    if block or dropped or (fmt == "text" and lineno == 0):
+        yield start, _document(block, size, dropped)
+
+
+def _document(block: list[bytes], size: int, dropped: int) -> bytes:
+    """The document of a text shard: its bytes, or a TooLong head once it passed the limit."""
+    if dropped:
+        return TooLong(block[0], dropped)
+    return b"".join(block)
 
 
 def _count_lines(path: Path) -> int:
@@ -165,126 +237,234 @@ def _count_lines(path: Path) -> int:
     return n + (last != b"\n")
 
 
-def _process_shard(
-    shard: str, fmt: str, key: str, fo: BinaryIO, fr: BinaryIO, expected: Expected | None = None
-) -> dict:
-    """Validate one shard, writing accepted lines to ``fo`` and quarantined ones to ``fr``.
+@dataclass(frozen=True)
+class Limits:
+    """Per-source limits (``sources.<name>.max_document_bytes`` / ``max_rejected_fraction``; None: none)."""
 
-    Returns this shard's counts: lines, documents, bytes in/out, rejections by
-    reason, the compression found and what was repaired (BOMs, line endings).
-    Raises DamagedShardError / ManifestMismatchError naming the shard.
-    """
-    if expected is not None:
-        check_against_manifest(shard, expected)
-    elif not os.path.isfile(shard):
-        raise FileNotFoundError(f"shard not found: {shard}")
-    reasons: Counter[str] = Counter()
-    skipped: Counter[str] = Counter()
-    counts: Counter[str] = Counter()
-    lines = docs = bytes_in = bytes_out = 0
-    dumps, loads, JSONDecodeError = orjson.dumps, orjson.loads, orjson.JSONDecodeError
-    comp = detect_compression(shard, fmt)
+    max_document_bytes: int | None = None
+    max_rejected_fraction: float | None = None
 
-    def reject(lineno: int, reason: str, raw: bytes, **extra: object) -> None:
-        reasons[reason] += 1
+
+ALARM_MIN_LINES = 10  # a shard this short is judged by its lines alone, never by the fraction
+
+
+class _Tally:
+    """The counts of one shard, and its quarantine writer."""
+
+    def __init__(self, shard: str, fr: BinaryIO) -> None:
+        # orjson refuses lone surrogates: a name with undecodable bytes is recorded with \xNN escapes
+        self.label = shard.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        self.fr = fr
+        self.reasons: Counter[str] = Counter()
+        self.skipped: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()
+        self.lines = self.docs = self.bytes_in = self.bytes_out = 0
+
+    def reject(self, lineno: int, reason: str, raw: bytes, **extra: object) -> None:
+        self.reasons[reason] += 1
+        if type(raw) is TooLong:
+            extra = {**extra, "bytes": raw.size, "content_truncated_to": len(raw)}
         rec = {
-            "shard": shard,
+            "shard": self.label,
             "line": lineno,
             "reason": reason,
             **extra,
             "content": raw.decode("utf-8", "backslashreplace"),
         }
-        fr.write(dumps(rec) + b"\n")
+        self.fr.write(orjson.dumps(rec) + b"\n")
 
-    if fmt.startswith("jsonl"):
-        for lineno, line in enumerate(shard_lines(shard, fmt, comp), start=1):
-            lines += 1
-            bytes_in += len(line)
-            if line.startswith(BOM):  # a file exported on Windows (or several of them concatenated)
-                line = line[3:]
-                counts["boms_stripped"] += 1
-            # Hot loop: no copies of the line on the accepted path (orjson ignores the
-            # trailing newline; isspace() stops at the first non-space byte instead of
-            # building a stripped copy).
-            if line.isspace() or not line:
-                reject(lineno, "blank_line", line.rstrip(b"\r\n"))
-                continue
-            try:
-                obj = loads(line)
-            except JSONDecodeError:
-                body = line.rstrip(b"\r\n")
-                reject(lineno, _classify_bad_json(body), body)
-                continue
-            if type(obj) is not dict:
-                reject(lineno, "not_object", line.rstrip(b"\r\n"))
-                continue
-            text = obj.get(key)
-            if text is None and key not in obj:
-                reject(lineno, "missing_key", line.rstrip(b"\r\n"))
-            elif type(text) is not str:
-                reject(lineno, "not_string", line.rstrip(b"\r\n"))
-            elif not text or text.isspace():
-                reject(lineno, "empty_text", line.rstrip(b"\r\n"))
+
+def _jsonl_lines(t: _Tally, lines: Iterator[bytes], key: str, fo: BinaryIO) -> None:
+    """Validate jsonl lines into ``fo`` (accepted, as read) and the quarantine (everything else)."""
+    loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError
+    reject, counts = t.reject, t.counts
+    for lineno, line in enumerate(lines, start=1):
+        t.lines += 1
+        if type(line) is TooLong:  # longer than max_document_bytes: only its head was kept
+            t.bytes_in += line.size
+            reject(lineno, "too_long", line)
+            continue
+        t.bytes_in += len(line)
+        if line.startswith(BOM):  # a file exported on Windows (or several of them concatenated)
+            line = line[3:]
+            counts["boms_stripped"] += 1
+        # Hot loop: no copies of the line on the accepted path (orjson ignores the
+        # trailing newline; isspace() stops at the first non-space byte instead of
+        # building a stripped copy).
+        if line.isspace() or not line:
+            reject(lineno, "blank_line", line.rstrip(b"\r\n"))
+            continue
+        try:
+            obj = loads(line)
+        except JSONDecodeError:
+            body = line.rstrip(b"\r\n")
+            reject(lineno, _classify_bad_json(body), body)
+            continue
+        if type(obj) is not dict:
+            reject(lineno, "not_object", line.rstrip(b"\r\n"))
+            continue
+        text = obj.get(key)
+        if text is None and key not in obj:
+            reject(lineno, "missing_key", line.rstrip(b"\r\n"))
+        elif type(text) is not str:
+            reject(lineno, "not_string", line.rstrip(b"\r\n"))
+        elif not text or text.isspace():
+            reject(lineno, "empty_text", line.rstrip(b"\r\n"))
+        else:
+            if line[-1:] != b"\n" or line[-2:] == b"\r\n":
+                line = line.rstrip(b"\r\n") + b"\n"
+                counts["line_endings_normalized"] += 1
+            fo.write(line)
+            t.bytes_out += len(line)
+            t.docs += 1
+
+
+def _mediawiki_pages(t: _Tally, shard: str, raw: io.RawIOBase, comp: str, key: str, fo: BinaryIO, lim: Limits) -> None:
+    from snakellm.data.mediawiki import iter_pages  # mwparserfromhell only where it is needed
+
+    for page in iter_pages(shard, comp, raw=raw, max_page_bytes=lim.max_document_bytes):
+        t.lines += 1
+        t.bytes_in += page.bytes_in
+        if page.skip:
+            t.skipped[page.skip] += 1
+            continue
+        if not page.text.strip():
+            t.reject(page.number, "empty_text", page.wikitext.encode(), title=page.title, id=page.id)
+            continue
+        rec = orjson.dumps({key: page.text, "title": page.title, "id": page.id}) + b"\n"
+        fo.write(rec)
+        t.bytes_out += len(rec)
+        t.docs += 1
+
+
+def _text_shard(
+    t: _Tally, shard: str, fmt: str, raw: io.RawIOBase, comp: str, key: str, fo: BinaryIO, lim: Limits
+) -> None:
+    for lineno, doc in _text_documents(shard, fmt, t.counts, raw, comp, lim.max_document_bytes):
+        t.lines += 1
+        if type(doc) is TooLong:
+            t.bytes_in += doc.size
+            t.reject(lineno, "too_long", doc)
+            continue
+        t.bytes_in += len(doc)
+        try:
+            text = doc.decode("utf-8")
+        except UnicodeDecodeError:
+            t.reject(lineno, "invalid_utf8", doc)
+            continue
+        if not text.strip():
+            t.reject(lineno, "empty_text", doc)
+            continue
+        rec = orjson.dumps({key: text}) + b"\n"
+        fo.write(rec)
+        t.bytes_out += len(rec)
+        t.docs += 1
+
+
+def _remove_download(shard: str) -> str:
+    """Remove a downloaded shard (and its sidecar) so that the next run fetches it again."""
+    for p in [shard, *_sidecars(shard)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+    return "; removed it: the next run downloads it again"
+
+
+def _read_shard(t: _Tally, shard: str, fmt: str, key: str, fo: BinaryIO, lim: Limits, exp: Expected | None) -> dict:
+    """Read one shard through to its last byte; return its compression, identity and sha256."""
+    before = stat_shard(shard)
+    with open_local(shard) as raw:
+        try:
+            comp = detect_compression(shard, fmt)
+            if fmt.startswith("jsonl"):
+                _jsonl_lines(t, shard_lines(shard, fmt, comp, raw, lim.max_document_bytes), key, fo)
+            elif fmt == "mediawiki":
+                _mediawiki_pages(t, shard, raw, comp, key, fo, lim)
             else:
-                if line[-1:] != b"\n" or line[-2:] == b"\r\n":
-                    line = line.rstrip(b"\r\n") + b"\n"
-                    counts["line_endings_normalized"] += 1
-                fo.write(line)
-                bytes_out += len(line)
-                docs += 1
-    elif fmt == "mediawiki":
-        from snakellm.data.mediawiki import iter_pages  # mwparserfromhell only where it is needed
+                _text_shard(t, shard, fmt, raw, comp, key, fo, lim)
+        except DamagedShardError as e:
+            if exp is None:
+                raise
+            # a download that is damaged: fetch it again next time, even when its sha256 is the
+            # manifest's (the server sent a damaged file, or an error page, with a 200)
+            digest = raw.hexdigest()
+            if digest != exp.sha256:
+                raise ManifestMismatchError(
+                    f"shard {display(shard)} ({exp.url}) has sha256 {digest}, the manifest recorded "
+                    f"{exp.sha256}{_remove_download(shard)}"
+                ) from None
+            raise DamagedShardError(f"{e} (downloaded from {exp.url}){_remove_download(shard)}") from None
+        digest = raw.hexdigest()
+    after = stat_shard(shard)
+    was, now = shard_identity(before), shard_identity(after)
+    if was != now:
+        diff = ", ".join(f"{k} {was[k]} -> {v}" for k, v in now.items() if was[k] != v)
+        raise ShardFileError(
+            f"shard {display(shard)} changed while it was read ({diff}): its documents may be a mix; run again"
+        )
+    if exp is not None and digest != exp.sha256:
+        raise ManifestMismatchError(
+            f"shard {display(shard)} ({exp.url}) has sha256 {digest}, the manifest recorded {exp.sha256}"
+            f"{_remove_download(shard)}"
+        )
+    return {"compression": comp, "stat": was, "sha256": digest}
 
-        for page in iter_pages(shard, comp):
-            lines += 1
-            bytes_in += page.bytes_in
-            if page.skip:
-                skipped[page.skip] += 1
-                continue
-            if not page.text.strip():
-                reject(page.number, "empty_text", page.wikitext.encode(), title=page.title, id=page.id)
-                continue
-            rec = dumps({key: page.text, "title": page.title, "id": page.id}) + b"\n"
-            fo.write(rec)
-            bytes_out += len(rec)
-            docs += 1
-    else:
-        for lineno, raw in _text_documents(shard, fmt, counts):
-            lines += 1
-            bytes_in += len(raw)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                reject(lineno, "invalid_utf8", raw)
-                continue
-            if not text.strip():
-                reject(lineno, "empty_text", raw)
-                continue
-            rec = dumps({key: text}) + b"\n"
-            fo.write(rec)
-            bytes_out += len(rec)
-            docs += 1
-    res = {
-        "shard": shard,
-        "compression": comp,
-        "lines": lines,
-        "documents": docs,
-        "bytes_in": bytes_in,
-        "bytes_out": bytes_out,
-        "reasons": dict(reasons),
-        "skipped": dict(skipped),
-        **counts,
-    }
+
+def _alarm(t: _Tally, shard: str, fmt: str, lim: Limits) -> None:
+    """Fail on a shard whose lines are mostly rejected: likely an HTML page or another format saved under this name."""
+    frac = lim.max_rejected_fraction
+    rejected = sum(t.reasons.values())
+    if frac is None or t.lines < ALARM_MIN_LINES or rejected <= frac * t.lines:
+        return
+    top, n = t.reasons.most_common(1)[0]
+    raise RejectedFractionError(
+        f"shard {display(shard)}: {rejected} of {t.lines} lines rejected ({rejected / t.lines:.0%}; "
+        f"most as {top}: {n}), more than max_rejected_fraction {frac:g}: is it really {fmt}? "
+        "(a source that expects this sets max_rejected_fraction: 1)"
+    )
+
+
+def _process_shard(
+    shard: str,
+    fmt: str,
+    key: str,
+    fo: BinaryIO,
+    fr: BinaryIO,
+    expected: Expected | None = None,
+    limits: Limits = Limits(),
+) -> dict:
+    """Validate one shard, writing accepted lines to ``fo`` and quarantined ones to ``fr``.
+
+    Returns this shard's counts: lines, documents, bytes in/out, rejections by
+    reason, the compression found, what was repaired (BOMs, line endings) and
+    its identity (size, mtime_ns, ctime_ns, inode, as the planner compares
+    them at every start; sha256). Raises ShardFileError / DamagedShardError /
+    ManifestMismatchError / RejectedFractionError naming the shard.
+    """
     if expected is not None:
-        res["sha256"] = expected.sha256  # checked above
-    return res
+        check_against_manifest(shard, expected, hash_it=False)
+    t = _Tally(shard, fr)
+    ident = _read_shard(t, shard, fmt, key, fo, limits, expected)
+    _alarm(t, shard, fmt, limits)
+    return {
+        "shard": shard,
+        "compression": ident["compression"],
+        "lines": t.lines,
+        "documents": t.docs,
+        "bytes_in": t.bytes_in,
+        "bytes_out": t.bytes_out,
+        "reasons": dict(t.reasons),
+        "skipped": dict(t.skipped),
+        **t.counts,
+        "stat": ident["stat"],
+        "sha256": ident["sha256"],
+    }
 
 
-def _shard_to_parts(job: tuple[str, str, str, str, str, Expected | None]) -> dict:
+def _shard_to_parts(job: tuple[str, str, str, str, str, Expected | None, Limits]) -> dict:
     """Worker: one shard into its own part files (concatenated in shard order afterwards)."""
-    shard, fmt, key, part_out, part_rej, exp = job
+    shard, fmt, key, part_out, part_rej, exp, limits = job
     with open(part_out, "wb", buffering=1 << 22) as fo, open(part_rej, "wb") as fr:
-        return _process_shard(shard, fmt, key, fo, fr, exp)
+        return _process_shard(shard, fmt, key, fo, fr, exp, limits)
 
 
 def _append_file(src: str, dst: BinaryIO) -> None:
@@ -306,6 +486,7 @@ def build_chunk(
     workers: int = 1,
     show_progress: bool = True,
     expected: dict[str, Expected] | None = None,
+    limits: Limits = Limits(),
 ) -> dict:
     """Concatenate and validate ``shards`` into ``out``; return the stats dict.
 
@@ -313,7 +494,7 @@ def build_chunk(
     hidden part files next to the output, which are then appended in shard order:
     the output is byte-identical to the sequential one. ``expected`` maps a
     downloaded shard to what its manifest recorded; it is checked before the
-    shard is read.
+    shard is read. ``limits`` caps documents and the share of rejected lines per shard.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
@@ -321,12 +502,10 @@ def build_chunk(
     rej_p = Path(rejected) if rejected else out_p.with_name(out_p.name.removesuffix(".jsonl") + ".rejected.jsonl")
     stats_p = Path(stats) if stats else out_p.with_name(out_p.name.removesuffix(".jsonl") + ".stats.json")
     expected = expected or {}
-    for s in shards:
-        if not os.path.isfile(s) and s not in expected:
-            raise FileNotFoundError(f"shard not found: {s}")
+    sizes = {s: expected[s].size if s in expected else stat_shard(s).st_size for s in shards}
 
     t0 = time.perf_counter()
-    total_size = sum(os.path.getsize(s) if os.path.isfile(s) else expected[s].size for s in shards)
+    total_size = sum(sizes.values())
     per_shard: list[dict] = []
     workers = max(1, min(workers, len(shards)))
 
@@ -340,11 +519,13 @@ def build_chunk(
         ):
             if workers == 1:
                 for shard in shards:
-                    per_shard.append(_process_shard(shard, fmt, key, fo, fr, expected.get(shard)))
-                    bar.update(os.path.getsize(shard))
+                    per_shard.append(_process_shard(shard, fmt, key, fo, fr, expected.get(shard), limits))
+                    bar.update(sizes[shard])
             else:
                 parts = [(f"{tmp_out}.{i}.part", f"{tmp_rej}.{i}.part") for i in range(len(shards))]
-                jobs = [(s, fmt, key, po, pr, expected.get(s)) for s, (po, pr) in zip(shards, parts, strict=True)]
+                jobs = [
+                    (s, fmt, key, po, pr, expected.get(s), limits) for s, (po, pr) in zip(shards, parts, strict=True)
+                ]
                 try:
                     with ProcessPoolExecutor(workers) as pool:
                         # map() yields in shard order; parts are appended as soon as their turn comes
@@ -352,7 +533,7 @@ def build_chunk(
                             _append_file(po, fo)
                             _append_file(pr, fr)
                             per_shard.append(res)
-                            bar.update(os.path.getsize(res["shard"]) if os.path.isfile(res["shard"]) else 0)
+                            bar.update(sizes[res["shard"]])
                 finally:
                     for po, pr in parts:
                         for p in (po, pr):
@@ -374,7 +555,7 @@ def build_chunk(
         mismatched = [r["shard"] for r in per_shard if r["compression"] != declared[r["shard"]]]
         for s in mismatched[:10]:
             print(
-                f"snakellm chunk: note: {s} is {next(r['compression'] for r in per_shard if r['shard'] == s)}, "
+                f"snakellm chunk: note: {display(s)} is {next(r['compression'] for r in per_shard if r['shard'] == s)}, "
                 f"not {declared[s]} as format {fmt} and its name say; read as what it is",
                 file=sys.stderr,
             )
@@ -434,16 +615,6 @@ def _read_manifest(path: str) -> list[tuple[str, Expected | None]]:
     return out
 
 
-def read_shard_list(path: str) -> list[str]:
-    """A shard list file: one path per line (blank lines and ``#`` comments ignored).
-
-    The workflow passes shard lists this way: a chunk of thousands of shards
-    does not fit in one command-line argument (Linux caps one at 128 KiB).
-    """
-    with open(path, encoding="utf-8") as fh:
-        return [s for s in (line.rstrip("\n") for line in fh) if s.strip() and not s.startswith("#")]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="snakellm chunk",
@@ -466,7 +637,21 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="FILE",
-        help="file(s) listing shard paths, one per line (for lists too long for a command line)",
+        help="file(s) listing shard paths, one JSON string per line as the planner writes them (plain paths "
+        "work too); for lists too long for a command line",
+    )
+    p.add_argument(
+        "--max-document-bytes",
+        type=int,
+        default=None,
+        help="a longer document (line) is quarantined as too_long, never held whole (default: no limit)",
+    )
+    p.add_argument(
+        "--max-rejected-fraction",
+        type=float,
+        default=None,
+        help=f"fail on a shard of at least {ALARM_MIN_LINES} lines with a larger share of them rejected "
+        "(default: no alarm; 1 turns it off)",
     )
     p.add_argument("-o", "--output", required=True, help="the chunk's .jsonl")
     p.add_argument("--rejected", help="default: {output stem}.rejected.jsonl")
@@ -496,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for f in a.shard_list:
             shards.extend(read_shard_list(f))
-    except OSError as e:
+    except (OSError, ValueError) as e:
         p.error(f"cannot read shard list: {e}")
     if not shards:
         p.error("no shards given (positional files, --shard-list or --manifest)")
@@ -513,8 +698,16 @@ def main(argv: list[str] | None = None) -> int:
             workers=a.threads,
             show_progress=not a.no_progress,
             expected=expected,
+            limits=Limits(a.max_document_bytes, a.max_rejected_fraction),
         )
-    except (FileNotFoundError, ValueError, VerificationError, ManifestMismatchError) as e:
+    except (
+        FileNotFoundError,
+        ValueError,
+        VerificationError,
+        ManifestMismatchError,
+        ShardFileError,
+        RejectedFractionError,
+    ) as e:
         print(f"snakellm chunk: error: {e}", file=sys.stderr)
         return 1
     print(

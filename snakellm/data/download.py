@@ -18,6 +18,11 @@ so the job itself has to do what a per-shard scheduler would otherwise do:
   ``200`` (Range ignored, or the file changed) restarts, ``416`` restarts;
 * hash while streaming (sha256; a resumed part is hashed from disk first) and
   check the final size against ``Content-Length`` / the ``Content-Range`` total;
+* verify what arrived: for a compressed source an HTML/text ``Content-Type`` or a
+  body without a compression's magic bytes (an error page behind a 200) is a
+  server error, retried, then final with the URL; a trickle below
+  ``min_rate`` ends the attempt, and a per-shard ``deadline`` ends the shard;
+  a redirect loop is named as one;
 * publish a shard only by renaming the complete, fsynced ``.part`` onto its
   final name. A final file therefore always is a complete download, so one that
   exists is never requested again; its size and sha256 come from the
@@ -58,9 +63,11 @@ from urllib.parse import urlsplit
 from urllib.request import Request, urlopen
 
 from snakellm import __version__
-from snakellm.data.planning import url_to_relpath
+from snakellm.data.planning import read_shard_list, url_to_relpath
+from snakellm.errors import StepFailed
 from snakellm.io.atomic import write_json
 from snakellm.io.progress import progress
+from snakellm.io.readers import compression_of, sniff
 
 BLOCK = 1 << 18  # 256 KiB per read: few syscalls, fine-grained progress and resume points
 USER_AGENT = f"snakellm/{__version__} (+download)"
@@ -75,6 +82,9 @@ class Options:
     backoff: float = 1.0
     max_backoff: float = 60.0
     timeout: float = 60.0
+    deadline: float = 7200.0  # a shard not complete this long after its first request fails (0: no deadline)
+    min_rate: float = 1024.0  # bytes/s an attempt must average over each `timeout` window (0: no minimum)
+    format: str = ""  # the source's format: with the URL's suffix, the compression a body must have
 
 
 @dataclass
@@ -107,11 +117,16 @@ class ShardError(RuntimeError):
 
 
 class _Retryable(Exception):
-    """An attempt failed in a way another attempt may fix (429, 5xx, network)."""
+    """An attempt failed in a way another attempt may fix (429, 5xx, network).
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    ``progress=False``: whatever bytes it brought do not reset the failure
+    count (a trickle below the minimum rate is a failure, not progress).
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None, progress: bool = True) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.progress = progress
 
 
 class _Restart(Exception):
@@ -388,13 +403,16 @@ def _fetch_locked(
 
     best = st.offset  # furthest point ever reached: new bytes reset the failure count
     failures = requests = 0
+    started = time.monotonic()
     while True:
         if stop.is_set():
             raise _Stopped()
         retry_after: float | None = None
         requests += 1
+        progress = True
         try:
-            _attempt(st, opts, stop)
+            _attempt(st, opts, stop, started)
+            _check_body(st, opts)
             break
         except _Restart as e:
             last_error = str(e)
@@ -403,10 +421,13 @@ def _fetch_locked(
             retry_after = 0.0
         except _Retryable as e:
             last_error = str(e)
-            retry_after = e.retry_after
+            retry_after, progress = e.retry_after, e.progress
         if st.offset > best:
-            best, failures = st.offset, 0
+            best = st.offset
+            if progress:
+                failures = 0
         failures += 1
+        _check_deadline(st, opts, started, last_error)
         if failures > opts.retries:
             kept = f"; {st.offset} bytes kept in {part} for the next run" if st.offset else ""
             raise ShardError(
@@ -414,6 +435,8 @@ def _fetch_locked(
                 f"gave up after {requests} attempts ({opts.retries} retries without progress); last error: {last_error}{kept}",
             )
         delay = backoff_delay(failures, opts, retry_after)
+        if opts.deadline:
+            delay = max(0.0, min(delay, started + opts.deadline - time.monotonic()))
         log(f"{url}: {last_error}; retry {failures}/{opts.retries} in {delay:.2f}s from byte {st.offset}")
         if stop.wait(delay):
             raise _Stopped()
@@ -450,6 +473,12 @@ def _open(req: Request, timeout: float) -> Iterator[http.client.HTTPResponse]:
         with contextlib.suppress(Exception):
             e.close()
         msg = f"HTTP {status} {reason}".rstrip()
+        if 300 <= status < 400:  # urllib gives up on a loop (a URL seen 4 times) or after 10 redirects
+            where = hdrs.get("Location")
+            raise ShardError(
+                req.full_url,
+                f"redirect loop (or more than 10 redirects): the last answer was HTTP {status} to {where!r}",
+            ) from None
         if status == 416 and req.has_header("Range"):
             raise _Restart(f"{msg} for {req.get_header('Range')} ({crange or 'no Content-Range'})") from None
         if _is_retryable_status(status):
@@ -464,7 +493,66 @@ def _open(req: Request, timeout: float) -> Iterator[http.client.HTTPResponse]:
         yield resp
 
 
-def _attempt(st: _Part, opts: Options, stop: threading.Event) -> None:
+def _check_deadline(st: _Part, opts: Options, started: float, last_error: str) -> None:
+    """ShardError once the shard has been at it longer than ``deadline`` (a trickle that always makes progress)."""
+    if opts.deadline and time.monotonic() - started >= opts.deadline:
+        kept = f"; {st.offset} bytes kept in {_part_path(st.final)} for the next run" if st.offset else ""
+        raise ShardError(
+            st.url,
+            f"not complete {opts.deadline:g} s after its first request (deadline_s); "
+            f"{st.offset} of {st.total if st.total is not None else '?'} bytes; last error: {last_error}{kept}",
+        )
+
+
+class _Rate:
+    """Ends an attempt that receives less than ``min_rate`` bytes/s over a window of ``timeout`` seconds."""
+
+    def __init__(self, opts: Options, started: float) -> None:
+        self.opts, self.started = opts, started
+        self.window_start = time.monotonic()
+        self.window_bytes = 0
+
+    def add(self, n: int) -> None:
+        self.window_bytes += n
+        now = time.monotonic()
+        o = self.opts
+        if o.deadline and now - self.started >= o.deadline:
+            raise _Retryable(f"deadline of {o.deadline:g} s reached mid-body", progress=False)
+        span = now - self.window_start
+        if span < o.timeout:
+            return
+        rate = self.window_bytes / span
+        if o.min_rate and rate < o.min_rate:
+            raise _Retryable(
+                f"transfer slower than min_rate_bytes_s {o.min_rate:g} ({rate:.0f} bytes/s over {span:.0f} s)",
+                progress=False,
+            )
+        self.window_start, self.window_bytes = now, 0
+
+
+def _check_body(st: _Part, opts: Options) -> None:
+    """The complete body of a compressed source must start with a compression's magic bytes.
+
+    An error page served with 200 (or a proxy's HTML) would otherwise be
+    recorded as the shard, with its sha256, and fail every chunk run.
+    """
+    declared = _declared(st.url, opts)
+    if declared == "none":
+        return
+    st.fh.seek(0)
+    head = st.fh.read(8)
+    st.fh.seek(st.offset)
+    if sniff(head) == "none":
+        st.restart()
+        raise _Retryable(f"the body is not a {declared} file (it starts with {head!r}: an error page?)")
+
+
+def _declared(url: str, opts: Options) -> str:
+    """The compression the source's format, else the URL's suffix, promises for this shard."""
+    return compression_of(urlsplit(url).path, opts.format or None)
+
+
+def _attempt(st: _Part, opts: Options, stop: threading.Event, started: float | None = None) -> None:
     """One request, appending its body to the part. Returns when the shard is complete.
 
     Raises _Retryable / _Restart / ShardError / _Stopped; in every case the file
@@ -477,9 +565,10 @@ def _attempt(st: _Part, opts: Options, stop: threading.Event) -> None:
         if st.validator:
             headers["If-Range"] = st.validator
     req = Request(st.url, headers=headers)
+    rate = _Rate(opts, time.monotonic() if started is None else started)
     try:
         with _open(req, opts.timeout) as resp:
-            _start_body(st, resp)
+            _start_body(st, resp, opts)
             while True:
                 if stop.is_set():
                     raise _Stopped()
@@ -489,8 +578,12 @@ def _attempt(st: _Part, opts: Options, stop: threading.Event) -> None:
                 if not buf:
                     break
                 st.append(buf)
+                rate.add(len(buf))
                 if st.total is not None and st.offset > st.total:
                     raise _Restart(f"server sent more than the announced {st.total} bytes")
+    except _Retryable:
+        st.sync()
+        raise
     except (OSError, http.client.HTTPException) as e:
         # connection reset, read timeout, broken chunked encoding: keep what arrived
         st.sync()
@@ -505,9 +598,14 @@ def _attempt(st: _Part, opts: Options, stop: threading.Event) -> None:
         raise _Retryable(f"connection closed after {st.offset} of {st.total} bytes")
 
 
-def _start_body(st: _Part, resp: http.client.HTTPResponse) -> None:
+def _start_body(st: _Part, resp: http.client.HTTPResponse, opts: Options) -> None:
     """Check the response status and headers against the part and get it ready for the body."""
     status = resp.status
+    ctype = (resp.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+    declared = _declared(st.url, opts)
+    if declared != "none" and (ctype.startswith("text/") or "html" in ctype):
+        # an error page behind a 200 (a CDN's "rate limited", a login wall): a server error, retried
+        raise _Retryable(f"HTTP {status} with Content-Type {ctype} for a {declared} shard (an error page?)")
     if status == 206:
         cr = _content_range(resp.headers.get("Content-Range"))
         if cr is None or cr[0] != st.offset:
@@ -631,7 +729,7 @@ def download_chunk(
     return man
 
 
-class DownloadError(RuntimeError):
+class DownloadError(StepFailed):
     """Some shards of the chunk failed; each line names a URL and its last status or error."""
 
     def __init__(self, errors: list[ShardError], n_done: int, n_total: int, dest: Path) -> None:
@@ -663,6 +761,15 @@ failure, with jitter, capped by --max-backoff). A shard gives up after
 continued with an HTTP Range request (If-Range guards against a file that
 changed on the server; a 200 answer restarts the shard from zero).
 
+Verification: for a compressed shard (by --format, else the URL's suffix) an
+HTML/text Content-Type, or a body that does not start with a compression's
+magic bytes (an error page behind a 200), is retried like a server error and
+then fails with the URL; the body's size must match Content-Length. An
+attempt that averages less than --min-rate bytes/s over a --timeout window is
+ended and counts as a failure even though bytes arrived; a shard not complete
+--deadline seconds after its first request fails (its .part is kept). A
+redirect loop (or more than 10 redirects) fails at once, named as such.
+
 Exit status: 0 when every shard is complete and the manifest is written; 1
 when any shard failed (each failure is listed with its URL and last status;
 the completed shards stay for the retry and no manifest is written); 2 on
@@ -677,7 +784,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("urls", nargs="*", metavar="URL", help="shard URLs, in chunk order")
-    p.add_argument("--url-file", help="read more URLs from this file (one per line; for very long lists)")
+    p.add_argument(
+        "--url-file",
+        help="read more URLs from this file (a shard list as the planner writes it: one JSON string per line, "
+        "# notes; plain lines work too); for very long lists",
+    )
     p.add_argument("--dest", required=True, help="directory the shards are stored under (data/raw/{source}/shards)")
     p.add_argument(
         "--manifest",
@@ -711,17 +822,40 @@ def main(argv: list[str] | None = None) -> int:
         default=d.timeout,
         help=f"connect and read timeout per request in seconds (default {d.timeout:g})",
     )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=d.deadline,
+        help=f"a shard not complete this many seconds after its first request fails (default {d.deadline:g}; 0: none)",
+    )
+    p.add_argument(
+        "--min-rate",
+        type=float,
+        default=d.min_rate,
+        help=f"bytes/s an attempt must average over each --timeout window, else it is retried and counts as a "
+        f"failure (default {d.min_rate:g}; 0: none)",
+    )
+    p.add_argument(
+        "--format",
+        default="",
+        help="the source's format (jsonl.zst, mediawiki, ...): with each URL's suffix, the compression its body "
+        "must have; an HTML/text body or Content-Type for a compressed shard is retried, then fails",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     urls = list(a.urls)
     if a.url_file:
-        with open(a.url_file) as fh:
-            urls += [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            urls += [u.strip() for u in read_shard_list(a.url_file)]
+        except (OSError, ValueError) as e:
+            p.error(f"cannot read --url-file: {e}")
     if not urls:
         p.error("no URLs given")
-    if a.concurrency < 1 or a.retries < 0 or a.backoff < 0 or a.max_backoff < 0 or a.timeout <= 0:
-        p.error("--concurrency must be >= 1, --retries/--backoff/--max-backoff >= 0 and --timeout > 0")
-    opts = Options(a.concurrency, a.retries, a.backoff, a.max_backoff, a.timeout)
+    if a.concurrency < 1 or min(a.retries, a.backoff, a.max_backoff, a.deadline, a.min_rate) < 0 or a.timeout <= 0:
+        p.error(
+            "--concurrency must be >= 1, --retries/--backoff/--max-backoff/--deadline/--min-rate >= 0 and --timeout > 0"
+        )
+    opts = Options(a.concurrency, a.retries, a.backoff, a.max_backoff, a.timeout, a.deadline, a.min_rate, a.format)
     try:
         man = download_chunk(
             urls, a.dest, a.manifest, opts=opts, source=a.source, chunk=a.chunk, show_progress=not a.no_progress

@@ -19,6 +19,7 @@ so ``[[Kategorie:...]]`` or ``[[Fichier:...]]`` in other languages are removed t
 
 from __future__ import annotations
 
+import io
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ import mwparserfromhell
 from mwparserfromhell.definitions import is_visible
 from mwparserfromhell.nodes import ExternalLink, Heading, HTMLEntity, Tag, Text, Wikilink
 
-from snakellm.io.readers import open_shard
+from snakellm.io.readers import DamagedShardError, display, open_shard
 
 # Tags whose content is not running text (or is rendered from data, like tables).
 DROP_TAGS = frozenset(
@@ -162,33 +163,75 @@ def clean_wikitext(wikitext: str, drop_namespaces: frozenset[str] = DROP_LINK_NA
     return _BLANKS.sub("\n\n", "\n".join(lines)).strip()
 
 
-def iter_pages(path: str, compression: str | None = None) -> Iterator[Page]:
-    """Every page of a dump, in order: articles with their cleaned ``text``, the rest with ``skip`` set."""
+class _Metered:
+    """The decompressed dump as iterparse reads it, failing when one page's XML grows past a cap.
+
+    expat holds a page's text whole until its end tag: without a cap, one page
+    of a damaged or hostile dump (a decompression bomb) could take all memory.
+    """
+
+    def __init__(self, path: str, fh, cap: int | None) -> None:
+        self.path, self.fh, self.cap = path, fh, cap
+        self.read_bytes = 0
+        self.mark = 0  # read_bytes when the last page ended
+        self.page = 1  # the number of the page being read
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.fh.read(n)
+        self.read_bytes += len(data)
+        if self.cap is not None and self.read_bytes - self.mark > self.cap:
+            raise DamagedShardError(
+                f"{display(self.path)}: page {self.page} (or what follows page {self.page - 1}) is more than "
+                f"{self.cap} bytes of XML, past the max_document_bytes limit"
+            )
+        return data
+
+
+def iter_pages(
+    path: str, compression: str | None = None, raw: io.RawIOBase | None = None, max_page_bytes: int | None = None
+) -> Iterator[Page]:
+    """Every page of a dump, in order: articles with their cleaned ``text``, the rest with ``skip`` set.
+
+    XML that does not parse fails naming the dump and the page after which it broke
+    (expat's line and column alone name no file). A page whose XML passes
+    twice ``max_page_bytes`` (plus 1 MiB for markup) fails the job rather than
+    taking all memory.
+    """
     ns_names: set[str] = set()
     drop = DROP_LINK_NAMESPACES
     number = 0
-    with open_shard(path, "mediawiki", compression) as fh:
-        context = ET.iterparse(fh, events=("start", "end"))
+    cap = None if max_page_bytes is None else 2 * max_page_bytes + (1 << 20)
+    with open_shard(path, "mediawiki", compression, raw) as fh:
+        src = _Metered(path, fh, cap)
+        context = ET.iterparse(src, events=("start", "end"))
         root = None
-        for event, elem in context:
-            if root is None:
-                root = elem
-                if _local(root.tag) != "mediawiki":
-                    raise ValueError(f"{path}: not a MediaWiki XML dump (root element <{_local(root.tag)}>)")
-                continue
-            if event != "end":
-                continue
-            name = _local(elem.tag)
-            if name == "siteinfo":
-                for ns in elem.iter():
-                    if _local(ns.tag) == "namespace" and ns.text and ns.get("key") in ("6", "14", "-2"):
-                        ns_names.add(ns.text.strip().lower())
-                drop = DROP_LINK_NAMESPACES | frozenset(ns_names)
-                root.clear()
-            elif name == "page":
-                number += 1
-                yield _page(elem, number, drop)
-                root.clear()  # keep memory flat: nothing of a page survives it
+        try:
+            for event, elem in context:
+                if root is None:
+                    root = elem
+                    if _local(root.tag) != "mediawiki":
+                        raise DamagedShardError(
+                            f"{display(path)}: not a MediaWiki XML dump (root element <{_local(root.tag)}>)"
+                        )
+                    continue
+                if event != "end":
+                    continue
+                name = _local(elem.tag)
+                if name == "siteinfo":
+                    for ns in elem.iter():
+                        if _local(ns.tag) == "namespace" and ns.text and ns.get("key") in ("6", "14", "-2"):
+                            ns_names.add(ns.text.strip().lower())
+                    drop = DROP_LINK_NAMESPACES | frozenset(ns_names)
+                    root.clear()
+                elif name == "page":
+                    number += 1
+                    src.mark, src.page = src.read_bytes, number + 1
+                    yield _page(elem, number, drop)
+                    root.clear()  # keep memory flat: nothing of a page survives it
+        except ET.ParseError as e:
+            raise DamagedShardError(
+                f"{display(path)}: damaged XML after page {number} ({src.read_bytes} bytes decompressed): {e}"
+            ) from None
 
 
 def _page(elem: ET.Element, number: int, drop: frozenset[str]) -> Page:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import glob
 import hashlib
 import itertools
+import json
 import os
 import re
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from snakellm.io.readers import display
 
 _NUM = re.compile(r"(\d+)")
 _BRACE = re.compile(r"\{([^{}]*)\}")
@@ -138,8 +141,50 @@ def plan_source(spec: dict, base: str | os.PathLike = ".") -> dict[str, list[str
     return {chunk_name(i): c for i, c in enumerate(chunks)}
 
 
+LIST_HEADER = "# snakellm shard list: one JSON string per line; lines starting with # are notes\n"
+
+
+def encode_shard_list(shards: list[str]) -> str:
+    """The body of a shard list: one JSON string per line, ASCII only.
+
+    Every path line starts with ``"``, so none can be taken for a ``#`` note, a
+    newline in a name is ``\\n`` inside its string, and a byte that is not UTF-8
+    (a surrogate, as ``os.fsdecode`` gives it) is a ``\\udcXX`` escape that
+    :func:`read_shard_list` turns back into the same name.
+    """
+    dumps = json.dumps
+    return "".join(dumps(s) + "\n" for s in shards)
+
+
+def read_shard_list(path: str | os.PathLike) -> list[str]:
+    """The paths in a shard list file (see :func:`encode_shard_list`), in order.
+
+    Blank lines and ``#`` notes are skipped. A line that is not a JSON string
+    is taken as a path verbatim, so a hand-written list of plain paths works
+    too (a hand-written path that starts with ``"`` or ``#``, or holds a
+    newline, must be written as a JSON string).
+    """
+    out: list[str] = []
+    with open(path, encoding="utf-8", newline="\n") as fh:
+        for i, line in enumerate(fh, start=1):
+            line = line.rstrip("\n")
+            if not line.strip() or line.startswith("#"):
+                continue
+            if line.startswith('"'):
+                try:
+                    item = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{path}, line {i}: not a JSON string: {e}") from None
+                if not isinstance(item, str):
+                    raise ValueError(f"{path}, line {i}: not a JSON string")
+                out.append(item)
+            else:
+                out.append(line)
+    return out
+
+
 def write_shard_list(path: str | os.PathLike, shards: list[str], note: str | None = None) -> Path:
-    """Write a chunk's shard list (one per line) unless the file already holds exactly that list.
+    """Write a chunk's shard list unless the file already holds exactly that list.
 
     The workflow hands shard lists to ``snakellm download``/``snakellm chunk``
     in these files instead of on the command line: Linux caps one argument at
@@ -147,24 +192,68 @@ def write_shard_list(path: str | os.PathLike, shards: list[str], note: str | Non
     file as it is, so an unchanged chunk is never rebuilt because of it, and a
     changed list (a shard appended, a new ``shards_per_chunk``) reruns exactly
     the chunks whose list changed. ``note`` forces a rewrite with the note as a
-    ``#`` comment line: the content changes, so the job that reads the list runs
-    again (Snakemake ignores a newer mtime when a small file's checksum is the
-    same), and the note stays until the list itself changes.
+    ``#`` line: the content changes, so the job that reads the list runs again
+    (Snakemake ignores a newer mtime when a small file's checksum is the same),
+    and the note stays until the list itself changes. The format
+    (:func:`encode_shard_list`) holds any name a filesystem allows.
     """
     path = Path(path)
-    body = "".join(s + "\n" for s in shards)
+    body = encode_shard_list(shards)
     try:
-        old = path.read_text(encoding="utf-8")
+        with open(path, encoding="utf-8", newline="\n") as fh:
+            old = fh.read()
         if note is None and "".join(ln for ln in old.splitlines(True) if not ln.startswith("#")) == body:
             return path
     except (OSError, UnicodeDecodeError):
         pass
-    text = "".join(f"# {ln}\n" for ln in (note or "").splitlines()) + body
+    notes = "".join(f"# {ln}\n" for ln in (note or "").splitlines())
+    text = LIST_HEADER + notes + body
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.write_text(text, encoding="ascii", newline="\n")
     os.replace(tmp, path)
     return path
+
+
+def shard_identity(st: os.stat_result) -> dict[str, int]:
+    """What a chunk records of each local shard, from one stat: a change of any of them reruns the chunk.
+
+    mtime alone misses a file replaced by one with an older mtime (``cp -p``,
+    ``rsync -a``, ``tar x``, ``mv`` of an older file): the replacement has a
+    new inode and a new ctime, which no tool can set back.
+    """
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def stale_local_chunk(stats: str | os.PathLike, shards: list[str]) -> str | None:
+    """Why a local chunk's output no longer matches its shards (None: it does, or it was never built).
+
+    Compares what the chunk job recorded for every shard (size, mtime_ns,
+    ctime_ns, inode; see :func:`shard_identity`) in ``{chunk}.stats.json``
+    with a stat of the shard now: no shard is read, so 60,000 shards cost
+    60,000 stats at every start. A list that changed reruns the chunk anyway
+    (the list file differs); only shards recorded under the same path are compared.
+    """
+    try:
+        with open(stats, "rb") as fh:
+            recorded = json.load(fh).get("per_shard") or []
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{stats} is unreadable ({e})"
+    by_path = {r.get("shard"): r.get("stat") for r in recorded if isinstance(r, dict)}
+    for s in shards:
+        was = by_path.get(s)
+        if was is None:
+            continue
+        try:
+            now = shard_identity(os.stat(s))
+        except OSError as e:
+            return f"shard {display(s)}: {e.strerror}"
+        if now != was:
+            diff = ", ".join(f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v)
+            return f"shard {display(s)} changed since its chunk was built ({diff})"
+    return None
 
 
 def stale_manifest(manifest: str | os.PathLike) -> str | None:
@@ -177,8 +266,6 @@ def stale_manifest(manifest: str | os.PathLike) -> str | None:
     case ends here too). Only sizes are compared: a stat per shard keeps this
     cheap enough for 60,000 shards at every start.
     """
-    import json
-
     manifest = Path(manifest)
     try:
         with open(manifest) as fh:

@@ -1,0 +1,50 @@
+"""The embedded default's SentencePiece tokenizer keeps every character: no ``⁇`` in what a new user sees.
+
+Trained without byte fallback, the 2k model turned WikiText's literal ``<unk>``
+markers and every ``<``/``>`` into the unknown token, and the default run's
+``samples.md`` read ``⁇ unk ⁇`` over and over. With ``byte_fallback: true``
+(config/config.yaml) a character outside the vocabulary becomes its UTF-8
+bytes, so no text maps to the unknown id.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import sentencepiece as spm
+import yaml
+from conftest import REPO, Workspace
+
+pytestmark = pytest.mark.slow
+
+UNK_MARK = "\u2047"  # ⁇, what SentencePiece decodes the unknown id to
+
+
+def test_default_config_trains_a_tokenizer_with_byte_fallback(workspace: Workspace):
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    assert cfg["tokenizers"]["spm2k"]["train"]["byte_fallback"] is True
+    shutil.copytree(REPO / "resources", workspace.root / "resources")
+    shutil.copy(REPO / "config" / "config.yaml", workspace.config_path)
+    workspace.run("tokenizers/spm2k/tokenizer.model")
+    sp = spm.SentencePieceProcessor(model_file=str(workspace.path("tokenizers/spm2k/tokenizer.model")))
+    texts = []
+    for chunk in sorted(workspace.root.glob("data/jsonl/*/chunk-*.jsonl")):
+        if chunk.name.endswith(".rejected.jsonl"):
+            continue
+        texts += [json.loads(line)["text"] for line in chunk.read_text().splitlines()]
+    assert len(texts) > 100
+    assert sum("<unk>" in t for t in texts) > 10  # WikiText's literal markers are in the corpus
+    unk = sp.unk_id()
+    for t in texts:
+        ids = sp.encode(t)
+        assert unk not in ids, t[:200]
+        assert UNK_MARK not in sp.decode(ids)
+    assert sp.decode(sp.encode("a <unk> marker, 5 < 6 > 3")) == "a <unk> marker, 5 < 6 > 3"
+
+
+def test_default_run_samples_hold_words_not_unknown_marks(default_workflow: Workspace):
+    samples = default_workflow.path("runs/tiny/samples.md").read_text()
+    assert "## 1" in samples
+    assert UNK_MARK not in samples
