@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import SnakellmError
 from snakellm.io.atomic import write_text
 from snakellm.models import families
 
@@ -626,7 +627,8 @@ def params_from_args(a: argparse.Namespace) -> SamplingParams:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="snakellm generate",
-        description="Continue prompts with a checkpoint (KV-cached decoding, one batch). Prompts come from "
+        description="Continue prompts with a checkpoint (the continuous-batching engine: static KV cache, CUDA "
+        "graphs on a GPU; any number of prompts). Prompts come from "
         "--prompt (repeatable) or --prompts-file (one per line, or jsonl with a 'prompt' key); the output is "
         "jsonl ({prompt, completion, finish_reason, tokens}) or, with --markdown, a readable report.",
     )
@@ -641,6 +643,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--add-bos", action="store_true", help="prepend the BOS token to every prompt")
     add_sampling_arguments(p)
+    from snakellm.config.settings import add_arguments, from_namespace
+    from snakellm.serve.engine.settings import EngineSettings
+
+    add_arguments(p.add_argument_group("engine"), EngineSettings)
     a = p.parse_args(argv)
     prompts = list(a.prompt)
     if a.prompts_file:
@@ -679,8 +685,10 @@ def main(argv: list[str] | None = None) -> int:
     gen = load_generator(a.checkpoint, blend=a.blend, device=a.device, iteration=a.iteration)
     t1 = time.time()
     try:
-        outs = gen.generate(prompts, params, add_bos=a.add_bos)
-    except GenerationError as e:
+        from snakellm.serve.engine import Engine
+
+        outs = Engine(gen, from_namespace(EngineSettings, a)).generate(prompts, params, add_bos=a.add_bos)
+    except (GenerationError, SnakellmError) as e:
         print(f"snakellm generate: {e}", file=sys.stderr)
         return 2
     t2 = time.time()

@@ -3,8 +3,9 @@
 ``PUT /generate`` is NeMo ``MegatronServer``'s API (nemo_api.py);
 ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models``
 are OpenAI's, as the ``openai`` client and lm-eval call them (openai_api.py,
-chat.py). The HTTP stack is uvicorn (h11) + Starlette (app.py); one model
-worker thread runs the requests one at a time (worker.py).
+chat.py). The HTTP stack is uvicorn (h11) + Starlette (app.py); requests run
+on the continuous-batching engine (engine/serving.py): concurrent clients share
+the running decode batch, one scheduler thread owns the model.
 
 uvicorn closes a kept-alive connection that stays idle after a response; it
 does not time out a connection that never completes a request head (a
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.config.settings import add_arguments, from_namespace
+from snakellm.errors import SnakellmError
+from snakellm.serve.engine.settings import EngineSettings
 from snakellm.serve.settings import ServeSettings
 
 log = logging.getLogger("snakellm.serve")
@@ -79,22 +82,33 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def build(
-    gen: Any, settings: ServeSettings, model_name: str, tokenizer_block: dict | None = None, run_dir: Path | None = None
+    gen: Any,
+    settings: ServeSettings,
+    model_name: str,
+    tokenizer_block: dict | None = None,
+    run_dir: Path | None = None,
+    engine: EngineSettings | None = None,
 ) -> Any:
-    """The Starlette app serving ``gen`` (the chat template from the settings, the run, or the default)."""
+    """The Starlette app serving ``gen`` (the chat template from the settings, the run, or the default).
+
+    Requests run on the continuous-batching engine (:class:`BatchingWorker`): concurrent clients
+    share the decode batch.
+    """
     from snakellm.serve.app import Served, create_app
     from snakellm.serve.chat import load_template
-    from snakellm.serve.worker import ModelWorker
+    from snakellm.serve.engine.serving import BatchingWorker
 
     template = load_template(settings.chat_template, tokenizer_block or {}, run_dir, gen.tok)
     log.info("chat template: %s", template.source)
-    return create_app(Served(ModelWorker(gen), settings, model_name, template))
+    return create_app(Served(BatchingWorker(gen, engine), settings, model_name, template))
 
 
-def serve_in_thread(gen: Any, settings: ServeSettings, model_name: str) -> tuple[str, Any]:
+def serve_in_thread(
+    gen: Any, settings: ServeSettings, model_name: str, engine: EngineSettings | None = None
+) -> tuple[str, Any]:
     """(url, stop) of a server on a background thread (for scripts; ``stop()`` ends it)."""
     sock = bind(settings.host, settings.port)
-    server = make_server(build(gen, settings, model_name), settings)
+    server = make_server(build(gen, settings, model_name, engine=engine), settings)
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
 
@@ -106,7 +120,7 @@ def serve_in_thread(gen: Any, settings: ServeSettings, model_name: str) -> tuple
     return f"http://{settings.host}:{sock.getsockname()[1]}", stop
 
 
-def parse_args(argv: list[str] | None) -> tuple[str, ServeSettings]:
+def parse_args(argv: list[str] | None) -> tuple[str, ServeSettings, EngineSettings]:
     p = argparse.ArgumentParser(
         prog="snakellm serve",
         description="Serve a checkpoint over HTTP: NeMo MegatronServer's PUT /generate and OpenAI's "
@@ -114,12 +128,13 @@ def parse_args(argv: list[str] | None) -> tuple[str, ServeSettings]:
     )
     p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
     add_arguments(p, ServeSettings)
+    add_arguments(p.add_argument_group("engine (continuous batching)"), EngineSettings)
     a = p.parse_args(argv)
-    return a.checkpoint, from_namespace(ServeSettings, a)
+    return a.checkpoint, from_namespace(ServeSettings, a), from_namespace(EngineSettings, a)
 
 
 def main(argv: list[str] | None = None) -> int:
-    checkpoint, s = parse_args(argv)
+    checkpoint, s, engine = parse_args(argv)
     from snakellm.models.loading import LoadError, describe_run
 
     logging.basicConfig(level=logging.WARNING if s.quiet else logging.INFO, format="[%(asctime)s] %(message)s")
@@ -145,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     d = Path(info["checkpoint_dir"])
     name = s.model_name or (d.parent.name if d.name == "checkpoints" else Path(checkpoint).resolve().name)
     try:
-        app = build(gen, s, name, block, Path(info["run_dir"]))
-    except ValueError as e:
+        app = build(gen, s, name, block, Path(info["run_dir"]), engine)
+    except (ValueError, SnakellmError) as e:
         print(f"snakellm serve: {e}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
