@@ -188,6 +188,9 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
         r[f"{name}_peak_gib"] = peak_memory(a.device)
         r[f"{name}_start_s"] = time.perf_counter() - t0 - times[name] * (a.repeats + 1)
         r[f"{name}_kv_cache_gib"] = eng.fast.cache.nbytes / 2**30
+        if name == "engine":
+            lp_params = SamplingParams(max_new_tokens=a.new_tokens, greedy=True, stop_at_eod=False, logprobs=True)
+            r.update(tolerance(gen, eng.generate(rows, lp_params)))
         del eng
         torch.cuda.empty_cache() if a.device.startswith("cuda") else None
     if not a.no_eager:
@@ -217,6 +220,10 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
     r["speedup_vs_transformers"] = r["engine_tokens_per_s"] / r["transformers_tokens_per_s"]
     line = " | ".join(f"{k} {b * a.new_tokens / v:,.1f}" for k, v in times.items())
     agree = ", ".join(f"{k.split('_vs_')[1]} {v}/{b}" for k, v in r.items() if k.startswith("rows_same"))
+    agree += (
+        f"; teacher-forced eager: max |d logprob| {r['max_abs_logprob_diff']:.3f}, engine choice at most "
+        f"{r['max_gap_to_eager_top']:.3f} nats below the eager top"
+    )
     print(
         f"batch {b:>3} tokens/s: {line} | engine/transformers {r['speedup_vs_transformers']:.2f}x | peak "
         f"{r['engine_peak_gib']:.2f} GiB (KV cache {r['engine_kv_cache_gib']:.2f}) | engine rows equal for 16 "
@@ -224,6 +231,33 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
         flush=True,
     )
     return r
+
+
+def tolerance(gen: Any, outs: list) -> dict:
+    """The engine's greedy rows against the eager decoder fed the same tokens (teacher forcing, bf16).
+
+    ``max_abs_logprob_diff``: the largest difference between the log-probability the engine reported
+    for a token and the eager decoder's; ``max_gap_to_eager_top``: how far below the eager
+    decoder's likeliest token the engine's choice ever was (0 when every choice is the eager
+    argmax; a small value is a bf16 near-tie, where the two may part).
+    """
+    import torch
+
+    dec = gen.decoder
+    rows = [o.prompt_ids + o.ids for o in outs]
+    n_prompt = len(outs[0].prompt_ids)
+    tokens = torch.tensor(rows, device=dec.device)
+    b, t = tokens.shape
+    positions = torch.arange(t, device=dec.device)[None].expand(b, t)
+    valid = torch.ones(b, t, dtype=torch.bool, device=dec.device)
+    with torch.inference_mode():
+        logits = dec.forward(tokens, positions, dec.new_cache(b, t), 0, valid)[:, n_prompt - 1 : -1]
+        lsm = torch.log_softmax(logits, dim=-1)
+        chosen = lsm.gather(-1, tokens[:, n_prompt:, None])[..., 0]
+        gap = (lsm.max(dim=-1).values - chosen).max().item()
+    engine_lp = torch.tensor([o.logprobs for o in outs], device=dec.device)
+    diff = (engine_lp - chosen).abs().max().item()
+    return {"max_abs_logprob_diff": diff, "max_gap_to_eager_top": gap}
 
 
 def graph_check(gen: Any, a: argparse.Namespace, vocab: int) -> dict:
@@ -384,7 +418,7 @@ def main() -> int:
     if a.eval_prompts:
         results["eval"] = bench_eval(a, gen, tok.vocab_size)
     if a.serve_check:
-        serve_check(gen, a.device)
+        results["serve"] = serve_check(gen, a.device, a.clients or 8, a.new_tokens)
     bars = []
     if "1" in results["batches"]:
         v = results["batches"]["1"]["engine_tokens_per_s"]
@@ -392,6 +426,13 @@ def main() -> int:
     if "32" in results["batches"]:
         v = results["batches"]["32"]["speedup_vs_transformers"]
         bars.append((f"batch 32 >= 5x transformers ({v:.2f}x)", v >= 5))
+    worst = max(max(r["max_abs_logprob_diff"], r["max_gap_to_eager_top"]) for r in results["batches"].values())
+    # the output layer's logits are bf16 (as the eager decoder's and transformers'): at |logit| in [16, 32)
+    # one step is 0.125, so two steps is the tolerance
+    bars.append((f"engine = eager within bf16 tolerance (worst {worst:.3f} nats <= 0.25)", worst <= 0.25))
+    if "serve" in results:
+        v = results["serve"]["speedup"]
+        bars.append((f"server: {results['serve']['clients']} concurrent clients >= 8x sequential ({v:.1f}x)", v >= 8))
     for text, ok in bars:
         print(f"bar: {text}: {'PASS' if ok else 'FAIL'}")
     if a.json:
@@ -399,9 +440,11 @@ def main() -> int:
     return 0 if all(ok for _, ok in bars) or not cuda else 1
 
 
-def serve_check(gen: Any, device: str) -> None:
-    """NeMo's PUT /generate and OpenAI's /v1/completions against this device's model, over real HTTP."""
+def serve_check(gen: Any, device: str, clients: int, max_tokens: int) -> dict:
+    """NeMo's PUT /generate and OpenAI's /v1/completions against this device's model, over real HTTP;
+    then ``clients`` concurrent completions vs the same ones in sequence (requests/s)."""
     import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
 
     from snakellm.serve.server import serve_in_thread
     from snakellm.serve.settings import ServeSettings
@@ -434,7 +477,35 @@ def serve_check(gen: Any, device: str) -> None:
     print(f"serve on {device}: PUT /generate -> {code}, keys {sorted(r)}, {len(r['token_ids'][0])} tokens in row 0")
     code, r = call("/v1/completions", "POST", {"model": "bench", "prompt": "Hello", "max_tokens": 16, "temperature": 0})
     print(f"serve on {device}: POST /v1/completions -> {code}, usage {r['usage']}")
-    stop()
+    words = "the of and to in is was for on that with as by at from his her an which".split()
+    prompts = [" ".join(words[(i * 7 + k) % len(words)] for k in range(20 + i % 9)) for i in range(clients)]
+
+    def one(prompt: str) -> str:
+        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return call("/v1/completions", "POST", body)[1]["choices"][0]["text"]
+
+    try:
+        one(prompts[0])
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(one, prompts))  # warm-up: graphs for the larger buckets
+            t0 = time.perf_counter()
+            par = list(pool.map(one, prompts))
+            t_par = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        seq = [one(p) for p in prompts]
+        t_seq = time.perf_counter() - t0
+    finally:
+        stop()
+    out = {"clients": clients, "sequential_rps": clients / t_seq, "concurrent_rps": clients / t_par}
+    out["speedup"] = out["concurrent_rps"] / out["sequential_rps"]
+    out["same_texts"] = sum(x == y for x, y in zip(par, seq, strict=True))
+    print(
+        f"serve on {device}: {clients} concurrent completions ({max_tokens} tokens, greedy) "
+        f"{out['concurrent_rps']:.1f} req/s vs sequential {out['sequential_rps']:.1f} req/s = {out['speedup']:.1f}x; "
+        f"same texts {out['same_texts']}/{clients}",
+        flush=True,
+    )
+    return out
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ def gen(request):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-    return Generator(model.eval(), arch, load_tokenizer(tok), tok["vocab_size"])
+    g = Generator(model.eval(), arch, load_tokenizer(tok), tok["vocab_size"])
+    g.decoder_model = model  # for a second Generator over the same weights
+    return g
 
 
 def engine(gen, **kw):
@@ -218,3 +220,22 @@ def test_worker_streams_async_clients_and_cancellation(gen):
         assert sorted(worker.engine.free) == [0, 1, 2, 3]
     finally:
         worker.close()
+
+
+def test_ptuning_virtual_tokens_equal_eager(gen):
+    """A p-tuning prompt table (what evaluate passes) fills each prompt's first positions in the prefill."""
+    from snakellm.serve.generate import Generator
+
+    w = gen.decoder.emb
+    table = torch.randn(3, w.size(1), generator=torch.Generator().manual_seed(1))
+    with_prompt = Generator(gen.decoder_model, gen.arch, gen.tok, gen.vocab_size, virtual=table)
+    eod = gen.tok.eod_id
+    prompts = [[eod] * 3 + gen.tok.encode(p) for p in PROMPTS]
+    params = greedy(8, stop_at_eod=False, logprobs=True)
+    fast = engine(with_prompt).generate(prompts, params)
+    eager = with_prompt.generate(prompts, params)
+    assert [o.ids for o in fast] == [o.ids for o in eager]
+    for f, e in zip(fast, eager, strict=True):
+        assert f.logprobs == pytest.approx(e.logprobs, abs=1e-4)
+    plain = gen.generate(prompts, params)
+    assert max(abs(x - y) for o, q in zip(eager, plain, strict=True) for x, y in zip(o.logprobs, q.logprobs)) > 1e-3

@@ -61,8 +61,11 @@ def test_registry_lookups():
     assert list(families.FAMILIES)[:2] == ["gpt2", "llama"]  # registered in module-name order
     for fam in families.FAMILIES.values():
         assert families.get(fam.name) is fam
-        assert families.by_model_type(fam.hf_model_type) is fam
-        assert families.for_arch(resolve(None, {"style": fam.name, **_small()})) is fam
+        arch = resolve(None, {"style": fam.name, **_small()})
+        # a family sharing its model_type with another (Llama 3.x) is found for the configs it claims
+        config = fam.hf_config(arch) if fam.hf_claims is not None else None
+        assert families.by_model_type(fam.hf_model_type, config=config) is fam
+        assert families.for_arch(arch) is fam
         assert set(fam.presets) <= set(PRESETS) and all(PRESETS[p]["style"] == fam.name for p in fam.presets)
     with pytest.raises(families.FamilyError, match="unknown model style 'nope'"):
         families.get("nope")
@@ -149,6 +152,7 @@ def test_a_family_sharing_a_model_type_claims_its_own_configs(monkeypatch):
         presets={},
         hf_claims=lambda c: (c.get("rope_scaling") or {}).get("rope_type") == "llama3",
     )
+    monkeypatch.delitem(families.FAMILIES, "llama3")  # the real Llama 3.x family claims the same configs
     monkeypatch.setitem(families.FAMILIES, "llama3x", llama3)
     scaled = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     assert families.by_model_type("llama", "config.json", scaled) is llama3

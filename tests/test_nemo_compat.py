@@ -47,7 +47,47 @@ CASES = {
         seq_length=64,
         rotary_base=50000,
     ),
+    # the families of tests/test_hf_families.py: Llama 3.x RoPE scaling (a short original context, so every
+    # branch of the formula is taken), Qwen2's q/k/v-only biases with tied embeddings, Mistral's window
+    "llama3": dict(
+        style="llama3",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=176,
+        seq_length=64,
+        rotary_base=500000,
+        rope_scaling_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_positions=16,
+    ),
+    "qwen2": dict(
+        style="qwen2",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=176,
+        seq_length=64,
+        rotary_base=1000000,
+        qkv_bias=True,
+        tie_embeddings=True,
+    ),
+    "mistral": dict(
+        style="mistral",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=176,
+        seq_length=64,
+        sliding_window=64,
+    ),
 }
+# tensors per case: gpt2 2 layers x 12 (+ biases, LayerNorm biases) + 4; llama 2 x 6 + embedding, output, final norm
+TENSORS = {"gpt2": 28, "llama": 15, "llama3": 15, "qwen2": 16, "mistral": 15}
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -108,7 +148,7 @@ def roundtrip(request, nemo_python: Path, tmp_path_factory) -> dict:
 
     style = request.param
     root = tmp_path_factory.mktemp(f"nemo-{style}")
-    tok = _tokenizer(style, root)
+    tok = _tokenizer(CASES[style]["style"], root)
     (root / "arch.json").write_text(json.dumps(CASES[style]))
     (root / "tok.json").write_text(json.dumps(tok))
     helpers = str(REPO / "tests" / "nemo_helpers.py")
@@ -152,8 +192,7 @@ def test_nemo_restore_from_has_our_tensors_and_logits(roundtrip):
     r = roundtrip["root"]
     ours, theirs = _load(r / "ours" / "state.pt"), _load(r / "nemo" / "state.pt")
     assert sorted(ours) == sorted(theirs)
-    # gpt2: 2 layers x 12 (+ biases, LayerNorm biases) + 4; llama: 2 x 6 + embedding, output layer, final norm
-    assert len(ours) == {"gpt2": 28, "llama": 15}[roundtrip["style"]]
+    assert len(ours) == TENSORS[roundtrip["style"]]
     unequal = [k for k in ours if not torch.equal(ours[k], theirs[k])]
     assert not unequal, f"tensors differ after NeMo's restore_from: {unequal}"
     lo, ln = _load(r / "ours" / "logits.pt"), _load(r / "nemo" / "logits.pt")
@@ -174,7 +213,7 @@ def test_nemo_tokenizer_and_config(roundtrip):
     assert seen["eos_id"] == tok["eod_id"]
     cfg = json.loads((r / "nemo" / "config.json").read_text())
     arch = CASES[roundtrip["style"]]
-    assert seen["padded_vocab_size"] == (512 if roundtrip["style"] == "llama" else 50304)
+    assert seen["padded_vocab_size"] == (50304 if roundtrip["style"] == "gpt2" else 512)
     assert cfg["num_layers"] == arch["num_layers"] and cfg["hidden_size"] == arch["hidden_size"]
     assert cfg["mcore_gpt"] is True
 
@@ -215,7 +254,18 @@ def test_nemo_file_layout(roundtrip):
     else:
         assert cfg["tokenizer"]["library"] == "sentencepiece"
         assert cfg["transformer_engine"] is True and cfg["dist_ckpt_load_strictness"] == "log_all"
-        assert cfg["normalization"] == "rmsnorm" and cfg["activation"] == "swiglu" and cfg["rotary_base"] == 50000
+        assert cfg["normalization"] == "rmsnorm" and cfg["activation"] == "swiglu"
+        assert cfg["rotary_base"] == CASES[style].get("rotary_base", 10000)
+        assert cfg["qkv_bias"] is (style == "qwen2") and cfg["bias"] is False
+        assert cfg.get("scale_positional_embedding", False) is (style == "llama3")
+        assert cfg.get("sliding_window") == CASES[style].get("sliding_window")
+        if style == "llama3":
+            assert (cfg["scale_factor"], cfg["low_freq_factor"], cfg["high_freq_factor"], cfg["old_context_len"]) == (
+                8.0,
+                1.0,
+                4.0,
+                16,
+            )
     md = pickle.loads(md_bytes)
     assert md.storage_meta is None and not hasattr(md, "all_local_plans")
     mdfile = r / "metadata.pickle"

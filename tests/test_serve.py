@@ -445,3 +445,25 @@ def test_parallel_clients_get_their_own_answers(server):
     assert not errors
     assert all(results[("nemo", p)] == (200, expected[p]) for p in prompts)
     assert all(results[("oai", p)] == (200, expected_oai[p]) for p in prompts[:6])
+
+
+def test_returned_text_leaves_out_special_tokens(tmp_path):
+    """As vLLM's skip_special_tokens: SentencePiece's unk (which it spells ' ⁇ ') and EOD are not text."""
+    from hf_helpers import train_spm
+
+    from snakellm.serve.generate import Generator, load_tokenizer
+    from snakellm.serve.sampling import special_ids, visible
+
+    tok = load_tokenizer(tokenizer_block("sentencepiece", train_spm(tmp_path)))
+
+    class Gen:  # what visible() uses of a Generator: its tokenizer and in-context decoding
+        pass
+
+    g = Gen()
+    g.tok = tok  # type: ignore[attr-defined]
+    g.continuation = lambda p, ids: Generator.continuation(g, p, ids)  # type: ignore[attr-defined]
+    ids = tok.encode("the cat <unk> sat")
+    unk = tok._sp.unk_id()
+    assert unk in ids and unk in special_ids(tok) and tok.eod_id in special_ids(tok)
+    assert "⁇" in tok.decode(ids)
+    assert visible(g, tok.encode("A:"), [*ids, tok.eod_id]) == " the cat unk sat"

@@ -29,29 +29,33 @@ from snakellm.io.atomic import atomic_group
 
 
 def generate_answers(gpt, arch: dict, tok, prompts: list[list[int]], a, seq: int, extra) -> list[list[int]]:
-    """Greedy answers by the serving engine (snakellm.serve.generate), EOD excluded.
+    """Greedy answers by the serving engine (snakellm.serve.engine, continuous batching), EOD excluded.
 
     A LoRA adapter is merged into the weights first (the merged model computes what base + adapter
     computes); a p-tuning prompt table goes to the decoder, which puts it at each prompt's first
-    positions. Prompts are batched by how many tokens fit after them in the model's sequence
-    (``--tokens-to-generate`` or less for a context that fills it), so no row is cut short by another.
+    positions. Each prompt gets the tokens that fit after it in the model's sequence
+    (``--tokens-to-generate`` or less for a context that fills it); up to ``--batch-size`` rows
+    decode together, and a finished row's place goes to the next prompt at the next step.
     """
     from snakellm.finetune.lora import LoRAAdapters, merge
+    from snakellm.serve.engine import Engine, EngineSettings, Request
     from snakellm.serve.generate import Generator, SamplingParams
 
     if isinstance(extra, LoRAAdapters):
         merge(gpt, extra)
     virtual = extra.prompt().detach() if extra is not None and hasattr(extra, "prompt") else None
-    engine = Generator(gpt, arch, tok, virtual=virtual)
+    engine = Engine(Generator(gpt, arch, tok, virtual=virtual), EngineSettings(max_batch=a.batch_size))
     out: list[list[int]] = [[] for _ in prompts]
     budget = [min(a.tokens_to_generate, seq - len(p)) for p in prompts]
-    for room in sorted(set(budget)):
-        rows = [i for i, b in enumerate(budget) if b == room]
-        for k in range(0, len(rows) if room > 0 else 0, a.batch_size):
-            chunk = rows[k : k + a.batch_size]
-            params = SamplingParams(max_new_tokens=room, greedy=True)
-            for i, c in zip(chunk, engine.generate([prompts[i] for i in chunk], params), strict=True):
-                out[i] = c.ids[:-1] if c.finish_reason == "eod" else c.ids
+    reqs = {
+        i: engine.add(Request(list(p), SamplingParams(max_new_tokens=room, greedy=True)))
+        for i, (p, room) in enumerate(zip(prompts, budget, strict=True))
+        if room > 0
+    }
+    while engine.has_work():
+        engine.step()
+    for i, r in reqs.items():
+        out[i] = r.ids[:-1] if r.finish_reason == "eod" else r.ids
     return out
 
 

@@ -115,6 +115,18 @@ def from_hf(arch: dict[str, Any], hf: dict[str, Any], padded_vocab: int) -> dict
         return families.for_arch(arch).from_hf(arch, hf, padded_vocab)
 
 
+def group_to_hf(arch: dict[str, Any], tensors: Any, vocab_size: int, group: int) -> dict[str, Any]:
+    """HF tensors of one group: layer ``group``, or (-1) those outside the layers (streaming export)."""
+    with _as_export_error():
+        return families.for_arch(arch).to_hf(arch, tensors, vocab_size, group=group)
+
+
+def group_from_hf(arch: dict[str, Any], hf: Any, padded_vocab: int, group: int) -> dict[str, Any]:
+    """megatron-core tensors of one group from an HF mapping (a lazy reader; streaming import)."""
+    with _as_export_error():
+        return families.for_arch(arch).from_hf(arch, hf, padded_vocab, group=group)
+
+
 # ----------------------------------------------------------------------------- files
 
 
@@ -135,33 +147,6 @@ def parse_size(text: str | int) -> int:
         if s.endswith(suf):
             return int(float(s[: -len(suf)]) * mul)
     return int(s)
-
-
-def save_safetensors(out: Path, tensors: dict[str, Any], max_shard_bytes: int) -> list[str]:
-    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when larger than one shard."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    total = 0
-    for k, t in tensors.items():
-        nb = t.numel() * t.element_size()
-        total += nb
-        if shards[-1] and size + nb > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += nb
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards, strict=True):
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return names
 
 
 def read_hf_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -207,43 +192,94 @@ def export_hf(
     tokenizer_base: Path | None = None,
 ) -> Path:
     """Write ``out/`` (config.json, generation_config.json, safetensors, tokenizer files) from a loaded model."""
+    m = megatron_tensors(loaded.model)
+    layers: dict[int, dict[str, Any]] = {}
+    outer = {}
+    for k, t in m.items():
+        if k.startswith("decoder.layers."):
+            layers.setdefault(int(k.split(".")[2]), {})[k] = t.detach().cpu()
+        else:
+            outer[k] = t.detach().cpu()
+    groups = iter([outer, *(layers[i] for i in sorted(layers))])
+    source = {"source": str(loaded.checkpoint), "iteration": loaded.iteration}
+    return write_export(
+        loaded.arch,
+        groups,
+        loaded.tokenizer,
+        loaded.padded_vocab_size,
+        source,
+        out,
+        max_shard_size,
+        dtype,
+        tokenizer_base,
+    )
+
+
+def export_hf_from_checkpoint(
+    info: dict[str, Any],
+    out: str | os.PathLike,
+    *,
+    max_shard_size: str = "5GB",
+    dtype: str = "auto",
+    tokenizer_base: Path | None = None,
+) -> Path:
+    """:func:`export_hf` reading the checkpoint one layer at a time (``info``: ``describe_run``'s)."""
+    from snakellm.export.stream import read_groups
+
+    groups = read_groups(info["checkpoint_dir"], info["iteration"], info["arch"], info["padded_vocab_size"])
+    source = {"source": str(info["checkpoint_dir"]), "iteration": info["iteration"]}
+    return write_export(
+        info["arch"],
+        groups,
+        info["tokenizer"],
+        info["padded_vocab_size"],
+        source,
+        out,
+        max_shard_size,
+        dtype,
+        tokenizer_base,
+    )
+
+
+def write_export(
+    arch: dict[str, Any],
+    groups: Any,
+    tok: dict[str, Any],
+    padded: int,
+    source: dict[str, Any],
+    out: str | os.PathLike,
+    max_shard_size: str,
+    dtype: str,
+    tokenizer_base: Path | None,
+) -> Path:
+    """The HF directory from megatron tensor groups (outer, then each layer), written shard by shard."""
     import torch
 
-    arch = loaded.arch
+    from snakellm.export.hf_tokenizer import export_tokenizer
+    from snakellm.export.stream import write_hf_weights
+
     hf_family(arch)
-    tok = loaded.tokenizer
-    vocab = int(tok.get("vocab_size") or loaded.padded_vocab_size)
+    vocab = int(tok.get("vocab_size") or padded)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    from snakellm.export.hf_tokenizer import export_tokenizer
-
     specials = (
         export_tokenizer(tok, tmp, base=tokenizer_base, model_max_length=arch["seq_length"]) if tok.get("kind") else {}
     )
-    tensors = to_hf(arch, megatron_tensors(loaded.model), vocab)
-    if dtype != "auto":
-        tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        tensors = {k: v.to(tdt) for k, v in tensors.items()}
-    dt = str(next(iter(tensors.values())).dtype).replace("torch.", "")
-    tensors = {k: v.cpu() for k, v in tensors.items()}
-    save_safetensors(tmp, tensors, parse_size(max_shard_size))
+    tdt = (
+        None
+        if dtype == "auto"
+        else {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    )
+    _, dt = write_hf_weights(groups, arch, vocab, tmp, parse_size(max_shard_size), tdt)
     config = hf_config(arch, vocab, specials, dt)
     write_json(tmp / "config.json", config)
     gen = {"_from_model_config": True, "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
     if "pad_token_id" in config:
         gen["pad_token_id"] = config["pad_token_id"]
     write_json(tmp / "generation_config.json", gen)
-    write_json(
-        tmp / "snakellm.json",
-        {
-            "source": str(loaded.checkpoint),
-            "iteration": loaded.iteration,
-            "arch": arch,
-            "padded_vocab_size": loaded.padded_vocab_size,
-        },
-    )
+    write_json(tmp / "snakellm.json", {**source, "arch": arch, "padded_vocab_size": padded})
     _publish_dir(tmp, out)
     return out
 
@@ -259,16 +295,21 @@ def build_for_import(arch: dict[str, Any], padded_vocab: int, device: str = "cpu
 
 
 def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_size_divisible_by: int = 128) -> dict:
-    """An HF GPT-2/Llama directory -> a model-only checkpoint under ``dest`` (a run dir); returns its summary."""
-    import torch
+    """An HF GPT-2/Llama/Qwen2/Mistral directory -> a model-only checkpoint under ``dest`` (a run dir).
 
+    safetensors (one file or sharded) convert in bounded memory, one layer at a time, in the
+    checkpoint's own dtype (:func:`snakellm.export.stream.import_streaming`); a ``pytorch_model.bin``
+    is read whole. Returns the import's summary.
+    """
     from snakellm.export.hf_tokenizer import import_tokenizer
     from snakellm.models.architecture import padded_vocab_size
-    from snakellm.models.loading import save_model_checkpoint
 
     hf_dir, dest = Path(hf_dir), Path(dest)
-    config, tensors = read_hf_dir(hf_dir)
-    arch = arch_from_hf(config, str(hf_dir / "config.json"))
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ExportError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
+    config = json.loads(cfg_path.read_text())
+    arch = arch_from_hf(config, str(cfg_path))
     arch["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
     vocab = int(config["vocab_size"])
     padded = padded_vocab_size(vocab, arch)
@@ -276,13 +317,32 @@ def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_
     if tok["vocab_size"] > vocab:
         raise ExportError(f"{hf_dir}: the tokenizer has {tok['vocab_size']} tokens, the model's vocab_size is {vocab}")
     tok["vocab_size"] = vocab  # the model's (HF embeddings may be larger than the tokenizer)
+    extra = {"imported_from": str(hf_dir)}
+    if (hf_dir / "model.safetensors").is_file() or (hf_dir / "model.safetensors.index.json").is_file():
+        from snakellm.export.stream import import_streaming
+
+        import_streaming(hf_dir, arch, padded, dest, tok, extra)
+    else:
+        _import_in_memory(hf_dir, arch, padded, dest, tok, extra)
+    return {"arch": arch, "padded_vocab_size": padded, "tokenizer": tok, "source": str(hf_dir)}
+
+
+def _import_in_memory(
+    hf_dir: Path, arch: dict[str, Any], padded: int, dest: Path, tok: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    """A ``pytorch_model.bin`` (one pickle: no tensor-by-tensor reading) converted whole, in fp32."""
+    import torch
+
+    from snakellm.models.loading import save_model_checkpoint
+
+    _, tensors = read_hf_dir(hf_dir)
     msd = from_hf(arch, {k: v.float() for k, v in tensors.items()}, padded)
     model = build_for_import(arch, padded)
     expected = megatron_tensors(model)
-    missing, extra = sorted(set(expected) - set(msd)), sorted(set(msd) - set(expected))
-    if missing or extra:
+    missing, unexpected = sorted(set(expected) - set(msd)), sorted(set(msd) - set(expected))
+    if missing or unexpected:
         raise ExportError(
-            f"{hf_dir}: weights do not fit the architecture (missing {missing[:4]}, unexpected {extra[:4]})"
+            f"{hf_dir}: weights do not fit the architecture (missing {missing[:4]}, unexpected {unexpected[:4]})"
         )
     with torch.no_grad():
         for k, t in expected.items():
@@ -291,8 +351,7 @@ def import_hf(hf_dir: str | os.PathLike, dest: str | os.PathLike, *, make_vocab_
                     f"{hf_dir}: {k} has shape {tuple(msd[k].shape)}, the architecture needs {tuple(t.shape)}"
                 )
             t.copy_(msd[k])
-    save_model_checkpoint(dest, model, arch, padded, tok, 0, extra={"imported_from": str(hf_dir)})
-    return {"arch": arch, "padded_vocab_size": padded, "tokenizer": tok, "source": str(hf_dir)}
+    save_model_checkpoint(dest, model, arch, padded, tok, 0, extra=extra)
 
 
 # ----------------------------------------------------------------------------- command lines

@@ -153,6 +153,8 @@ def export_tokenizer(
         specials = {"eos_token_id": eod_id}
     else:
         raise TokenizerExportError(f"tokenizer kind {kind!r} cannot be exported (gpt2-bpe, sentencepiece, huggingface)")
+    if tok.get("chat_template") is not None:
+        cfg["chat_template"] = tok["chat_template"]
     write_json(out / "tokenizer_config.json", cfg)
     write_json(
         out / "special_tokens_map.json",
@@ -202,4 +204,15 @@ def import_tokenizer(hf_dir: Path, out: Path) -> dict:
             shutil.copyfile(hf_dir / f, out / f)
     info = t.info()
     info["nemo"] = encoders.nemo_tokenizer(info)
+    template = chat_template(hf_dir, cfg)
+    if template is not None:
+        info["chat_template"] = template  # travels to export's tokenizer_config.json
     return info
+
+
+def chat_template(hf_dir: Path, cfg: dict[str, Any]) -> Any:
+    """The directory's chat template: ``chat_template.jinja`` (transformers 5) or tokenizer_config's key."""
+    jinja = hf_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    return cfg.get("chat_template")

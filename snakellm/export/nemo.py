@@ -253,9 +253,8 @@ def _check_config(cfg: dict[str, Any], where: str) -> None:
         raise NemoError(f"{where}: rotary_percentage {cfg['rotary_percentage']} is not supported (1.0 only)")
     if cfg.get("openai_gelu", False):
         raise NemoError(f"{where}: activation {cfg.get('activation', 'gelu')!r} with openai_gelu is not supported")
-    bias = bool(cfg.get("bias", True))
-    if bool(cfg.get("qkv_bias", bias)) != bias and not bias:
-        raise NemoError(f"{where}: qkv_bias without bias is not supported")
+    if cfg.get("seq_len_interpolation_factor") not in (None, 1, 1.0):
+        raise NemoError(f"{where}: seq_len_interpolation_factor {cfg['seq_len_interpolation_factor']} is not supported")
     h, n = cfg.get("hidden_size"), cfg.get("num_attention_heads")
     if h and n and cfg.get("kv_channels") not in (None, h // n):
         raise NemoError(f"{where}: kv_channels {cfg['kv_channels']} != hidden_size / num_attention_heads")
@@ -282,8 +281,15 @@ def arch_from_config(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     _check_config(cfg, where)
     overrides = {key.ours: key.from_nemo(cfg, where) for key in NEMO_KEYS if not key.export_only}
     overrides["num_query_groups"] = overrides["num_query_groups"] or overrides["num_attention_heads"]
-    family = families.for_features(overrides["position_embedding"], overrides["normalization"], overrides["activation"])
+    family = families.for_nemo(
+        cfg, overrides["position_embedding"], overrides["normalization"], overrides["activation"]
+    )
     overrides["style"] = family.name
+    if cfg.get("qkv_bias") and not overrides["bias"] and "qkv_bias" not in family.arch_keys:
+        raise NemoError(f"{where}: qkv_bias without bias is not supported for a {family.name} model")
+    for key in ("scale_positional_embedding", "sliding_window"):  # what only a family that claims it reads
+        if cfg.get(key) and family.nemo_claims is None:
+            raise NemoError(f"{where}: {key} {cfg[key]!r} is not supported for a {family.name} model")
     with _as_nemo_error():
         overrides.update(family.nemo_import_extra(cfg, where))
     try:
@@ -536,30 +542,26 @@ def export_nemo(
     check_tokenizer(tok, str(checkpoint))
     arch, vocab = info["arch"], info["padded_vocab_size"]
     te = transformer_engine_for(arch, transformer_engine)
-    import torch
-
-    from snakellm.models import load
+    from snakellm.export.stream import save_nemo_weights
 
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     with model_parallel(), tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmpdir:
-        module = load(info["checkpoint_dir"], info["iteration"], bf16=info["precision"] == "bf16").model
         folder = Path(tmpdir) / "nemo"
         folder.mkdir()
         tok_cfg = pack_tokenizer(tok, folder)
         # bf16 weights are written upcast to fp32 (lossless): NeMo without megatron_amp_O2 keeps fp32
         # parameters and runs bf16 under autocast, which is what `precision: bf16` asks for
-        precision = "bf16" if next(module.parameters()).dtype == torch.bfloat16 else 32
-        module.float()
+        precision = "bf16" if info["precision"] == "bf16" else 32
         cfg = model_config(arch, vocab, tok_cfg, precision=precision, transformer_engine=te)
         (folder / CONFIG_FILE).write_text(yaml.safe_dump(cfg, sort_keys=False))
-        save_weights(module, folder / WEIGHTS_DIR, prefix="model.")
+        # one layer in memory at a time (snakellm.export.stream)
+        nparams = save_nemo_weights(info, folder / WEIGHTS_DIR, prefix="model.")
         rewrite_metadata(folder / WEIGHTS_DIR)
         with atomic_path(out) as tmp:
             # exactly SaveRestoreConnector._make_nemo_file_from_folder: uncompressed, members ./...
             with tarfile.open(tmp, "w:") as tar:
-                tar.add(str(folder), arcname=".")
-        nparams = sum(p.numel() for p in module.parameters())
+                _tar_moving(tar, folder)
     return {
         "output": str(out),
         "iteration": info["iteration"],
@@ -568,6 +570,19 @@ def export_nemo(
         "tokenizer": tok_cfg,
         "bytes": out.stat().st_size,
     }
+
+
+def _tar_moving(tar: tarfile.TarFile, folder: Path) -> None:
+    """``tar.add(folder, arcname=".")``, each file removed once it is in the archive.
+
+    An 8B model's fp32 weights are 32 GB: holding them twice (folder and archive) is what a
+    conversion on a login node's disk cannot afford.
+    """
+    tar.add(str(folder), arcname=".", recursive=False)
+    for p in sorted(folder.rglob("*")):
+        tar.add(str(p), arcname=f"./{p.relative_to(folder)}", recursive=False)
+        if p.is_file():
+            p.unlink()
 
 
 def _safe_extract(archive: Path, dest: Path) -> None:

@@ -193,8 +193,19 @@ def _in_process_results_queue() -> None:
         fa._results_queue = queue.Queue()
 
 
-def save(ckpt_dir: str | os.PathLike, iteration: int, sharded_state_dict: dict, *, rank: int, barrier) -> Path:
-    """Collective: write ``iter_{N:07d}`` through a ``.partial`` directory and point the tracker at it."""
+def save(
+    ckpt_dir: str | os.PathLike,
+    iteration: int,
+    sharded_state_dict: dict,
+    *,
+    rank: int,
+    barrier,
+    sharded_strategy: Any = None,
+) -> Path:
+    """Collective: write ``iter_{N:07d}`` through a ``.partial`` directory and point the tracker at it.
+
+    ``sharded_strategy``: megatron-core's default torch_dist writer unless given (streaming import's).
+    """
     from megatron.core import dist_checkpointing
 
     _in_process_results_queue()
@@ -208,7 +219,7 @@ def save(ckpt_dir: str | os.PathLike, iteration: int, sharded_state_dict: dict, 
             shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     barrier()
-    dist_checkpointing.save(sharded_state_dict, str(partial))
+    dist_checkpointing.save(sharded_state_dict, str(partial), sharded_strategy=sharded_strategy)
     barrier()
     if rank == 0:
         # an existing directory of this iteration (saved once, then resumed from an earlier one)

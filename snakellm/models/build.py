@@ -87,6 +87,11 @@ def build_model(
     )
     model_args.update(family.megatron_model(cfg))  # e.g. rope scaling
     model = SnakeGPTModel(**model_args)
+    rot = getattr(model, "rotary_pos_emb", None)
+    if rot is not None:
+        # the family's frequencies (Llama 3.x's scaling with any of its values; megatron-core's own
+        # rope_scaling takes the factor only), set before the first forward (its embeddings are cached)
+        rot.inv_freq = family.rope_inv_freq(cfg, cfg["hidden_size"] // cfg["num_attention_heads"], rot.inv_freq.device)
     if bf16:
         # what Megatron-LM's Float16Module does: every parameter in bf16, norms included
         # (torch's LayerNorm/RMSNorm are created in fp32 whatever params_dtype says)

@@ -14,8 +14,9 @@ def param_count(cfg: dict[str, Any], vocab: int) -> int:
     h, L, f = cfg["hidden_size"], cfg["num_layers"], cfg["ffn_hidden_size"]
     kv = h // cfg["num_attention_heads"] * cfg["num_query_groups"]
     b = cfg["bias"]
+    qkv_b = cfg.get("qkv_bias", b)
     norm = 2 * h if cfg["normalization"] == "LayerNorm" else h
-    attn = h * (h + 2 * kv) + (h + 2 * kv if b else 0) + h * h + (h if b else 0)
+    attn = h * (h + 2 * kv) + (h + 2 * kv if qkv_b else 0) + h * h + (h if b else 0)
     mlp_in = 2 * f if cfg["activation"] == "swiglu" else f
     mlp = h * mlp_in + (mlp_in if b else 0) + f * h + (h if b else 0)
     layer = attn + mlp + 2 * norm

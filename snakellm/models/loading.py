@@ -92,7 +92,8 @@ def describe_run(
         raise LoadError(f"{ckpt_dir / ckpt.RUN_CONFIG} is missing: the checkpoint's architecture is unknown")
     cfg = rc.get("config", {})
     try:
-        arch = resolve(None, {k: v for k, v in cfg.get("model", {}).items() if k in MODEL_KEYS})
+        model = cfg.get("model", {})
+        arch = resolve(None, {k: v for k, v in model.items() if k in MODEL_KEYS or k in _family_keys(model)})
     except ModelConfigError as e:
         raise LoadError(f"{ckpt_dir / ckpt.RUN_CONFIG}: {e}") from None
     try:
@@ -109,6 +110,14 @@ def describe_run(
         "tokenizer": tokenizer,
         "run_dir": ckpt_dir.parent,
     }
+
+
+def _family_keys(model: dict[str, Any]) -> tuple[str, ...]:
+    """The architecture keys only the model's family has (Llama 3.x's rope scaling, Qwen2's qkv_bias)."""
+    from snakellm.models import families
+
+    style = model.get("style")
+    return tuple(families.FAMILIES[style].arch_keys) if style in families.FAMILIES else ()
 
 
 def _fit(arch: dict[str, Any], vocab: int, seq_length: int | None, tp: int) -> None:
@@ -196,7 +205,7 @@ def save_model_checkpoint(
     ckpt_dir = p if p.name == "checkpoints" else p / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    config = {"model": {k: arch[k] for k in MODEL_KEYS}, "padded_vocab": int(padded_vocab), **(extra or {})}
+    config = {"model": dict(arch), "padded_vocab": int(padded_vocab), **(extra or {})}
     if rank == 0:
         tokenizer = run_tokenizer.carry(tokenizer, ckpt_dir.parent)  # the model dir carries its tokenizer
         ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tokenizer)

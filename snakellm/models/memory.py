@@ -93,9 +93,10 @@ def layer_params(arch: dict[str, Any], tp: int = 1) -> tuple[float, float]:
     h, f = arch["hidden_size"], arch["ffn_hidden_size"]
     kv = h // arch["num_attention_heads"] * arch["num_query_groups"]
     bias = bool(arch["bias"])
+    qkv_bias = bool(arch.get("qkv_bias", bias))
     norm = 2 * h if arch["normalization"] == "LayerNorm" else h
     up = 2 * f if arch["activation"] == "swiglu" else f
-    sharded = h * (h + 2 * kv) + h * h + h * up + f * h + ((h + 2 * kv) + up if bias else 0)
+    sharded = h * (h + 2 * kv) + h * h + h * up + f * h + ((h + 2 * kv) if qkv_bias else 0) + (up if bias else 0)
     replicated = 2 * norm + (2 * h if bias else 0)
     return sharded / tp, float(replicated)
 

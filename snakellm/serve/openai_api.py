@@ -33,7 +33,17 @@ from typing import Any
 
 from snakellm.serve.errors import APIError, bad
 from snakellm.serve.generate import GenerationError, SamplingParams
-from snakellm.serve.sampling import Fields, Scored, is_int, is_num, is_str_list, piece, score, text_offsets
+from snakellm.serve.sampling import (
+    Fields,
+    Scored,
+    is_int,
+    is_num,
+    is_str_list,
+    piece,
+    score,
+    text_offsets,
+    visible,
+)
 
 MAX_LOGPROBS = 20
 MAX_STOP = 16
@@ -233,14 +243,12 @@ def _check_fit(gen: Any, rows: list[list[int]], req: GenRequest, limits: Limits,
 
 
 def _finish(gen: Any, prompt: list[int], c: Any, stops: list[str]) -> tuple[str, str]:
-    """(text, finish_reason) as OpenAI returns them: no EOD, nothing from the first stop string on."""
+    """(text, finish_reason) as OpenAI returns them: no special tokens, nothing from the first stop string on."""
+    text = visible(gen, prompt, c.ids)
     if c.finish_reason == "end_string":
-        text = c.text
         cut = min((text.find(s) for s in stops if s and s in text), default=-1)
         return (text[:cut] if cut >= 0 else text), "stop"
-    if c.finish_reason == "eod":
-        return gen.continuation(prompt, c.ids[:-1]), "stop"
-    return c.text, "length"
+    return text, "stop" if c.finish_reason == "eod" else "length"
 
 
 def prepare(gen: Any, req: GenRequest, limits: Limits, max_field: str = "max_tokens") -> list[list[int]]:
@@ -353,7 +361,7 @@ def pieces(gen: Any, c: Choice) -> list[str]:
     """The completion's text cut into one piece per generated token (they add up to ``c.text``)."""
     out, prev = [], 0
     for i in range(len(c.ids)):
-        end = min(len(gen.continuation(c.prompt_ids, c.ids[: i + 1])), len(c.text))
+        end = min(len(visible(gen, c.prompt_ids, c.ids[: i + 1])), len(c.text))
         out.append(c.text[prev:end] if end > prev else "")
         prev = max(prev, end)
     if prev < len(c.text):  # a decode that is not a prefix of the next: the rest goes with the last token

@@ -97,6 +97,33 @@ def score(gen: Any, rows: Sequence[Sequence[int]], k: int) -> list[Scored]:
     return out
 
 
+_SPECIAL: dict[int, frozenset[int]] = {}
+
+
+def special_ids(tok: Any) -> frozenset[int]:
+    """Ids the OpenAI APIs leave out of returned text, as vLLM's ``skip_special_tokens`` does.
+
+    The end-of-document token; SentencePiece's unk/bos/eos/pad (its decoder spells unk as ``' ⁇ '``,
+    transformers' decode drops it); a tokenizer.json's special added tokens.
+    """
+    key = id(tok)
+    if key not in _SPECIAL:
+        ids = {int(tok.eod_id)} if tok.eod_id is not None else set()
+        if tok.kind == "sentencepiece":
+            sp = tok._sp
+            ids |= {int(i) for i in (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) if i >= 0}
+        elif tok.kind == "huggingface":
+            ids |= {int(i) for i, t in tok._tok.get_added_tokens_decoder().items() if t.special}
+        _SPECIAL[key] = frozenset(ids)
+    return _SPECIAL[key]
+
+
+def visible(gen: Any, prompt: Sequence[int], ids: Sequence[int]) -> str:
+    """The text ``ids`` add after ``prompt``, special tokens left out (what the OpenAI APIs return)."""
+    skip = special_ids(gen.tok)
+    return str(gen.continuation([t for t in prompt if t not in skip], [t for t in ids if t not in skip]))
+
+
 def piece(tok: Any, token_id: int) -> str:
     """One token's text as OpenAI's ``tokens`` show it (``' the'``, not ``'Ġthe'``)."""
     return str(tok.decode([int(token_id)]))

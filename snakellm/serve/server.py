@@ -3,8 +3,9 @@
 ``PUT /generate`` is NeMo ``MegatronServer``'s API (nemo_api.py);
 ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models``
 are OpenAI's, as the ``openai`` client and lm-eval call them (openai_api.py,
-chat.py). The HTTP stack is uvicorn (h11) + Starlette (app.py); one model
-worker thread runs the requests one at a time (worker.py).
+chat.py). The HTTP stack is uvicorn (h11) + Starlette (app.py); requests run
+on the continuous-batching engine (engine/serving.py): concurrent clients share
+the running decode batch, one scheduler thread owns the model.
 
 uvicorn closes a kept-alive connection that stays idle after a response; it
 does not time out a connection that never completes a request head (a
@@ -20,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from snakellm.serve.engine.settings import EngineSettings
 from snakellm.serve.settings import ServeSettings
 
 log = logging.getLogger("snakellm.serve")
@@ -76,22 +78,33 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def build(
-    gen: Any, settings: ServeSettings, model_name: str, tokenizer_block: dict | None = None, run_dir: Path | None = None
+    gen: Any,
+    settings: ServeSettings,
+    model_name: str,
+    tokenizer_block: dict | None = None,
+    run_dir: Path | None = None,
+    engine: EngineSettings | None = None,
 ) -> Any:
-    """The Starlette app serving ``gen`` (the chat template from the settings, the run, or the default)."""
+    """The Starlette app serving ``gen`` (the chat template from the settings, the run, or the default).
+
+    Requests run on the continuous-batching engine (:class:`BatchingWorker`): concurrent clients
+    share the decode batch.
+    """
     from snakellm.serve.app import Served, create_app
     from snakellm.serve.chat import load_template
-    from snakellm.serve.worker import ModelWorker
+    from snakellm.serve.engine.serving import BatchingWorker
 
     template = load_template(settings.chat_template, tokenizer_block or {}, run_dir, gen.tok)
     log.info("chat template: %s", template.source)
-    return create_app(Served(ModelWorker(gen), settings, model_name, template))
+    return create_app(Served(BatchingWorker(gen, engine), settings, model_name, template))
 
 
-def serve_in_thread(gen: Any, settings: ServeSettings, model_name: str) -> tuple[str, Any]:
+def serve_in_thread(
+    gen: Any, settings: ServeSettings, model_name: str, engine: EngineSettings | None = None
+) -> tuple[str, Any]:
     """(url, stop) of a server on a background thread (for scripts; ``stop()`` ends it)."""
     sock = bind(settings.host, settings.port)
-    server = make_server(build(gen, settings, model_name), settings)
+    server = make_server(build(gen, settings, model_name, engine=engine), settings)
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
 

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from snakellm.serve.sampling import visible
 from snakellm.serve.worker import Abandoned
 
 START = "start"
@@ -64,7 +65,7 @@ class TextDeltas:
             if fin:  # the final text (stop string cut, EOD dropped) goes out with the finish
                 self.finished[i] = True
                 continue
-            text = self.gen.continuation(self.rows[i], self.ids[i])
+            text = visible(self.gen, self.rows[i], self.ids[i])
             safe = len(text) - self.hold
             while safe > self.sent[i] and text[safe - 1] == "\ufffd":
                 safe -= 1

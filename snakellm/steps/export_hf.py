@@ -9,7 +9,7 @@ from pathlib import Path
 
 from snakellm.config.sections import ExportHfSettings
 from snakellm.config.settings import add_arguments
-from snakellm.export.hf import ExportError, export_hf, hf_family, tokenizer_from_blend
+from snakellm.export.hf import ExportError, export_hf_from_checkpoint, hf_family, tokenizer_from_blend
 from snakellm.io.log import log
 
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    from snakellm.models.loading import LoadError, describe_run, load
+    from snakellm.models.loading import LoadError, describe_run
 
     try:
         info = describe_run(a.checkpoint, a.iteration)
@@ -55,16 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"snakellm export-hf: {e}", file=sys.stderr)
         return 2
     t0 = time.time()
-    loaded = load(info["checkpoint_dir"], info["iteration"])
-    loaded.tokenizer = tok
-    out = export_hf(
-        loaded,
+    from snakellm.launch.runtime import ensure_single_process
+
+    ensure_single_process("cpu")
+    out = export_hf_from_checkpoint(  # one layer in memory at a time
+        {**info, "tokenizer": tok},
         a.out,
         max_shard_size=a.max_shard_size,
         dtype=a.dtype,
         tokenizer_base=Path(a.tokenizer_base) if a.tokenizer_base else None,
     )
-    log(f"exported {loaded.checkpoint} ({family}) to {out} in {time.time() - t0:.1f} s")
+    log(f"exported {info['checkpoint_dir']} ({family}) to {out} in {time.time() - t0:.1f} s")
     return 0
 
 

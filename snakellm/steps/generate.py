@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 from snakellm.config.sections import GenerateSettings
-from snakellm.config.settings import add_arguments, defaults
+from snakellm.config.settings import add_arguments, defaults, from_namespace
+from snakellm.errors import SnakellmError
 from snakellm.io.atomic import write_text
+from snakellm.serve.engine.settings import EngineSettings
 from snakellm.serve.generate import GenerationError, SamplingParams, load_generator, params_summary
 
 
@@ -37,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The `snakellm generate` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         prog="snakellm generate",
-        description="Continue prompts with a checkpoint (KV-cached decoding, one batch). Prompts come from "
+        description="Continue prompts with a checkpoint (the continuous-batching engine: static KV cache, CUDA "
+        "graphs on a GPU; any number of prompts). Prompts come from "
         "--prompt (repeatable) or --prompts-file (one per line, or jsonl with a 'prompt' key); the output is "
         "jsonl ({prompt, completion, finish_reason, tokens}) or, with --markdown, a readable report.",
     )
@@ -55,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--add-bos", action="store_true", help="prepend the BOS token to every prompt")
     add_sampling_arguments(p)
+    add_arguments(p.add_argument_group("engine"), EngineSettings)
     return p
 
 
@@ -98,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     gen = load_generator(a.checkpoint, blend=a.blend, device=a.device, iteration=a.iteration)
     t1 = time.time()
     try:
-        outs = gen.generate(prompts, params, add_bos=a.add_bos)
-    except GenerationError as e:
+        from snakellm.serve.engine import Engine
+
+        outs = Engine(gen, from_namespace(EngineSettings, a)).generate(prompts, params, add_bos=a.add_bos)
+    except (GenerationError, SnakellmError) as e:
         print(f"snakellm generate: {e}", file=sys.stderr)
         return 2
     t2 = time.time()

@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 from snakellm.config.settings import add_arguments, from_namespace
+from snakellm.errors import SnakellmError
+from snakellm.serve.engine.settings import EngineSettings
 from snakellm.serve.server import bind, build, make_server
 from snakellm.serve.settings import ServeSettings
 
 
-def parse_args(argv: list[str] | None) -> tuple[str, ServeSettings]:
+def parse_args(argv: list[str] | None) -> tuple[str, ServeSettings, EngineSettings]:
     p = argparse.ArgumentParser(
         prog="snakellm serve",
         description="Serve a checkpoint over HTTP: NeMo MegatronServer's PUT /generate and OpenAI's "
@@ -20,12 +22,13 @@ def parse_args(argv: list[str] | None) -> tuple[str, ServeSettings]:
     )
     p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
     add_arguments(p, ServeSettings)
+    add_arguments(p.add_argument_group("engine (continuous batching)"), EngineSettings)
     a = p.parse_args(argv)
-    return a.checkpoint, from_namespace(ServeSettings, a)
+    return a.checkpoint, from_namespace(ServeSettings, a), from_namespace(EngineSettings, a)
 
 
 def main(argv: list[str] | None = None) -> int:
-    checkpoint, s = parse_args(argv)
+    checkpoint, s, engine = parse_args(argv)
     from snakellm.models.loading import LoadError, describe_run
 
     logging.basicConfig(level=logging.WARNING if s.quiet else logging.INFO, format="[%(asctime)s] %(message)s")
@@ -51,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     d = Path(info["checkpoint_dir"])
     name = s.model_name or (d.parent.name if d.name == "checkpoints" else Path(checkpoint).resolve().name)
     try:
-        app = build(gen, s, name, block, Path(info["run_dir"]))
-    except ValueError as e:
+        app = build(gen, s, name, block, Path(info["run_dir"]), engine)
+    except (ValueError, SnakellmError) as e:
         print(f"snakellm serve: {e}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]

@@ -25,6 +25,7 @@ __all__ = [
     "by_model_type",
     "for_arch",
     "for_features",
+    "for_nemo",
     "get",
     "presets",
 ]
@@ -105,6 +106,17 @@ def for_features(position_embedding: str, normalization: str, activation: str) -
         if fam.features.get("position_embedding") == position_embedding:
             return fam
     return next(iter(FAMILIES.values()))
+
+
+def for_nemo(cfg: dict[str, Any], position_embedding: str, normalization: str, activation: str) -> Family:
+    """The family of a NeMo ``model_config.yaml``: one with these features whose ``nemo_claims`` takes it,
+    else :func:`for_features`'s."""
+    want = dict(position_embedding=position_embedding, normalization=normalization, activation=activation)
+    for fam in FAMILIES.values():
+        if fam.nemo_claims is not None and all(want.get(k) == v for k, v in fam.features.items()):
+            if fam.nemo_claims(cfg):
+                return fam
+    return for_features(position_embedding, normalization, activation)
 
 
 def presets() -> dict[str, dict[str, Any]]:

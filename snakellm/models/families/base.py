@@ -260,6 +260,9 @@ class Family:
     # two families sharing one HF model_type (Llama 2 and Llama 3.x): the later one claims the configs
     # that are its own (e.g. rope_scaling of type llama3); None claims every config of its model_type
     hf_claims: Callable[[dict[str, Any]], bool] | None = None
+    # a NeMo model_config.yaml this family reads (qkv_bias without bias, rope scaling, a window): it is
+    # labelled with this family rather than the first one with its features
+    nemo_claims: Callable[[dict[str, Any]], bool] | None = None
 
     # ---------------------------------------------------------------- architecture
 
@@ -302,8 +305,17 @@ class Family:
 
     # ---------------------------------------------------------------- weights
 
-    def _rows(self, arch: Arch) -> list[tuple[Weight, str, tuple[str, ...]]]:
-        """Every (row, our name, HF names) of this architecture, layers expanded, in table order."""
+    def _rows(self, arch: Arch, group: int | None = None) -> list[tuple[Weight, str, tuple[str, ...]]]:
+        """Every (row, our name, HF names) of this architecture, layers expanded, in table order.
+
+        ``group``: only layer ``group``'s rows, or (-1) only those outside the layers (streaming
+        conversions convert one group at a time).
+        """
+        if group is not None:
+            rows = self._rows(arch)
+            if group < 0:
+                return [r for r in rows if not r[0].per_layer]
+            return [r for r in rows if r[0].per_layer and r[1] == r[0].ours.format(i=group)]
         layer = [w for w in self.weights if w.per_layer]
         first = self.weights.index(layer[0]) if layer else len(self.weights)
         head = [w for w in self.weights[:first] if not w.per_layer]
@@ -313,11 +325,14 @@ class Family:
             out += [(w, w.ours.format(i=i), tuple(t.format(i=i) for t in w.theirs)) for w in layer]
         return out + [(w, w.ours, w.theirs) for w in tail]
 
-    def to_hf(self, arch: Arch, tensors: dict[str, Any], vocab: int) -> dict[str, Any]:
-        """HF state dict (independent contiguous tensors) from megatron-core tensors (local-spec names)."""
+    def to_hf(self, arch: Arch, tensors: Any, vocab: int, group: int | None = None) -> dict[str, Any]:
+        """HF state dict (independent contiguous tensors) from megatron-core tensors (local-spec names).
+
+        ``tensors``: a mapping (a dict, or a reader); ``group``: one layer, or -1 (see :meth:`_rows`).
+        """
         s = Sizes(arch, vocab, 0)
         out: dict[str, Any] = {}
-        for w, ours, theirs in self._rows(arch):
+        for w, ours, theirs in self._rows(arch, group):
             if w.when is None or w.when(arch):
                 t = tensors[ours]
             elif w.hf_always:  # a bias the HF class always has: the weight's output rows, zero
@@ -331,8 +346,11 @@ class Family:
                 out[name] = part.detach().contiguous().clone()
         return out
 
-    def from_hf(self, arch: Arch, hf: dict[str, Any], padded_vocab: int) -> dict[str, Any]:
-        """megatron-core tensors (local-spec names) from an HF state dict; the vocabulary zero-padded."""
+    def from_hf(self, arch: Arch, hf: Any, padded_vocab: int, group: int | None = None) -> dict[str, Any]:
+        """megatron-core tensors (local-spec names) from an HF state dict; the vocabulary zero-padded.
+
+        ``hf``: a mapping (a dict, or a reader of safetensors files); ``group``: see :meth:`_rows`.
+        """
         s = Sizes(arch, 0, padded_vocab)
 
         def get(name: str, fallback: str | None) -> Any:
@@ -343,7 +361,7 @@ class Family:
             return hf[name]
 
         out: dict[str, Any] = {}
-        for w, ours, theirs in self._rows(arch):
+        for w, ours, theirs in self._rows(arch, group):
             if w.when is not None and not w.when(arch):
                 continue
             parts = tuple(get(name, w.import_fallback) for name in theirs)

@@ -303,13 +303,15 @@ class Engine:
 class RequestStream:
     """One request's token events, produced on the engine's thread, read with ``for`` or ``async for``."""
 
-    def __init__(self, worker: EngineWorker, request: Request) -> None:
+    def __init__(self, worker: EngineWorker, request: Request, text: bool = True) -> None:
         self.worker = worker
         self.request = request
+        self.text = text  # fill TokenEvent.text (a decode per token); off for callers that want ids only
         self._events: collections.deque[TokenEvent] = collections.deque()
         self._cond = threading.Condition()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._closed = False
+        self._finished = threading.Event()
         self._text = ""
 
     # producer side (the engine thread)
@@ -319,6 +321,7 @@ class RequestStream:
                 self._events.append(ev)
             if req.done:
                 self._closed = True
+                self._finished.set()
             self._cond.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, event in waiters:
@@ -332,7 +335,8 @@ class RequestStream:
     def _next_ready(self) -> TokenEvent | None:
         """The next event with its text delta, or None when there is none yet; StopIteration at the end."""
         if self._events:
-            return self._with_text(self._events.popleft())
+            ev = self._events.popleft()
+            return self._with_text(ev) if self.text else ev
         if self._closed:
             if self.request.error is not None:
                 raise self.request.error
@@ -383,9 +387,13 @@ class RequestStream:
             await event.wait()
 
     def result(self) -> Completion:
-        """Block until the request is finished; its :class:`Completion` (raises the engine's error, if any)."""
-        for _ in self:
-            pass
+        """Block until the request is finished; its :class:`Completion` (raises the engine's error, if any).
+
+        Waits for the end only (no wake-up per token, no text deltas): what a non-streaming caller needs.
+        """
+        self._finished.wait()
+        if self.request.error is not None:
+            raise self.request.error
         return self.worker.engine.completion(self.request)
 
     async def completion(self) -> Completion:
@@ -407,12 +415,17 @@ class EngineWorker:
         self._thread.start()
 
     def submit(
-        self, prompt: Sequence[int], params: SamplingParams, seed: int | None = None, prompt_logprobs: bool = False
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        seed: int | None = None,
+        prompt_logprobs: bool = False,
+        text: bool = True,
     ) -> RequestStream:
         """Queue a request (thread-safe); GenerationError / RequestTooLarge raised here, before any streaming."""
         self.engine.check(list(prompt), params)
         req = Request(list(prompt), params, params.seed if seed is None else seed, prompt_logprobs)
-        stream = RequestStream(self, req)
+        stream = RequestStream(self, req, text)
         req.sink = stream._push
         with self._cond:
             if self._stop:
