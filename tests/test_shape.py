@@ -1,5 +1,6 @@
 """The shape rules of issue #18 that a newcomer relies on, checked in milliseconds.
 
+- No function in ``snakellm/`` is over 100 lines (read with ``ast``: nothing is imported).
 - Every ``snakellm <step>`` has ``build_parser()``, and its ``--help`` shows the default of
   every option that has one (a default nobody can see is a default nobody can rely on).
 """
@@ -7,12 +8,39 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from snakellm.cli import STEPS
+
+PKG = Path(__file__).resolve().parents[1] / "snakellm"
+MAX_LINES = 100
+
+
+def _long_functions(limit: int) -> list[str]:
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_over_100_lines() -> None:
+    offenders = _long_functions(MAX_LINES)
+    print("\n".join(offenders))
+    assert not offenders, f"functions over {MAX_LINES} lines:\n" + "\n".join(offenders)
+
+
+def test_long_function_walk_finds_functions() -> None:
+    """The walk does see functions (a limit of 0 lists every one), so an empty result means something."""
+    assert len(_long_functions(0)) > 500
 
 
 def _parsers(parser: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, argparse.ArgumentParser]]:

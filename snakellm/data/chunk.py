@@ -473,6 +473,72 @@ def _append_file(src: str, dst: BinaryIO) -> None:
     os.unlink(src)
 
 
+def _shards_in_parallel(
+    jobs: list[tuple[str, str, str, Expected | None, Limits]],
+    workers: int,
+    tmp_out: str,
+    tmp_rej: str,
+    fo: BinaryIO,
+    fr: BinaryIO,
+) -> Iterator[dict]:
+    """Each shard's record, in shard order, its part files appended to ``fo``/``fr`` as soon as its turn comes.
+
+    Workers write hidden part files next to the output so the result is byte-identical to the
+    sequential run; the parts are removed whatever happens.
+    """
+    parts = [(f"{tmp_out}.{i}.part", f"{tmp_rej}.{i}.part") for i in range(len(jobs))]
+    full = [
+        (s, fmt, key, po, pr, exp, limits) for (s, fmt, key, exp, limits), (po, pr) in zip(jobs, parts, strict=True)
+    ]
+    try:
+        with ProcessPoolExecutor(workers) as pool:
+            # map() yields in shard order; parts are appended as soon as their turn comes
+            for (po, pr), res in zip(parts, pool.map(_shard_to_parts, full), strict=True):
+                _append_file(po, fo)
+                _append_file(pr, fr)
+                yield res
+    finally:
+        for po, pr in parts:
+            for p in (po, pr):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+
+
+def _sum_shard_counts(per_shard: list[dict]) -> tuple[Counter[str], Counter[str], Counter[str]]:
+    """Rejected, skipped and repaired counts over all shards; each shard's record keeps only its totals.
+
+    (Per-shard reasons would repeat the chunk's table once per shard in the stats file.)
+    """
+    reasons: Counter[str] = Counter()
+    skipped: Counter[str] = Counter()
+    repaired: Counter[str] = Counter()
+    for r in per_shard:
+        shard_reasons = r.pop("reasons")
+        reasons.update(shard_reasons)
+        r["rejected"] = sum(shard_reasons.values())
+        skipped.update(r["skipped"])
+        if not r["skipped"]:
+            del r["skipped"]
+        repaired.update({k: r[k] for k in ("boms_stripped", "line_endings_normalized") if k in r})
+    return reasons, skipped, repaired
+
+
+def _note_compression_mismatches(shards: list[str], per_shard: list[dict], fmt: str) -> list[str]:
+    """Shards whose bytes are not the compression their name and format declare, with a note for the first 10.
+
+    They are read as what they are; the note tells the user the source's config or names are off.
+    """
+    declared = {s: compression_of(s, fmt) for s in shards}
+    mismatched = [r["shard"] for r in per_shard if r["compression"] != declared[r["shard"]]]
+    for s in mismatched[:10]:
+        print(
+            f"snakellm chunk: note: {display(s)} is {next(r['compression'] for r in per_shard if r['shard'] == s)}, "
+            f"not {declared[s]} as format {fmt} and its name say; read as what it is",
+            file=sys.stderr,
+        )
+    return mismatched
+
+
 def build_chunk(
     shards: list[str],
     out: str,
@@ -522,43 +588,13 @@ def build_chunk(
                     per_shard.append(_process_shard(shard, fmt, key, fo, fr, expected.get(shard), limits))
                     bar.update(sizes[shard])
             else:
-                parts = [(f"{tmp_out}.{i}.part", f"{tmp_rej}.{i}.part") for i in range(len(shards))]
-                jobs = [
-                    (s, fmt, key, po, pr, expected.get(s), limits) for s, (po, pr) in zip(shards, parts, strict=True)
-                ]
-                try:
-                    with ProcessPoolExecutor(workers) as pool:
-                        # map() yields in shard order; parts are appended as soon as their turn comes
-                        for (po, pr), res in zip(parts, pool.map(_shard_to_parts, jobs), strict=True):
-                            _append_file(po, fo)
-                            _append_file(pr, fr)
-                            per_shard.append(res)
-                            bar.update(sizes[res["shard"]])
-                finally:
-                    for po, pr in parts:
-                        for p in (po, pr):
-                            with contextlib.suppress(FileNotFoundError):
-                                os.unlink(p)
+                jobs = [(s, fmt, key, expected.get(s), limits) for s in shards]
+                for res in _shards_in_parallel(jobs, workers, str(tmp_out), str(tmp_rej), fo, fr):
+                    per_shard.append(res)
+                    bar.update(sizes[res["shard"]])
 
-        reasons: Counter[str] = Counter()
-        skipped: Counter[str] = Counter()
-        repaired: Counter[str] = Counter()
-        for r in per_shard:
-            shard_reasons = r.pop("reasons")
-            reasons.update(shard_reasons)
-            r["rejected"] = sum(shard_reasons.values())
-            skipped.update(r["skipped"])
-            if not r["skipped"]:
-                del r["skipped"]
-            repaired.update({k: r[k] for k in ("boms_stripped", "line_endings_normalized") if k in r})
-        declared = {s: compression_of(s, fmt) for s in shards}
-        mismatched = [r["shard"] for r in per_shard if r["compression"] != declared[r["shard"]]]
-        for s in mismatched[:10]:
-            print(
-                f"snakellm chunk: note: {display(s)} is {next(r['compression'] for r in per_shard if r['shard'] == s)}, "
-                f"not {declared[s]} as format {fmt} and its name say; read as what it is",
-                file=sys.stderr,
-            )
+        reasons, skipped, repaired = _sum_shard_counts(per_shard)
+        mismatched = _note_compression_mismatches(shards, per_shard, fmt)
         lines_read = sum(r["lines"] for r in per_shard)
         docs = sum(r["documents"] for r in per_shard)
         bytes_in = sum(r.pop("bytes_in") for r in per_shard)

@@ -46,14 +46,45 @@ def document_lengths(idx_files: list[str]) -> dict[str, np.ndarray]:
     return {s: np.concatenate(v) for s, v in out.items()}
 
 
-def tokenizer_tables(blend: dict, stats_files: list[str], lengths: dict[str, np.ndarray]) -> str:
-    tok = blend["tokenizer"]
+SOURCE_COLUMNS = [
+    "source",
+    "chunks",
+    "documents",
+    "tokens",
+    "tokens/doc (mean)",
+    "median",
+    "longest",
+    "bytes/token",
+    "weight (config)",
+    "share of tokens",
+    "share in blend",
+]
+CHUNK_COLUMNS = [
+    "source",
+    "chunk",
+    "documents",
+    "tokens",
+    "text bytes",
+    "empty docs",
+    "tokens/s (tokenize)",
+    "blend weight",
+    "prefix",
+]
+
+
+def read_stats(stats_files: list[str]) -> dict[str, dict]:
+    """The tokenize stats by output prefix: the key blend.json's datasets name them by."""
     stats = {}
     for p in stats_files:
         st = read_json(p)
         if "tokens" not in st or "prefix" not in st:
             raise ReportInputError(f"{p}: not a tokenize stats file")
         stats[st["prefix"]] = st
+    return stats
+
+
+def source_rows(blend: dict, stats: dict[str, dict], lengths: dict[str, np.ndarray]) -> tuple[list, list]:
+    """One row per source and the "all" row; bytes/token needs the stats, which blend.json does not carry."""
     text_bytes: dict[str, int] = {}
     for d in blend["datasets"]:
         text_bytes[d["source"]] = text_bytes.get(d["source"], 0) + int(
@@ -91,20 +122,12 @@ def tokenizer_tables(blend: dict, stats_files: list[str], lengths: dict[str, np.
         "100%",
         "100%",
     ]
-    cols = [
-        "source",
-        "chunks",
-        "documents",
-        "tokens",
-        "tokens/doc (mean)",
-        "median",
-        "longest",
-        "bytes/token",
-        "weight (config)",
-        "share of tokens",
-        "share in blend",
-    ]
-    per_chunk = [
+    return rows, total
+
+
+def chunk_rows(blend: dict, stats: dict[str, dict]) -> list[list]:
+    """One row per dataset of the blend, in blend order, with what its tokenize stats add."""
+    return [
         [
             d["source"],
             d["chunk"],
@@ -118,7 +141,12 @@ def tokenizer_tables(blend: dict, stats_files: list[str], lengths: dict[str, np.
         ]
         for d in blend["datasets"]
     ]
-    info = [
+
+
+def tokenizer_info(blend: dict) -> list[tuple[str, object]]:
+    """The tokenizer as blend.json records it: what a reader needs to reproduce Megatron's flags."""
+    tok = blend["tokenizer"]
+    return [
         ("name", tok.get("name")),
         ("kind", tok.get("kind")),
         ("vocab size", tok.get("vocab_size")),
@@ -129,31 +157,21 @@ def tokenizer_tables(blend: dict, stats_files: list[str], lengths: dict[str, np.
         ("tokens", blend["tokens"]),
         ("documents", blend.get("documents")),
     ]
+
+
+def tokenizer_tables(blend: dict, stats_files: list[str], lengths: dict[str, np.ndarray]) -> str:
+    """The tokens page of one tokenizer: its record, a table per source and a table per chunk."""
+    stats = read_stats(stats_files)
+    rows, total = source_rows(blend, stats, lengths)
     return H.page(
-        f"Tokens: {tok.get('name')}",
-        H.section("Tokenizer", H.key_values(info)),
+        f"Tokens: {blend['tokenizer'].get('name')}",
+        H.section("Tokenizer", H.key_values(tokenizer_info(blend))),
         H.section(
             "Per source",
-            H.table(cols, rows, total),
+            H.table(SOURCE_COLUMNS, rows, total),
             note="share in blend = tokens x weight, normalised: what Megatron samples from (blend.json data_prefix).",
         ),
-        H.section(
-            "Per chunk",
-            H.table(
-                [
-                    "source",
-                    "chunk",
-                    "documents",
-                    "tokens",
-                    "text bytes",
-                    "empty docs",
-                    "tokens/s (tokenize)",
-                    "blend weight",
-                    "prefix",
-                ],
-                per_chunk,
-            ),
-        ),
+        H.section("Per chunk", H.table(CHUNK_COLUMNS, chunk_rows(blend, stats))),
     )
 
 

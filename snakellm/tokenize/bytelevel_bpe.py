@@ -164,14 +164,8 @@ def _post_tokens(spec: dict, specials: dict[str, int]) -> tuple[list[int], list[
     return prefix, suffix
 
 
-def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
-    """A tiktoken plan for the parsed ``tokenizer.json`` ``spec``; raises NotExpressible.
-
-    ``reachable(tokens) -> list[bool]`` runs the file's own BPE on whole tokens (needed
-    only when ``ignore_merges`` is false); the caller passes one built on ``tokenizers``.
-    """
-    nfc = _normalizer(spec)
-    pattern = _pattern(spec)
+def _bpe_model(spec: dict) -> dict:
+    """The BPE model of ``spec``, after refusing what tiktoken's byte-level BPE cannot do the same way."""
     if _type(spec.get("decoder")) != "ByteLevel":
         raise NotExpressible(f"decoder {_type(spec.get('decoder'))} (expected ByteLevel)")
     model = spec.get("model") or {}
@@ -184,7 +178,14 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key):
             raise NotExpressible(f"BPE with {key} {model[key]!r}")
+    return model
 
+
+def _ranks(spec: dict, model: dict) -> tuple[dict[str, int], dict[bytes, int]]:
+    """The special tokens and tiktoken's byte ranks, refused where ids or the byte alphabet disagree.
+
+    tiktoken needs every token as bytes and all 256 single bytes; tokenizers stores byte-level strings.
+    """
     added = spec.get("added_tokens") or []
     plain = [a["content"] for a in added if not a.get("special")]
     if plain:
@@ -214,7 +215,12 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
         raise NotExpressible(
             f"{len(missing)} of the 256 byte symbols are not in the vocabulary (e.g. byte {missing[0]})"
         )
+    return specials, ranks
 
+
+def _check_merges(model: dict, specials: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges, refused unless their priority is the order of the ids they make (tiktoken merges by rank)."""
+    vocab: dict[str, int] = model.get("vocab") or {}
     # merge priority must be the order of the results' ids (what tiktoken merges by)
     merges = _merges(model)
     last = -1
@@ -250,16 +256,36 @@ def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
     for t in orphans:
         if any(t[:k] in vocab and t[k:] in vocab for k in range(1, len(t))):
             raise NotExpressible(f"vocabulary token {t!r} is made by no merge but splits into two tokens")
+    return merges
 
-    if not model.get("ignore_merges"):
-        tokens = [t for t in vocab if len(t) > 1 and t not in specials]
-        ok = reachable(tokens) if reachable and tokens else [True] * len(tokens)
-        lost = [t for t, good in zip(tokens, ok, strict=True) if not good]
-        if lost:
-            raise NotExpressible(
-                f"ignore_merges is false and {len(lost)} token(s) are not rebuilt by their own merges (e.g. {lost[0]!r}); "
-                "tiktoken returns a piece found whole in the vocabulary"
-            )
+
+def _check_reachable(model: dict, specials: dict[str, int], reachable) -> None:
+    """With ignore_merges false, tokenizers only emits tokens its merges rebuild; tiktoken emits any whole piece."""
+    vocab: dict[str, int] = model.get("vocab") or {}
+    if model.get("ignore_merges"):
+        return
+    tokens = [t for t in vocab if len(t) > 1 and t not in specials]
+    ok = reachable(tokens) if reachable and tokens else [True] * len(tokens)
+    lost = [t for t, good in zip(tokens, ok, strict=True) if not good]
+    if lost:
+        raise NotExpressible(
+            f"ignore_merges is false and {len(lost)} token(s) are not rebuilt by their own merges (e.g. {lost[0]!r}); "
+            "tiktoken returns a piece found whole in the vocabulary"
+        )
+
+
+def plan(spec: dict, add_special_tokens: bool = False, reachable=None) -> Plan:
+    """A tiktoken plan for the parsed ``tokenizer.json`` ``spec``; raises NotExpressible.
+
+    ``reachable(tokens) -> list[bool]`` runs the file's own BPE on whole tokens (needed
+    only when ``ignore_merges`` is false); the caller passes one built on ``tokenizers``.
+    """
+    nfc = _normalizer(spec)
+    pattern = _pattern(spec)
+    model = _bpe_model(spec)
+    specials, ranks = _ranks(spec, model)
+    merges = _check_merges(model, specials)
+    _check_reachable(model, specials, reachable)
 
     prefix, suffix = _post_tokens(spec, specials) if add_special_tokens else ([], [])
     import tiktoken

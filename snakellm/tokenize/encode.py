@@ -344,37 +344,65 @@ def _tokenize_file(
             if writer.documents == 0:
                 raise TokenizeError(f"{jsonl}: no documents to tokenize (empty chunk)")
             writer.finalize()
-        # self-check before publishing: the index on disk describes what was written
-        index = read_index(tmp_idx)
-        if (
-            len(index.document_indices) != writer.documents + 1
-            or int(index.lengths.sum(dtype=np.int64)) != writer.tokens
-            or tmp_bin.stat().st_size != writer.tokens * dtype.itemsize
-        ):
-            raise TokenizeError(f"{prefix}: the written index does not match the tokens written")
-        del index
+        _check_written(prefix, tmp_bin, tmp_idx, writer, dtype)
         seconds = time.perf_counter() - t0
-        result = {
-            "source": source,
-            "chunk": chunk,
-            "input": str(jsonl),
-            "prefix": str(prefix),
-            "key": key,
-            "tokenizer": tok.info(),
-            "encoder": tok.backend,
-            "encoder_reason": tok.encoder_reason,
-            "verified_documents": verified,
-            "dtype": dtype_name(dtype),
-            "documents": writer.documents,
-            "empty_documents": empty_docs,
-            "sequences": writer.sequences,
-            "tokens": writer.tokens,
-            "eod_tokens": writer.documents - empty_docs,
-            "text_bytes": text_bytes,
-            "bin_bytes": writer.tokens * dtype.itemsize,
-            "threads": threads,
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(writer.tokens / seconds) if seconds > 0 else None,
-        }
+        result = _stats_record(
+            jsonl, prefix, key, tok, source, chunk, writer, dtype, empty_docs, text_bytes, verified, threads, seconds
+        )
         tmp_stats.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _check_written(prefix: str, tmp_bin: Path, tmp_idx: Path, writer: IndexedWriter, dtype: np.dtype) -> None:
+    """Self-check before publishing: the index on disk describes what was written.
+
+    A mismatch here (a writer bug, a full disk) would otherwise surface only when Megatron reads the data.
+    """
+    index = read_index(tmp_idx)
+    if (
+        len(index.document_indices) != writer.documents + 1
+        or int(index.lengths.sum(dtype=np.int64)) != writer.tokens
+        or tmp_bin.stat().st_size != writer.tokens * dtype.itemsize
+    ):
+        raise TokenizeError(f"{prefix}: the written index does not match the tokens written")
+    del index
+
+
+def _stats_record(
+    jsonl: str,
+    prefix: str,
+    key: str,
+    tok: tokmod.Tokenizer,
+    source: str,
+    chunk: str,
+    writer: IndexedWriter,
+    dtype: np.dtype,
+    empty_docs: int,
+    text_bytes: int,
+    verified: int,
+    threads: int,
+    seconds: float,
+) -> dict:
+    """The ``{prefix}.stats.json`` record: what blend, report and staleness checks read of a tokenized chunk."""
+    return {
+        "source": source,
+        "chunk": chunk,
+        "input": str(jsonl),
+        "prefix": str(prefix),
+        "key": key,
+        "tokenizer": tok.info(),
+        "encoder": tok.backend,
+        "encoder_reason": tok.encoder_reason,
+        "verified_documents": verified,
+        "dtype": dtype_name(dtype),
+        "documents": writer.documents,
+        "empty_documents": empty_docs,
+        "sequences": writer.sequences,
+        "tokens": writer.tokens,
+        "eod_tokens": writer.documents - empty_docs,
+        "text_bytes": text_bytes,
+        "bin_bytes": writer.tokens * dtype.itemsize,
+        "threads": threads,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(writer.tokens / seconds) if seconds > 0 else None,
+    }
