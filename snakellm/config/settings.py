@@ -30,6 +30,26 @@ from dataclasses import field
 from typing import Any
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every step's ``--help`` formatter: an option's default is shown next to its help.
+
+    ``argparse.ArgumentDefaultsHelpFormatter`` also prints ``(default: None)`` and ``(default: False)``,
+    which say nothing; this one shows only real defaults, and leaves a help that already names its
+    default (``%(default)s`` or a hand-written "default: ...") as it is, so nothing is said twice.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default in (None, "", [], {}, argparse.SUPPRESS)
+            or (action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction))
+            or "default" in text.lower()
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
 def setting(
     default: Any,
     help: str,

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.io.atomic import atomic_group
 from snakellm.tokenize.blend import BlendError, blend_line, build_blend
 
@@ -22,8 +23,10 @@ def _weight(s: str) -> tuple[str, float]:
     return name, value
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``snakellm blend``, apart from :func:`main` so that tests and ``--help`` checks build it alone."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm blend",
         description="Write Megatron's data_prefix blend [w1, p1, w2, p2, ...] (weights = tokens x source weight, "
         "normalised) for one tokenizer's chunks, as blend.json and a one-line blend.txt.",
@@ -39,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SOURCE=W",
         help="a source's sampling weight (repeat per source)",
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     text = a.text or str(Path(a.output).with_name("blend.txt"))
     try:

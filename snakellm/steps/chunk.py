@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from snakellm.config.sections import SourceSettings
-from snakellm.config.settings import add_arguments
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.data.chunk import (
     ALARM_MIN_LINES,
     Expected,
@@ -24,6 +24,7 @@ from snakellm.data.planning import read_shard_list
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm chunk` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm chunk",
         description="Concatenate a chunk's shards (zstd, gzip, bz2, xz or plain, told apart by their magic bytes; "
         "or MediaWiki XML dumps) into one validated jsonl file, quarantining bad lines with their shard, line number "

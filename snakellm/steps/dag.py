@@ -6,12 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.io.atomic import write_text
 from snakellm.report.dag import DagError, add_title, collapse_chunks, parse_dot, render, snakemake_dot
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``snakellm dag``, apart from :func:`main` so that tests and ``--help`` checks build it alone."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm dag",
         description="Render the workflow's rule graph (`snakemake --rulegraph`) and job DAG (`snakemake --dag`, "
         "every job as if all had to run, per-chunk jobs collapsed past --head/--tail) to SVG. "
@@ -35,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         "--config-json", help="the complete workflow config as JSON (replaces the workflow's; what the dag rule passes)"
     )
     p.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="-- then arguments for snakemake")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     extra = a.snakemake_args[1:] if a.snakemake_args[:1] == ["--"] else a.snakemake_args
     if not a.rulegraph and not a.jobs:

@@ -7,9 +7,13 @@ import os
 import sys
 
 from snakellm.config.sections import DownloadSettings
-from snakellm.config.settings import add_arguments
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.data.download import HELP, DownloadError, Options, download_chunk
 from snakellm.data.planning import read_shard_list
+
+
+class _Formatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown as in every step, and HELP's own line breaks kept (it is a list of rules)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="snakellm download",
         description=HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
     )
     p.add_argument("urls", nargs="*", metavar="URL", help="shard URLs, in chunk order")
     p.add_argument(

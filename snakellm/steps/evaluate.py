@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from snakellm.config.sections import EvaluateSettings, ExamplesSettings
-from snakellm.config.settings import add_arguments
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.eval.evaluate import evaluate
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm evaluate",
         description="Greedy generation on a test split: NeMo's exact_string_match, SQuAD EM/F1 and answer-only "
         "loss -> metrics.json + predictions.jsonl ({input, pred, label}).",
@@ -23,9 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None, help="p-tuning directory (finetune's prompt/)")
     p.add_argument("--label", default=None, help="name of the evaluated model in metrics.json")
     add_arguments(p.add_argument_group("evaluation (config: finetune.NAME.evaluate)"), EvaluateSettings)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to run (default: %(default)s: cuda when available, else cpu)",
+    )
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument(
+        "--precision", default="auto", choices=("auto", "bf16", "fp32"), help="weights' dtype (default: %(default)s)"
+    )
     examples = p.add_argument_group("examples, as in training (config: finetune.NAME.examples)")
     add_arguments(examples, ExamplesSettings, exclude=("packing",))
     return p

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from snakellm.config.sections import ExportHfSettings
-from snakellm.config.settings import add_arguments
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.export.hf import ExportError, export_hf_from_checkpoint, hf_family, tokenizer_from_blend
 from snakellm.io.log import log
 
@@ -16,6 +16,7 @@ from snakellm.io.log import log
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm export-hf` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm export-hf",
         description="Write a Hugging Face model directory (GPT2LMHeadModel or LlamaForCausalLM: config.json, "
         "generation_config.json, model.safetensors (sharded above --max-shard-size), tokenizer files) from a "

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.config.sections import ExportNemoSettings
-from snakellm.config.settings import add_arguments
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.export.nemo import NemoError, check_tokenizer, export_nemo, read_checkpoint_info
 
 
@@ -28,6 +28,7 @@ def _read_blend_tokenizer(path: str) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm export-nemo` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm export-nemo",
         description="Write a .nemo (NeMo 1.x layout, mcore GPT) from a checkpoint: NeMo's "
         "MegatronGPTModel.restore_from loads it. Written atomically.",

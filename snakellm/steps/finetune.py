@@ -13,7 +13,7 @@ from snakellm.config.sections import (
     LoraSettings,
     PtuningSettings,
 )
-from snakellm.config.settings import add_arguments
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.errors import EXIT_FAILED, EXIT_USAGE
 from snakellm.io import checkpoint as ckpt
 
@@ -30,6 +30,7 @@ def add_method_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm finetune",
         description="Fine-tune a pretrained run on {input, output} jsonl (prepare-sft) with LoRA, full SFT or "
         "p-tuning: answer-only loss, validation every N steps, best checkpoint kept, early stopping, exact resume.",
@@ -52,9 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-time", type=float, default=None, help="seconds; then checkpoint and exit 75")
     s = p.add_argument_group("parallelism")
     add_arguments(s, FinetuneParallelSettings)
-    s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    s.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to run (default: %(default)s: cuda when available, else cpu)",
+    )
     s.add_argument("--threads", type=int, default=None)
-    s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
     s.add_argument("--no-checkpoints", dest="checkpoints", action="store_false", help="benchmarks only")
     s.add_argument("--pad-to-max", action="store_true", help="pad every batch to --max-seq-length (benchmarks)")
     return p

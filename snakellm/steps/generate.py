@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from snakellm.config.sections import GenerateSettings
-from snakellm.config.settings import add_arguments, defaults, from_namespace
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments, defaults, from_namespace
 from snakellm.errors import SnakellmError
 from snakellm.io.atomic import write_text
 from snakellm.serve.engine.settings import EngineSettings
@@ -38,6 +38,7 @@ def params_from_args(a: argparse.Namespace) -> SamplingParams:
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm generate` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm generate",
         description="Continue prompts with a checkpoint (the continuous-batching engine: static KV cache, CUDA "
         "graphs on a GPU; any number of prompts). Prompts come from "
@@ -54,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", default=None, help="also write the samples as a markdown report here")
     p.add_argument("--blend", default=None, help="blend.json naming the tokenizer files (default: the run_config's)")
     p.add_argument("--iteration", type=int, default=None)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to run (default: %(default)s: cuda when available, else cpu)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--add-bos", action="store_true", help="prepend the BOS token to every prompt")
     add_sampling_arguments(p)

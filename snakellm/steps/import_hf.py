@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from snakellm.config.sections import ImportHfSettings
-from snakellm.config.settings import add_arguments
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.export.hf import ExportError, arch_from_hf, import_hf
 from snakellm.io.atomic import write_json
 from snakellm.io.log import log
@@ -18,6 +18,7 @@ from snakellm.io.log import log
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm import-hf` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm import-hf",
         description="Convert a Hugging Face GPT-2 or Llama model directory into a snakellm run directory: "
         "RUN_DIR/checkpoints/iter_0000000/ (megatron-core torch_dist, model only) + run_config.json, and the "

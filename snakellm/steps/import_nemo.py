@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.export.nemo import NemoError, import_nemo
 from snakellm.io.atomic import write_json
 
@@ -13,6 +14,7 @@ from snakellm.io.atomic import write_json
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm import-nemo` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm import-nemo",
         description="Import a .nemo (NeMo 1.x layout, mcore GPT, TP=PP=1, as NeMo's save_to writes it) into a "
         "model-only checkpoint RUN_DIR/checkpoints/iter_0000000 (+ the tokenizer files in RUN_DIR/tokenizer/).",

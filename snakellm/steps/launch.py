@@ -8,6 +8,7 @@ import shlex
 import sys
 from typing import Any
 
+from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.launch.prefix import LaunchConfigError, launch_args
 
 
@@ -21,13 +22,19 @@ def _parse_resource(item: str) -> tuple[str, Any]:
         return name, value
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``snakellm launch``, apart from :func:`main` so that tests and ``--help`` checks build it alone."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm launch",
         description="Print the command line that the pretrain rule runs for the given resources "
         "and container config (what `snakemake --profile profiles/slurm` would execute).",
     )
-    p.add_argument("--configfile", default="config/config.yaml", help="config with an optional container: block")
+    p.add_argument(
+        "--configfile",
+        default="config/config.yaml",
+        help="config with an optional container: block (default: %(default)s)",
+    )
     p.add_argument(
         "--resource",
         "-r",
@@ -38,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a Snakemake resource, e.g. -r mpi=srun -r nodes=2 -r tasks=16 -r cpus_per_task=8",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to launch (after --)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     import yaml
 

@@ -6,13 +6,14 @@ import argparse
 import sys
 
 from snakellm.config.sections import SftDataSettings
-from snakellm.config.settings import add_arguments
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.finetune.sft_data import SFTDataError, prepare
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm prepare-sft` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm prepare-sft",
         description="SQuAD json (or jsonl with configurable keys) -> {input, output} jsonl train/validation/test "
         "splits for fine-tuning, plus rejected.jsonl and stats.json (bad records quarantined with a count).",

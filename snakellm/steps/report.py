@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.io.atomic import write_text
 from snakellm.report.data import ReportInputError
 
@@ -87,6 +88,7 @@ def _table(a: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm report",
         description="Write the plots (SVG, matplotlib) and tables (self-contained HTML) that rules/report.smk "
         "puts into `snakemake --report`. Each subcommand reads only files earlier steps wrote.",
@@ -164,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--note", help="a line under the title")
     s.add_argument("--max-rows", type=int, default=50, help="records shown per file (default 50)")
     s.set_defaults(func=_table)
+    for each in sub.choices.values():  # add_parser does not pass the formatter on
+        each.formatter_class = DefaultsHelpFormatter
     return p
 
 

@@ -7,15 +7,17 @@ import logging
 import sys
 from pathlib import Path
 
-from snakellm.config.settings import add_arguments, from_namespace
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments, from_namespace
 from snakellm.errors import SnakellmError
 from snakellm.serve.engine.settings import EngineSettings
 from snakellm.serve.server import bind, build, make_server
 from snakellm.serve.settings import ServeSettings
 
 
-def parse_args(argv: list[str] | None) -> tuple[str, ServeSettings, EngineSettings]:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``snakellm serve``, apart from :func:`main` so that tests and ``--help`` checks build it alone."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm serve",
         description="Serve a checkpoint over HTTP: NeMo MegatronServer's PUT /generate and OpenAI's "
         "POST /v1/completions, POST /v1/chat/completions, GET /v1/models (GET /health). CPU or GPU.",
@@ -23,6 +25,11 @@ def parse_args(argv: list[str] | None) -> tuple[str, ServeSettings, EngineSettin
     p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
     add_arguments(p, ServeSettings)
     add_arguments(p.add_argument_group("engine (continuous batching)"), EngineSettings)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> tuple[str, ServeSettings, EngineSettings]:
+    p = build_parser()
     a = p.parse_args(argv)
     return a.checkpoint, from_namespace(ServeSettings, a), from_namespace(EngineSettings, a)
 

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.tokenize import encoders as tokmod
 from snakellm.tokenize.encode import TokenizeError, tokenize_file
 
@@ -13,6 +14,7 @@ from snakellm.tokenize.encode import TokenizeError, tokenize_file
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm tokenize` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm tokenize",
         description="Tokenize a jsonl chunk into Megatron's MMIDIDX {prefix}.bin/.idx, with an EOD token "
         "after every document (preprocess_data.py --append-eod), plus {prefix}.stats.json.",
@@ -20,9 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", help="the chunk's .jsonl (one JSON object per line)")
     p.add_argument("prefix", help="output prefix, e.g. data/tokens/gpt2/wikitext/chunk-00000_text_document")
     p.add_argument("--key", default="text", help="JSON key holding the document text (default text)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="encoder threads (default: all cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="encoder threads (default: all cores, here %(default)s)",
+    )
     p.add_argument("--stats", help="default: {prefix}.stats.json")
-    p.add_argument("--batch-mb", type=float, default=1.0, help="MB of json per encoded batch (default 1)")
+    p.add_argument("--batch-mb", type=float, default=1.0, help="MB of json per encoded batch (default: %(default)s)")
     p.add_argument("--source", default="", help="source name, recorded in the stats")
     p.add_argument("--chunk", default="", help="chunk name, recorded in the stats")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -37,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify-all-mb",
         type=float,
         default=2.0,
-        help="compare every document when the chunk is at most this many MB (default 2)",
+        help="compare every document when the chunk is at most this many MB (default: %(default)s)",
     )
     tokmod.add_arguments(p)
     return p

@@ -6,13 +6,14 @@ import argparse
 import sys
 
 from snakellm.config.sections import SampleSettings, TokenizerTrainSettings
-from snakellm.config.settings import add_arguments, from_namespace
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments, from_namespace
 from snakellm.tokenize.sentencepiece_trainer import TrainError, train_sentencepiece
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm train-tokenizer` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm train-tokenizer",
         description="Train a SentencePiece model on a seeded sample of jsonl chunks "
         "(like train_sentencepiece_tokenizer.py --vocab_size 2000 on Botchan).",
