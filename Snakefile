@@ -14,6 +14,8 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
+include: "rules/common/finetune.smk"
+include: "rules/common/report.smk"
 include: "rules/data.smk"
 include: "rules/tokenize.smk"
 include: "rules/train.smk"

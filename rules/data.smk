@@ -14,10 +14,11 @@ rule download:
         downloads=1,
     params:
         dest=get_raw_dir,
-        options=get_download_options,
+        flags=DOWNLOAD_FLAGS,
+        format=lambda w: SOURCES[w.source]["format"],
     shell:
         "snakellm download --dest {params.dest} --manifest {output.manifest} "
-        "--source {wildcards.source} --chunk {wildcards.chunk} {params.options} "
+        "--source {wildcards.source} --chunk {wildcards.chunk} --format {params.format} {params.flags} "
         "--url-file {input.urls} 2> {log}"
 
 
@@ -37,12 +38,11 @@ rule chunk:
     threads: 2
     params:
         shards=get_chunk_shards_option,
-        format=get_source_format,
-        key=get_source_key,
+        flags=get_source_flags,
         limits=get_chunk_limits,
     shell:
         "snakellm chunk {params.shards} --output {output.jsonl} --stats {output.stats} "
-        "--rejected {output.rejected} --format {params.format} --key {params.key:q} {params.limits} "
+        "--rejected {output.rejected} {params.flags} {params.limits} "
         "--source {wildcards.source} --chunk {wildcards.chunk} --threads {threads} 2> {log}"
 
 

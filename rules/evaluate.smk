@@ -13,12 +13,12 @@ rule generate:
         "logs/generate/{run}.log",
     conda:
         "../envs/train.yaml"
-    threads: get_generate_threads
+    threads: config["generate"]["threads"]
     params:
-        args=get_generate_args,
+        flags=flags(S.GenerateSettings, config["generate"]),
     shell:
         "snakellm generate runs/{wildcards.run} --device auto --threads {threads} "
-        "--out {output.samples} --markdown {output.markdown} {params.args} 2> {log}"
+        "--out {output.samples} --markdown {output.markdown} {params.flags} 2> {log}"
 
 
 # evaluate: greedy generation on a fine-tune's test split, for the base model and the tuned one side by side
@@ -37,8 +37,9 @@ rule evaluate_finetune:
         "../envs/train.yaml"
     threads: get_finetune_threads
     params:
-        args=get_evaluate_args,
+        model=get_evaluate_model,
+        flags=get_evaluate_flags,
         out=subpath(output.metrics, parent=True),
     shell:
-        "snakellm evaluate --test {input.test} --out-dir {params.out} --threads {threads} "
-        "{params.args} 2> {log}"
+        "snakellm evaluate {params.model} --label {wildcards.which} --test {input.test} "
+        "--out-dir {params.out} --threads {threads} {params.flags} 2> {log}"

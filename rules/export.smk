@@ -21,10 +21,10 @@ rule export_nemo:
         "../envs/train.yaml"
     threads: 2
     params:
-        args=get_export_nemo_args,
+        flags=flags(S.ExportNemoSettings, EXPORT_NEMO),
     shell:
         "snakellm export-nemo runs/{wildcards.run} {output} --threads {threads} "
-        "{params.args} 2> {log}"
+        "{params.flags} 2> {log}"
 
 
 # ---------------------------------------------------------------- Hugging Face: export_hf, import_hf
@@ -42,9 +42,9 @@ rule export_hf:
     conda:
         "../envs/train.yaml"
     params:
-        args=get_export_hf_args,
+        flags=flags(S.ExportHfSettings, config["export_hf"]),
     shell:
-        "snakellm export-hf runs/{wildcards.run} {output} {params.args} 2> {log}"
+        "snakellm export-hf runs/{wildcards.run} {output} {params.flags} 2> {log}"
 
 
 # The checkpoint directory is not an output (as for pretrain): the summary is written
@@ -60,6 +60,6 @@ rule import_hf:
         "../envs/train.yaml"
     params:
         hf_dir=get_import_hf_dir,
-        args=get_import_hf_args,
+        flags=get_import_hf_flags,
     shell:
-        "snakellm import-hf {params.hf_dir:q} runs/{wildcards.run} {params.args} 2> {log}"
+        "snakellm import-hf {params.hf_dir:q} runs/{wildcards.run} {params.flags} 2> {log}"

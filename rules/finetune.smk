@@ -24,9 +24,9 @@ rule prepare_sft:
         "../envs/train.yaml"
     params:
         out=subpath(output[0], parent=True),
-        args=get_sft_args,
+        flags=get_sft_flags,
     shell:
-        "snakellm prepare-sft {input} {params.out} {params.args} 2> {log}"
+        "snakellm prepare-sft {input} {params.out} {params.flags} 2> {log}"
 
 
 rule finetune:
@@ -44,12 +44,12 @@ rule finetune:
     threads: get_finetune_threads
     params:
         launch=get_launch_prefix,
-        args=get_finetune_args,
+        flags=get_finetune_flags,
         data=subpath(input.train, parent=True),
         out=subpath(output.summary, parent=True),
     shell:
         "{params.launch} snakellm finetune --base runs/{wildcards.run} --data-dir {params.data} "
-        "--out-dir {params.out} --threads {threads} --no-progress {params.args} 2> {log}"
+        "--out-dir {params.out} --threads {threads} --no-progress {params.flags} 2> {log}"
 
 
 rule export_peft:

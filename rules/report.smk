@@ -6,7 +6,7 @@
 # so `snakemake` keeps them current and `snakemake --report report.html` only collects
 # them; each is redrawn only when the files it is drawn from change.
 #
-# Later stages: call register_report_table(stage, name, files, title, ...) (common.smk)
+# Later stages: call register_report_table(stage, name, files, title, ...) (rules/common/report.smk)
 # from your rules/*.smk to add a metrics.json / samples .jsonl / .csv of yours as a table
 # (rule report_table), or give your own rule `report(...)` outputs with a caption in
 # report/ and category="<Stage>" (see README, "Reports and DAG pictures").
@@ -198,11 +198,11 @@ rule report_tokenizer:
     conda:
         "../envs/data.yaml"
     params:
-        tokenizer=get_tokenizer_options,
+        tokenizer=get_tokenizer_flags,
         key=get_report_tokenizer_key,
         train=get_report_tokenizer_train_flag,
     shell:
-        "snakellm report tokenizer {params.tokenizer} --sample {input.sample} --key {params.key:q} "
+        "snakellm report tokenizer --name {wildcards.tokenizer} {params.tokenizer} --sample {input.sample} --key {params.key:q} "
         "{params.train} --output {output} 2> {log}"
 
 
@@ -258,7 +258,7 @@ rule report_train:
 
 
 rule report_table:
-    """Any registered metrics/samples file(s) as a table (register_report_table in common.smk)."""
+    """Any registered metrics/samples file(s) as a table (register_report_table: rules/common/report.smk)."""
     input:
         get_report_table_input,
     output:

@@ -1,5 +1,6 @@
 # train_tokenizer, tokenize, blend: chunks -> data/tokens/{tokenizer}/...
-# Paths and flags come from get_* functions in common.smk; the work is in snakellm.
+# Paths come from get_* functions in common.smk, settings flags from the settings dataclasses
+# (snakellm.config.sections); the work is in snakellm.
 
 
 rule train_tokenizer:
@@ -20,10 +21,10 @@ rule train_tokenizer:
     threads: get_train_tokenizer_threads
     params:
         key_flags=get_train_tokenizer_keys,
-        options=get_train_tokenizer_options,
+        flags=get_train_tokenizer_flags,
     shell:
         "snakellm train-tokenizer {input:q} {params.key_flags} --model {output.model} --vocab {output.vocab} "
-        "--stats {output.stats} {params.options} 2> {log}"
+        "--stats {output.stats} {params.flags} 2> {log}"
 
 
 rule tokenize:
@@ -46,11 +47,11 @@ rule tokenize:
     threads: TOKENIZE_THREADS
     params:
         prefix=subpath(output[0], strip_suffix=".bin"),
-        tokenizer=get_tokenizer_options,
+        tokenizer=get_tokenizer_flags,
         key=get_source_key,
     shell:
         "snakellm tokenize {input.jsonl} {params.prefix} --key {params.key:q} --threads {threads} "
-        "--source {wildcards.source} --chunk {wildcards.chunk} {params.tokenizer} 2> {log}"
+        "--source {wildcards.source} --chunk {wildcards.chunk} --name {wildcards.tokenizer} {params.tokenizer} 2> {log}"
 
 
 rule blend:

@@ -27,7 +27,7 @@ rule pretrain:
     threads: get_train_threads
     params:
         launch=get_launch_prefix,
-        args=get_train_args,
+        flags=get_train_flags,
     shell:
         "{params.launch} snakellm train --blend {input.blend} --run-dir runs/{wildcards.run} "
-        "--run-name {wildcards.run} --threads {threads} {params.args} 2> {log}"
+        "--run-name {wildcards.run} --threads {threads} {params.flags} 2> {log}"

@@ -83,7 +83,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "snakellm.data.chunk",
+                    "snakellm.steps.chunk",
                     *shards,
                     "-o",
                     str(tmp / "out.jsonl"),

@@ -103,7 +103,7 @@ def run_step(args: list[str], prefix: Path) -> tuple[float, float, float, int]:
     """(process seconds, step seconds, process CPU seconds, tokens) of one `snakellm tokenize` process."""
     t0, c0 = time.perf_counter(), cpu_seconds(resource.RUSAGE_CHILDREN)
     subprocess.run(
-        [sys.executable, "-m", "snakellm.tokenize.encode", *args, str(prefix), "--no-progress"],
+        [sys.executable, "-m", "snakellm.steps.tokenize", *args, str(prefix), "--no-progress"],
         check=True,
         cwd=REPO,
         stderr=subprocess.DEVNULL,

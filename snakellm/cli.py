@@ -1,8 +1,10 @@
 """``snakellm <step> ...``: one command per workflow step.
 
-Each step is a module with its own ``main(argv)`` (and ``--help``), so the same
-step runs from a rule, by hand, under ``srun`` or inside a container, and also
-as ``python -m snakellm.<module>``. Modules are imported lazily: ``snakellm
+Each step is one module of :mod:`snakellm.steps` with ``build_parser()`` (its
+flags, from the settings dataclasses) and ``main(argv)``, which calls the
+implementation in its stage's package; so the same step runs from a rule, by
+hand, under ``srun`` or inside a container, and also as ``python -m
+snakellm.steps.<step>``. Modules are imported lazily: ``snakellm
 chunk`` must not pay for importing torch.
 """
 
@@ -16,48 +18,48 @@ from snakellm.errors import SnakellmError
 
 # step name -> (module, one-line summary)
 STEPS: dict[str, tuple[str, str]] = {
-    "download": ("snakellm.data.download", "fetch a chunk's http shards with retries, resume and a sha256 manifest"),
-    "chunk": ("snakellm.data.chunk", "stream a chunk's shards into one validated jsonl (+ rejected lines, stats)"),
+    "download": ("snakellm.steps.download", "fetch a chunk's http shards with retries, resume and a sha256 manifest"),
+    "chunk": ("snakellm.steps.chunk", "stream a chunk's shards into one validated jsonl (+ rejected lines, stats)"),
     "train-tokenizer": (
-        "snakellm.tokenize.sentencepiece_trainer",
+        "snakellm.steps.train_tokenizer",
         "train a SentencePiece tokenizer on a sample of the chunks",
     ),
-    "tokenize": ("snakellm.tokenize.encode", "tokenize a chunk into Megatron .bin/.idx (MMIDIDX)"),
-    "blend": ("snakellm.tokenize.blend", "write Megatron's data_prefix blend for a tokenizer"),
-    "train": ("snakellm.train.cli", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
-    "prepare-sft": ("snakellm.finetune.sft_data", "SQuAD json / jsonl -> {input, output} train/validation/test splits"),
+    "tokenize": ("snakellm.steps.tokenize", "tokenize a chunk into Megatron .bin/.idx (MMIDIDX)"),
+    "blend": ("snakellm.steps.blend", "write Megatron's data_prefix blend for a tokenizer"),
+    "train": ("snakellm.steps.train", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
+    "prepare-sft": ("snakellm.steps.prepare_sft", "SQuAD json / jsonl -> {input, output} train/validation/test splits"),
     "finetune": (
-        "snakellm.finetune.cli",
+        "snakellm.steps.finetune",
         "LoRA, full SFT or p-tuning of a pretrained run (answer-only loss, resumable)",
     ),
-    "evaluate": ("snakellm.eval.evaluate", "greedy generation on a test split: exact_string_match, SQuAD EM/F1, loss"),
+    "evaluate": ("snakellm.steps.evaluate", "greedy generation on a test split: exact_string_match, SQuAD EM/F1, loss"),
     "lora": (
-        "snakellm.finetune.adapters_cli",
+        "snakellm.steps.lora",
         "merge a LoRA adapter into its base, or write it in Hugging Face PEFT format",
     ),
-    "plan": ("snakellm.data.plan_cli", "print the chunk plan of the configured sources"),
-    "export-nemo": ("snakellm.export.export_nemo", "write a .nemo (NeMo 1.x mcore GPT) that NeMo's restore_from loads"),
+    "plan": ("snakellm.steps.plan", "print the chunk plan of the configured sources"),
+    "export-nemo": ("snakellm.steps.export_nemo", "write a .nemo (NeMo 1.x mcore GPT) that NeMo's restore_from loads"),
     "import-nemo": (
-        "snakellm.export.import_nemo",
+        "snakellm.steps.import_nemo",
         "import a .nemo that NeMo's save_to wrote into a model-only checkpoint",
     ),
-    "launch": ("snakellm.launch.prefix", "print the srun/torchrun/container command line the pretrain rule runs"),
-    "export-hf": ("snakellm.export.hf", "write a Hugging Face model directory (GPT-2 / Llama) from a checkpoint"),
+    "launch": ("snakellm.steps.launch", "print the srun/torchrun/container command line the pretrain rule runs"),
+    "export-hf": ("snakellm.steps.export_hf", "write a Hugging Face model directory (GPT-2 / Llama) from a checkpoint"),
     "import-hf": (
-        "snakellm.export.import_hf",
+        "snakellm.steps.import_hf",
         "turn a Hugging Face GPT-2 / Llama directory into a snakellm checkpoint",
     ),
-    "generate": ("snakellm.serve.generate", "sample continuations of prompts from a checkpoint (KV-cached decoding)"),
+    "generate": ("snakellm.steps.generate", "sample continuations of prompts from a checkpoint (KV-cached decoding)"),
     "serve": (
-        "snakellm.serve.server",
+        "snakellm.steps.serve",
         "serve a checkpoint over HTTP: NeMo's PUT /generate and OpenAI's /v1/completions",
     ),
     "report": (
-        "snakellm.report.cli",
+        "snakellm.steps.report",
         "plots and tables for `snakemake --report` (data, tokens, train, any metrics table)",
     ),
     "dag": (
-        "snakellm.report.dag",
+        "snakellm.steps.dag",
         "draw the workflow's rule graph and job DAG as SVG (Graphviz, else a built-in renderer)",
     ),
 }

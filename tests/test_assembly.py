@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from snakellm.finetune.cli import build_parser, main
 from snakellm.io import checkpoint as ckpt
+from snakellm.steps.finetune import build_parser, main
 from snakellm.train.resume import ResumeError, decide_resume, fingerprint
 from snakellm.train.settings import ResumeSettings, TrainSettings
 

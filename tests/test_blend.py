@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, corpus, write_jsonl
 
+from snakellm.steps.blend import main
 from snakellm.tokenize import encoders as T
-from snakellm.tokenize.blend import BlendError, build_blend, main
+from snakellm.tokenize.blend import BlendError, build_blend
 from snakellm.tokenize.encode import tokenize_file
 from snakellm.tokenize.sentencepiece_trainer import train_sentencepiece
 

@@ -14,6 +14,7 @@ import pytest
 import zstandard
 
 from snakellm.data import chunk as chunkmod
+from snakellm.steps import chunk as chunkstep
 
 GOOD = [{"text": "first document"}, {"text": "second one", "meta": {"x": 1}}]
 
@@ -126,7 +127,7 @@ def test_plain_text_formats(tmp_path):
 
 def test_missing_shard_is_an_error_and_leaves_nothing(tmp_path):
     out = tmp_path / "o.jsonl"
-    rc = chunkmod.main([str(tmp_path / "nope.jsonl"), "-o", str(out), "--no-progress"])
+    rc = chunkstep.main([str(tmp_path / "nope.jsonl"), "-o", str(out), "--no-progress"])
     assert rc == 1
     assert list(tmp_path.iterdir()) == []
 
@@ -154,7 +155,7 @@ def test_killed_job_leaves_no_output_that_looks_complete(tmp_path):
         [
             sys.executable,
             "-m",
-            "snakellm.data.chunk",
+            "snakellm.steps.chunk",
             *shards,
             "-o",
             str(out),
@@ -211,7 +212,7 @@ def _chunk_fails(shards, tmp_path, fmt):
         [
             sys.executable,
             "-m",
-            "snakellm.data.chunk",
+            "snakellm.steps.chunk",
             *map(str, shards),
             "-o",
             str(out),

@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 from httpserver import ShardServer
 
-from snakellm.data import chunk, download
+from snakellm.data import download
 from snakellm.data.chunk import _read_manifest
 from snakellm.data.planning import url_to_relpath
+from snakellm.steps import chunk as chunk_step
+from snakellm.steps import download as download_step
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "resources" / "corpus" / "wikitext"
@@ -52,7 +54,7 @@ class Run:
 
     def __call__(self, rels: list[str], *extra: str) -> tuple[int, str]:
         argv = ["--dest", str(self.dest), "--manifest", str(self.manifest), "--source", "web", "--chunk", "chunk-00000"]
-        rc = download.main(argv + FAST + list(extra) + [self.srv.url(r) for r in rels])
+        rc = download_step.main(argv + FAST + list(extra) + [self.srv.url(r) for r in rels])
         return rc, self.capsys.readouterr().err
 
     def local(self, rel: str) -> Path:
@@ -98,7 +100,7 @@ def test_snakellm_chunk_reads_the_manifest(run, srv, tmp_path):
     # the contract with the chunk step: the manifest stands for its shards, in order
     assert run(SHARDS)[0] == 0
     out = tmp_path / "c.jsonl"
-    assert chunk.main([str(run.manifest), "-o", str(out), "--format", "jsonl.zst", "--no-progress"]) == 0
+    assert chunk_step.main([str(run.manifest), "-o", str(out), "--format", "jsonl.zst", "--no-progress"]) == 0
     stats = json.loads(out.with_name("c.stats.json").read_text())
     assert [Path(s["shard"]) for s in stats["per_shard"]] == [run.local(r) for r in SHARDS]
     assert stats["documents"] > 0 and stats["rejected"] == 0
@@ -114,18 +116,18 @@ def test_snakellm_chunk_checks_shards_against_the_manifest(run, srv, tmp_path, c
     raw = bytearray(bad.read_bytes())
     raw[100] ^= 1
     bad.write_bytes(bytes(raw))
-    assert chunk.main(args) == 1
+    assert chunk_step.main(args) == 1
     err = capsys.readouterr().err
     assert f"shard {bad} ({srv.url(SHARDS[1])}) has sha256 {sha256(bytes(raw))}" in err
     assert f"the manifest recorded {sha256(run.served(SHARDS[1]))}" in err and "the next run downloads it again" in err
     assert not bad.exists() and not out.exists()
     # gone: the message says so (the workflow downloads it again at its next start)
-    assert chunk.main(args) == 1
+    assert chunk_step.main(args) == 1
     assert f"shard {bad} ({srv.url(SHARDS[1])}) listed in the manifest is missing" in capsys.readouterr().err
     # cut short: the size is wrong
     assert run(SHARDS)[0] == 0
     bad.write_bytes(run.served(SHARDS[1])[:-10])
-    assert chunk.main(args) == 1
+    assert chunk_step.main(args) == 1
     assert (
         f"is {len(run.served(SHARDS[1])) - 10} bytes, the manifest recorded {len(run.served(SHARDS[1]))}"
         in capsys.readouterr().err
@@ -384,7 +386,7 @@ def test_unreachable_host_is_retried_then_reported(run, srv, tmp_path):
     port = s.getsockname()[1]
     s.close()  # nothing listens there now: connection refused
     url = f"http://127.0.0.1:{port}/x.jsonl.zst"
-    rc = download.main(
+    rc = download_step.main(
         ["--dest", str(tmp_path / "d"), "--manifest", str(tmp_path / "m.json"), *FAST, "--retries", "1", url]
     )
     err = run.capsys.readouterr().err

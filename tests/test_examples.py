@@ -9,6 +9,7 @@ import yaml
 from conftest import REPO
 
 from snakellm.config import validate as cfgmod
+from snakellm.data.planning import read_shard_list
 
 EXAMPLES = sorted((REPO / "config" / "examples").glob("*.yaml"))
 SCHEMA = cfgmod.load_schema(REPO / "config" / "schema.yaml")
@@ -38,7 +39,7 @@ EIGHT_B = REPO / "config" / "examples" / "slimpajama-gpt-8b.yaml"
 
 def test_8b_example_fits_8_nodes_of_8_gpus_and_says_so(capsys):
     """NeMo's 7b_improved recipe: the batch/parallelism check for 8 x 8 GPUs and the memory per GPU."""
-    from snakellm.data import plan_cli
+    from snakellm.steps import plan as plan_cli
 
     assert plan_cli.main(["--config", str(EIGHT_B), "--nodes", "8", "--gpus-per-node", "8", "--run", "gpt-8b"]) == 0
     out = capsys.readouterr().out
@@ -85,7 +86,7 @@ def test_8b_example_train_dry_run_checks_the_8_node_layout_and_prints_the_memory
     from conftest import env_with_venv
 
     from snakellm.config import resolve
-    from snakellm.data import plan_cli
+    from snakellm.steps import plan as plan_cli
 
     cfg = yaml.safe_load(EIGHT_B.read_text())
     run = cfg["runs"]["gpt-8b"]
@@ -93,7 +94,7 @@ def test_8b_example_train_dry_run_checks_the_8_node_layout_and_prints_the_memory
     blend = _gpt2_blend(tmp_path)
     argv = ["--blend", str(blend), "--run-dir", str(tmp_path / "runs/gpt-8b"), *flags, "--dry-run"]
     probe = (
-        "import sys; from snakellm.train.cli import main; rc = main(sys.argv[1:]); "
+        "import sys; from snakellm.steps.train import main; rc = main(sys.argv[1:]); "
         "print('exit', rc, 'torch' in sys.modules, 'megatron' in sys.modules)"
     )
 
@@ -189,7 +190,7 @@ def test_wikipedia_example_plans_one_chunk_per_dump_file(workspace):
     lists = workspace.run("-n", "data")
     assert lists.stdout.count("rule chunk:") == 3  # the multistream index is not a dump
     order = [
-        (workspace.root / f"data/plan/wikipedia/chunk-0000{i}.list").read_text().strip().rsplit("/", 1)[1]
+        read_shard_list(workspace.root / f"data/plan/wikipedia/chunk-0000{i}.list")[0].rsplit("/", 1)[1]
         for i in range(3)
     ]
     assert order == [

@@ -98,17 +98,8 @@ def subpackage_graph() -> dict[str, dict[str, str]]:
     return graph
 
 
-# Edges still to go, each with the change that removes it; the test fails on any other cycle.
-PENDING: dict[tuple[str, str], str] = {
-    ("config", "train"): "snakellm.config.resolve reads TrainSettings from snakellm.train.settings until the "
-    "settings dataclasses move into snakellm/config (issue #18, point 1)",
-}
-
-
 def test_no_cycle_between_subpackages() -> None:
     graph = subpackage_graph()
-    for a, b in PENDING:
-        graph.get(a, {}).pop(b, None)
     assert "models" in graph.get("train", {}), "the graph reader found no train -> models import"
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle between snakellm subpackages:\n" + _explain(cycle or [], graph)

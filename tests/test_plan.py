@@ -60,7 +60,7 @@ def test_url_to_relpath_is_stable_and_safe():
 def test_plan_cli_prints_the_default_plan(capsys, monkeypatch):
     from conftest import REPO
 
-    from snakellm.data import plan_cli as plan_cli
+    from snakellm.steps import plan as plan_cli
 
     monkeypatch.chdir(REPO)
     assert plan_cli.main([]) == 0

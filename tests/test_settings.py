@@ -13,10 +13,11 @@ import yaml
 from conftest import REPO
 
 from snakellm import cli, errors, models
-from snakellm.config import resolve
+from snakellm.config import checks, resolve, sections, settings, validate
+from snakellm.config import flags as flagmod
 from snakellm.config.settings import defaults
 from snakellm.config.validate import ConfigError
-from snakellm.train.cli import build_parser
+from snakellm.steps.train import build_parser
 from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
 
 SCHEMA = yaml.safe_load((REPO / "config/schema.yaml").read_text())
@@ -136,3 +137,231 @@ def test_cli_maps_an_error_to_its_exit_status_and_one_line(error, status, capsys
     assert cli.run_step("snakellm x", step, []) == status
     err = capsys.readouterr().err
     assert err == f"snakellm x: error: {error}\n"
+
+
+# ---------------------------------------------------------------- every section: schema == dataclass
+
+
+def _schema_at(where: str) -> dict:
+    """The schema of a section, ``*`` standing for any name (local $refs followed)."""
+
+    def deref(node):
+        while "$ref" in node:
+            node = {**_lookup(node["$ref"]), **{k: v for k, v in node.items() if k != "$ref"}}
+        return node
+
+    def _lookup(ref):
+        node = SCHEMA
+        for part in ref.removeprefix("#/").split("/"):
+            node = node[part]
+        return node
+
+    node = SCHEMA
+    for part in where.split("."):
+        node = deref(node)
+        node = node["additionalProperties"] if part == "*" else node["properties"][part]
+    return deref(node)
+
+
+def _enum(values):
+    return {str(v).lower() for v in values}
+
+
+@pytest.mark.parametrize("where", list(sections.SECTIONS))
+def test_every_schema_section_equals_its_settings_dataclass(where):
+    cls, schema = sections.SECTIONS[where], _schema_at(where)
+    props = schema["properties"]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(props) == set(fields), where
+    assert set(schema.get("required", [])) == settings.required(cls), where
+    dc_defaults = settings.defaults(cls)
+    for name, prop in props.items():
+        if "default" in prop:
+            assert prop["default"] == dc_defaults[name], f"{where}.{name}"
+        else:
+            assert dc_defaults.get(name) is None, f"{where}.{name}: the schema has no default"
+        choices = fields[name].metadata.get("choices")
+        if choices or "enum" in prop:
+            assert _enum(prop["enum"]) == _enum(choices), f"{where}.{name}"
+        if fields[name].metadata.get("section"):
+            assert fields[name].metadata["section"] is sections.SECTIONS.get(f"{where}.{name}", models.ModelSettings)
+
+
+def _parsers():
+    """(step, parser, arguments that make the required ones, settings classes it takes)."""
+    from snakellm.steps import (
+        chunk,
+        download,
+        evaluate,
+        export_hf,
+        export_nemo,
+        generate,
+        import_hf,
+        prepare_sft,
+        train_tokenizer,
+    )
+    from snakellm.steps import finetune as ftcli
+    from snakellm.steps import tokenize as encode
+
+    S = sections
+    return [
+        ("download", download.build_parser(), ["--dest", "d", "--manifest", "m"], [S.DownloadSettings]),
+        ("chunk", chunk.build_parser(), ["-o", "o", "--format", "jsonl"], [S.SourceSettings]),
+        ("tokenize", encode.build_parser(), ["i", "p", "--kind", "gpt2-bpe"], [S.TokenizerSettings]),
+        (
+            "train-tokenizer",
+            train_tokenizer.build_parser(),
+            ["i", "--model", "m", "--vocab-size", "9"],
+            [S.TokenizerTrainSettings, S.SampleSettings],
+        ),
+        ("prepare-sft", prepare_sft.build_parser(), ["s", "o"], [S.SftDataSettings]),
+        (
+            "finetune",
+            ftcli.build_parser(),
+            ["--base", "b", "--data-dir", "d", "--out-dir", "o", "--method", "lora", "--steps", "1"],
+            [S.FinetuneSettings, S.LoraSettings, S.PtuningSettings, S.ExamplesSettings, S.FinetuneTrainSettings],
+        ),
+        ("evaluate", evaluate.build_parser(), ["--base", "b", "--test", "t", "--out-dir", "o"], [S.EvaluateSettings]),
+        ("export-hf", export_hf.build_parser(), ["c", "o"], [S.ExportHfSettings]),
+        ("import-hf", import_hf.build_parser(), ["h", "r"], [S.ImportHfSettings]),
+        ("export-nemo", export_nemo.build_parser(), ["c", "o"], [S.ExportNemoSettings]),
+        ("generate", generate.build_parser(), ["c"], [S.GenerateSettings]),
+        (
+            "train",
+            build_parser(),
+            ["--blend", "b", "--run-dir", "r", "--steps", "1", "--micro-batch-size", "1", "--global-batch-size", "1"],
+            [TrainSettings, ParallelSettings],
+        ),
+    ]
+
+
+@pytest.mark.parametrize("step, parser, argv, classes", _parsers(), ids=[p[0] for p in _parsers()])
+def test_every_step_takes_its_settings_with_the_config_defaults(step, parser, argv, classes):
+    args = parser.parse_args(argv)
+    help_text = " ".join(parser.format_help().split())
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True) or f.name in settings.required(cls):
+                continue
+            parsed = settings.from_namespace(
+                cls, args, **{g.name: None for g in dataclasses.fields(cls) if not g.metadata.get("cli", True)}
+            )
+            assert getattr(parsed, f.name) == settings.defaults(cls).get(f.name), f"{step} {f.name}"
+            assert settings.option(f) in help_text, f"{step} --help lists {settings.option(f)}"
+            default = settings.defaults(cls).get(f.name)
+            if default not in (None, [], {}, dataclasses.MISSING) and not isinstance(default, list):
+                assert f"(default: {default})" in help_text, f"{step} --help: default of {f.name}"
+
+
+def test_generate_defaults_are_the_config_ones():
+    """They once disagreed: the schema said 48 / 0.8 / 40, `snakellm generate --help` 64 / 1.0 / 0."""
+    from snakellm.steps import generate
+
+    args = generate.build_parser().parse_args(["runs/x"])
+    g = SCHEMA["properties"]["generate"]["properties"]
+    assert (args.max_new_tokens, args.temperature, args.top_k) == (48, 0.8, 40)
+    assert (g["max_new_tokens"]["default"], g["temperature"]["default"], g["top_k"]["default"]) == (48, 0.8, 40)
+
+
+def _full_config():
+    cfg = _config()
+    cfg["tokenizers"]["gpt2"].update(vocab_file="v.json", merges_file="m.txt")
+    cfg.update(
+        sources={"s": {"kind": "local", "path": "x/*.jsonl", "format": "jsonl", "shards_per_chunk": 1}},
+        sft_data={"squad": {"path": "s.json"}},
+        finetune={"ft": {"run": "r", "data": "squad", "method": "lora", "train": {"steps": 2}}},
+        import_hf={},
+        export_nemo={"enabled": True, "transformer_engine": "auto"},
+        export_hf={"enabled": True, "max_shard_size": "5GB", "dtype": "auto"},
+        generate={},
+    )
+    return validate.validate(cfg, SCHEMA)
+
+
+def test_rule_flags_parse_back_into_the_step_settings():
+    """What a rule passes (snakellm.config.flags / to_flags) is what the step reads: every setting round-trips."""
+    from snakellm.steps import evaluate, generate
+    from snakellm.steps import finetune as ftcli
+
+    cfg = _full_config()
+    ft = cfg["finetune"]["ft"]
+    ft["lora"].update(targets=["linear_qkv", "linear_fc1"], layers=[1, 2], alpha=16.0)
+    ft["examples"]["add_bos"] = True
+    a = ftcli.build_parser().parse_args(
+        ["--base", "b", "--data-dir", "d", "--out-dir", "o", *shlex.split(flagmod.finetune_flags(ft))]
+    )
+    assert settings.from_namespace(sections.LoraSettings, a) == sections.LoraSettings(**ft["lora"])
+    assert settings.from_namespace(sections.ExamplesSettings, a) == sections.ExamplesSettings(**ft["examples"])
+    assert settings.from_namespace(sections.FinetuneTrainSettings, a) == sections.FinetuneTrainSettings(**ft["train"])
+    assert a.method == "lora" and a.tp == 1
+    assert "--virtual-tokens" not in flagmod.finetune_flags(ft)  # only the chosen method's options
+    e = evaluate.build_parser().parse_args(
+        ["--base", "b", "--test", "t", "--out-dir", "o", *shlex.split(flagmod.evaluate_flags(ft))]
+    )
+    assert e.add_bos is True and e.tokens_to_generate == 32 and "packing" not in vars(e)
+    g = dict(cfg["generate"], prompts=["a b", "it's"], end_strings=["\n\n"], greedy=True)
+    args = generate.build_parser().parse_args(["c", *shlex.split(settings.to_flags(sections.GenerateSettings, g))])
+    assert settings.from_namespace(sections.GenerateSettings, args, enabled=True, threads=1) == (
+        sections.GenerateSettings(**g)
+    )
+
+
+def test_tokenizer_flags_fill_a_trained_model_file_and_options():
+    from snakellm.steps import tokenize as encode
+    from snakellm.steps import train_tokenizer
+
+    spec = {
+        "kind": "sentencepiece",
+        "vocab_size": 2000,
+        "train": {"options": {"split_digits": True, "pad_id": 3}, "user_defined_symbols": ["<a>", "<b>"]},
+    }
+    cfg = _full_config()
+    cfg["tokenizers"]["spm"] = spec
+    spec = validate.validate(cfg, SCHEMA)["tokenizers"]["spm"]
+    a = encode.build_parser().parse_args(["i", "p", *shlex.split(flagmod.tokenizer_flags("spm", spec))])
+    assert a.model_file == "tokenizers/spm/tokenizer.model" and a.vocab_size == 2000
+    t = train_tokenizer.build_parser().parse_args(
+        ["i", "--model", "m", *shlex.split(flagmod.train_tokenizer_flags(spec))]
+    )
+    train = settings.from_namespace(sections.TokenizerTrainSettings, t, sample={})
+    assert train.options == {"pad_id": "3", "split_digits": "true"} and train.user_defined_symbols == ["<a>", "<b>"]
+    assert t.vocab_size == 2000 and t.max_bytes == 100_000_000 and train.threads == 2
+
+
+# ---------------------------------------------------------------- cross-field checks (snakellm.config.checks)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c["finetune"]["ft"].update(run="nope"), "config key finetune.ft.run: unknown run 'nope'"),
+        (lambda c: c["finetune"]["ft"].update(data="nope"), "config key finetune.ft.data: unknown sft_data 'nope'"),
+        (
+            lambda c: c["finetune"]["ft"]["train"].update(micro_batch_size=3),
+            "config key finetune.ft.train: global_batch_size 8 is not a multiple of micro_batch_size 3",
+        ),
+        (
+            lambda c: c["tokenizers"].update(gpt2={"kind": "huggingface", "tokenizer_file": "t.json", "eod": "x"}),
+            "config key runs.r.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece tokenizers",
+        ),
+        (lambda c: c["import_hf"].update(r={"hf_dir": "x"}), "config key import_hf.r: a run of that name exists"),
+        (lambda c: c["import_hf"].update(h={"hf_dir": "/nonexistent"}), "config key import_hf.h.hf_dir: '/nonex"),
+        (
+            lambda c: c["runs"]["r"]["model"].update(position_embedding="rope"),
+            "config key runs.r.model: Hugging Face export",
+        ),
+    ],
+)
+def test_cross_field_checks_name_the_key(change, message):
+    cfg = _full_config()
+    change(cfg)
+    with pytest.raises(ConfigError, match=message):
+        checks.check_config(cfg)
+
+
+def test_cross_field_checks_pass_a_good_config_and_resolve_its_runs():
+    assert checks.check_config(_full_config())["r"]["hidden_size"] == 64
+    cfg = _full_config()
+    cfg["export_nemo"]["enabled"] = False
+    cfg["tokenizers"]["gpt2"] = {"kind": "huggingface", "tokenizer_file": "t.json", "eod": "x"}
+    checks.check_config(cfg)  # no .nemo asked for: any tokenizer kind

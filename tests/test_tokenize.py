@@ -22,8 +22,9 @@ from tokenize_helpers import GPT2_MERGES, GPT2_VOCAB, REPO, corpus, openai_gpt2,
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
+from snakellm.steps.tokenize import main
 from snakellm.tokenize import encoders as T
-from snakellm.tokenize.encode import MIN_BLOCK, TokenizeError, main, read_blocks, tokenize_file
+from snakellm.tokenize.encode import MIN_BLOCK, TokenizeError, read_blocks, tokenize_file
 from snakellm.tokenize.sentencepiece_trainer import train_sentencepiece
 
 with warnings.catch_warnings():
@@ -285,7 +286,7 @@ def test_peak_memory_does_not_grow_with_the_chunk(tmp_path):
     for mb in (3, 30):
         src = write_jsonl(tmp_path / f"{mb}.jsonl", docs * max(1, round(mb * 1e6 / one)))
         code = (
-            "import sys; from snakellm.tokenize.encode import main; "
+            "import sys; from snakellm.steps.tokenize import main; "
             f"rc = main({[str(src), str(tmp_path / f'o{mb}'), '--no-progress', '--threads', '2', *GPT2_ARGS]!r}); "
             # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (pytest)
             "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]); sys.exit(rc)"

@@ -30,8 +30,9 @@ from tokenize_helpers import (
 )
 from tokenizers import Tokenizer as HFTokenizer
 
+from snakellm.steps.tokenize import main
 from snakellm.tokenize import encoders as T
-from snakellm.tokenize.encode import main, tokenize_file
+from snakellm.tokenize.encode import tokenize_file
 
 FAMILIES = {
     # name: (vocab size, train options, EOD)

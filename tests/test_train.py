@@ -292,7 +292,7 @@ def test_changed_settings_fail_clearly_or_archive_the_old_checkpoints(synth):
 
 
 def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkeypatch):
-    from snakellm.train.cli import main
+    from snakellm.steps.train import main
 
     monkeypatch.chdir(synth)  # the blend's token paths are relative to the working directory
     blend = "data/tokens/synth/blend.json"
@@ -355,7 +355,7 @@ def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkey
     ],
 )
 def test_batch_and_parallelism_mismatches_name_the_numbers(synth, monkeypatch, capsys, env, extra, expected):
-    from snakellm.train.cli import main
+    from snakellm.steps.train import main
 
     for var in (
         "RANK",
@@ -390,7 +390,7 @@ def test_a_real_launch_reports_a_mismatch_with_exit_status_2_before_importing_to
     assert proc.returncode == 2
     assert "global batch size 6 is not divisible by micro batch size 4 x data-parallel size 2" in proc.stderr
     probe = (
-        "import sys; from snakellm.train.cli import main; rc = main(sys.argv[1:]); "
+        "import sys; from snakellm.steps.train import main; rc = main(sys.argv[1:]); "
         "print(rc, 'torch' in sys.modules, 'megatron' in sys.modules)"
     )
     out = subprocess.run(
@@ -406,7 +406,7 @@ def test_a_real_launch_reports_a_mismatch_with_exit_status_2_before_importing_to
 
 def test_tensor_parallelism_with_dropout_on_the_cpu_is_refused_before_anything_starts(synth, monkeypatch, capsys):
     """megatron-core's CUDA RNG tracker gives each tensor-parallel rank its dropout stream; the CPU has none."""
-    from snakellm.train.cli import main
+    from snakellm.steps.train import main
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(k, v)

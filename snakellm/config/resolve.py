@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from snakellm import models
+from snakellm.config.sections import ParallelSettings, TrainSettings
 from snakellm.config.settings import to_flags
 from snakellm.config.validate import ConfigError
-from snakellm.train.settings import ParallelSettings, TrainSettings
 
 
 def check_tokenizers(config: dict[str, Any]) -> None:

@@ -40,7 +40,6 @@ host + path), so re-planning chunks never renames or re-downloads a shard.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import email.utils
@@ -63,7 +62,7 @@ from urllib.parse import urlsplit
 from urllib.request import Request, urlopen
 
 from snakellm import __version__
-from snakellm.data.planning import read_shard_list, url_to_relpath
+from snakellm.data.planning import url_to_relpath
 from snakellm.errors import StepFailed
 from snakellm.io.atomic import write_json
 from snakellm.io.progress import progress
@@ -108,7 +107,7 @@ class ShardResult:
         }
 
 
-class ShardError(RuntimeError):
+class ShardError(StepFailed, RuntimeError):
     """A shard that could not be downloaded: the message names its URL and the last status/error."""
 
     def __init__(self, url: str, message: str) -> None:
@@ -116,7 +115,7 @@ class ShardError(RuntimeError):
         self.url = url
 
 
-class _Retryable(Exception):
+class _Retryable(StepFailed):
     """An attempt failed in a way another attempt may fix (429, 5xx, network).
 
     ``progress=False``: whatever bytes it brought do not reset the failure
@@ -129,11 +128,11 @@ class _Retryable(Exception):
         self.progress = progress
 
 
-class _Restart(Exception):
+class _Restart(StepFailed):
     """The partial file cannot be continued (416, wrong Content-Range): start from zero now."""
 
 
-class _Stopped(Exception):
+class _Stopped(StepFailed):
     """The job is being interrupted; leave the .part for the next run."""
 
 
@@ -775,109 +774,3 @@ when any shard failed (each failure is listed with its URL and last status;
 the completed shards stay for the retry and no manifest is written); 2 on
 usage errors.
 """
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm download",
-        description=HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("urls", nargs="*", metavar="URL", help="shard URLs, in chunk order")
-    p.add_argument(
-        "--url-file",
-        help="read more URLs from this file (a shard list as the planner writes it: one JSON string per line, "
-        "# notes; plain lines work too); for very long lists",
-    )
-    p.add_argument("--dest", required=True, help="directory the shards are stored under (data/raw/{source}/shards)")
-    p.add_argument(
-        "--manifest",
-        required=True,
-        help="the chunk's manifest JSON, written last (data/raw/{source}/{chunk}.manifest.json)",
-    )
-    p.add_argument("--source", default="", help="source name, recorded in the manifest")
-    p.add_argument("--chunk", default="", help="chunk name, recorded in the manifest")
-    d = Options()
-    p.add_argument(
-        "--concurrency", type=int, default=d.concurrency, help=f"parallel requests (default {d.concurrency})"
-    )
-    p.add_argument(
-        "--retries", type=int, default=d.retries, help=f"retries per shard without progress (default {d.retries})"
-    )
-    p.add_argument(
-        "--backoff",
-        type=float,
-        default=d.backoff,
-        help=f"first retry delay in seconds, doubled per failure (default {d.backoff:g})",
-    )
-    p.add_argument(
-        "--max-backoff",
-        type=float,
-        default=d.max_backoff,
-        help=f"cap on one delay, Retry-After included (default {d.max_backoff:g})",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=d.timeout,
-        help=f"connect and read timeout per request in seconds (default {d.timeout:g})",
-    )
-    p.add_argument(
-        "--deadline",
-        type=float,
-        default=d.deadline,
-        help=f"a shard not complete this many seconds after its first request fails (default {d.deadline:g}; 0: none)",
-    )
-    p.add_argument(
-        "--min-rate",
-        type=float,
-        default=d.min_rate,
-        help=f"bytes/s an attempt must average over each --timeout window, else it is retried and counts as a "
-        f"failure (default {d.min_rate:g}; 0: none)",
-    )
-    p.add_argument(
-        "--format",
-        default="",
-        help="the source's format (jsonl.zst, mediawiki, ...): with each URL's suffix, the compression its body "
-        "must have; an HTML/text body or Content-Type for a compressed shard is retried, then fails",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    a = p.parse_args(argv)
-    urls = list(a.urls)
-    if a.url_file:
-        try:
-            urls += [u.strip() for u in read_shard_list(a.url_file)]
-        except (OSError, ValueError) as e:
-            p.error(f"cannot read --url-file: {e}")
-    if not urls:
-        p.error("no URLs given")
-    if a.concurrency < 1 or min(a.retries, a.backoff, a.max_backoff, a.deadline, a.min_rate) < 0 or a.timeout <= 0:
-        p.error(
-            "--concurrency must be >= 1, --retries/--backoff/--max-backoff/--deadline/--min-rate >= 0 and --timeout > 0"
-        )
-    opts = Options(a.concurrency, a.retries, a.backoff, a.max_backoff, a.timeout, a.deadline, a.min_rate, a.format)
-    try:
-        man = download_chunk(
-            urls, a.dest, a.manifest, opts=opts, source=a.source, chunk=a.chunk, show_progress=not a.no_progress
-        )
-    except (DownloadError, ValueError) as e:
-        print(f"snakellm download: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("snakellm download: interrupted; partial files kept for the next run", file=sys.stderr, flush=True)
-        # Do not wait up to --timeout for worker threads blocked in a read. Exiting
-        # now is as safe as SIGKILL: a .part always holds a prefix of the body,
-        # and the next run hashes it from disk before resuming.
-        os._exit(130)
-    s = man["_stats"]
-    print(
-        f"{a.manifest}: {len(man['shards'])} shards, {man['size'] / 1e6:.1f} MB "
-        f"({s['fetched_bytes'] / 1e6:.1f} MB fetched in {s['requests']} requests, {s['reused']} shards already complete) "
-        f"in {s['seconds']:.1f} s",
-        file=sys.stderr,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

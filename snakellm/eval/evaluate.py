@@ -23,35 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from snakellm.io.atomic import atomic_group
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from snakellm.finetune.cli import add_data_arguments
-
-    p = argparse.ArgumentParser(
-        prog="snakellm evaluate",
-        description="Greedy generation on a test split: NeMo's exact_string_match, SQuAD EM/F1 and answer-only "
-        "loss -> metrics.json + predictions.jsonl ({input, pred, label}).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--base", required=True, help="pretrained run (or a full fine-tune's model/ directory)")
-    p.add_argument("--test", required=True, help="test split jsonl ({input, output[, answers]})")
-    p.add_argument("--out-dir", required=True, help="directory for metrics.json and predictions.jsonl")
-    p.add_argument("--adapter", default=None, help="LoRA adapter directory (finetune's adapter/)")
-    p.add_argument("--prompt", default=None, help="p-tuning directory (finetune's prompt/)")
-    p.add_argument("--label", default=None, help="name of the evaluated model in metrics.json")
-    p.add_argument("--tokens-to-generate", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N examples")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"))
-    add_data_arguments(p)
-    return p
 
 
 def generate_answers(gpt, arch: dict, tok, prompts: list[list[int]], a, seq: int, extra) -> list[list[int]]:
@@ -162,27 +136,3 @@ def evaluate(a: argparse.Namespace) -> dict:
         return metrics
     finally:
         runtime.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from snakellm.finetune.dataset import SFTFormatError
-    from snakellm.finetune.runtime import BaseModelError
-    from snakellm.models.loading import LoadError
-
-    a = build_parser().parse_args(argv)
-    try:
-        m = evaluate(a)
-    except (SFTFormatError, BaseModelError, LoadError, FileNotFoundError) as e:
-        print(f"snakellm evaluate: error: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"snakellm evaluate: {m['model']}: exact_string_match {m['exact_string_match']:.4f}, SQuAD EM "
-        f"{m['squad_exact_match']:.4f} F1 {m['squad_f1']:.4f}, answer-only loss {m['answer_only_loss']:.4f} "
-        f"({m['examples']} examples)",
-        file=sys.stderr,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

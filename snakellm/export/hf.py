@@ -16,24 +16,21 @@ is an error before work starts.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import shutil
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import UsageError
 from snakellm.io.atomic import write_json
-from snakellm.io.log import log
 from snakellm.models import families
 from snakellm.models.families import FamilyError
 
 
-class ExportError(ValueError):
+class ExportError(UsageError, ValueError):
     """A model that has no faithful Hugging Face equivalent, or a malformed HF directory."""
 
 
@@ -367,91 +364,3 @@ def tokenizer_from_blend(blend: str | os.PathLike) -> dict:
         return json.loads(p.read_text())["tokenizer"]
     except (OSError, ValueError, KeyError) as e:
         raise ExportError(f"{p}: no tokenizer block: {e}") from None
-
-
-def main_export(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm export-hf",
-        description="Write a Hugging Face model directory (GPT2LMHeadModel or LlamaForCausalLM: config.json, "
-        "generation_config.json, model.safetensors (sharded above --max-shard-size), tokenizer files) from a "
-        "checkpoint.",
-    )
-    p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
-    p.add_argument("out", help="output directory (replaced atomically)")
-    p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weight dtype (auto: the checkpoint's)",
-    )
-    p.add_argument(
-        "--blend",
-        default=None,
-        help="blend.json whose tokenizer block names the tokenizer files (default: the checkpoint's run_config)",
-    )
-    p.add_argument(
-        "--tokenizer-base",
-        default=None,
-        help="directory that relative tokenizer file paths are relative to (default: the working directory)",
-    )
-    a = p.parse_args(argv)
-    from snakellm.models.loading import LoadError, describe_run
-
-    try:
-        info = describe_run(a.checkpoint, a.iteration)
-        family = hf_family(info["arch"])  # before torch: an unsupported model fails at once
-        tok = info["tokenizer"]
-        if a.blend:
-            tok = tokenizer_from_blend(a.blend)
-        if not tok.get("files"):
-            raise LoadError(f"{info['checkpoint_dir']}: no tokenizer files recorded; pass --blend")
-    except (LoadError, ExportError, KeyError) as e:
-        print(f"snakellm export-hf: {e}", file=sys.stderr)
-        return 2
-    t0 = time.time()
-    from snakellm.launch.runtime import ensure_single_process
-
-    ensure_single_process("cpu")
-    out = export_hf_from_checkpoint(  # one layer in memory at a time
-        {**info, "tokenizer": tok},
-        a.out,
-        max_shard_size=a.max_shard_size,
-        dtype=a.dtype,
-        tokenizer_base=Path(a.tokenizer_base) if a.tokenizer_base else None,
-    )
-    log(f"exported {info['checkpoint_dir']} ({family}) to {out} in {time.time() - t0:.1f} s")
-    return 0
-
-
-def main_import(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm import-hf",
-        description="Convert a Hugging Face GPT-2 or Llama model directory into a snakellm run directory: "
-        "RUN_DIR/checkpoints/iter_0000000/ (megatron-core torch_dist, model only) + run_config.json, and the "
-        "tokenizer under RUN_DIR/tokenizer/. Fine-tuning and export start from it like from a pretrained run.",
-    )
-    p.add_argument("hf_dir", help="a Hugging Face model directory (config.json + safetensors/pytorch_model.bin)")
-    p.add_argument("run_dir", help="output run directory")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="embedding padding (Megatron's)")
-    a = p.parse_args(argv)
-    hf_dir = Path(a.hf_dir)
-    try:
-        if not (hf_dir / "config.json").is_file():
-            raise ExportError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-        arch_from_hf(json.loads((hf_dir / "config.json").read_text()), str(hf_dir / "config.json"))
-    except ExportError as e:
-        print(f"snakellm import-hf: {e}", file=sys.stderr)
-        return 2
-    t0 = time.time()
-    summary = import_hf(hf_dir, a.run_dir, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
-    write_json(Path(a.run_dir) / "import_summary.json", summary)
-    log(f"imported {hf_dir} into {a.run_dir} in {time.time() - t0:.1f} s")
-    return 0
-
-
-main = main_export
-
-if __name__ == "__main__":
-    sys.exit(main_export())

@@ -30,10 +30,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import StepFailed
 from snakellm.io.atomic import write_json
 
 
-class TokenizerExportError(ValueError):
+class TokenizerExportError(StepFailed, ValueError):
     pass
 
 

@@ -26,12 +26,10 @@ checkpoint that ``snakellm.models.load`` and fine-tuning start from.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import pickle
 import shutil
-import sys
 import tarfile
 import tempfile
 import uuid
@@ -42,7 +40,8 @@ from typing import Any
 
 import yaml
 
-from snakellm.io.atomic import atomic_path, write_json
+from snakellm.errors import UsageError
+from snakellm.io.atomic import atomic_path
 from snakellm.models import families
 
 NEMO_TARGET = "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel"
@@ -51,7 +50,7 @@ CONFIG_FILE = "model_config.yaml"
 TE_CHOICES = ("auto", "true", "false")
 
 
-class NemoError(ValueError):
+class NemoError(UsageError, ValueError):
     """A checkpoint or ``.nemo`` that cannot be converted, phrased with the file and the reason."""
 
 
@@ -651,96 +650,6 @@ def import_nemo(source: str | os.PathLike, run_dir: str | os.PathLike) -> dict[s
             path = save_model_checkpoint(run, module, arch, vocab, tok, extra={"imported_from": str(src)})
             nparams = sum(p.numel() for p in module.parameters())
     return {"checkpoint": str(path), "parameters": nparams, "arch": arch, "padded_vocab": vocab}
-
-
-# ----------------------------------------------------------------------------- command lines
-
-
-def _read_blend_tokenizer(path: str) -> dict[str, Any]:
-    import json
-
-    p = Path(path)
-    try:
-        tok = json.loads(p.read_text())["tokenizer"]
-    except FileNotFoundError:
-        raise NemoError(f"{p}: blend file not found") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise NemoError(f"{p}: no tokenizer block: {e}") from None
-    return tok
-
-
-def main_export(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm export-nemo",
-        description="Write a .nemo (NeMo 1.x layout, mcore GPT) from a checkpoint: NeMo's "
-        "MegatronGPTModel.restore_from loads it. Written atomically.",
-    )
-    p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
-    p.add_argument("output", help="the .nemo file to write")
-    p.add_argument("--iteration", type=int, help="export this iteration (default: the latest)")
-    p.add_argument("--blend", help="blend.json whose tokenizer to pack (default: the one the checkpoint records)")
-    p.add_argument(
-        "--transformer-engine",
-        choices=TE_CHOICES,
-        default="auto",
-        help="transformer_engine in model_config.yaml (auto: true for RMSNorm models, which "
-        "megatron-core 0.8 builds only with TE; false for LayerNorm)",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    a = p.parse_args(argv)
-    try:
-        info = read_checkpoint_info(a.checkpoint, a.iteration)
-        tok = _read_blend_tokenizer(a.blend) if a.blend else info["tokenizer"]
-        if tok is None:
-            raise NemoError(f"{info['checkpoint_dir']}: the checkpoint does not record its tokenizer; pass --blend")
-        check_tokenizer(tok, a.blend or str(a.checkpoint))
-        import torch
-
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        res = export_nemo(a.checkpoint, a.output, tokenizer=tok, transformer_engine=a.transformer_engine, info=info)
-    except NemoError as e:
-        print(f"snakellm export-nemo: error: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"export-nemo: {res['output']}: iteration {res['iteration']}, {res['parameters']:,} parameters, "
-        f"transformer_engine {str(res['transformer_engine']).lower()}, {res['bytes']:,} bytes",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def main_import(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm import-nemo",
-        description="Import a .nemo (NeMo 1.x layout, mcore GPT, TP=PP=1, as NeMo's save_to writes it) into a "
-        "model-only checkpoint RUN_DIR/checkpoints/iter_0000000 (+ the tokenizer files in RUN_DIR/tokenizer/).",
-    )
-    p.add_argument("nemo", help="the .nemo file (or an extracted .nemo folder)")
-    p.add_argument("run_dir", help="the run directory to create (must not hold checkpoints)")
-    a = p.parse_args(argv)
-    try:
-        res = import_nemo(a.nemo, a.run_dir)
-    except NemoError as e:
-        print(f"snakellm import-nemo: error: {e}", file=sys.stderr)
-        return 2
-    write_json(Path(a.run_dir) / "import_summary.json", {k: v for k, v in res.items()})
-    print(f"import-nemo: {res['checkpoint']}: {res['parameters']:,} parameters", file=sys.stderr)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m snakellm.export.nemo export|import ...``"""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "import":
-        return main_import(argv[1:])
-    if argv and argv[0] == "export":
-        argv = argv[1:]
-    return main_export(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 __all__ = ["export_nemo", "import_nemo", "model_config", "arch_from_config", "rewrite_metadata", "NemoError"]

@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import DataError
+
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
-class SFTFormatError(ValueError):
+class SFTFormatError(DataError):
     pass
 
 

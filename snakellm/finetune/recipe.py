@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from snakellm.config.sections import ExamplesSettings, FinetuneTrainSettings
+from snakellm.config.settings import trajectory_keys
 from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
 from snakellm.io.atomic import write_json, write_text
@@ -36,21 +38,9 @@ from snakellm.train.resume import check_required
 from snakellm.train.trainer import Batch
 
 METHODS = ("lora", "full", "ptuning")
-TRAJECTORY = (
-    "steps",
-    "global_batch_size",
-    "micro_batch_size",
-    "lr",
-    "min_lr",
-    "warmup_steps",
-    "lr_decay_style",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "clip_grad",
-    "seed",
-)
-EXAMPLE_KEYS = ("template", "add_bos", "add_eos", "answer_only_loss", "truncation_method", "packing")
+# the fingerprinted settings: the fields marked trajectory (precision enters resolved, by the session)
+TRAJECTORY = tuple(k for k in trajectory_keys(FinetuneTrainSettings) if k != "precision")
+EXAMPLE_KEYS = trajectory_keys(ExamplesSettings)
 
 
 def finetune(a: argparse.Namespace, mcfg: Any) -> int:

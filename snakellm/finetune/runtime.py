@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from snakellm.errors import UsageError
 
-class BaseModelError(ValueError):
+
+class BaseModelError(UsageError, ValueError):
     pass
 
 

@@ -16,22 +16,21 @@ same input and seed always give the same files (byte for byte).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import UsageError
 from snakellm.io.atomic import atomic_group
 
 SPLITS = ("train", "validation", "test")
 DEFAULT_SQUAD_TEMPLATE = "Context: {context} Question: {question} Answer:"
 
 
-class SFTDataError(ValueError):
+class SFTDataError(UsageError, ValueError):
     """Input that cannot be read at all (not a quarantinable record), phrased with the file."""
 
 
@@ -241,56 +240,3 @@ def prepare(
         )
         tmps[4].write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return stats
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm prepare-sft",
-        description="SQuAD json (or jsonl with configurable keys) -> {input, output} jsonl train/validation/test "
-        "splits for fine-tuning, plus rejected.jsonl and stats.json (bad records quarantined with a count).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("source", help="a SQuAD-format .json or a .jsonl file")
-    p.add_argument(
-        "out_dir", help="directory for train.jsonl, validation.jsonl, test.jsonl, rejected.jsonl, stats.json"
-    )
-    p.add_argument("--format", dest="fmt", default="squad", choices=("squad", "jsonl"))
-    p.add_argument(
-        "--template",
-        default=None,
-        help=f"prompt template; squad fields: context, question, title (default {DEFAULT_SQUAD_TEMPLATE!r}); "
-        "jsonl: any string field of the record (default: the input key's value as is)",
-    )
-    p.add_argument("--input-key", default="input", help="jsonl: key of the prompt")
-    p.add_argument(
-        "--output-key", default="output", help="jsonl: key of the answer (a string or a list of gold answers)"
-    )
-    p.add_argument("--split", default="80,10,10", help="train,validation,test shares")
-    p.add_argument("--seed", type=int, default=1234, help="seed of the shuffle before splitting")
-    p.add_argument("--limit", type=int, default=None, help="use only this many records (after the shuffle)")
-    a = p.parse_args(argv)
-    try:
-        stats = prepare(
-            a.source,
-            a.out_dir,
-            fmt=a.fmt,
-            template=a.template,
-            input_key=a.input_key,
-            output_key=a.output_key,
-            split=a.split,
-            seed=a.seed,
-            limit=a.limit,
-        )
-    except SFTDataError as e:
-        print(f"snakellm prepare-sft: error: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"snakellm prepare-sft: {stats['accepted']} records ({stats['splits']}), {stats['rejected']} rejected, "
-        f"{sum(stats['skipped'].values())} skipped (unanswerable)",
-        file=sys.stderr,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import StepFailed
 from snakellm.io.atomic import write_json, write_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -42,7 +43,7 @@ LIVE_METRICS = "metrics.live.jsonl"
 ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(StepFailed, RuntimeError):
     pass
 
 

@@ -32,13 +32,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import UsageError
 from snakellm.io.atomic import atomic_path, write_json
 
 DIR = "tokenizer"
 MANIFEST = "manifest.json"
 
 
-class RunTokenizerError(ValueError):
+class RunTokenizerError(UsageError, ValueError):
     """The run's tokenizer is missing, incomplete or altered; the message says what to do."""
 
 

@@ -21,6 +21,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from snakellm.errors import UsageError
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -37,8 +39,9 @@ class DistEnv:
         return self.rank == 0
 
 
-class LaunchError(RuntimeError):
-    """The environment describes an impossible launch (e.g. rank >= world size)."""
+class LaunchError(UsageError, ValueError, RuntimeError):
+    """A launch that cannot run: the environment describes an impossible one (rank >= world size), or the
+    machine cannot run the request (no GPU for --device cuda or for tensor parallelism). Exit status 2."""
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

@@ -36,18 +36,18 @@ a laptop to the cluster (or changing the node count) does not retrain anything.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from snakellm.errors import ConfigError
+
 RUNTIMES = ("none", "pyxis", "apptainer")
 
 
-class LaunchConfigError(ValueError):
+class LaunchConfigError(ConfigError):
     """The resources or the container block describe a launch that cannot work."""
 
 
@@ -211,51 +211,3 @@ def launch_prefix(
 ) -> str:
     """:func:`launch_args` as one shell-quoted string ("" when there is nothing to add)."""
     return shlex.join(launch_args(resources, container, workdir))
-
-
-def _parse_resource(item: str) -> tuple[str, Any]:
-    name, sep, value = item.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"{item!r} is not NAME=VALUE")
-    try:
-        return name, int(value)
-    except ValueError:
-        return name, value
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm launch",
-        description="Print the command line that the pretrain rule runs for the given resources "
-        "and container config (what `snakemake --profile profiles/slurm` would execute).",
-    )
-    p.add_argument("--configfile", default="config/config.yaml", help="config with an optional container: block")
-    p.add_argument(
-        "--resource",
-        "-r",
-        action="append",
-        default=[],
-        type=_parse_resource,
-        metavar="NAME=VALUE",
-        help="a Snakemake resource, e.g. -r mpi=srun -r nodes=2 -r tasks=16 -r cpus_per_task=8",
-    )
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the command to launch (after --)")
-    a = p.parse_args(argv)
-    import yaml
-
-    container = None
-    if a.configfile and os.path.exists(a.configfile):
-        with open(a.configfile) as fh:
-            container = (yaml.safe_load(fh) or {}).get("container")
-    command = a.command[1:] if a.command[:1] == ["--"] else a.command
-    try:
-        prefix = launch_args(dict(a.resource), container)
-    except LaunchConfigError as e:
-        print(f"snakellm launch: {e}", file=sys.stderr)
-        return 2
-    print(shlex.join(prefix + command))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,17 +12,15 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from snakellm.launch.distributed import DistEnv
+from snakellm.launch.distributed import DistEnv, LaunchError
+
+__all__ = ["LaunchError"]  # the one LaunchError (snakellm.launch.distributed), raised here too
 
 
 def install_cpu_shims(torch: Any) -> None:
     """megatron-core asks torch.cuda for the current device in places that also work on the CPU."""
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
-
-
-class LaunchError(ValueError):
-    """A request the machine cannot run (no GPU for --device cuda, or for tensor parallelism where it needs one)."""
 
 
 def prepare(

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from snakellm.errors import ConfigError
 from snakellm.models import families
 
 STYLES: tuple[str, ...] = tuple(families.FAMILIES)
@@ -67,7 +68,7 @@ _COMMON_DEFAULTS: dict[str, Any] = dict(
 )
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """An impossible model or parallelism configuration, phrased with the numbers."""
 
 

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import UsageError
 from snakellm.io import checkpoint as ckpt
 from snakellm.io import run_tokenizer
 from snakellm.models.architecture import MODEL_KEYS, ModelConfigError, check_parallel, padded_vocab_size, resolve
 
 
-class LoadError(RuntimeError):
+class LoadError(UsageError, RuntimeError):
     """The path holds no loadable checkpoint; the message says what is missing."""
 
 

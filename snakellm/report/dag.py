@@ -18,7 +18,6 @@ chunk among its parents' is that chunk's job.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -27,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from snakellm.errors import StepFailed
 from snakellm.io.atomic import atomic_path, write_text
 from snakellm.report.layered_svg import graph_label, to_svg
 
@@ -34,7 +34,7 @@ _NODE = re.compile(r'^\s*(\w+)\[label = "((?:[^"\\]|\\.)*)", color = "([^"]*)", 
 _EDGE = re.compile(r"^\s*(\w+) -> (\w+)\s*$")
 
 
-class DagError(RuntimeError):
+class DagError(StepFailed, RuntimeError):
     pass
 
 
@@ -223,59 +223,3 @@ def snakemake_dot(
     if start < 0:
         raise DagError(f"{' '.join(cmd + extra)} printed no graph:\n{proc.stdout[-2000:]}")
     return proc.stdout[start:]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm dag",
-        description="Render the workflow's rule graph (`snakemake --rulegraph`) and job DAG (`snakemake --dag`, "
-        "every job as if all had to run, per-chunk jobs collapsed past --head/--tail) to SVG. "
-        "Run it where you run snakemake; arguments after -- go to snakemake (e.g. -- --configfile my.yaml).",
-        epilog="Uses Graphviz's dot where installed (bash scripts/setup-report-tools.sh installs it on "
-        "Debian/Ubuntu), else a built-in layered SVG writer. "
-        "The same pictures by hand: snakemake --rulegraph | dot -Tsvg > rulegraph.svg",
-    )
-    p.add_argument(
-        "--rulegraph", metavar="SVG", help="write the rule graph here (e.g. results/report/workflow/rulegraph.svg)"
-    )
-    p.add_argument("--jobs", metavar="SVG", help="write the job DAG here")
-    p.add_argument("--dot", action="store_true", help="also keep the dot text next to each picture (.dot)")
-    p.add_argument(
-        "--head", type=int, default=2, help="chunks kept at the start of each run of per-chunk jobs (default 2)"
-    )
-    p.add_argument("--tail", type=int, default=1, help="chunks kept at the end (default 1)")
-    p.add_argument("--snakefile", help="the Snakefile (default: snakemake's own lookup)")
-    p.add_argument("--directory", help="the working directory (default: the current one)")
-    p.add_argument(
-        "--config-json", help="the complete workflow config as JSON (replaces the workflow's; what the dag rule passes)"
-    )
-    p.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="-- then arguments for snakemake")
-    a = p.parse_args(argv)
-    extra = a.snakemake_args[1:] if a.snakemake_args[:1] == ["--"] else a.snakemake_args
-    if not a.rulegraph and not a.jobs:
-        p.error("nothing to do: give --rulegraph and/or --jobs")
-    try:
-        if a.rulegraph:
-            text = snakemake_dot("rulegraph", a.snakefile, a.directory, a.config_json, extra)
-            nodes = len(parse_dot(text)[1])
-            text = add_title(text, f"snakellm rule graph: {nodes} rules")
-            if a.dot:
-                write_text(Path(a.rulegraph).with_suffix(".dot"), text)
-            render(text, a.rulegraph)
-        if a.jobs:
-            text = snakemake_dot("dag", a.snakefile, a.directory, a.config_json, extra)
-            jobs = len(parse_dot(text)[1])
-            text, hidden = collapse_chunks(text, a.head, a.tail)
-            title = f"snakellm job DAG: {jobs} jobs" + (f" ({hidden} per-chunk jobs collapsed)" if hidden else "")
-            text = add_title(text, title)
-            if a.dot:
-                write_text(Path(a.jobs).with_suffix(".dot"), text)
-            render(text, a.jobs)
-    except DagError as e:
-        print(f"snakellm dag: error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,6 +13,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from snakellm.errors import DataError
+
 from . import html as H
 from . import plots
 
@@ -20,7 +22,7 @@ EXAMPLES_PER_REASON = 3
 EXAMPLE_CHARS = 300
 
 
-class ReportInputError(ValueError):
+class ReportInputError(DataError):
     """An input file that is not what the step expects (the message names it)."""
 
 

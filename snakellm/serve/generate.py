@@ -27,21 +27,16 @@ EOD, at any of ``end_strings`` appearing in its generated text, or after
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from snakellm.errors import SnakellmError
-from snakellm.io.atomic import write_text
+from snakellm.errors import UsageError
 from snakellm.models import families
 
 
-class GenerationError(ValueError):
+class GenerationError(UsageError, ValueError):
     """A request that cannot be served, phrased with the offending field."""
 
     def __init__(self, msg: str, field: str | None = None) -> None:
@@ -595,141 +590,9 @@ def tokenizer_base(block: dict[str, Any], run_dir: Path) -> Path | None:
 # ----------------------------------------------------------------------------- snakellm generate
 
 
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--min-new-tokens", type=int, default=0, help="EOD is not allowed before this many tokens")
-    g.add_argument("--greedy", action="store_true", help="argmax decoding (temperature/top-k/top-p ignored)")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0: off")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
-    g.add_argument(
-        "--end-string", dest="end_strings", action="append", default=[], help="stop at this text (repeatable)"
-    )
-    g.add_argument("--seed", type=int, default=None)
-
-
-def params_from_args(a: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=a.max_new_tokens,
-        min_new_tokens=a.min_new_tokens,
-        greedy=a.greedy,
-        temperature=a.temperature,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        repetition_penalty=a.repetition_penalty,
-        end_strings=a.end_strings,
-        seed=a.seed,
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm generate",
-        description="Continue prompts with a checkpoint (the continuous-batching engine: static KV cache, CUDA "
-        "graphs on a GPU; any number of prompts). Prompts come from "
-        "--prompt (repeatable) or --prompts-file (one per line, or jsonl with a 'prompt' key); the output is "
-        "jsonl ({prompt, completion, finish_reason, tokens}) or, with --markdown, a readable report.",
-    )
-    p.add_argument("checkpoint", help="a run dir (runs/NAME), its checkpoints/ dir or one iter_NNNNNNN/ dir")
-    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", default=None, help="prompts, one per line (or .jsonl with 'prompt')")
-    p.add_argument("--out", default=None, help="write the jsonl here (atomically) instead of stdout")
-    p.add_argument("--markdown", default=None, help="also write the samples as a markdown report here")
-    p.add_argument("--blend", default=None, help="blend.json naming the tokenizer files (default: the run_config's)")
-    p.add_argument("--iteration", type=int, default=None)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--add-bos", action="store_true", help="prepend the BOS token to every prompt")
-    add_sampling_arguments(p)
-    from snakellm.config.settings import add_arguments, from_namespace
-    from snakellm.serve.engine.settings import EngineSettings
-
-    add_arguments(p.add_argument_group("engine"), EngineSettings)
-    a = p.parse_args(argv)
-    prompts = list(a.prompt)
-    if a.prompts_file:
-        path = Path(a.prompts_file)
-        if not path.is_file():
-            print(f"snakellm generate: {path}: prompts file not found", file=sys.stderr)
-            return 2
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl":
-                try:
-                    prompts.append(json.loads(line)["prompt"])
-                except (ValueError, KeyError, TypeError) as e:
-                    print(f"snakellm generate: {path}:{n}: expected a JSON object with 'prompt': {e}", file=sys.stderr)
-                    return 2
-            else:
-                prompts.append(line)
-    if not prompts:
-        print("snakellm generate: no prompts (--prompt or --prompts-file)", file=sys.stderr)
-        return 2
-    params = params_from_args(a)
-    try:
-        params.check()
-        from snakellm.models.loading import LoadError, describe_run
-
-        describe_run(a.checkpoint, a.iteration)
-    except (GenerationError, LoadError, ValueError) as e:
-        print(f"snakellm generate: {e}", file=sys.stderr)
-        return 2
-    import torch
-
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    t0 = time.time()
-    gen = load_generator(a.checkpoint, blend=a.blend, device=a.device, iteration=a.iteration)
-    t1 = time.time()
-    try:
-        from snakellm.serve.engine import Engine
-
-        outs = Engine(gen, from_namespace(EngineSettings, a)).generate(prompts, params, add_bos=a.add_bos)
-    except (GenerationError, SnakellmError) as e:
-        print(f"snakellm generate: {e}", file=sys.stderr)
-        return 2
-    t2 = time.time()
-    ntok = sum(len(o.ids) for o in outs)
-    lines = [
-        json.dumps(
-            {"prompt": pr, "completion": o.text, "finish_reason": o.finish_reason, "tokens": len(o.ids)},
-            ensure_ascii=False,
-        )
-        for pr, o in zip(prompts, outs, strict=True)
-    ]
-    text = "".join(line + "\n" for line in lines)
-    if a.out:
-        write_text(a.out, text)
-    else:
-        sys.stdout.write(text)
-    if a.markdown:
-        md = [
-            f"# Samples from `{a.checkpoint}`",
-            "",
-            f"{len(prompts)} prompts; {params_summary(params)}; {ntok} tokens in {t2 - t1:.2f} s.",
-            "",
-        ]
-        for i, (pr, o) in enumerate(zip(prompts, outs, strict=True), 1):
-            md += [f"## {i}", "", "```text", pr + o.text, "```", "", f"*{len(o.ids)} tokens, {o.finish_reason}*", ""]
-        write_text(a.markdown, "\n".join(md))
-    print(
-        f"[{time.strftime('%H:%M:%S')}] {len(prompts)} prompts, {ntok} new tokens in {t2 - t1:.2f} s "
-        f"({ntok / max(t2 - t1, 1e-9):.1f} tokens/s; loading {t1 - t0:.1f} s)",
-        file=sys.stderr,
-    )
-    return 0
-
-
 def params_summary(p: SamplingParams) -> str:
     if p.greedy:
         how = "greedy"
     else:
         how = f"temperature {p.temperature}, top-k {p.top_k}, top-p {p.top_p}, seed {p.seed}"
     return f"{how}, repetition penalty {p.repetition_penalty}, {p.min_new_tokens}-{p.max_new_tokens} new tokens"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,10 +21,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from snakellm.errors import StepFailed
+
 T = TypeVar("T")
 
 
-class Abandoned(Exception):
+class Abandoned(StepFailed):
     """The request gave up before its job reached the model."""
 
 

@@ -17,30 +17,17 @@ size and EOD id), or the blend refuses to mix them.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-from snakellm.io.atomic import atomic_group
+from snakellm.errors import DataError
 from snakellm.tokenize.encoders import megatron_args, nemo_tokenizer
 
 _SAME = ("kind", "vocab_size", "eod_id", "sha256")
 
 
-class BlendError(ValueError):
+class BlendError(DataError):
     pass
-
-
-def _weight(s: str) -> tuple[str, float]:
-    name, sep, w = s.partition("=")
-    try:
-        value = float(w)
-    except ValueError:
-        value = -1.0
-    if not sep or not name or not value > 0:
-        raise argparse.ArgumentTypeError(f"expected SOURCE=WEIGHT with a weight > 0, got {s!r}")
-    return name, value
 
 
 def build_blend(stats_files: list[str], weights: dict[str, float]) -> dict:
@@ -105,39 +92,3 @@ def build_blend(stats_files: list[str], weights: dict[str, float]) -> dict:
 def blend_line(blend: dict) -> str:
     """``w1 p1 w2 p2 ...`` for Megatron-LM ``--data-path``."""
     return " ".join(repr(x) if isinstance(x, float) else str(x) for x in blend["data_prefix"])
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm blend",
-        description="Write Megatron's data_prefix blend [w1, p1, w2, p2, ...] (weights = tokens x source weight, "
-        "normalised) for one tokenizer's chunks, as blend.json and a one-line blend.txt.",
-    )
-    p.add_argument("stats", nargs="+", help="the chunks' {prefix}.stats.json files written by snakellm tokenize")
-    p.add_argument("-o", "--output", required=True, help="blend.json")
-    p.add_argument("--text", help="blend.txt (default: next to blend.json)")
-    p.add_argument(
-        "--weight",
-        action="append",
-        default=[],
-        type=_weight,
-        metavar="SOURCE=W",
-        help="a source's sampling weight (repeat per source)",
-    )
-    a = p.parse_args(argv)
-    text = a.text or str(Path(a.output).with_name("blend.txt"))
-    try:
-        blend = build_blend(a.stats, dict(a.weight))
-        with atomic_group(text, a.output) as (tt, tj):
-            tt.write_text(blend_line(blend) + "\n")
-            tj.write_text(json.dumps(blend, indent=2) + "\n")
-    except (BlendError, OSError) as e:
-        print(f"snakellm blend: error: {e}", file=sys.stderr)
-        return 1
-    shares = ", ".join(f"{s} {v['share']:.1%} ({v['tokens']:,} tokens)" for s, v in blend["sources"].items())
-    print(f"{a.output}: {len(blend['datasets'])} datasets, {blend['tokens']:,} tokens: {shares}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

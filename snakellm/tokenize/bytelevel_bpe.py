@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from snakellm.errors import StepFailed
+
 
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
@@ -70,7 +72,7 @@ class Plan:
     build: Any = None  # () -> another tiktoken.Encoding equal to ``encoding`` (one per encoder thread)
 
 
-class NotExpressible(Exception):
+class NotExpressible(StepFailed):
     """The file has a part tiktoken cannot reproduce exactly (the message says which)."""
 
 

@@ -30,7 +30,6 @@ and only on success (``atomic_group``), the stats file last.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -44,6 +43,7 @@ from typing import NamedTuple
 import numpy as np
 import orjson
 
+from snakellm.errors import DataError, StepFailed
 from snakellm.io.atomic import atomic_group
 from snakellm.io.progress import progress
 from snakellm.tokenize import encoders as tokmod
@@ -52,11 +52,11 @@ from snakellm.tokenize.indexed import IndexedWriter, dtype_name, optimal_dtype, 
 MIN_BLOCK = 1 << 16  # the smallest block the reader cuts towards the end of a file
 
 
-class TokenizeError(ValueError):
+class TokenizeError(DataError):
     """Bad input to tokenize, phrased with the file (and line) at fault."""
 
 
-class BlockError(Exception):
+class BlockError(StepFailed):
     """Bad input in a block, at a line counted from the block's first (the main thread adds the block's own)."""
 
     def __init__(self, line: int, reason: str) -> None:
@@ -75,7 +75,7 @@ class Verify(NamedTuple):
     every: int  # each document whose index in the chunk is a multiple of this (1: all)
 
 
-class VerificationFailed(Exception):
+class VerificationFailed(StepFailed):
     """The fast encoder's ids differ from the reference library's on a document."""
 
     def __init__(self, source: str, mismatch: Mismatch) -> None:
@@ -378,67 +378,3 @@ def _tokenize_file(
         }
         tmp_stats.write_text(json.dumps(result, indent=2) + "\n")
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm tokenize",
-        description="Tokenize a jsonl chunk into Megatron's MMIDIDX {prefix}.bin/.idx, with an EOD token "
-        "after every document (preprocess_data.py --append-eod), plus {prefix}.stats.json.",
-    )
-    p.add_argument("input", help="the chunk's .jsonl (one JSON object per line)")
-    p.add_argument("prefix", help="output prefix, e.g. data/tokens/gpt2/wikitext/chunk-00000_text_document")
-    p.add_argument("--key", default="text", help="JSON key holding the document text (default text)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="encoder threads (default: all cores)")
-    p.add_argument("--stats", help="default: {prefix}.stats.json")
-    p.add_argument("--batch-mb", type=float, default=1.0, help="MB of json per encoded batch (default 1)")
-    p.add_argument("--source", default="", help="source name, recorded in the stats")
-    p.add_argument("--chunk", default="", help="chunk name, recorded in the stats")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--verify",
-        type=float,
-        default=0.005,
-        help="fraction of documents whose tiktoken ids are compared with tokenizers' (huggingface kind; default 0.005; "
-        "0: none); a difference re-encodes the chunk with tokenizers",
-    )
-    p.add_argument(
-        "--verify-all-mb",
-        type=float,
-        default=2.0,
-        help="compare every document when the chunk is at most this many MB (default 2)",
-    )
-    tokmod.add_arguments(p)
-    a = p.parse_args(argv)
-    try:
-        tok = tokmod.from_args(a)
-        tok.prepare_threads(max(1, a.threads))
-        print(f"snakellm tokenize: encoder {tok.backend}: {tok.encoder_reason or tok.kind}", file=sys.stderr)
-        st = tokenize_file(
-            a.input,
-            a.prefix,
-            tok,
-            key=a.key,
-            threads=a.threads,
-            stats=a.stats,
-            source=a.source,
-            chunk=a.chunk,
-            batch_bytes=max(1, int(a.batch_mb * 1e6)),
-            show_progress=not a.no_progress,
-            verify=a.verify,
-            verify_all_bytes=int(a.verify_all_mb * 1e6),
-        )
-    except (tokmod.TokenizerError, TokenizeError, OSError) as e:
-        print(f"snakellm tokenize: error: {e}", file=sys.stderr)
-        return 1
-    print(
-        f"{a.prefix}: {st['documents']} documents, {st['tokens']} tokens ({st['dtype']}, "
-        f"{st['tokenizer']['name']} via {st['tokenizer']['backend']}) in {st['seconds']} s, "
-        f"{st['tokens_per_s'] or 0:,} tokens/s with {st['threads']} threads",
-        file=sys.stderr,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from snakellm.errors import StepFailed
 from snakellm.tokenize.bytelevel_bpe import bytes_to_unicode
 
 KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
@@ -50,7 +51,7 @@ GPT2_EOD = "<|endoftext|>"
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-class TokenizerError(ValueError):
+class TokenizerError(StepFailed, ValueError):
     """A tokenizer that cannot be used, phrased with the file at fault."""
 
 
@@ -507,22 +508,12 @@ def nemo_tokenizer(info: dict) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The tokenizer options shared by the steps that load one."""
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--kind", required=True, choices=KINDS, help="tokenizer kind")
+    from snakellm.config.sections import TokenizerSettings
+    from snakellm.config.settings import add_arguments as add_settings
+
+    g = p.add_argument_group("tokenizer (config: tokenizers.NAME)")
+    add_settings(g, TokenizerSettings)
     g.add_argument("--name", default="", help="the tokenizer's name in the config (recorded in stats and the blend)")
-    g.add_argument("--vocab-file", help="gpt2-bpe: vocab.json")
-    g.add_argument("--merges-file", help="gpt2-bpe: merges.txt")
-    g.add_argument("--model-file", help="sentencepiece: the .model file")
-    g.add_argument("--tokenizer-file", help="huggingface: tokenizer.json")
-    g.add_argument(
-        "--eod",
-        help=f"end-of-document token appended to every document (gpt2-bpe: {GPT2_EOD}; "
-        "sentencepiece: the model's eos piece; huggingface: required)",
-    )
-    g.add_argument("--vocab-size", type=int, help="the configured vocab size: a tokenizer of another size is an error")
-    g.add_argument(
-        "--add-special-tokens", action="store_true", help="huggingface: apply the post-processor's special tokens"
-    )
     g.add_argument(
         "--backend",
         default="auto",
@@ -541,7 +532,7 @@ def from_args(a: argparse.Namespace) -> Tokenizer:
         model_file=a.model_file,
         tokenizer_file=a.tokenizer_file,
         eod=a.eod,
-        add_special_tokens=a.add_special_tokens,
+        add_special_tokens=bool(a.add_special_tokens),
         expected_vocab_size=a.vocab_size,
         backend=a.backend,
     )

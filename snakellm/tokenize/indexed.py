@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from snakellm.errors import DataError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
@@ -51,7 +53,7 @@ CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 _BLOCK = 1 << 20  # elements per block when assembling the .idx
 
 
-class IndexedFormatError(ValueError):
+class IndexedFormatError(DataError):
     """A ``.bin``/``.idx`` pair that is not valid MMIDIDX."""
 
 

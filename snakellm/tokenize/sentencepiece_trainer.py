@@ -14,12 +14,10 @@ appear together and only on success.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
 import random
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,12 +25,13 @@ from typing import Any
 
 import orjson
 
+from snakellm.errors import StepFailed
 from snakellm.io.atomic import atomic_group
 
 MODEL_TYPES = ("bpe", "unigram", "char", "word")
 
 
-class TrainError(ValueError):
+class TrainError(StepFailed, ValueError):
     pass
 
 
@@ -157,97 +156,3 @@ def train_sentencepiece(
 def vocab_text(sp) -> str:
     """The ``.vocab`` file SentencePiece writes: ``piece<TAB>score`` per line (C++ ostream float)."""
     return "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.vocab_size()))
-
-
-def _option(s: str) -> tuple[str, str]:
-    k, sep, v = s.partition("=")
-    if not sep or not k:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
-    return k, v
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="snakellm train-tokenizer",
-        description="Train a SentencePiece model on a seeded sample of jsonl chunks "
-        "(like train_sentencepiece_tokenizer.py --vocab_size 2000 on Botchan).",
-    )
-    p.add_argument("inputs", nargs="+", help="chunk .jsonl files, in a fixed order")
-    p.add_argument(
-        "--key",
-        action="append",
-        default=[],
-        help="JSON text key: once for all inputs, or once per input in order (default text)",
-    )
-    p.add_argument("--model", required=True, help="output .model")
-    p.add_argument("--vocab", help="output .vocab (default: the model path with .vocab)")
-    p.add_argument("--stats", help="output stats json (default: the model path with .stats.json)")
-    p.add_argument(
-        "--vocab-size",
-        type=int,
-        required=True,
-        help="pieces in the model (exactly; an error if the text cannot give them)",
-    )
-    p.add_argument("--model-type", default="bpe", choices=MODEL_TYPES, help="default bpe")
-    p.add_argument("--character-coverage", type=float, default=1.0, help="share of characters covered (default 1.0)")
-    p.add_argument("--byte-fallback", action="store_true", help="decompose unknown characters into UTF-8 byte pieces")
-    p.add_argument(
-        "--user-defined-symbol",
-        action="append",
-        default=[],
-        dest="symbols",
-        help="a piece that is never split (repeatable)",
-    )
-    p.add_argument("--max-sentence-length", type=int, default=16384, help="longest line in bytes used for training")
-    p.add_argument("--max-bytes", type=int, default=100_000_000, help="text in the sample (0: everything)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the document sample")
-    p.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="training threads (unigram models depend on it)"
-    )
-    p.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        type=_option,
-        metavar="KEY=VALUE",
-        help="any other SentencePieceTrainer option",
-    )
-    a = p.parse_args(argv)
-    keys = a.key or ["text"]
-    if len(keys) == 1:
-        keys = keys * len(a.inputs)
-    if len(keys) != len(a.inputs):
-        p.error(f"{len(a.inputs)} inputs but {len(keys)} --key values")
-    model = a.model
-    stem = model[: -len(".model")] if model.endswith(".model") else model
-    try:
-        st = train_sentencepiece(
-            list(zip(a.inputs, keys)),
-            model,
-            a.vocab or stem + ".vocab",
-            a.stats or stem + ".stats.json",
-            vocab_size=a.vocab_size,
-            model_type=a.model_type,
-            character_coverage=a.character_coverage,
-            byte_fallback=a.byte_fallback,
-            user_defined_symbols=a.symbols,
-            max_sentence_length=a.max_sentence_length,
-            max_bytes=a.max_bytes,
-            seed=a.seed,
-            threads=a.threads,
-            options=dict(a.option),
-        )
-    except (TrainError, OSError) as e:
-        print(f"snakellm train-tokenizer: error: {e}", file=sys.stderr)
-        return 1
-    s = st["sample"]
-    print(
-        f"{model}: {st['vocab_size']} pieces ({st['settings']['model_type']}) from {s['sentences']} sentences, "
-        f"{s['bytes'] / 1e6:.2f} MB sampled from {len(s['inputs'])} chunks, in {st['seconds']} s",
-        file=sys.stderr,
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

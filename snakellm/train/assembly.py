@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from snakellm.errors import UsageError
 from snakellm.io import checkpoint as ckpt
 from snakellm.io import run_tokenizer
 from snakellm.io.log import log
@@ -44,7 +45,7 @@ from snakellm.train.trainer import EXIT_OK, Batch, Intervals, Trainer
 LossFn = Callable[[Any, Batch], Any]
 
 
-class JobError(ValueError):
+class JobError(UsageError, ValueError):
     """A job that cannot run in this world (batch sizes against the data-parallel size)."""
 
 

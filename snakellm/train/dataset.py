@@ -24,8 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from snakellm import errors
 
-class DataError(ValueError):
+
+class DataError(errors.DataError):
     pass
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from snakellm import models
 from snakellm.config.settings import from_namespace
+from snakellm.errors import UsageError
 from snakellm.io import checkpoint as ckpt
 from snakellm.launch import distributed as distmod
 from snakellm.train.dataset import Blend, check_splits, read_blend
@@ -29,7 +30,7 @@ from snakellm.train.resume import check_required, decide_resume, fingerprint
 from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
 
 
-class RequestError(ValueError):
+class RequestError(UsageError, ValueError):
     """A request that cannot run, found before training starts."""
 
 

@@ -16,10 +16,11 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from snakellm.errors import UsageError
 from snakellm.io import checkpoint as ckpt
 
 
-class ResumeError(ValueError):
+class ResumeError(UsageError, ValueError):
     """Checkpoints that this job may not use (``resume: require`` without one, ``on_config_change: error``)."""
 
 

@@ -28,10 +28,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from snakellm.errors import UsageError
+
 Arch = dict[str, Any]
 
 
-class FamilyError(ValueError):
+class FamilyError(UsageError, ValueError):
     """A model or file that no registered family represents exactly, phrased with the key and value."""
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.io.atomic import write_text
-
-from .data import ReportInputError
+from snakellm.report.data import ReportInputError
 
 
 def _data(a: argparse.Namespace) -> None:
-    from . import data
+    from snakellm.report import data
 
     chunks = data.load_chunks(a.stats)
     write_text(a.table, data.source_table(a.source, chunks, data.rejection_examples(chunks)))
@@ -24,19 +24,19 @@ def _data(a: argparse.Namespace) -> None:
 
 
 def _data_overview(a: argparse.Namespace) -> None:
-    from . import data
+    from snakellm.report import data
 
     write_text(a.output, data.overview_table(data.load_chunks(a.stats)))
 
 
 def _download(a: argparse.Namespace) -> None:
-    from . import data
+    from snakellm.report import data
 
     write_text(a.output, data.download_table(a.source, a.manifests, a.logs or []))
 
 
 def _tokens(a: argparse.Namespace) -> None:
-    from . import tokens
+    from snakellm.report import tokens
 
     blend = tokens.load_blend(a.blend)
     lengths = tokens.document_lengths(a.idx)
@@ -46,15 +46,14 @@ def _tokens(a: argparse.Namespace) -> None:
 
 
 def _tokens_overview(a: argparse.Namespace) -> None:
-    from . import tokens
+    from snakellm.report import tokens
 
     tokens.overview(a.blends, a.table, a.plot)
 
 
 def _tokenizer(a: argparse.Namespace) -> None:
+    from snakellm.report import tokens
     from snakellm.tokenize import encoders
-
-    from . import tokens
 
     tok = encoders.from_args(a)
     texts = tokens.example_texts(a.sample, a.key, n=a.examples)
@@ -62,7 +61,7 @@ def _tokenizer(a: argparse.Namespace) -> None:
 
 
 def _train(a: argparse.Namespace) -> None:
-    from . import data, train
+    from snakellm.report import data, train
 
     recs = train.load_metrics(a.metrics)
     summary = data.read_json(a.summary)
@@ -82,13 +81,14 @@ def _train(a: argparse.Namespace) -> None:
 
 
 def _table(a: argparse.Namespace) -> None:
-    from . import table
+    from snakellm.report import table
 
     write_text(a.output, table.table_page(a.files, a.title, a.note or "", a.max_rows))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm report",
         description="Write the plots (SVG, matplotlib) and tables (self-contained HTML) that rules/report.smk "
         "puts into `snakemake --report`. Each subcommand reads only files earlier steps wrote.",
@@ -166,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--note", help="a line under the title")
     s.add_argument("--max-rows", type=int, default=50, help="records shown per file (default 50)")
     s.set_defaults(func=_table)
+    for each in sub.choices.values():  # add_parser does not pass the formatter on
+        each.formatter_class = DefaultsHelpFormatter
     return p
 
 

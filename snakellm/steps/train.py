@@ -31,7 +31,7 @@ import argparse
 import sys
 
 from snakellm import models
-from snakellm.config.settings import add_arguments
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.io import checkpoint as ckpt
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime
@@ -47,6 +47,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_STOPPED = 0, 1, 2, 75
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm train",
         description=(
             "Pretrain a GPT with megatron-core on a tokenizer's blend.json, resumably. Ranks come from the "
@@ -57,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
             "exit status: 0 done; 1 training error; 2 usage/configuration error (found before training); "
             "75 stopped on SIGTERM/SIGUSR1/--max-time after saving a checkpoint: rerun to resume."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--blend", required=True, help="blend.json of the tokenized data (data_prefix + tokenizer)")
     p.add_argument("--run-dir", required=True, help="output directory of the run (runs/NAME)")
@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p.add_argument_group("training"), TrainSettings)
     s = p.add_argument_group("parallelism and speed")
     add_arguments(s, ParallelSettings)
-    s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    s.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to run (default: %(default)s: cuda when available, else cpu)",
+    )
     s.add_argument(
         "--attention-backend",
         default="auto",
@@ -94,8 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     o = p.add_argument_group("output")
-    o.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True)
-    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    o.add_argument(
+        "--tensorboard", action=argparse.BooleanOptionalAction, default=True, help="write TensorBoard events"
+    )
+    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
     o.add_argument(
         "--no-checkpoints",
         dest="checkpoints",

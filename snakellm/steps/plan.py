@@ -19,13 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.config import validate as cfgmod
+from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.data import planning as plan
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``snakellm plan``, apart from :func:`main` so that tests and ``--help`` checks build it alone."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm plan",
         description="Print the chunk plan of the configured sources (shards sorted naturally, "
         "sliced into runs of shards_per_chunk; one job per chunk).",
@@ -47,9 +50,17 @@ def main(argv: list[str] | None = None) -> int:
         help="ranks (GPUs) per node (default: $SNAKELLM_TRAIN_GPUS_PER_NODE, else 1)",
     )
     p.add_argument(
-        "--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU, for the fits/does-not-fit line"
+        "--gpu-memory-gib",
+        type=float,
+        default=80.0,
+        help="memory of one GPU, for the fits/does-not-fit line (default: %(default)s)",
     )
     p.add_argument("--run", action="append", help="only these runs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     try:
         cfg = cfgmod.load(a.config, a.schema)

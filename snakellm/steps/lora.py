@@ -1,50 +1,43 @@
-"""``snakellm lora merge|export-peft``: LoRA adapters as artifacts.
-
-``merge``: base checkpoint + adapter -> a model-only checkpoint directory
-(``OUT/checkpoints/iter_0000000``) holding ``W + (alpha/r) B A`` for every
-adapted linear; it loads and exports like any pretrained run, and gives the
-logits of base + adapter. ``export-peft``: the adapter in Hugging Face PEFT
-format for the Hugging Face export of the base (snakellm.finetune.peft_export).
-"""
+"""``snakellm lora``: merge a LoRA adapter into its base, or write it in PEFT format (snakellm.finetune.adapters)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
+
+from snakellm.config.settings import DefaultsHelpFormatter
+from snakellm.finetune.adapters import merge
 
 
-def merge(base: str, adapter: str, out: str, device: str = "auto", tp: int = 1) -> Path:
-    from snakellm import models
-    from snakellm.finetune import artifacts, runtime
-    from snakellm.finetune.lora import merge as merge_into
-
-    rt = runtime.start(device, tp)
-    try:
-        m = models.load(base, device=rt.device, tp=rt.tp)
-        _, conf, ad = artifacts.attach(rt.device, m.model, m.arch, adapter, None)
-        merge_into(m.model, ad)
-        return artifacts.save_model(m.model, Path(out), m.arch, m.padded_vocab_size, m.tokenizer)
-    finally:
-        runtime.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``snakellm lora``, apart from :func:`main` so that tests and ``--help`` checks build it alone."""
     p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
         prog="snakellm lora",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="fold an adapter into its base: a model-only checkpoint directory")
     m.add_argument("--base", required=True, help="the adapter's base run (or checkpoint dir)")
     m.add_argument("--adapter", required=True, help="finetune's adapter/ directory")
     m.add_argument("--out", required=True, help="output run directory (OUT/checkpoints/iter_0000000)")
-    m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    m.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to run (default: %(default)s: cuda when available, else cpu)",
+    )
     e = sub.add_parser("export-peft", help="write adapter_config.json + adapter_model.safetensors for peft")
     e.add_argument("--adapter", required=True, help="finetune's adapter/ directory")
     e.add_argument("--out", required=True, help="output directory")
+    for each in sub.choices.values():  # add_parser does not pass the formatter on
+        each.formatter_class = DefaultsHelpFormatter
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     from snakellm.models.loading import LoadError
 

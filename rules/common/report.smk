@@ -1,0 +1,186 @@
+# Lookups of the report rules (rules/report.smk) and the report-table registry that later
+# stages call at parse time (register_report_table).
+
+import json
+
+# ---------------------------------------------------------------- lookups of the report rules
+
+REPORT = "results/report"
+HTTP_SOURCES = [s for s, spec in SOURCES.items() if spec["kind"] == "http"]
+
+# Later stages add their metrics and samples to the report here, at parse time, from
+# their own rules/*.smk (see register_report_table); rule report_table renders each entry.
+REPORT_TABLES = (
+    {}
+)  # {"{stage}/{name}": {"files", "title", "note", "category", "subcategory", "figure"}}
+
+
+def register_report_table(
+    stage, name, files, title, note="", category=None, subcategory=None, figure="table"
+):
+    """Put FILES (a metrics.json, a predictions/samples .jsonl, a .csv/.tsv; or a list of them)
+    into `snakemake --report` as one HTML table: results/report/tables/{stage}/{name}.html,
+    shown under CATEGORY (default: the stage, capitalised) / SUBCATEGORY (default: NAME).
+    The files must be outputs of rules; the table is rebuilt only when they change."""
+    key = f"{stage}/{name}"
+    if key in REPORT_TABLES:
+        raise WorkflowError(f"report table {key!r} registered twice")
+    REPORT_TABLES[key] = {
+        "files": [files] if isinstance(files, str) else list(files),
+        "title": title,
+        "note": note,
+        "category": category or stage.replace("_", " ").capitalize(),
+        "subcategory": subcategory or name,
+        "figure": figure,
+    }
+    return f"{REPORT}/tables/{key}.html"
+
+
+def _report_table(wildcards):
+    return REPORT_TABLES[f"{wildcards.stage}/{wildcards.name}"]
+
+
+def get_report_table_input(wildcards):
+    return _report_table(wildcards)["files"]
+
+
+def get_report_table_title(wildcards):
+    return _report_table(wildcards)["title"]
+
+
+def get_report_table_note(wildcards):
+    note = _report_table(wildcards)["note"]
+    return f"--note {shlex.quote(note)}" if note else ""
+
+
+def get_report_table_category(wildcards):
+    return _report_table(wildcards)["category"]
+
+
+def get_report_table_subcategory(wildcards):
+    return _report_table(wildcards)["subcategory"]
+
+
+def get_report_table_labels(wildcards):
+    return {"figure": _report_table(wildcards)["figure"]}
+
+
+def get_report_data_stats(wildcards):
+    return [
+        f"data/jsonl/{wildcards.source}/{c}.stats.json" for c in PLAN[wildcards.source]
+    ]
+
+
+def get_report_data_rejected(wildcards):
+    return [
+        f"data/jsonl/{wildcards.source}/{c}.rejected.jsonl"
+        for c in PLAN[wildcards.source]
+    ]
+
+
+def get_report_all_stats(wildcards):
+    return [
+        f"data/jsonl/{s}/{c}.stats.json" for s, chunks in PLAN.items() for c in chunks
+    ]
+
+
+def get_report_download_manifests(wildcards):
+    return [
+        f"data/raw/{wildcards.source}/{c}.manifest.json" for c in PLAN[wildcards.source]
+    ]
+
+
+def get_report_download_logs(wildcards):
+    """The download jobs' logs: the only record of requests and retries (the manifest is byte-stable)."""
+    return [f"logs/download/{wildcards.source}/{c}.log" for c in PLAN[wildcards.source]]
+
+
+def get_report_tokens_stats(wildcards):
+    return get_blend_stats(wildcards)
+
+
+def get_report_tokens_idx(wildcards):
+    return [
+        f"{tokens_prefix(wildcards.tokenizer, s, c)}.idx"
+        for s, chunks in PLAN.items()
+        for c in chunks
+    ]
+
+
+def get_report_tokens_blends(wildcards):
+    return [get_blend(name) for name in TOKENIZE_DEFAULT]
+
+
+def _tokenizer_sample(tokenizer):
+    """(source, chunk jsonl) the example encodings come from: a trained tokenizer's first sampled chunk."""
+    if tokenizer in TRAINED_TOKENIZERS:
+        return _train_sample(tokenizer)[0]
+    s = next(iter(PLAN))
+    return s, f"data/jsonl/{s}/{sorted(PLAN[s])[0]}.jsonl"
+
+
+def get_report_tokenizer_sample(wildcards):
+    return _tokenizer_sample(wildcards.tokenizer)[1]
+
+
+def get_report_tokenizer_key(wildcards):
+    return SOURCES[_tokenizer_sample(wildcards.tokenizer)[0]]["key"]
+
+
+def get_report_tokenizer_train_stats(wildcards):
+    return (
+        [f"tokenizers/{wildcards.tokenizer}/tokenizer.stats.json"]
+        if wildcards.tokenizer in TRAINED_TOKENIZERS
+        else []
+    )
+
+
+def get_report_tokenizer_train_flag(wildcards):
+    return (
+        f"--train-stats {get_report_tokenizer_train_stats(wildcards)[0]}"
+        if wildcards.tokenizer in TRAINED_TOKENIZERS
+        else ""
+    )
+
+
+def get_main_snakefile(wildcards):
+    """The Snakefile `snakellm dag` draws (the one this workflow was started with)."""
+    return workflow.main_snakefile
+
+
+def get_dag_config(wildcards):
+    """The workflow's whole config: the pictures are redrawn when it changes (the DAG depends on all of it)."""
+    return json.dumps(config, sort_keys=True, default=str)
+
+
+def get_report_targets():
+    """Every report output of the default graph (results/report/...)."""
+    out = [
+        f"{REPORT}/workflow/rulegraph.svg",
+        f"{REPORT}/workflow/jobs.svg",
+        f"{REPORT}/data/overview.html",
+    ]
+    out += [
+        f"{REPORT}/data/{s}.chunks.{ext}" for s in SOURCES for ext in ("html", "svg")
+    ]
+    out += [f"{REPORT}/data/{s}.download.html" for s in HTTP_SOURCES]
+    if TOKENIZE_DEFAULT:
+        out += [f"{REPORT}/tokens/overview.html", f"{REPORT}/tokens/overview.svg"]
+    for t in TOKENIZE_DEFAULT:
+        out += [
+            f"{REPORT}/tokens/{t}.{what}"
+            for what in ("tokens.html", "blend.svg", "doc_tokens.svg", "tokenizer.html")
+        ]
+    for run in RUNS:
+        out += [
+            f"{REPORT}/train/{run}.{what}"
+            for what in (
+                "loss.svg",
+                "lr.svg",
+                "grad_norm.svg",
+                "throughput.svg",
+                "summary.html",
+            )
+        ]
+    out += [f"{REPORT}/tables/{key}.html" for key in REPORT_TABLES]
+    return out

@@ -1,0 +1,72 @@
+"""The settings flags of a rule's command line, from its config section (torch-free).
+
+Every rule passes its settings as flags derived from the section's dataclass
+(:mod:`snakellm.config.sections`) by :func:`snakellm.config.settings.to_flags`,
+so a setting has one name, one default and one spelling on the command line,
+and the rule reruns exactly when one of its own settings changes (they are its
+params). The sections that need more than one dataclass, or a value the config
+implies (a trained tokenizer's model file), are put together here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from snakellm.config import sections as S
+from snakellm.config.settings import to_flags
+
+
+def join(*parts: str) -> str:
+    """Flag strings joined with single spaces (empty ones left out)."""
+    return " ".join(p for p in parts if p)
+
+
+def tokenizer_files(name: str, spec: dict[str, Any]) -> list[str]:
+    """The files a tokenizer is loaded from (a trained one: the train_tokenizer rule's model)."""
+    if spec["kind"] == "gpt2-bpe":
+        return [spec["vocab_file"], spec["merges_file"]]
+    if spec["kind"] == "huggingface":
+        return [spec["tokenizer_file"]]
+    return [spec.get("model_file") or f"tokenizers/{name}/tokenizer.model"]
+
+
+def tokenizer_flags(name: str, spec: dict[str, Any]) -> str:
+    """`snakellm tokenize` tokenizer flags: only this tokenizer's entry, so editing another reruns nothing."""
+    values = dict(spec)
+    if spec["kind"] == "sentencepiece":
+        values["model_file"] = tokenizer_files(name, spec)[0]
+    return to_flags(S.TokenizerSettings, values)
+
+
+def train_tokenizer_flags(spec: dict[str, Any]) -> str:
+    """`snakellm train-tokenizer` settings: any change retrains (and re-tokenizes with) this tokenizer only."""
+    train = spec["train"]
+    return join(
+        to_flags(S.TokenizerSettings, {"vocab_size": spec["vocab_size"]}),
+        to_flags(S.TokenizerTrainSettings, train),
+        to_flags(S.SampleSettings, train.get("sample", {})),
+    )
+
+
+def finetune_flags(ft: dict[str, Any]) -> str:
+    """Every `snakellm finetune` setting, spelled out: the rule reruns exactly when one changes.
+
+    Only the chosen method's options are passed (editing the LoRA block of a
+    p-tuning fine-tune reruns nothing); the threads are the job's own.
+    """
+    method = {"lora": (S.LoraSettings, "lora"), "ptuning": (S.PtuningSettings, "ptuning")}.get(ft["method"])
+    return join(
+        to_flags(S.FinetuneSettings, ft),
+        to_flags(method[0], ft.get(method[1], {})) if method else "",
+        to_flags(S.ExamplesSettings, ft.get("examples", {})),
+        to_flags(S.FinetuneTrainSettings, ft["train"]),
+        to_flags(S.FinetuneParallelSettings, ft.get("parallel", {})),
+    )
+
+
+def evaluate_flags(ft: dict[str, Any]) -> str:
+    """`snakellm evaluate` settings: the fine-tune's example building (as trained) and its evaluate block."""
+    return join(
+        to_flags(S.ExamplesSettings, ft.get("examples", {}), exclude=("packing",)),
+        to_flags(S.EvaluateSettings, ft.get("evaluate", {})),
+    )

@@ -1,0 +1,484 @@
+"""The settings of every config section a step reads, one frozen dataclass each.
+
+These are the one source of each key's default, choices and help: the step's
+``--flags`` (with the same defaults, listed by ``--help``), the rule's command
+line (:func:`snakellm.config.settings.to_flags` in ``rules/common.smk``) and the
+``trajectory`` keys derive from them, and tests/test_settings.py checks that
+``config/schema.yaml`` has exactly these keys, defaults, enums and required keys.
+The schema keeps what a dataclass cannot say (minimum, pattern, descriptions of
+whole sections). The architecture keys are :class:`snakellm.models.ModelSettings`.
+
+``trajectory``: changing the setting makes old checkpoints a different training
+run (the batch size, the schedule, the seed ...). Only these enter the settings
+fingerprint stored with checkpoints; everything else (intervals, keep_last,
+max_time, workers, logging) may change between restarts.
+
+Fields that are not flags (``cli=False``) are read by the workflow itself: job
+resources (``threads``), what the default target holds (``enabled``), planning
+(``sources``, ``chunks``) or paths the rule spells out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from snakellm.config.settings import REQUIRED, setting
+from snakellm.models.architecture import ModelSettings
+
+SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki")
+TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_INITS = ("xavier", "normal", "kaiming", "zero")
+PRECISIONS = ("auto", "bf16", "fp32")
+DECAY_STYLES = ("cosine", "linear", "constant")
+
+# ---------------------------------------------------------------- data: sources, download
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceSettings:
+    """``sources.<name>``: one corpus; its shards are sorted naturally and sliced into chunks."""
+
+    kind: str = setting(REQUIRED, "local files or http URLs", choices=("local", "http"), cli=False)
+    path: str | list[str] | None = setting(None, "glob(s) of local shard files; `**` recurses", cli=False)
+    url: str | list[str] | None = setting(None, "URL template(s) with shell-style braces", cli=False)
+    urls: list[str] | None = setting(None, "explicit URLs (added to those from `url`)", cli=False)
+    format: str = setting(
+        REQUIRED,
+        "shard format (compression is taken from each shard's magic bytes)",
+        choices=SOURCE_FORMATS,
+        cli_default="jsonl",
+    )
+    key: str = setting("text", "JSON key holding the document text")
+    weight: float = setting(1.0, "sampling weight in the blend (multiplied by the source's token count)", cli=False)
+    shards_per_chunk: int = setting(REQUIRED, "shards concatenated into one chunk (one job per chunk)", cli=False)
+    # flags of `snakellm chunk` whose command-line default is "no limit" (steps/chunk.py); the rule passes these
+    max_document_bytes: int = setting(
+        67108864, "a longer document is quarantined as too_long, never held whole in memory", cli=False
+    )
+    max_rejected_fraction: float = setting(
+        0.5, "a shard of at least 10 lines with a larger share rejected fails its chunk job (1: off)", cli=False
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DownloadSettings:
+    """``download``: retries and transfers of `snakellm download` (http sources)."""
+
+    concurrency: int = setting(8, "parallel requests per download job")
+    retries: int = setting(
+        8, "consecutive failed attempts without new bytes allowed per shard (429, 408, 5xx); a 404 fails at once"
+    )
+    backoff_s: float = setting(1.0, "first retry delay in seconds; doubles each time", flag="backoff")
+    max_backoff_s: float = setting(60.0, "cap on one retry delay (and on Retry-After), seconds", flag="max_backoff")
+    timeout_s: float = setting(60.0, "connect/read timeout per request, seconds", flag="timeout")
+    deadline_s: float = setting(
+        7200.0, "a shard not complete this long after its first request fails its job (0: no deadline)", flag="deadline"
+    )
+    min_rate_bytes_s: float = setting(
+        1024.0,
+        "bytes/s an attempt must average over each timeout_s window, else it ends and counts as a failure (0: none)",
+        flag="min_rate",
+    )
+
+
+# ---------------------------------------------------------------- tokenize stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleSettings:
+    """``tokenizers.<name>.train.sample``: the deterministic sample a SentencePiece model is trained on."""
+
+    sources: list[str] | None = setting(None, "sources to sample (default: all)", cli=False)
+    chunks: int = setting(1, "the first N chunks of each source (0: all chunks)", cli=False)
+    max_bytes: int = setting(100_000_000, "about this much text at most (0: no cap)")
+    seed: int = setting(0, "seed of the document sample")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerTrainSettings:
+    """``tokenizers.<name>.train``: SentencePiece training (`snakellm train-tokenizer`)."""
+
+    model_type: str = setting("bpe", "SentencePiece model type", choices=("bpe", "unigram", "char", "word"))
+    character_coverage: float = setting(1.0, "share of characters covered by the vocabulary")
+    byte_fallback: bool = setting(False, "decompose unknown characters into UTF-8 byte pieces instead of <unk>")
+    user_defined_symbols: list[str] = setting(
+        [], "a piece that is never split (e.g. a special marker)", flag="user_defined_symbol"
+    )
+    max_sentence_length: int = setting(16384, "longest training line in bytes (longer lines are skipped)")
+    threads: int = setting(2, "training threads; a setting because unigram models depend on it")
+    options: dict[str, Any] = setting({}, "any other SentencePieceTrainer option", flag="option")
+    sample: dict[str, Any] = setting({}, "the training sample", section=SampleSettings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSettings:
+    """``tokenizers.<name>``: how `snakellm tokenize` loads a tokenizer."""
+
+    kind: str = setting(REQUIRED, "tokenizer kind", choices=TOKENIZER_KINDS)
+    vocab_file: str | None = setting(None, "gpt2-bpe: vocab.json (Megatron --vocab-file)")
+    merges_file: str | None = setting(None, "gpt2-bpe: merges.txt (Megatron --merge-file)")
+    model_file: str | None = setting(None, "sentencepiece: the .model file")
+    tokenizer_file: str | None = setting(None, "huggingface: a tokenizer.json")
+    eod: str | None = setting(
+        None,
+        "end-of-document token appended to every document (gpt2-bpe: <|endoftext|>; sentencepiece: the model's "
+        "eos piece; huggingface: required)",
+    )
+    vocab_size: int | None = setting(None, "the configured vocab size: a tokenizer of another size is an error")
+    add_special_tokens: bool | None = setting(None, "huggingface: apply the post-processor's special tokens")
+    train: dict[str, Any] | None = setting(None, "train this SentencePiece model", section=TokenizerTrainSettings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizeSettings:
+    """``tokenize``: which tokenizers the default target builds, and the threads of each job."""
+
+    tokenizers: list[str] | None = setting(None, "tokenizers the default target builds (default: all)", cli=False)
+    threads: int = setting(2, "encoder threads per tokenize job", cli=False)
+
+
+# ---------------------------------------------------------------- runs, launch
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeSettings:
+    """What a restarted job does with the checkpoints it finds: the same two settings for every training job
+    (``runs.<name>.train`` and ``snakellm finetune``), read by :mod:`snakellm.train.resume`."""
+
+    resume: str = setting(
+        "auto",
+        "auto: from the latest checkpoint if any; require: fail without one; never: move "
+        "checkpoints aside and start fresh",
+        choices=("auto", "require", "never"),
+    )
+    on_config_change: str = setting(
+        "archive",
+        "checkpoints made with other trajectory settings: move them to checkpoints.old-<time>/ and "
+        "start fresh (archive), or fail (error)",
+        choices=("archive", "error"),
+    )
+
+
+@dataclass(frozen=True)
+class TrainSettings(ResumeSettings):
+    """``runs.<name>.train``: steps, batch, optimizer, schedule, checkpoints, stopping."""
+
+    steps: int = setting(REQUIRED, "optimizer steps (iterations) in total")
+    micro_batch_size: int = setting(REQUIRED, "sequences per rank per forward pass")
+    global_batch_size: int = setting(
+        REQUIRED, "sequences per step: micro batch x data-parallel size x gradient accumulation steps", trajectory=True
+    )
+    lr: float = setting(6.0e-4, "peak learning rate (AdamW)", trajectory=True)
+    min_lr: float = setting(6.0e-5, "learning rate at the end of the decay", trajectory=True)
+    warmup_steps: int = setting(0, "linear warmup steps", trajectory=True)
+    decay_steps: int | None = setting(
+        None,
+        "step at which min-lr is reached (default: --steps); set it to extend a run later without changing "
+        "its schedule",
+        trajectory=True,
+    )
+    lr_decay_style: str = setting(
+        "cosine", "learning-rate decay after warmup", trajectory=True, choices=("cosine", "linear", "constant")
+    )
+    weight_decay: float = setting(0.1, "decoupled weight decay (not on biases and norms)", trajectory=True)
+    adam_beta1: float = setting(0.9, "AdamW beta1", trajectory=True)
+    adam_beta2: float = setting(0.95, "AdamW beta2", trajectory=True)
+    adam_eps: float = setting(1.0e-8, "AdamW epsilon", trajectory=True)
+    clip_grad: float = setting(1.0, "gradient-norm clip (0: off)", trajectory=True)
+    seed: int = setting(1234, "seeds the weights, the data order and dropout", trajectory=True)
+    split: str = setting(
+        "969,30,1", "train,valid,test shares of each token file's documents (Megatron --split)", trajectory=True
+    )
+    precision: str = setting(
+        "auto",
+        "auto: bf16 with fp32 master weights on GPU, fp32 on CPU",
+        trajectory=True,
+        choices=("auto", "bf16", "fp32"),
+    )
+    save_interval: int = setting(1000, "checkpoint every N steps (and at the end)")
+    keep_last: int = setting(2, "keep the newest K checkpoints, plus the best by validation loss")
+    eval_interval: int = setting(1000, "validation loss every N steps (and at every checkpoint)")
+    eval_iters: int = setting(10, "validation batches per evaluation (0: none)")
+    log_interval: int = setting(10, "metrics are fetched from the device and written every N steps")
+    max_time: str | float | None = setting(
+        None, "stop cleanly (checkpoint, exit status 75) after this long: seconds, 90m, 2h, HH:MM:SS, D-HH:MM:SS"
+    )
+    collective_timeout: float = setting(
+        600.0,
+        "seconds a rank may make no progress before it ends the job, naming the rank(s) it waits for "
+        "(snakellm.launch.watchdog); the process group's own timeout is 60 s longer",
+    )
+    retries: int | None = setting(
+        None,
+        "attempts Snakemake adds after a failed or stopped (exit 75) attempt, each resuming from the latest "
+        "checkpoint (null: the profile's `retries`)",
+        cli=False,
+    )
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """``runs.<name>.parallel``: how the ranks split the model and the work."""
+
+    tp: int = setting(1, "tensor-parallel size (on the CPU only for models without dropout)")
+    pp: int = setting(1, "pipeline-parallel size (must be 1)")
+    threads: int = setting(2, "CPU threads of the job (torch intra-op threads on CPU)")
+    num_workers: int | None = setting(None, "data-loader workers per rank (null: 2 on GPU, 0 on CPU)")
+    loss: str = setting(
+        "auto",
+        "cross-entropy: compiled (fused; GPU default), eager, or megatron-core's "
+        "vocab-parallel one (needed for tp > 1)",
+        choices=("auto", "compiled", "eager", "megatron"),
+    )
+    compile: bool = setting(False, "torch.compile each transformer layer (GPU)")
+    sequence_parallel: bool = setting(
+        False,
+        "megatron-core sequence parallelism: the norms, dropouts, embedding output and residual stream are split "
+        "along the sequence over the tensor-parallel ranks instead of replicated (needs tp > 1)",
+    )
+    distributed_optimizer: bool = setting(
+        False,
+        "shard the fp32 Adam states and master weights over the data-parallel ranks (megatron-core's "
+        "distributed-optimizer gradient buffers: reduce-scatter, then all-gather of the updated weights)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """``runs.<name>``: one pretraining run."""
+
+    tokenizer: str = setting(REQUIRED, "a key of `tokenizers`", cli=False)
+    model: dict[str, Any] = setting({"preset": "tiny"}, "a preset, then single keys", section=ModelSettings)
+    train: dict[str, Any] = setting(REQUIRED, "steps, batch, optimizer, checkpoints", section=TrainSettings)
+    parallel: dict[str, Any] = setting({}, "how the ranks split the work", section=ParallelSettings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContainerSettings:
+    """``container``: the container the training ranks run in (read by snakellm.launch.prefix)."""
+
+    runtime: str = setting("none", "container runtime", choices=("none", "pyxis", "apptainer"), cli=False)
+    image: str | None = setting(None, "an enroot URI or .sqsh (pyxis), a .sif or docker:// URI (apptainer)", cli=False)
+    mounts: list[str] = setting([], "SRC[:DST[:FLAGS]] bind mounts", cli=False)
+
+
+# ---------------------------------------------------------------- fine-tuning stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class SftDataSettings:
+    """``sft_data.<name>``: `snakellm prepare-sft` of one data set."""
+
+    path: str = setting(REQUIRED, "a SQuAD-format .json or a .jsonl file", cli=False)
+    format: str = setting(
+        "squad",
+        "squad: answerable questions, first answer as output; jsonl: records with input_key/output_key",
+        choices=("squad", "jsonl"),
+    )
+    template: str | None = setting(
+        None,
+        "prompt of each record; squad fields {context} {question} {title} (default 'Context: {context} "
+        "Question: {question} Answer:'), jsonl: the record's string fields (default the input key as is)",
+    )
+    input_key: str = setting("input", "jsonl: key of the prompt")
+    output_key: str = setting("output", "jsonl: key of the answer (a string or a list of gold answers)")
+    split: str = setting("80,10,10", "train,validation,test shares after a seeded shuffle")
+    seed: int = setting(1234, "seed of the shuffle before splitting")
+    limit: int | None = setting(None, "use only this many records (after the shuffle)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """``finetune.<name>.lora``: NeMo's peft lora_tuning options."""
+
+    rank: int = setting(32, "adapter_dim", trajectory=True, flag="lora_rank")
+    alpha: float | None = setting(None, "scale = alpha / rank (null: alpha = rank)", trajectory=True, flag="lora_alpha")
+    dropout: float = setting(0.0, "adapter_dropout", trajectory=True, flag="lora_dropout")
+    targets: list[str] = setting(
+        ["linear_qkv"], "target_modules (megatron-core linears)", trajectory=True, flag="lora_targets", sep=","
+    )
+    layers: list[int] | None = setting(
+        None, "1-based layer_selection (null: all)", trajectory=True, flag="lora_layers", sep=",", parse=int
+    )
+    column_init: str = setting(
+        "xavier", "init of A (linear_in)", trajectory=True, choices=LORA_INITS, flag="lora_column_init"
+    )
+    row_init: str = setting("zero", "init of B (linear_out)", trajectory=True, choices=LORA_INITS, flag="lora_row_init")
+    modules_to_save: list[str] = setting(
+        [],
+        "base modules trained whole beside the adapters and saved with them (PEFT's modules_to_save)",
+        trajectory=True,
+        flag="lora_modules_to_save",
+        sep=",",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PtuningSettings:
+    """``finetune.<name>.ptuning``: virtual tokens from a prompt encoder."""
+
+    virtual_tokens: int = setting(10, "virtual tokens before every example", trajectory=True)
+    encoder: str = setting("mlp", "prompt encoder", trajectory=True, choices=("mlp", "lstm"), flag="prompt_encoder")
+    hidden: int = setting(2048, "prompt encoder hidden size", trajectory=True, flag="prompt_encoder_hidden")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExamplesSettings:
+    """``finetune.<name>.examples``: how records become token sequences (NeMo's GPTSFTDataset options)."""
+
+    template: str = setting("{input} {output}", "prompt_template; must end with {output}", trajectory=True)
+    max_seq_length: int | None = setting(None, "tokens per example (null: the model's seq_length)")
+    add_bos: bool = setting(False, "BOS before the context", trajectory=True)
+    add_eos: bool = setting(True, "EOD after the answer", trajectory=True)
+    answer_only_loss: bool = setting(True, "loss on the answer tokens only", trajectory=True)
+    truncation_method: str = setting(
+        "right",
+        "too long a context loses tokens from its end (right) or start (left)",
+        trajectory=True,
+        choices=("left", "right"),
+    )
+    packing: bool = setting(False, "several examples per sequence (block-diagonal attention)", trajectory=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneTrainSettings(ResumeSettings):
+    """``finetune.<name>.train``: steps, batch, optimizer, validation and stopping of a fine-tune."""
+
+    steps: int = setting(REQUIRED, "optimizer steps in total", trajectory=True)
+    micro_batch_size: int = setting(4, "examples per rank per forward pass", trajectory=True)
+    global_batch_size: int = setting(8, "examples per step", trajectory=True)
+    lr: float = setting(1.0e-4, "peak learning rate (AdamW)", trajectory=True)
+    min_lr: float = setting(0.0, "learning rate at the end of the decay", trajectory=True)
+    warmup_steps: int = setting(0, "linear warmup steps", trajectory=True)
+    lr_decay_style: str = setting("cosine", "learning-rate decay after warmup", trajectory=True, choices=DECAY_STYLES)
+    weight_decay: float = setting(0.01, "decoupled weight decay", trajectory=True)
+    adam_beta1: float = setting(0.9, "AdamW beta1", trajectory=True)
+    adam_beta2: float = setting(0.98, "AdamW beta2", trajectory=True)
+    clip_grad: float = setting(1.0, "gradient-norm clip (0: off)", trajectory=True)
+    seed: int = setting(1234, "seeds the adapters, the data order and dropout", trajectory=True)
+    precision: str = setting("auto", "auto: bf16 on GPU, fp32 on CPU", trajectory=True, choices=PRECISIONS)
+    eval_interval: int = setting(50, "validation loss (and a checkpoint) every N steps")
+    eval_examples: int = setting(0, "validation examples per evaluation (0: all)")
+    patience: int = setting(0, "early stopping: evaluations without improvement (0: off)")
+    min_delta: float = setting(0.001, "improvement that resets the patience")
+    keep_last: int = setting(1, "newest checkpoints kept (the best is always kept)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneParallelSettings:
+    """``finetune.<name>.parallel``: tensor parallelism and the job's threads."""
+
+    tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
+    threads: int = setting(2, "CPU threads of the job", cli=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateSettings:
+    """``finetune.<name>.evaluate``: greedy generation on the test split (`snakellm evaluate`)."""
+
+    tokens_to_generate: int = setting(32, "longest answer generated")
+    batch_size: int = setting(16, "prompts per generation batch")
+    limit: int | None = setting(None, "evaluate only the first N test examples")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneSettings:
+    """``finetune.<name>``: one fine-tune of a pretrained or imported run, and its evaluation."""
+
+    run: str = setting(REQUIRED, "the base model: a key of runs or of import_hf", cli=False)
+    data: str = setting(REQUIRED, "a key of sft_data", cli=False)
+    method: str = setting(
+        REQUIRED,
+        "lora: adapters, base frozen; full: every weight; ptuning: virtual tokens, base frozen",
+        trajectory=True,
+        choices=("lora", "full", "ptuning"),
+    )
+    lora: dict[str, Any] = setting({}, "LoRA options", section=LoraSettings)
+    ptuning: dict[str, Any] = setting({}, "p-tuning options", section=PtuningSettings)
+    examples: dict[str, Any] = setting({}, "example building", section=ExamplesSettings)
+    train: dict[str, Any] = setting(REQUIRED, "training", section=FinetuneTrainSettings)
+    parallel: dict[str, Any] = setting({}, "parallelism", section=FinetuneParallelSettings)
+    evaluate: dict[str, Any] = setting({}, "evaluation", section=EvaluateSettings)
+
+
+# ---------------------------------------------------------------- export, import, generation
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportNemoSettings:
+    """``export_nemo``: runs/{run}/{run}.nemo (NeMo 1.x layout)."""
+
+    enabled: bool = setting(True, "part of the default target", cli=False)
+    transformer_engine: str = setting(
+        "auto",
+        "transformer_engine in model_config.yaml (auto: true for RMSNorm models, false for LayerNorm ones)",
+        choices=("auto", "true", "false"),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportHfSettings:
+    """``export_hf``: runs/{run}/hf/, a Hugging Face model directory."""
+
+    enabled: bool = setting(True, "part of the default target", cli=False)
+    max_shard_size: str = setting("5GB", "largest safetensors file (e.g. 5GB, 500MB)")
+    dtype: str = setting(
+        "auto", "weight dtype (auto: the checkpoint's)", choices=("auto", "float32", "bfloat16", "float16")
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportHfSettings:
+    """``import_hf.<name>``: a Hugging Face GPT-2 / Llama directory turned into a run."""
+
+    hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False)
+    make_vocab_size_divisible_by: int = setting(128, "embedding padding (Megatron-LM's)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateSettings:
+    """``generate``: the sampling settings of `snakellm generate` (runs/{run}/samples.jsonl)."""
+
+    enabled: bool = setting(True, "part of the default target", cli=False)
+    prompts: list[str] = setting(
+        ["The history of", "In the beginning", "She said that", "Botchan was"], "a prompt", flag="prompt"
+    )
+    max_new_tokens: int = setting(48, "tokens generated per prompt at most")
+    min_new_tokens: int = setting(0, "EOD is not allowed before this many tokens")
+    greedy: bool = setting(False, "argmax decoding (the sampling settings are then ignored)")
+    temperature: float = setting(0.8, "softmax temperature")
+    top_k: int = setting(40, "sample from the k most likely tokens (0: off)")
+    top_p: float = setting(0.95, "nucleus sampling (1: off)")
+    repetition_penalty: float = setting(1.1, "divides the logits of tokens already present (1: off)")
+    end_strings: list[str] = setting([], "stop a continuation at this text", flag="end_string")
+    seed: int = setting(1234, "sampling seed")
+    threads: int = setting(1, "torch CPU threads of the job", cli=False)
+
+
+# Schema location -> settings class: what tests/test_settings.py compares (a ``*`` is any name).
+SECTIONS: dict[str, type] = {
+    "sources.*": SourceSettings,
+    "download": DownloadSettings,
+    "tokenizers.*": TokenizerSettings,
+    "tokenizers.*.train": TokenizerTrainSettings,
+    "tokenizers.*.train.sample": SampleSettings,
+    "tokenize": TokenizeSettings,
+    "runs.*": RunSettings,
+    "runs.*.train": TrainSettings,
+    "runs.*.parallel": ParallelSettings,
+    "container": ContainerSettings,
+    "sft_data.*": SftDataSettings,
+    "finetune.*": FinetuneSettings,
+    "finetune.*.lora": LoraSettings,
+    "finetune.*.ptuning": PtuningSettings,
+    "finetune.*.examples": ExamplesSettings,
+    "finetune.*.train": FinetuneTrainSettings,
+    "finetune.*.parallel": FinetuneParallelSettings,
+    "finetune.*.evaluate": EvaluateSettings,
+    "export_nemo": ExportNemoSettings,
+    "export_hf": ExportHfSettings,
+    "import_hf.*": ImportHfSettings,
+    "generate": GenerateSettings,
+}
