@@ -343,7 +343,7 @@ class ExamplesSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FinetuneTrainSettings:
+class FinetuneTrainSettings(ResumeSettings):
     """``finetune.<name>.train``: steps, batch, optimizer, validation and stopping of a fine-tune."""
 
     steps: int = setting(REQUIRED, "optimizer steps in total", trajectory=True)

@@ -471,21 +471,19 @@ def write_hf_weights(
 ) -> tuple[list[str], str]:
     """HF safetensors shards from megatron tensor groups (outer first); returns (files, dtype name)."""
     writer = ShardWriter(out, max_bytes)
-    outer: dict[str, Any] = {}
     last: dict[str, Any] = {}
     dt = ""
     for group in groups:
         if any(k.startswith("decoder.layers.") for k in group):
             tensors = group_to_hf(arch, group, vocab, int(next(iter(group)).split(".")[2]))
-        else:
-            outer = group
-            both = group_to_hf(arch, outer, vocab, -1)
+        else:  # the megatron tensors of this group are not kept: only what is still to be written
+            both = group_to_hf(arch, group, vocab, -1)
             # embeddings first (as transformers writes them), the final norm and head after the layers
             first = {
                 k: v for k, v in both.items() if "embed" in k or k.startswith(("transformer.wte", "transformer.wpe"))
             }
             last = {k: v for k, v in both.items() if k not in first}
-            tensors = first
+            tensors, both = first, {}
         if dtype is not None:
             tensors = {k: v.to(dtype) for k, v in tensors.items()}
         dt = dt or str(next(iter(tensors.values())).dtype).replace("torch.", "")

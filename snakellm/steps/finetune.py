@@ -16,7 +16,6 @@ from snakellm.config.sections import (
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.errors import EXIT_FAILED, EXIT_USAGE
 from snakellm.io import checkpoint as ckpt
-from snakellm.train.settings import ResumeSettings
 
 
 def add_data_arguments(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -51,7 +50,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("best", "last"),
         help="which checkpoint the artifacts come from: the best validation loss (NeMo's default) or the last",
     )
-    add_arguments(c, ResumeSettings)
     c.add_argument("--max-time", type=float, default=None, help="seconds; then checkpoint and exit 75")
     s = p.add_argument_group("parallelism")
     add_arguments(s, FinetuneParallelSettings)
