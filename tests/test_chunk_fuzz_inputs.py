@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from snakellm.data import chunk as chunkmod
 from snakellm.data import planning
 from snakellm.io.readers import DamagedShardError
+from snakellm.steps import chunk as chunkstep
 
 EXAMPLES = int(os.environ.get("SNAKELLM_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
@@ -116,7 +117,7 @@ def test_any_byte_string_name_survives_the_list_and_the_chunk(tmp_path_factory, 
     lst = d / "c.list"
     planning.write_shard_list(lst, paths)
     assert planning.read_shard_list(lst) == paths
-    rc = chunkmod.main(["--shard-list", str(lst), "-o", str(d / "out" / "c.jsonl"), "--no-progress"])
+    rc = chunkstep.main(["--shard-list", str(lst), "-o", str(d / "out" / "c.jsonl"), "--no-progress"])
     assert rc == 0
     assert (d / "out" / "c.jsonl").read_bytes() == b"".join(
         json.dumps({"text": f"doc {i}"}).encode() + b"\n" for i in range(len(paths))

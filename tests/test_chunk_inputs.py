@@ -26,6 +26,7 @@ import zstandard
 from snakellm.data import chunk as chunkmod
 from snakellm.data import planning
 from snakellm.io.readers import DamagedShardError
+from snakellm.steps import chunk as chunkstep
 
 DOCS = [json.dumps({"text": f"document {i}"}).encode() + b"\n" for i in range(10)]
 
@@ -255,7 +256,7 @@ def test_the_alarm_needs_at_least_ten_lines(tmp_path):
 def test_cli_alarm_exit_status_and_message(tmp_path, capsys):
     page = tmp_path / "page.jsonl"
     page.write_bytes(HTML)
-    rc = chunkmod.main(
+    rc = chunkstep.main(
         [str(page), "-o", str(tmp_path / "out" / "c.jsonl"), "--max-rejected-fraction", "0.5", "--no-progress"]
     )
     assert rc == 1
@@ -294,7 +295,7 @@ def test_unreadable_shard_is_named(tmp_path):
         p.write_bytes(DOCS[0])
         p.chmod(0)
         # everything imported first: `nobody` may not read the interpreter's own library
-        child = "import os, sys, argparse, json\nfrom snakellm.data import chunk\n"
+        child = "import os, sys, argparse, json\nfrom snakellm.steps import chunk\n"
         child += "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\nsys.exit(chunk.main(sys.argv[1:]))"
         env = dict(os.environ, PYTHONPATH=str(Path(chunkmod.__file__).resolve().parents[2]))
         proc = subprocess.run(
@@ -325,7 +326,7 @@ def test_any_name_a_filesystem_allows_goes_through_the_list_and_the_chunk(tmp_pa
     text = lst.read_text(encoding="ascii")
     assert all(line.startswith(('"', "#")) for line in text.splitlines())
     assert planning.read_shard_list(lst) == paths
-    rc = chunkmod.main(["--shard-list", str(lst), "-o", str(tmp_path / "out" / "c.jsonl"), "--no-progress"])
+    rc = chunkstep.main(["--shard-list", str(lst), "-o", str(tmp_path / "out" / "c.jsonl"), "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "out" / "c.jsonl").read_bytes() == b"".join(DOCS[: len(ODD_NAMES)])
     rej = [json.loads(x) for x in (tmp_path / "out" / "c.rejected.jsonl").read_bytes().splitlines()]
@@ -335,7 +336,7 @@ def test_any_name_a_filesystem_allows_goes_through_the_list_and_the_chunk(tmp_pa
     assert [s["shard"] for s in stats["per_shard"]] == paths  # exact names, for the planner's check
     # an error about such a name stays on one line and names it unambiguously
     os.unlink(paths[1])
-    rc = chunkmod.main(["--shard-list", str(lst), "-o", str(tmp_path / "out2" / "c.jsonl"), "--no-progress"])
+    rc = chunkstep.main(["--shard-list", str(lst), "-o", str(tmp_path / "out2" / "c.jsonl"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 1 and "shard not found: " + ascii(paths[1]) in err
 
