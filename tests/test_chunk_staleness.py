@@ -86,3 +86,42 @@ def test_shard_names_with_any_bytes_go_through_the_workflow(workspace):
     for c in ("chunk-00000", "chunk-00001"):
         texts += [json.loads(x)["text"] for x in ws.path(f"data/jsonl/odd/{c}.jsonl").read_text().splitlines()]
     assert "changed" in texts and "document 2" not in texts
+
+
+def _record(tmp_path, shard):
+    """A chunk's stats.json recording one shard as the chunk job does (identity from one stat, sha256 of its bytes)."""
+    import hashlib
+
+    from snakellm.data.planning import shard_identity
+
+    stats = tmp_path / "c.stats.json"
+    rec = {
+        "shard": str(shard),
+        "stat": shard_identity(shard.stat()),
+        "sha256": hashlib.sha256(shard.read_bytes()).hexdigest(),
+    }
+    stats.write_text(json.dumps({"per_shard": [rec]}))
+    return stats
+
+
+def test_a_copied_workspace_is_not_stale_but_other_bytes_are(tmp_path):
+    """Copied with its timestamps (new inode and ctime, same size and mtime): the sha256 decides."""
+    import shutil
+
+    from snakellm.data.planning import stale_local_chunk
+
+    shard = tmp_path / "a.jsonl"
+    shard.write_bytes(b'{"text": "one"}\n{"text": "two"}\n')
+    stats = _record(tmp_path, shard)
+    assert stale_local_chunk(stats, [str(shard)]) is None
+    was = shard.stat()
+    copy = tmp_path / "copy.jsonl"
+    shutil.copy2(shard, copy)
+    os.replace(copy, shard)
+    assert shard.stat().st_ino != was.st_ino and shard.stat().st_mtime_ns == was.st_mtime_ns
+    assert stale_local_chunk(stats, [str(shard)]) is None
+    # the same size and mtime, other bytes: stale, naming the shard
+    shard.write_bytes(b'{"text": "one"}\n{"text": "TWO"}\n')
+    os.utime(shard, ns=(was.st_atime_ns, was.st_mtime_ns))
+    why = stale_local_chunk(stats, [str(shard)])
+    assert why is not None and "a.jsonl changed since its chunk was built" in why

@@ -116,8 +116,10 @@ def _evaluate(root: Path, test: Path, out: Path, *extra: str) -> dict:
         str(test),
         "--out-dir",
         str(out),
+        # room for the longest memorised answer: with the default tokenizer's byte fallback a character
+        # outside its vocabulary (e.g. "⊆") takes 3 tokens, and "P ⊆ NP ⊆ PP ⊆ PSPACE" needs 19
         "--tokens-to-generate",
-        "16",
+        "32",
         *BASE[:4],
         *extra,
         cwd=root,

@@ -18,6 +18,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from snakellm.io.readers import display
@@ -241,19 +242,41 @@ def stale_local_chunk(stats: str | os.PathLike, shards: list[str]) -> str | None
         return None
     except (OSError, ValueError, AttributeError) as e:
         return f"{stats} is unreadable ({e})"
-    by_path = {r.get("shard"): r.get("stat") for r in recorded if isinstance(r, dict)}
+    by_path = {r.get("shard"): r for r in recorded if isinstance(r, dict)}
     for s in shards:
-        was = by_path.get(s)
+        rec = by_path.get(s) or {}
+        was = rec.get("stat")
         if was is None:
             continue
         try:
             now = shard_identity(os.stat(s))
         except OSError as e:
             return f"shard {display(s)}: {e.strerror}"
-        if now != was:
+        if now != was and not _same_content_moved(s, now, was, rec.get("sha256")):
             diff = ", ".join(f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v)
             return f"shard {display(s)} changed since its chunk was built ({diff})"
     return None
+
+
+def _same_content_moved(shard: str, now: dict[str, int], was: dict[str, Any], sha256: Any) -> bool:
+    """A shard whose size and mtime are as recorded but whose inode/ctime are not: the same bytes, copied?
+
+    A workspace copied or moved with its timestamps (``cp -a``, ``rsync -a``,
+    ``shutil.copytree``) gives every shard a new inode and ctime. Only then is
+    the shard read, and its sha256 (recorded by the chunk job while it read the
+    shard) decides: equal bytes are the same input, so nothing reruns; a
+    same-size, same-mtime replacement with other bytes still reruns its chunk.
+    """
+    if not isinstance(sha256, str) or any(now[k] != was.get(k) for k in ("size", "mtime_ns")):
+        return False
+    h = hashlib.sha256()
+    try:
+        with open(shard, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+    except OSError:
+        return False
+    return h.hexdigest() == sha256
 
 
 def stale_manifest(manifest: str | os.PathLike) -> str | None:
