@@ -192,8 +192,10 @@ def test_method_learns(default_workflow: Workspace, sft: Path, base_scores: dict
         assert last < 0.15 * first
     if method == "ptuning":
         # p-tuning moves only the first 8 input embeddings of a frozen model, and meets the same bound: it
-        # learns slowly (measured 6.79 -> 6.43 in 80 steps) and reproduces no answer on this model
-        assert last < 0.97 * first
+        # learns slowly and reproduces no answer on this model. Measured 6.79 -> 6.43 in 80 steps with the old
+        # spm2k; with byte fallback (the default since the data-stage round 2) 6.84 -> 6.66, a plateau reached in
+        # ~30 steps: the bound moved with the base model, not the recipe (held-out loss below the base: part 2)
+        assert last < 0.98 * first
     preds = [json.loads(line) for line in (sft / f"{method}-train" / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 8 and all(set(p) >= {"input", "pred", "label", "answers"} for p in preds)
 
