@@ -24,6 +24,17 @@ SHAPE = ["--layers", "8", "--hidden", "1024", "--ffn", "2816", "--heads", "16", 
 SHARD_MB = 40
 
 
+def _import_baseline_gb() -> float:
+    """Peak RSS of this interpreter after importing what the conversion steps import, in a fresh process."""
+    code = (
+        "import resource, snakellm.steps.export_nemo, snakellm.steps.export_hf, snakellm.steps.import_hf, "
+        "snakellm.export.nemo, snakellm.export.stream, torch, megatron.core, safetensors\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env_with_venv(), capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
 def test_sharded_import_export_under_the_memory_bound(tmp_path: Path):
     import torch
 
@@ -37,7 +48,9 @@ def test_sharded_import_export_under_the_memory_bound(tmp_path: Path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = {r["step"]: r for r in json.loads(figures.read_text())}
     assert list(steps) == ["make", "import-hf", "export-hf", "export-nemo"]
-    bound = 2 * SHARD_MB * 1e6 / 1e9 + 1.0
+    # 2 shards + 0.75 GB above what the interpreter holds after importing the converters (torch, megatron-core:
+    # 0.35-0.41 GB measured, depending on the environment): the working set, not the import cost, is bounded
+    bound = _import_baseline_gb() + 2 * SHARD_MB * 1e6 / 1e9 + 0.75
     for name, r in steps.items():
         assert r["rc"] == 0 and r["peak_rss_gb"] <= bound, (name, r)
     assert steps["export-nemo"]["output_gb"] > 0.7  # fp32: 760 MB of weights
