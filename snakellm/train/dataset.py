@@ -127,11 +127,24 @@ def check_splits(blend: Blend, split: str, need_valid: bool) -> None:
 class _Tokenizer:
     """What GPTDataset asks of a tokenizer: the vocabulary size and the end-of-document id."""
 
-    def __init__(self, vocab_size: int, eod: int):
+    def __init__(self, vocab_size: int, eod: int, data: list[list[int]] | None = None):
         self.vocab_size = vocab_size
         self.eod = eod
-        # part of the dataset's description, hence of its index cache's file names
-        self.unique_identifiers = {"class": "snakellm", "vocab_size": vocab_size, "eod": eod}
+        # part of the dataset's description, hence of its index cache's file names; ``data`` (the token
+        # files' sizes and mtimes) makes a rebuilt .bin/.idx under the same prefix get a new index cache
+        self.unique_identifiers = {"class": "snakellm", "vocab_size": vocab_size, "eod": eod, "data": data or []}
+
+
+def _token_files_identity(prefixes: list[str]) -> list[list[int]]:
+    """Size and mtime_ns of every prefix's .bin and .idx: Megatron names its index cache by the dataset's
+    description (paths, split, seed, ...), not by the files' contents, so a token file rebuilt in place
+    (one more document in a shard) would otherwise reuse sample indices computed for the old file."""
+    out = []
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            st = os.stat(prefix + ext)
+            out.append([st.st_size, st.st_mtime_ns])
+    return out
 
 
 def build_datasets(
@@ -148,7 +161,7 @@ def build_datasets(
         blend=(blend.prefixes, blend.weights if len(blend.prefixes) > 1 else None),
         split=split,
         path_to_cache=cache_dir,
-        tokenizer=_Tokenizer(blend.vocab_size, blend.eod_id),
+        tokenizer=_Tokenizer(blend.vocab_size, blend.eod_id, _token_files_identity(list(blend.prefixes))),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
