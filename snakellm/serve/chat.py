@@ -27,7 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.serve.errors import APIError, bad
-from snakellm.serve.openai_api import Choice, GenRequest, _common, _model, _sampling, _usage, pieces, run, usage_chunk
+from snakellm.serve.openai_api import (
+    Choice,
+    GenRequest,
+    _common,
+    _model,
+    _sampling,
+    _usage,
+    pieces,
+    run,
+    stream_chunk,
+    usage_chunk,
+)
 from snakellm.serve.sampling import Fields, is_int, piece
 
 DEFAULT_TEMPLATE = (
@@ -224,16 +235,8 @@ def chat_body(gen: Any, req: GenRequest, choices: list[Choice]) -> dict:
 def chat_chunk(
     req: GenRequest, cid: str, created: int, index: int, delta: dict, lp: dict | None, reason: str | None
 ) -> dict:
-    d: dict[str, Any] = {
-        "id": cid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": req.model,
-        "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}],
-    }
-    if req.include_usage:
-        d["usage"] = None
-    return d
+    choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+    return stream_chunk(req, cid, created, "chat.completion.chunk", choice)
 
 
 def chat_chunks(gen: Any, req: GenRequest, choices: list[Choice], cid: str, created: int) -> list[dict]:

@@ -369,19 +369,20 @@ def pieces(gen: Any, c: Choice) -> list[str]:
     return out
 
 
-def completion_chunk(
-    req: GenRequest, cid: str, created: int, index: int, text: str, lp: dict | None, reason: str | None
-) -> dict:
-    d: dict[str, Any] = {
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": req.model,
-        "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": reason}],
-    }
+def stream_chunk(req: GenRequest, cid: str, created: int, obj: str, choice: dict[str, Any]) -> dict:
+    """One SSE chunk of a completions or chat stream: one choice, and ``usage: null`` until the last chunk
+    when the client asked for usage (OpenAI's shape for both APIs)."""
+    d: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
     if req.include_usage:
         d["usage"] = None
     return d
+
+
+def completion_chunk(
+    req: GenRequest, cid: str, created: int, index: int, text: str, lp: dict | None, reason: str | None
+) -> dict:
+    choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+    return stream_chunk(req, cid, created, "text_completion", choice)
 
 
 def usage_chunk(req: GenRequest, cid: str, created: int, obj: str, choices: list[Choice]) -> dict:
