@@ -179,7 +179,9 @@ BOMB_CHILD = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     st = chunk.build_chunk([sys.argv[1]], sys.argv[2], fmt="jsonl", show_progress=False,
                            limits=chunk.Limits(max_document_bytes=64 << 20))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child of a large pytest process would
+    # report its parent's peak (750 MiB in the full suite) instead of its own.
+    peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) >> 10
     print(json.dumps({"rejected": st["rejected_by_reason"], "documents": st["documents"], "peak_mib": peak}))
     """
 )
