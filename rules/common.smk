@@ -382,6 +382,32 @@ def get_hf_targets():
     return out
 
 
+# ---------------------------------------------------------------- lm-evaluation-harness (rules/evaluate.smk)
+
+LM_EVAL = config["lm_eval"]
+LM_EVAL_TASKS = "data/lm_eval/tasks"  # the shipped suite's task YAMLs and jsonl files (rule lm_eval_tasks)
+
+
+wildcard_constraints:
+    suite=_names_regex(LM_EVAL["suites"]),
+
+
+def get_lm_eval_flags(wildcards):
+    """The suite's settings (config: lm_eval.suites.NAME): editing one suite reruns that suite only."""
+    return flags(S.LmEvalSuiteSettings, LM_EVAL["suites"][wildcards.suite])
+
+
+def get_lm_eval_targets():
+    """runs/{run}/lm_eval/{suite}.json of every run and import (on its Hugging Face export)."""
+    if not (LM_EVAL["enabled"] and config["export_hf"]["enabled"]):
+        return []
+    return [
+        f"runs/{n}/lm_eval/{suite}.json"
+        for n in list(RUNS) + list(IMPORTS)
+        for suite in LM_EVAL["suites"]
+    ]
+
+
 # ---------------------------------------------------------------- targets
 
 
@@ -394,6 +420,7 @@ def get_all_targets():
         + get_train_targets()
         + get_export_nemo_targets()
         + get_hf_targets()
+        + get_lm_eval_targets()
         + get_finetune_targets()
         + get_report_targets()
     )

@@ -21,6 +21,20 @@ rule generate:
         "--out {output.samples} --markdown {output.markdown} {params.flags} 2> {log}"
 
 
+# the samples in the report: Generation / {run}
+if config["generate"]["enabled"]:
+    for _name in list(RUNS) + list(IMPORTS):
+        register_report_table(
+            "generation",
+            _name,
+            f"runs/{_name}/samples.jsonl",
+            f"{_name}: generated samples",
+            note="continuations of the configured prompts (config: generate), as snakellm generate wrote them",
+            subcategory=_name,
+            figure="samples",
+        )
+
+
 # evaluate: greedy generation on a fine-tune's test split, for the base model and the tuned one side by side
 # -> runs/{run}/eval/{ft}/{base,tuned}/metrics.json + predictions.jsonl
 
@@ -43,3 +57,44 @@ rule evaluate_finetune:
     shell:
         "snakellm evaluate {params.model} --label {wildcards.which} --test {input.test} "
         "--out-dir {params.out} --threads {threads} {params.flags} 2> {log}"
+
+
+# ---------------------------------------------------------------- lm-evaluation-harness (snakellm/eval/lm_harness.py)
+# lm_eval_tasks: the shipped suite (snakellm_wikitext, _lambada, _cont4, _squad), lm-eval task YAMLs over
+# jsonl files built from resources/ (docs/evaluation.md). evaluate_lm: every suite of lm_eval.suites on
+# each run's Hugging Face export, offline -> runs/{run}/lm_eval/{suite}.json (lm-eval's results and samples).
+
+
+rule lm_eval_tasks:
+    input:
+        wikipedia="resources/wikipedia/enwiki-pages-articles-excerpt.xml.bz2",
+        squad="resources/squad/squad-dev-subset.json",
+    output:
+        directory(LM_EVAL_TASKS),
+    log:
+        "logs/lm_eval_tasks.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "snakellm evaluate-lm --build-tasks {output} --wikipedia {input.wikipedia:q} "
+        "--squad {input.squad:q} 2> {log}"
+
+
+rule evaluate_lm:
+    input:
+        hf="runs/{run}/hf",
+        tasks=LM_EVAL_TASKS,
+    output:
+        "runs/{run}/lm_eval/{suite}.json",
+    log:
+        "logs/evaluate_lm/{run}/{suite}.log",
+    benchmark:
+        "benchmarks/evaluate_lm/{run}/{suite}.tsv"
+    conda:
+        "../envs/train.yaml"
+    threads: LM_EVAL["threads"]
+    params:
+        flags=get_lm_eval_flags,
+    shell:
+        "snakellm evaluate-lm {input.hf} --out {output} --suite {wildcards.suite} "
+        "--include-path {input.tasks} --device auto --threads {threads} {params.flags} 2> {log}"
