@@ -388,6 +388,20 @@ LM_EVAL = config["lm_eval"]
 LM_EVAL_TASKS = "data/lm_eval/tasks"  # the shipped suite's task YAMLs and jsonl files (rule lm_eval_tasks)
 
 
+def _shipped(rel):
+    """A file of this repository's resources/: relative to the working directory when it lies under it
+    (the README's commands), else absolute (a workflow run with -d elsewhere builds from the same files)."""
+    path = os.path.join(workflow.basedir, rel)
+    short = os.path.relpath(path)
+    return path if short.startswith("..") else short
+
+
+LM_EVAL_SOURCES = {
+    "wikipedia": _shipped("resources/wikipedia/enwiki-pages-articles-excerpt.xml.bz2"),
+    "squad": _shipped("resources/squad/squad-dev-subset.json"),
+}
+
+
 wildcard_constraints:
     suite=_names_regex(LM_EVAL["suites"]),
 

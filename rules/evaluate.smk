@@ -67,8 +67,7 @@ rule evaluate_finetune:
 
 rule lm_eval_tasks:
     input:
-        wikipedia="resources/wikipedia/enwiki-pages-articles-excerpt.xml.bz2",
-        squad="resources/squad/squad-dev-subset.json",
+        **LM_EVAL_SOURCES,
     output:
         directory(LM_EVAL_TASKS),
     log:

@@ -215,6 +215,53 @@ def test_table_step_shows_unicode_as_text(tmp_path):
     assert "£5" in page and "café" in page and "naïve ⁇" in page and "\\u00a3" not in page
 
 
+def test_lm_eval_and_finetune_pages_hold_the_files_values(tmp_path):
+    """The Evaluation and Fine-tuning pages from files shaped as lm-eval and snakellm evaluate write them,
+    NeMo's metric and field names (test_exact_string_match, inputs/preds/labels) as well as the older ones."""
+    lm = {
+        "results": {
+            "t_ppl": {"alias": "t_ppl", "sample_len": 2, "word_perplexity,none": 1234.5, "word_perplexity_stderr,none": "N/A"},
+            "t_mc": {"acc,none": 0.375, "acc_stderr,none": 0.125, "acc_norm,none": 0.5},
+        },
+        "n-samples": {"t_ppl": {"effective": 2}, "t_mc": {"effective": 8}},
+        "n-shot": {"t_ppl": 0, "t_mc": 0},
+        "samples": {"t_mc": [{"doc_id": 0, "arguments": {"gen_args_0": {"arg_0": "Le café"}}, "target": "£5",
+                              "filtered_resps": [[-1.5, False]], "metrics": ["acc"], "acc": 1.0}]},
+        "config": {"model": "hf"},
+        "snakellm": {"suite": "default", "model_dir": "runs/r/hf", "limit": 8},
+    }  # fmt: skip
+    (tmp_path / "default.json").write_text(json.dumps(lm))
+    snakellm("report", "lm-eval", "default.json", "--run", "r", "--table", "e.html", "--plot", "e.svg", cwd=tmp_path)
+    page = (tmp_path / "e.html").read_text(encoding="utf-8")
+    assert '<td>t_ppl</td><td>word_perplexity</td><td>none</td><td class="num">1,234</td>' in page
+    assert '<td>t_mc</td><td>acc</td><td>none</td><td class="num">0.375</td><td class="num">0.125</td>' in page
+    assert "sample_len" not in page and "Le café" in page and "£5" in page
+    assert "t_mc acc" in svg_text(tmp_path / "e.svg") and "0.375" in svg_text(tmp_path / "e.svg")
+    (tmp_path / "m.jsonl").write_text(
+        "".join(json.dumps({"step": i, "loss": 5.0 - i / 10, **({"val_loss": 4.9} if i == 5 else {})}) + "\n" for i in range(1, 11))
+    )  # fmt: skip
+    (tmp_path / "s.json").write_text(
+        json.dumps({"method": "lora", "base": "runs/r/checkpoints/iter_0000300", "steps": 10})
+    )
+    (tmp_path / "b.json").write_text(json.dumps({"test_exact_string_match": 0.0, "test_loss": 6.5, "examples": 2}))
+    (tmp_path / "t.json").write_text(json.dumps({"test_exact_string_match": 0.5, "test_loss": 2.25, "examples": 2}))
+    rows = [{"inputs": "Q: Größe?", "preds": "groß", "labels": "groß"}, {"inputs": "Q2", "preds": "x", "labels": "y"}]
+    (tmp_path / "bp.jsonl").write_text("".join(json.dumps({**r, "preds": "?"}) + "\n" for r in rows))
+    (tmp_path / "tp.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    snakellm(
+        "report", "finetune", "--name", "ft", "--metrics", "m.jsonl", "--summary", "s.json", "--base", "b.json",
+        "--tuned", "t.json", "--base-predictions", "bp.jsonl", "--tuned-predictions", "tp.jsonl",
+        "--page", "f.html", "--loss", "f.svg", cwd=tmp_path,
+    )  # fmt: skip
+    page = (tmp_path / "f.html").read_text(encoding="utf-8")
+    num = '<td class="num">{}</td>'.format
+    assert "<td>test_exact_string_match</td>" + num(0) + num(0.5) + num(0.5) in page.replace("0.0<", "0<")
+    assert "<td>test_loss</td>" + num(6.5) + num(2.25) + num(-4.25) in page
+    assert "<td>Q: Größe?</td><td>groß</td><td>?</td><td>groß</td>" in page
+    text = svg_text(tmp_path / "f.svg")
+    assert "validation loss" in text and "best 4.900" in text
+
+
 def test_two_tables_with_one_label_in_one_menu_entry_are_refused(tmp_path):
     """register_report_table's label defaults to the title; the same (category, subcategory, label) twice is an error."""
     ws = Workspace(tmp_path)
