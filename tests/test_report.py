@@ -775,7 +775,7 @@ def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(
         # click through like a person: the Evaluation table opens in the report's frame
         assert c.js(CLICK % json.dumps("Evaluation")), "no Evaluation category in the menu"
         time.sleep(0.3)
-        assert c.js(CLICK % json.dumps("tiny"))
+        c.js(CLICK % json.dumps("tiny"))  # a category of one subcategory opens it at once
         time.sleep(0.3)
         assert c.js(SHOW % json.dumps("lm-eval suites (table)")) == "ok"
         time.sleep(1.0)
@@ -784,7 +784,7 @@ def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(
         c.js("app.setView({navbarMode: 'menu'})")
         assert c.js(CLICK % json.dumps("Fine-tuning"))
         time.sleep(0.3)
-        assert c.js(CLICK % json.dumps("tiny-lora"))
+        c.js(CLICK % json.dumps("tiny-lora"))
         time.sleep(0.3)
         assert c.js(SHOW % json.dumps("loss")) == "ok"
         time.sleep(0.5)

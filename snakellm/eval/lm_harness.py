@@ -51,6 +51,7 @@ class HarnessRequest:
     seed: int
     device: str = "cpu"
     base_url: str | None = None  # a `snakellm serve` /v1/completions URL: lm-eval's local-completions model
+    served_name: str | None = None  # the model name the server answers to
     max_length: int | None = None
 
 
@@ -64,7 +65,7 @@ def _model(req: HarnessRequest) -> tuple[str, dict[str, Any]]:
     """lm-eval's model name and model_args: `hf` on the export, or `local-completions` on a server."""
     if req.base_url:
         args: dict[str, Any] = {
-            "model": Path(req.model_dir).name,
+            "model": req.served_name or Path(req.model_dir).name,
             "base_url": req.base_url,
             "tokenizer_backend": "huggingface",
             "tokenizer": req.model_dir,

@@ -48,10 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/completions URL; MODEL is then only the tokenizer)",
     )
     p.add_argument(
+        "--model-name",
+        default=None,
+        help="with --base-url: the served model's name (default: the run's, the parent of a runs/NAME/hf directory)",
+    )
+    p.add_argument(
         "--max-length", type=int, default=None, help="context length (default: the model's; give it with --base-url)"
     )
     add_arguments(p.add_argument_group("suite (config: lm_eval.suites.NAME)"), LmEvalSuiteSettings)
     return p
+
+
+def _run_name(model_dir: str) -> str:
+    """`snakellm serve runs/NAME` serves the model as NAME: the name of runs/NAME/hf's parent."""
+    from pathlib import Path
+
+    p = Path(model_dir).resolve()
+    return p.parent.name if p.name == "hf" else p.name
 
 
 def _device(choice: str) -> str:
@@ -101,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=suite.seed,
         device=_device(a.device),
         base_url=a.base_url,
+        served_name=a.model_name or _run_name(a.model),
         max_length=a.max_length,
     )
     result = run_harness(req)

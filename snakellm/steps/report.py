@@ -110,6 +110,28 @@ def _finetune(a: argparse.Namespace) -> None:
     ev.plot_finetune_loss(a.name, load_metrics(a.metrics), a.loss)
 
 
+def _add_stage_parsers(sub: argparse._SubParsersAction) -> None:
+    """The later stages' pages: a run's lm-eval suites, a fine-tune."""
+    s = sub.add_parser("lm-eval", help="a run's lm-eval suites: tables with example documents, a bar chart of scores")
+    s.add_argument("results", nargs="+", help="runs/{run}/lm_eval/{suite}.json (lm-eval's results and samples)")
+    s.add_argument("--run", required=True)
+    s.add_argument("--table", required=True, help="output .html")
+    s.add_argument("--plot", required=True, help="output .svg")
+    s.set_defaults(func=_lm_eval)
+
+    s = sub.add_parser("finetune", help="a fine-tune: loss curve, base vs tuned, example predictions, settings")
+    s.add_argument("--name", required=True, help="the fine-tune's name")
+    s.add_argument("--metrics", required=True, help="runs/{run}/finetune/{ft}/metrics.jsonl")
+    s.add_argument("--summary", required=True, help="runs/{run}/finetune/{ft}/finetune_summary.json")
+    s.add_argument("--base", required=True, help="the base model's metrics.json on the test split")
+    s.add_argument("--tuned", required=True, help="the tuned model's metrics.json")
+    s.add_argument("--base-predictions", required=True, help="the base model's predictions (.jsonl)")
+    s.add_argument("--tuned-predictions", required=True, help="the tuned model's predictions (.jsonl)")
+    s.add_argument("--page", required=True, help="output .html")
+    s.add_argument("--loss", required=True, help="output .svg")
+    s.set_defaults(func=_finetune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         formatter_class=DefaultsHelpFormatter,
@@ -181,24 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(func=_train)
 
-    s = sub.add_parser("lm-eval", help="a run's lm-eval suites: tables with example documents, a bar chart of scores")
-    s.add_argument("results", nargs="+", help="runs/{run}/lm_eval/{suite}.json (lm-eval's results and samples)")
-    s.add_argument("--run", required=True)
-    s.add_argument("--table", required=True, help="output .html")
-    s.add_argument("--plot", required=True, help="output .svg")
-    s.set_defaults(func=_lm_eval)
-
-    s = sub.add_parser("finetune", help="a fine-tune: loss curve, base vs tuned, example predictions, settings")
-    s.add_argument("--name", required=True, help="the fine-tune's name")
-    s.add_argument("--metrics", required=True, help="runs/{run}/finetune/{ft}/metrics.jsonl")
-    s.add_argument("--summary", required=True, help="runs/{run}/finetune/{ft}/finetune_summary.json")
-    s.add_argument("--base", required=True, help="the base model's metrics.json on the test split")
-    s.add_argument("--tuned", required=True, help="the tuned model's metrics.json")
-    s.add_argument("--base-predictions", required=True, help="the base model's predictions (.jsonl)")
-    s.add_argument("--tuned-predictions", required=True, help="the tuned model's predictions (.jsonl)")
-    s.add_argument("--page", required=True, help="output .html")
-    s.add_argument("--loss", required=True, help="output .svg")
-    s.set_defaults(func=_finetune)
+    _add_stage_parsers(sub)
 
     s = sub.add_parser(
         "table", help="any JSON / JSONL / CSV / TSV file(s) as an HTML table (for later stages' metrics and samples)"
