@@ -414,7 +414,7 @@ def test_job_allocation_takes_each_key_from_the_first_place_that_sets_it():
     assert jobs.snakemake_resources(ft, 1)["slurm_extra"] == "--signal=USR1@300 --exclusive"
     cfg["finetune"]["f"]["resources"]["container"] = {"runtime": "none"}
     assert jobs.allocation(cfg, "finetune", "f", {}).container == {"runtime": "none"}
-    assert [jobs.minutes(t) for t in (90, "2:00", "1:00:30", "2-00:00:00")] == [90, 120, 61, 2880]
+    assert [jobs.minutes(t) for t in (90, "45", "2:00", "1:00:30", "2-00:00:00")] == [90, 45, 120, 61, 2880]
 
 
 @pytest.mark.parametrize(

@@ -68,8 +68,8 @@ KEYS = tuple(f.name for f in fields(JobResourceSettings))
 
 def minutes(value: int | str) -> int:
     """A time limit as minutes: an int is minutes; ``[D-]HH:MM[:SS]`` is Slurm's spelling (seconds round up)."""
-    if isinstance(value, int):
-        return value
+    if isinstance(value, int) or str(value).strip().isdigit():  # an environment variable's "240" too
+        return int(value)
     m = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d{2})(?::(\d{2}))?", str(value).strip())
     if not m:
         raise ValueError(f"{value!r} is not minutes or [D-]HH:MM[:SS]")
