@@ -17,17 +17,20 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, Workspace
+from conftest import REPO, Workspace, env_with_venv
 from hf_helpers import train_spm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.slow
 
 EXAMPLE = REPO / "config" / "examples" / "llama-lora-squad.yaml"
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -181,3 +184,18 @@ def test_peft_adapter_and_merged_model_agree_with_transformers(chain: Workspace,
     assert (merged - with_adapter).abs().max().item() < 1e-4
     tok = json.loads((d / "hf_merged" / "tokenizer_config.json").read_text())
     assert tok["chat_template"] == TEMPLATE  # the base's chat template travels to the merged model
+
+
+def test_merge_refuses_an_adapter_of_another_base(chain: Workspace):
+    """Both tiny models have the same shapes: only the recorded architecture tells the adapters apart."""
+    p = subprocess.run(
+        [sys.executable, "-m", "snakellm.cli", "lora", "merge-hf", "--base", "runs/llama31"]
+        + ["--adapter", "runs/qwen2/finetune/qwen2-lora-squad/adapter", "--out", "wrong"],
+        cwd=chain.root,
+        env=env_with_venv(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2 and "trained on another model than runs/llama31" in p.stderr, p.stderr
+    assert "style 'qwen2' != 'llama3'" in p.stderr and not chain.path("wrong").exists()

@@ -35,9 +35,7 @@ def merge(base: str, adapter: str, out: str, device: str = "auto", tp: int = 1) 
         runtime.stop()
 
 
-def merge_hf(
-    base: str, adapter: str, out: str, *, max_shard_size: str = "5GB", dtype: str = "auto"
-) -> Path:
+def merge_hf(base: str, adapter: str, out: str, *, max_shard_size: str = "5GB", dtype: str = "auto") -> Path:
     """Base checkpoint + LoRA adapter -> a Hugging Face directory of ``W + (alpha/r) B A``, streamed.
 
     The base is read one layer at a time (as ``export-hf`` reads it) and each adapted linear gets its
@@ -58,6 +56,13 @@ def merge_hf(
     conf = json.loads((src / "adapter_config.json").read_text())
     if conf.get("method") != "lora":
         raise ValueError(f"{src / 'adapter_config.json'}: method {conf.get('method')!r}, merge-hf merges lora")
+    trained_on = conf.get("model") or {}
+    differ = sorted(k for k in trained_on if k in info["arch"] and trained_on[k] != info["arch"][k])
+    if differ:
+        raise ValueError(
+            f"{src}: the adapter was trained on another model than {base} "
+            + ", ".join(f"{k} {trained_on[k]!r} != {info['arch'][k]!r}" for k in differ[:3])
+        )
     scaling = LoRAConfig.from_dict(conf["lora"]).scaling
     tensors = load_file(str(src / "adapter.safetensors"))
     groups = read_groups(info["checkpoint_dir"], info["iteration"], info["arch"], info["padded_vocab_size"])
