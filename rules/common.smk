@@ -406,17 +406,23 @@ def get_export_nemo_targets():
     return [f"runs/{run}/{run}.nemo" for run in RUNS] if EXPORT_NEMO["enabled"] else []
 
 
+def get_import_nemo_targets(names):
+    """The .nemo of these imports, when enabled and NeMo can pack their tokenizer (not a tokenizer.json)."""
+    if not EXPORT_NEMO["enabled"]:
+        return []
+    return [
+        f"runs/{n}/{n}.nemo"
+        for n in names
+        if checkmod.import_tokenizer_kind(IMPORTS[n]["hf_dir"])
+        in checkmod.NEMO_TOKENIZER_KINDS
+    ]
+
+
 def get_hf_targets():
     """HF directories and samples of every run and import; imports' .nemo when NeMo can pack their tokenizer."""
     names = list(RUNS) + list(IMPORTS)
     out = [f"runs/{n}/import_summary.json" for n in IMPORTS]
-    if EXPORT_NEMO["enabled"]:
-        out += [
-            f"runs/{n}/{n}.nemo"
-            for n, spec in IMPORTS.items()
-            if checkmod.import_tokenizer_kind(spec["hf_dir"])
-            in checkmod.NEMO_TOKENIZER_KINDS
-        ]
+    out += get_import_nemo_targets(IMPORTS)
     if config["export_hf"]["enabled"]:
         out += [f"runs/{n}/hf" for n in names]
     if config["generate"]["enabled"]:

@@ -118,6 +118,10 @@ def test_tokenizer_checks_name_the_key():
     cfg["tokenizers"]["gpt2"]["train"] = {}
     with pytest.raises(ConfigError, match="only a sentencepiece tokenizer without model_file is trained"):
         resolve.check_tokenizers(cfg)
+    # no corpus: fine for a config that only imports and fine-tunes, an error naming the key when a run pretrains
+    with pytest.raises(ConfigError, match="config key sources: runs r need a corpus"):
+        resolve.check_tokenizers(_config())
+    resolve.check_tokenizers({"sources": {}, "tokenizers": {}, "tokenize": {}, "runs": {}})
 
 
 @pytest.mark.parametrize(
