@@ -1,6 +1,9 @@
 # prepare_sft: a SQuAD json / jsonl -> data/sft/{task}/{train,validation,test}.jsonl (+ rejected, stats)
 # finetune:    a pretrained run + a data set -> runs/{run}/finetune/{ft}/ (LoRA, full SFT or p-tuning)
 # export_peft: a LoRA adapter in Hugging Face PEFT format
+# merge_lora_hf: base + LoRA folded into one Hugging Face model directory (streamed, one layer at a time)
+# finetunes:   the target of the whole chain (`snakemake finetunes`): every fine-tune, its evaluation,
+#              PEFT adapter, merged model, and the .nemo of an imported base
 #
 # As for pretrain, the checkpoint directory is not an output: a killed or stopped
 # finetune resumes from it (exit status 75 = stopped with a checkpoint, rerun to resume).
@@ -42,8 +45,10 @@ rule finetune:
     conda:
         "../envs/train.yaml"
     threads: get_finetune_threads
+    resources:
+        **get_job_resources("finetune"),
     params:
-        launch=get_launch_prefix,
+        launch=get_launch_prefix("finetune"),
         flags=get_finetune_flags,
         data=subpath(input.train, parent=True),
         out=subpath(output.summary, parent=True),
@@ -62,8 +67,36 @@ rule export_peft:
         "logs/export_peft/{run}/{ft}.log",
     conda:
         "../envs/train.yaml"
+    resources:
+        **get_job_resources("convert"),
     params:
         out=subpath(output[0], parent=True),
     shell:
         "snakellm lora export-peft --adapter runs/{wildcards.run}/finetune/{wildcards.ft}/adapter "
         "--out {params.out} 2> {log}"
+
+
+rule merge_lora_hf:
+    input:
+        base=get_run_done,
+        summary="runs/{run}/finetune/{ft}/finetune_summary.json",
+    output:
+        directory("runs/{run}/finetune/{ft}/hf_merged"),
+    log:
+        "logs/merge_lora_hf/{run}/{ft}.log",
+    benchmark:
+        "benchmarks/merge_lora_hf/{run}/{ft}.tsv"
+    conda:
+        "../envs/train.yaml"
+    params:
+        adapter=subpath(input.summary, parent=True),
+        flags=flags(S.ExportHfSettings, config["export_hf"]),
+    shell:
+        "snakellm lora merge-hf --base runs/{wildcards.run} --adapter {params.adapter}/adapter "
+        "--out {output} {params.flags} 2> {log}"
+
+
+rule finetunes:
+    """Every fine-tune with its evaluation and exports: `snakemake finetunes` stops there."""
+    input:
+        get_finetune_chain_targets(),

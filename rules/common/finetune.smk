@@ -91,4 +91,12 @@ def get_finetune_targets():
         ]
         if ft["method"] == "lora":
             out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
+            if config["export_hf"]["enabled"]:
+                out.append(f"{d}/finetune/{name}/hf_merged")
     return out
+
+
+def get_finetune_chain_targets():
+    """The fine-tunes' targets and the .nemo of each imported base (NeMo Launcher's chain: HF -> .nemo -> PEFT)."""
+    bases = sorted({ft["run"] for ft in FINETUNES.values() if ft["run"] in IMPORTS})
+    return get_finetune_targets() + get_import_nemo_targets(bases)
