@@ -438,7 +438,8 @@ LM_EVAL_TASKS = "data/lm_eval/tasks"  # the shipped suite's task YAMLs and jsonl
 
 def _shipped(rel):
     """A file of this repository's resources/: relative to the working directory when it lies under it
-    (the README's commands), else absolute (a workflow run with -d elsewhere builds from the same files)."""
+    (the README's commands), else absolute (a workflow run with -d elsewhere builds from the same files).
+    """
     path = os.path.join(workflow.basedir, rel)
     short = os.path.relpath(path)
     return path if short.startswith("..") else short
@@ -470,6 +471,18 @@ def get_lm_eval_targets():
     ]
 
 
+def lm_eval_finetune_files(run):
+    """runs/{run}/finetune/{ft}/lm_eval/{suite}.json of the run's LoRA fine-tunes (their merged HF models)."""
+    if not get_lm_eval_targets():
+        return []
+    return [
+        f"runs/{run}/finetune/{name}/lm_eval/{suite}.json"
+        for name, ft in config.get("finetune", {}).items()
+        if ft["run"] == run and ft["method"] == "lora"
+        for suite in LM_EVAL["suites"]
+    ]
+
+
 # ---------------------------------------------------------------- targets
 
 
@@ -483,6 +496,7 @@ def get_all_targets():
         + get_export_nemo_targets()
         + get_hf_targets()
         + get_lm_eval_targets()
+        + [f for n in list(RUNS) + list(IMPORTS) for f in lm_eval_finetune_files(n)]
         + get_finetune_targets()
         + get_report_targets()
     )

@@ -98,8 +98,24 @@ rule evaluate_lm:
     conda:
         "../envs/train.yaml"
     threads: LM_EVAL["threads"]
+    resources:
+        **get_job_resources("evaluate"),
     params:
+        launch=get_launch_prefix("evaluate"),
         flags=get_lm_eval_flags,
     shell:
-        "snakellm evaluate-lm {input.hf} --out {output} --suite {wildcards.suite} "
+        "{params.launch} snakellm evaluate-lm {input.hf} --out {output} --suite {wildcards.suite} "
         "--include-path {input.tasks} --device auto --threads {threads} {params.flags} 2> {log}"
+
+
+# a LoRA fine-tune's merged Hugging Face model (rule merge_lora_hf), evaluated with the same suites as its base
+use rule evaluate_lm as evaluate_lm_finetune with:
+    input:
+        hf="runs/{run}/finetune/{ft}/hf_merged",
+        tasks=LM_EVAL_TASKS,
+    output:
+        "runs/{run}/finetune/{ft}/lm_eval/{suite}.json",
+    log:
+        "logs/evaluate_lm/{run}/{ft}/{suite}.log",
+    benchmark:
+        "benchmarks/evaluate_lm/{run}/{ft}/{suite}.tsv"

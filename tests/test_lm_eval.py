@@ -159,7 +159,7 @@ def test_a_task_that_needs_the_network_fails_offline(default_workflow, tmp_path)
 @pytest.mark.slow
 def test_loglikelihood_scores_through_snakellm_serve_equal_the_hf_model(default_workflow, tmp_path):
     """local-completions against `snakellm serve` gives the hf model's scores on the three loglikelihood tasks:
-    per document log-likelihoods within 1e-4 (absolute), every aggregate within 1e-4 (relative)."""
+    per document log-likelihoods within 1e-4 absolute or 1e-6 relative, every aggregate within 1e-4 relative."""
     from serve_helpers import ServerProcess
 
     ws = default_workflow
@@ -190,7 +190,8 @@ def test_loglikelihood_scores_through_snakellm_serve_equal_the_hf_model(default_
         for sa, sb in zip(a["samples"][task], b["samples"][task], strict=True):
             lla = [float(x[0]) if isinstance(x, list) else float(x) for x in sa["filtered_resps"]]
             llb = [float(x[0]) if isinstance(x, list) else float(x) for x in sb["filtered_resps"]]
-            assert lla == pytest.approx(llb, abs=1e-4), (task, sa["doc_id"])
+            # a wikitext document's log-likelihood sums ~1,000 float32 token log-probabilities: 1e-6 relative
+            assert lla == pytest.approx(llb, rel=1e-6, abs=1e-4), (task, sa["doc_id"])
         for key, value in b["results"][task].items():
             if isinstance(value, float):
                 assert a["results"][task][key] == pytest.approx(value, rel=1e-4), (task, key)

@@ -756,6 +756,14 @@ def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(
             value = _fmt(lm["results"][task][key])
             assert f'<td>{task}</td><td>{metric}</td><td>{filt}</td><td class="num">{value}</td>' in ev, (task, key)
         assert '<td class="num">40</td>' in ev  # documents scored (the suite's limit)
+        # the LoRA fine-tune's merged model, evaluated with the same suite: its own table on the run's page
+        merged = json.loads(ws.path("runs/tiny/finetune/tiny-lora/lm_eval/default.json").read_text())
+        assert merged["snakellm"]["model_dir"] == "runs/tiny/finetune/tiny-lora/hf_merged"
+        tables = ev.split("<h2>")
+        assert len([t for t in tables if t.startswith("suite default (")]) == 2
+        (ft_table,) = [t for t in tables if t.startswith("suite default (runs/tiny/finetune/tiny-lora/hf_merged)")]
+        value = _fmt(merged["results"]["snakellm_cont4"]["acc,none"])
+        assert f'<td>snakellm_cont4</td><td>acc</td><td>none</td><td class="num">{value}</td>' in ft_table
         ft = page["tiny/tiny-lora.html"]
         compared = [k for k, b in base.items() if isinstance(b, float) and isinstance(tuned.get(k), float)]
         assert len(compared) >= 3, compared  # exact match, SQuAD EM/F1, loss: whatever their names

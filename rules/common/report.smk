@@ -23,7 +23,8 @@ def register_report_table(
     shown under CATEGORY (default: the stage, capitalised) / SUBCATEGORY (default: NAME) with the
     label FIGURE (default: TITLE). Snakemake's report lists results by their labels: two tables
     with the same category, subcategory and label would collapse into one menu entry, so that is
-    an error here. The files must be outputs of rules; the table is rebuilt only when they change."""
+    an error here. The files must be outputs of rules; the table is rebuilt only when they change.
+    """
     key = f"{stage}/{name}"
     if key in REPORT_TABLES:
         raise WorkflowError(f"report table {key!r} registered twice")
@@ -200,14 +201,18 @@ def get_report_targets():
         ]
     for name, ft in FINETUNES.items():
         out += [
-            f"{REPORT}/finetune/{ft['run']}/{name}.{ext}" for ext in ("html", "loss.svg")
+            f"{REPORT}/finetune/{ft['run']}/{name}.{ext}"
+            for ext in ("html", "loss.svg")
         ]
     out += [f"{REPORT}/tables/{key}.html" for key in REPORT_TABLES]
     return out
 
 
 def get_report_lm_eval_input(wildcards):
-    return [f"runs/{wildcards.run}/lm_eval/{suite}.json" for suite in LM_EVAL["suites"]]
+    """The run's suites, then those of its fine-tunes' merged models (one table per suite and model)."""
+    return [
+        f"runs/{wildcards.run}/lm_eval/{suite}.json" for suite in LM_EVAL["suites"]
+    ] + lm_eval_finetune_files(wildcards.run)
 
 
 def get_report_finetune_input(wildcards):
