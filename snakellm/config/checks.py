@@ -29,6 +29,8 @@ def check_finetunes(config: dict[str, Any]) -> None:
     runs, imports, sft = config.get("runs", {}), config.get("import_hf", {}), config.get("sft_data", {})
     bases = list(runs) + list(imports)
     for name, ft in config.get("finetune", {}).items():
+        if name == "base":  # runs/{run}/eval/base/ holds the base model's shared evaluations
+            raise ConfigError("config key finetune.base: the name 'base' is reserved (runs/RUN/eval/base/)")
         if ft["run"] not in bases:
             raise ConfigError(
                 f"config key finetune.{name}.run: unknown run {ft['run']!r} "

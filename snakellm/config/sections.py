@@ -379,6 +379,14 @@ class EvaluateSettings:
     """``finetune.<name>.evaluate``: greedy generation on the test split (`snakellm evaluate`)."""
 
     tokens_to_generate: int = setting(32, "longest answer generated")
+    min_tokens_to_generate: int = setting(0, "EOD is not allowed before this many tokens")
+    greedy: bool = setting(True, "argmax decoding, NeMo's SFT default (the sampling settings are then unused)")
+    temperature: float = setting(1.0, "softmax temperature (sampling)")
+    top_k: int = setting(0, "sample from the k most likely tokens (0: off)")
+    top_p: float = setting(1.0, "nucleus sampling (1: off)")
+    repetition_penalty: float = setting(1.0, "divides the logits of tokens already present (1: off)")
+    end_strings: list[str] = setting([], "stop an answer at this text (it is cut off)", flag="end_string")
+    seed: int = setting(1234, "sampling seed (each prompt draws from its own stream)")
     batch_size: int = setting(16, "prompts per generation batch")
     limit: int | None = setting(None, "evaluate only the first N test examples")
 
@@ -400,6 +408,11 @@ class FinetuneSettings:
     examples: dict[str, Any] = setting({}, "example building", section=ExamplesSettings)
     train: dict[str, Any] = setting(REQUIRED, "training", section=FinetuneTrainSettings)
     parallel: dict[str, Any] = setting({}, "parallelism", section=FinetuneParallelSettings)
+    select: str = setting(
+        "best",
+        "which checkpoint is exported and evaluated: the best validation loss (NeMo's default) or the last",
+        choices=("best", "last"),
+    )
     evaluate: dict[str, Any] = setting({}, "evaluation", section=EvaluateSettings)
 
 
