@@ -75,6 +75,8 @@ rule compare_finetune:
         multiext("runs/{run}/eval/{ft}/comparison", ".json", ".tsv", ".md"),
     log:
         "logs/compare_finetune/{run}/{ft}.log",
+    conda:
+        "../envs/train.yaml"
     params:
         base=subpath(input.base, parent=True),
         tuned=subpath(input.tuned, parent=True),

@@ -1,16 +1,18 @@
-"""Build resources/sft/botchan-words.jsonl: the fine-tuning example's templated task (deterministic).
+"""Build resources/sft/botchan-coins.jsonl: the fine-tuning example's templated task (deterministic).
 
-Each record pairs a name and a word taken from the shipped Botchan corpus
-(resources/corpus/botchan/botchan.jsonl, public domain): ``{"name", "word"}``.
-The example config renders it through the template
-``"{name}'s word is {word}. What is {name}'s word? Answer:"`` with ``word`` as the
-answer: a one-fact reading-comprehension task (the answer is in the prompt, as in
-SQuAD) that the tiny default model cannot do before fine-tuning and learns in
-seconds, and that generalises to pairs it never saw (the test split's).
+Each record has a name and a word taken from the shipped Botchan corpus
+(resources/corpus/botchan/botchan.jsonl, public domain), a number 0-8 and the
+next number: ``{"name", "word", "number", "next"}`` (strings). The example
+config renders it through the template ``"{name} has {number} coins and a
+{word}. {name} finds one more coin. How many coins does {name} have? Answer:"``
+with ``next`` as the answer: a one-step word problem whose number must be found
+among the names and words (as a SQuAD answer is found in its paragraph), which
+the tiny default model cannot do before fine-tuning and learns in seconds, and
+which generalises to records it never saw (the test split's).
 
 Names: capitalised words of the novel that occur at least 5 times, never in
 lowercase, and at least 3 times after a lowercase word or a comma (proper nouns); words: lowercase alphabetic words of 4 to 8 letters occurring at least
-5 times. Pairs are drawn with a fixed seed, each name-word pair at most once.
+5 times. Records are drawn with a fixed seed, each (name, word, number) at most once.
 Rerunning the script gives the same file byte for byte:
 ``python scripts/make_sft_example.py [RECORDS]`` (default 600).
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "resources" / "corpus" / "botchan" / "botchan.jsonl"
-OUT = ROOT / "resources" / "sft" / "botchan-words.jsonl"
+OUT = ROOT / "resources" / "sft" / "botchan-coins.jsonl"
 SEED = 1234
 _WORD = re.compile(r"[A-Za-z]+")
 
@@ -36,9 +38,7 @@ def vocab(text: str) -> tuple[list[str], list[str]]:
     counts = Counter(_WORD.findall(text))
     mid = Counter(re.findall(r"[a-z,] ([A-Z][a-z]+)", text))  # capitalised after a lowercase word or a comma
     names = sorted(
-        w
-        for w, c in counts.items()
-        if c >= 5 and w.istitle() and len(w) >= 3 and not counts[w.lower()] and mid[w] >= 3
+        w for w, c in counts.items() if c >= 5 and w.istitle() and len(w) >= 3 and not counts[w.lower()] and mid[w] >= 3
     )
     words = sorted(w for w, c in counts.items() if c >= 5 and w.islower() and 4 <= len(w) <= 8)
     return names, words
@@ -49,13 +49,13 @@ def main(argv: list[str]) -> int:
     text = "\n".join(json.loads(line)["text"] for line in SOURCE.read_text(encoding="utf-8").splitlines())
     names, words = vocab(text)
     rng = random.Random(SEED)
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, int]] = set()
     rows = []
     while len(rows) < n:
-        pair = (rng.choice(names), rng.choice(words))
-        if pair not in seen:
-            seen.add(pair)
-            rows.append({"name": pair[0], "word": pair[1]})
+        key = (rng.choice(names), rng.choice(words), rng.randrange(9))
+        if key not in seen:
+            seen.add(key)
+            rows.append({"name": key[0], "word": key[1], "number": str(key[2]), "next": str(key[2] + 1)})
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     print(f"{OUT.relative_to(ROOT)}: {len(rows)} records from {len(names)} names and {len(words)} words")

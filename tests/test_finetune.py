@@ -298,14 +298,29 @@ def test_exact_resume_after_sigkill(default_workflow: Workspace, sft: Path) -> N
     assert f"iter_{best['iteration']:07d}" in kept and "iter_0000012" in kept
 
 
-def test_workflow_base_and_tuned(default_workflow: Workspace) -> None:
-    """prepare_sft -> finetune -> export_peft -> evaluate (base and tuned) through Snakemake, on the default run."""
+def test_workflow_base_and_tuned(default_workflow: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare_sft -> finetune -> exports -> evaluate (base once, each tuned) -> comparison through Snakemake.
+
+    The example's SQuAD fine-tune (LoRA) beside a full one and a p-tuning one on the same data and evaluation
+    settings: one base evaluation serves all three; every method's export loads with transformers / peft."""
     root = default_workflow.root
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     extra = yaml.safe_load((REPO / "config" / "examples" / "tiny-squad-finetune.yaml").read_text())
-    cfg["sft_data"], cfg["finetune"] = extra["sft_data"], extra["finetune"]
+    cfg["sft_data"] = {"squad-questions": extra["sft_data"]["squad-questions"]}
+    cfg["finetune"] = {"tiny-lora": extra["finetune"]["tiny-lora"]}
     cfg["finetune"]["tiny-lora"]["train"]["steps"] = 20
     cfg["finetune"]["tiny-lora"]["examples"]["packing"] = True  # the rule's flag reaches the packed batches
+    small = {"steps": 4, "micro_batch_size": 8, "global_batch_size": 8, "eval_interval": 2}
+    for name, method in (("tiny-full", "full"), ("tiny-pt", "ptuning")):
+        cfg["finetune"][name] = {
+            "run": "tiny",
+            "data": "squad-questions",
+            "method": method,
+            "ptuning": {"virtual_tokens": 4, "hidden": 32},
+            "examples": dict(extra["finetune"]["tiny-lora"]["examples"], packing=False),
+            "train": small,
+            "evaluate": extra["finetune"]["tiny-lora"]["evaluate"],
+        }
     ws = Workspace(root)
     ws.config_path = root / "config-finetune.yaml"
     ws.write_config(cfg)
@@ -338,7 +353,37 @@ def test_workflow_base_and_tuned(default_workflow: Workspace) -> None:
     summary = json.loads((root / "runs" / "tiny" / "finetune" / "tiny-lora" / "finetune_summary.json").read_text())
     assert summary["train_examples"] == 16 and 1 <= summary["sequences"] < 16  # packed: several per row
     assert summary["method_config"]["modules_to_save"] == ["final_layernorm"]
-    peft_dir = root / "runs" / "tiny" / "finetune" / "tiny-lora" / "hf_peft"
-    assert json.loads((peft_dir / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    _check_exports(root, monkeypatch)
     out = ws.run("-n")
     assert "Nothing to be done" in out.stdout + out.stderr
+
+
+def _check_exports(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every method's export: PEFT adapters (LoRA, p-tuning) name and load onto runs/tiny/hf; full SFT: hf/, .nemo."""
+    import tarfile
+
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    ft = root / "runs" / "tiny" / "finetune"
+    monkeypatch.chdir(root)  # base_model_name_or_path is relative to the workflow directory
+    tokens = torch.tensor([[5, 17, 42, 99, 7]])
+    base = AutoModelForCausalLM.from_pretrained("runs/tiny/hf").eval()
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+    for name, peft_type in (("tiny-lora", "LORA"), ("tiny-pt", "PROMPT_TUNING")):
+        conf = json.loads((ft / name / "hf_peft" / "adapter_config.json").read_text())
+        assert conf["peft_type"] == peft_type and conf["base_model_name_or_path"] == "runs/tiny/hf"
+        model = AutoPeftModelForCausalLM.from_pretrained(str(ft / name / "hf_peft")).eval()
+        with torch.no_grad():
+            logits = model(input_ids=tokens).logits
+        assert logits.shape[-1] == base_logits.shape[-1] and torch.isfinite(logits).all()
+        assert not torch.allclose(logits[:, -5:], base_logits, atol=1e-4)  # the tuned part acts
+    full = AutoModelForCausalLM.from_pretrained(str(ft / "tiny-full" / "hf")).eval()
+    with torch.no_grad():
+        full_logits = full(tokens).logits
+    assert full_logits.shape == base_logits.shape and not torch.allclose(full_logits, base_logits, atol=1e-4)
+    with tarfile.open(ft / "tiny-full" / "tiny-full.nemo") as tar:
+        names = tar.getnames()
+    assert "./model_config.yaml" in names and any(n.startswith("./model_weights/") for n in names)

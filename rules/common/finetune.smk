@@ -59,6 +59,34 @@ def get_finetune_threads(wildcards):
     return FINETUNES[wildcards.ft]["parallel"]["threads"]
 
 
+def get_export_peft_input(wildcards):
+    ft = _ft(wildcards)
+    if ft["method"] == "full":
+        raise WorkflowError(
+            f"finetune {wildcards.ft} is a full fine-tune: its exports are hf/ and {wildcards.ft}.nemo"
+        )
+    return {
+        "summary": f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json",
+        "base": f"runs/{ft['run']}/hf",
+    }
+
+
+def get_export_peft_source(wildcards):
+    d = f"runs/{wildcards.run}/finetune/{wildcards.ft}"
+    if FINETUNES[wildcards.ft]["method"] == "lora":
+        return f"--adapter {d}/adapter"
+    return f"--prompt {d}/prompt"
+
+
+def get_full_finetune_summary(wildcards):
+    ft = _ft(wildcards)
+    if ft["method"] != "full":
+        raise WorkflowError(
+            f"finetune {wildcards.ft} ({ft['method']}) has no model of its own: see its hf_peft/ export"
+        )
+    return f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
+
+
 def base_eval_dir(name):
     """Where the base model's evaluation for fine-tune `name` lies (shared, see BASE_EVALS)."""
     ft = FINETUNES[name]
@@ -131,6 +159,8 @@ def get_finetune_targets():
         out += [f"{d}/eval/{name}/tuned/{f}" for f in EVAL_FILES]
         out += [f"{base_eval_dir(name)}/{f}" for f in EVAL_FILES]
         out += [f"{d}/eval/{name}/comparison.{x}" for x in ("json", "tsv", "md")]
-        if ft["method"] == "lora":
+        if ft["method"] == "full":
+            out += [f"{d}/finetune/{name}/hf", f"{d}/finetune/{name}/{name}.nemo"]
+        else:
             out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
     return out

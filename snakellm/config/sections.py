@@ -333,9 +333,16 @@ class ExamplesSettings:
     add_bos: bool = setting(False, "BOS before the context", trajectory=True)
     add_eos: bool = setting(True, "EOD after the answer", trajectory=True)
     answer_only_loss: bool = setting(True, "loss on the answer tokens only", trajectory=True)
+    truncation_field: str = setting(
+        "input",
+        "NeMo's truncation_field: the template fields (comma-separated) that lose tokens first when an example "
+        "is too long",
+        trajectory=True,
+    )
     truncation_method: str = setting(
-        "right",
-        "too long a context loses tokens from its end (right) or start (left)",
+        "left",
+        "they lose tokens from their start (left: a prompt ending in its question keeps it) or end (right, "
+        "NeMo's default)",
         trajectory=True,
         choices=("left", "right"),
     )

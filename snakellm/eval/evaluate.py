@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,7 @@ def _encoder(a: argparse.Namespace, tok, seq: int, conf: dict | None, virtual: i
         ex_cfg.get("add_eos", a.add_eos),
         ex_cfg.get("truncation_method", a.truncation_method),
         reserved=virtual,
+        truncation_field=ex_cfg.get("truncation_field", a.truncation_field),
     ), ex_cfg.get("add_eos", a.add_eos)
 
 
@@ -160,6 +162,9 @@ def evaluate(a: argparse.Namespace) -> dict:
         enc, add_eos = _encoder(a, tok, seq, conf, virtual)
         records = ds.read_jsonl(a.test)[: a.limit or None]
         exs = enc.encode_all(records)
+        warning = ds.truncation_warning(a.test, exs, enc)
+        if warning:
+            print(f"snakellm evaluate: {warning}", file=sys.stderr)
         for e in exs:
             e.context = [int(tok.eod_id)] * virtual + e.context
         eos = [tok.eod_id] if add_eos else []
@@ -179,7 +184,7 @@ def evaluate(a: argparse.Namespace) -> dict:
             **squad_scores(preds, golds),
             "test_loss": loss,
             "decoding": decoding(a),
-            "context_truncated": enc.stats.context_truncated,
+            "encode": enc.stats.as_dict(),
         }
         if rt.rank == 0:
             write_outputs(Path(a.out_dir), metrics, records, preds, labels, golds)

@@ -1,4 +1,4 @@
-"""``snakellm lora``: merge a LoRA adapter into its base, or write it in PEFT format (snakellm.finetune.adapters)."""
+"""``snakellm lora``: merge a LoRA adapter into its base, or write it (or a p-tuning prompt table) in PEFT format."""
 
 from __future__ import annotations
 
@@ -28,9 +28,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "cpu", "cuda"),
         help="where to run (default: %(default)s: cuda when available, else cpu)",
     )
-    e = sub.add_parser("export-peft", help="write adapter_config.json + adapter_model.safetensors for peft")
-    e.add_argument("--adapter", required=True, help="finetune's adapter/ directory")
+    e = sub.add_parser(
+        "export-peft",
+        help="write adapter_config.json + adapter_model.safetensors for peft (LoRA, or p-tuning's prompt table)",
+    )
+    src = e.add_mutually_exclusive_group(required=True)
+    src.add_argument("--adapter", help="finetune's adapter/ directory (LoRA: peft_type LORA)")
+    src.add_argument("--prompt", help="finetune's prompt/ directory (p-tuning: peft_type PROMPT_TUNING)")
     e.add_argument("--out", required=True, help="output directory")
+    e.add_argument(
+        "--base-model",
+        required=True,
+        help="base_model_name_or_path: the base's Hugging Face directory (the run's hf/) or hub name",
+    )
     for each in sub.choices.values():  # add_parser does not pass the formatter on
         each.formatter_class = DefaultsHelpFormatter
     return p
@@ -45,9 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.cmd == "merge":
             path = merge(a.base, a.adapter, a.out, a.device)
         else:
-            from snakellm.finetune.peft_export import write_peft
+            from snakellm.finetune.peft_export import write_peft, write_prompt_tuning
 
-            path = write_peft(a.adapter, a.out)
+            if a.adapter:
+                path = write_peft(a.adapter, a.out, a.base_model)
+            else:
+                path = write_prompt_tuning(a.prompt, a.out, a.base_model)
     except (OSError, KeyError, ValueError, json.JSONDecodeError, LoadError) as e:
         print(f"snakellm lora: error: {e}", file=sys.stderr)
         return 2
