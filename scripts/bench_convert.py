@@ -146,21 +146,23 @@ def run(a: argparse.Namespace) -> list[dict]:
     wd = Path(a.workdir)
     shutil.rmtree(wd, ignore_errors=True)
     wd.mkdir(parents=True)
-    snakellm = str(Path(sys.executable).parent / "snakellm")
+    # the installed command, or the module where the package is only on PYTHONPATH (the GPU machine)
+    exe = Path(sys.executable).parent / "snakellm"
+    cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "snakellm.cli"]
     me = [sys.executable, str(Path(__file__).resolve())]
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k in SHAPE_KEYS]
     steps = [
         ("make", [*me, *flags, "--make-only", str(wd / "hf")], wd / "hf", None),
-        ("import-hf", [snakellm, "import-hf", str(wd / "hf"), str(wd / "runs" / "bench")], wd / "runs", wd / "hf"),
+        ("import-hf", [*cli, "import-hf", str(wd / "hf"), str(wd / "runs" / "bench")], wd / "runs", wd / "hf"),
         (
             "export-hf",
-            [snakellm, "export-hf", str(wd / "runs" / "bench"), str(wd / "hf-out"), "--max-shard-size", a.shard_size],
+            [*cli, "export-hf", str(wd / "runs" / "bench"), str(wd / "hf-out"), "--max-shard-size", a.shard_size],
             wd / "hf-out",
             wd / "hf-out",
         ),
         (
             "export-nemo",
-            [snakellm, "export-nemo", str(wd / "runs" / "bench"), str(wd / "bench.nemo")],
+            [*cli, "export-nemo", str(wd / "runs" / "bench"), str(wd / "bench.nemo")],
             wd / "bench.nemo",
             wd / "bench.nemo",
         ),

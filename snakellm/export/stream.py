@@ -186,8 +186,15 @@ def _planner_class() -> type:
     return _LazyPlanner
 
 
-def _lazy_strategy(produce: Callable[[str], Any], names: dict[Any, Any]) -> Any:
-    """megatron-core's torch_dist save strategy, written by torch's serial writer with :func:`_planner_class`."""
+def _lazy_strategy(produce: Callable[[str], Any], names: dict[Any, Any], file_per_tensor: bool = False) -> Any:
+    """megatron-core's torch_dist save strategy, written by torch's serial writer with :func:`_planner_class`.
+
+    ``per_thread_copy_ahead=0`` picks torch's serial loader: its overlapping one exists to copy GPU
+    tensors ahead and asks for the current CUDA stream whenever a GPU is visible, which fails for these
+    CPU tensors on a GPU node. ``file_per_tensor`` (``__0_<i>.distcp`` per tensor, as readable by any
+    torch_dist loader): the ``.nemo`` archive moves files into its tar one by one, so the disk holds
+    one copy of the weights plus one tensor instead of two copies (64 GB for an 8B model in fp32).
+    """
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies.torch import (
         TorchDistSaveShardedStrategy,
@@ -201,7 +208,9 @@ def _lazy_strategy(produce: Callable[[str], Any], names: dict[Any, Any]) -> Any:
         def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
             sd, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
             pyt = mcore_to_pyt_state_dict(sd, False)
-            writer = dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1)
+            writer = dcp.FileSystemWriter(
+                str(checkpoint_dir), single_file_per_rank=not file_per_tensor, thread_count=1, per_thread_copy_ahead=0
+            )
             planner = planner_cls(produce, names, dedup_replicated_tensors=False, flatten_state_dict=False)
             dcp.save(pyt, storage_writer=writer, planner=planner)
 
@@ -320,7 +329,8 @@ def save_nemo_weights(info: dict[str, Any], weights_dir: Path, prefix: str) -> i
     from megatron.core import dist_checkpointing
 
     weights_dir.mkdir(parents=True)
-    dist_checkpointing.save(sharded, str(weights_dir), sharded_strategy=_lazy_strategy(cache.get, names))
+    strategy = _lazy_strategy(cache.get, names, file_per_tensor=True)
+    dist_checkpointing.save(sharded, str(weights_dir), sharded_strategy=strategy)
     return sum(p.numel() for p in model.parameters())
 
 
