@@ -1,19 +1,19 @@
-"""Build resources/sft/botchan-coins.jsonl: the fine-tuning example's templated task (deterministic).
+"""Build resources/sft/botchan-counts.jsonl: the fine-tuning example's templated task (deterministic).
 
 Each record has a name and a word taken from the shipped Botchan corpus
 (resources/corpus/botchan/botchan.jsonl, public domain), a number 0-8 and the
-next number: ``{"name", "word", "number", "next"}`` (strings). The example
-config renders it through the template ``"{name} has {number} coins and a
-{word}. {name} finds one more coin. How many coins does {name} have? Answer:"``
-with ``next`` as the answer: a one-step word problem whose number must be found
-among the names and words (as a SQuAD answer is found in its paragraph), which
-the tiny default model cannot do before fine-tuning and learns in seconds, and
-which generalises to records it never saw (the test split's).
+next one: ``{"name", "word", "number", "next"}`` (strings). The example config
+renders it through the template ``"{name} says {word} and counts {number}"``
+with ``next`` as the answer: counting on, with a name and a word in front that
+change from record to record. The tiny default model cannot do it before
+fine-tuning (it has not learnt which digit follows which) and learns it in
+seconds; the test split's records are new combinations.
 
 Names: capitalised words of the novel that occur at least 5 times, never in
-lowercase, and at least 3 times after a lowercase word or a comma (proper nouns); words: lowercase alphabetic words of 4 to 8 letters occurring at least
-5 times. Records are drawn with a fixed seed, each (name, word, number) at most once.
-Rerunning the script gives the same file byte for byte:
+lowercase, and at least 3 times after a lowercase word or a comma (proper nouns);
+words: the 120 most frequent lowercase alphabetic words of 4 to 8 letters (ties
+alphabetical). Records are drawn with a fixed seed, each (name, word, number) at
+most once. Rerunning the script gives the same file byte for byte:
 ``python scripts/make_sft_example.py [RECORDS]`` (default 600).
 """
 
@@ -28,8 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "resources" / "corpus" / "botchan" / "botchan.jsonl"
-OUT = ROOT / "resources" / "sft" / "botchan-coins.jsonl"
+OUT = ROOT / "resources" / "sft" / "botchan-counts.jsonl"
 SEED = 1234
+WORDS = 120
 _WORD = re.compile(r"[A-Za-z]+")
 
 
@@ -40,7 +41,8 @@ def vocab(text: str) -> tuple[list[str], list[str]]:
     names = sorted(
         w for w, c in counts.items() if c >= 5 and w.istitle() and len(w) >= 3 and not counts[w.lower()] and mid[w] >= 3
     )
-    words = sorted(w for w, c in counts.items() if c >= 5 and w.islower() and 4 <= len(w) <= 8)
+    ranked = sorted((w for w in counts if w.islower() and 4 <= len(w) <= 8), key=lambda w: (-counts[w], w))
+    words = sorted(ranked[:WORDS])
     return names, words
 
 
