@@ -3,6 +3,9 @@
 # export_peft: a LoRA adapter (or a p-tuning prompt table) in Hugging Face PEFT format, naming its base
 #              (the run's hf/ export) as base_model_name_or_path
 # export_finetune_hf, export_finetune_nemo: a full fine-tune's model as hf/ and {ft}.nemo
+# merge_lora_hf: base + LoRA folded into one Hugging Face model directory (streamed, one layer at a time)
+# finetunes:   the target of the whole chain (`snakemake finetunes`): every fine-tune, its evaluation,
+#              PEFT adapter, merged model, and the .nemo of an imported base
 #
 # As for pretrain, the checkpoint directory is not an output: a killed or stopped
 # finetune resumes from it (exit status 75 = stopped with a checkpoint, rerun to resume).
@@ -44,8 +47,10 @@ rule finetune:
     conda:
         "../envs/train.yaml"
     threads: get_finetune_threads
+    resources:
+        **get_job_resources("finetune"),
     params:
-        launch=get_launch_prefix,
+        launch=get_launch_prefix("finetune"),
         flags=get_finetune_flags,
         data=subpath(input.train, parent=True),
         out=subpath(output.summary, parent=True),
@@ -64,6 +69,8 @@ rule export_peft:
         "logs/export_peft/{run}/{ft}.log",
     conda:
         "../envs/train.yaml"
+    resources:
+        **get_job_resources("convert"),
     params:
         source=get_export_peft_source,
         out=subpath(output[0], parent=True),
@@ -107,3 +114,29 @@ rule export_finetune_nemo:
     shell:
         "snakellm export-nemo {params.model}/model {output} --threads {threads} "
         "{params.flags} 2> {log}"
+
+
+rule merge_lora_hf:
+    input:
+        base=get_run_done,
+        summary="runs/{run}/finetune/{ft}/finetune_summary.json",
+    output:
+        directory("runs/{run}/finetune/{ft}/hf_merged"),
+    log:
+        "logs/merge_lora_hf/{run}/{ft}.log",
+    benchmark:
+        "benchmarks/merge_lora_hf/{run}/{ft}.tsv"
+    conda:
+        "../envs/train.yaml"
+    params:
+        adapter=subpath(input.summary, parent=True),
+        flags=flags(S.ExportHfSettings, config["export_hf"]),
+    shell:
+        "snakellm lora merge-hf --base runs/{wildcards.run} --adapter {params.adapter}/adapter "
+        "--out {output} {params.flags} 2> {log}"
+
+
+rule finetunes:
+    """Every fine-tune with its evaluation and exports: `snakemake finetunes` stops there."""
+    input:
+        get_finetune_chain_targets(),

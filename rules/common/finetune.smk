@@ -65,9 +65,13 @@ def get_export_peft_input(wildcards):
         raise WorkflowError(
             f"finetune {wildcards.ft} is a full fine-tune: its exports are hf/ and {wildcards.ft}.nemo"
         )
+    # base_model_name_or_path: an imported base's own Hugging Face directory, else the run's export
+    base = (
+        IMPORTS[ft["run"]]["hf_dir"] if ft["run"] in IMPORTS else f"runs/{ft['run']}/hf"
+    )
     return {
         "summary": f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json",
-        "base": f"runs/{ft['run']}/hf",
+        "base": base,
     }
 
 
@@ -163,4 +167,12 @@ def get_finetune_targets():
             out += [f"{d}/finetune/{name}/hf", f"{d}/finetune/{name}/{name}.nemo"]
         else:
             out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
+            if ft["method"] == "lora" and config["export_hf"]["enabled"]:
+                out.append(f"{d}/finetune/{name}/hf_merged")
     return out
+
+
+def get_finetune_chain_targets():
+    """The fine-tunes' targets and the .nemo of each imported base (NeMo Launcher's chain: HF -> .nemo -> PEFT)."""
+    bases = sorted({ft["run"] for ft in FINETUNES.values() if ft["run"] in IMPORTS})
+    return get_finetune_targets() + get_import_nemo_targets(bases)

@@ -21,7 +21,8 @@ from snakellm.config.validate import ConfigError
 def check_tokenizers(config: dict[str, Any]) -> None:
     """``tokenize.tokenizers`` names configured tokenizers; only untrained SentencePiece has ``train``."""
     tokenizers, sources = config.get("tokenizers", {}), config.get("sources", {})
-    for name in config.get("tokenize", {}).get("tokenizers", list(tokenizers)):
+    tokenized = config.get("tokenize", {}).get("tokenizers", list(tokenizers))
+    for name in tokenized:
         if name not in tokenizers:
             raise ConfigError(
                 f"config key tokenize.tokenizers: unknown tokenizer {name!r} "
@@ -35,6 +36,12 @@ def check_tokenizers(config: dict[str, Any]) -> None:
         for s in t.get("train", {}).get("sample", {}).get("sources", []):
             if s not in sources:
                 raise ConfigError(f"config key tokenizers.{name}.train.sample.sources: unknown source {s!r}")
+    if not sources and (config.get("runs") or tokenized):
+        what = f"runs {', '.join(config['runs'])}" if config.get("runs") else f"tokenizers {', '.join(tokenized)}"
+        raise ConfigError(
+            f"config key sources: {what} need a corpus; configure at least one source "
+            "(only a config that imports and fine-tunes needs none)"
+        )
 
 
 def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""``snakellm lora``: merge a LoRA adapter into its base, or write it (or a p-tuning prompt table) in PEFT format."""
+"""``snakellm lora``: merge a LoRA adapter into its base (a checkpoint or a Hugging Face directory), or write it
+(or a p-tuning prompt table) in PEFT format (snakellm.finetune.adapters, snakellm.finetune.peft_export)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import argparse
 import json
 import sys
 
-from snakellm.config.settings import DefaultsHelpFormatter
-from snakellm.finetune.adapters import merge
+from snakellm.config.sections import ExportHfSettings
+from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
+from snakellm.finetune.adapters import merge, merge_hf
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "cpu", "cuda"),
         help="where to run (default: %(default)s: cuda when available, else cpu)",
     )
+    h = sub.add_parser("merge-hf", help="fold an adapter into its base: a Hugging Face model directory")
+    h.add_argument("--base", required=True, help="the adapter's base run (or checkpoint dir)")
+    h.add_argument("--adapter", required=True, help="finetune's adapter/ directory")
+    h.add_argument("--out", required=True, help="output Hugging Face directory (replaced atomically)")
+    add_arguments(h.add_argument_group("export (config: export_hf)"), ExportHfSettings)
     e = sub.add_parser(
         "export-peft",
         help="write adapter_config.json + adapter_model.safetensors for peft (LoRA, or p-tuning's prompt table)",
@@ -54,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cmd == "merge":
             path = merge(a.base, a.adapter, a.out, a.device)
+        elif a.cmd == "merge-hf":
+            path = merge_hf(a.base, a.adapter, a.out, max_shard_size=a.max_shard_size, dtype=a.dtype)
         else:
             from snakellm.finetune.peft_export import write_peft, write_prompt_tuning
 
