@@ -311,7 +311,8 @@ rule report_finetune:
     shell:
         "snakellm report finetune --name {wildcards.ft} --metrics {input.metrics} --summary {input.summary} "
         "--base {input.base} --tuned {input.tuned} --base-predictions {input.base_predictions} "
-        "--tuned-predictions {input.tuned_predictions} --page {output.page} --loss {output.loss} 2> {log}"
+        "--tuned-predictions {input.tuned_predictions} --comparison {input.comparison} --page {output.page} "
+        "--loss {output.loss} 2> {log}"
 
 
 rule report_table:

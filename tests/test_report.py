@@ -711,11 +711,13 @@ def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(
     ws.run(timeout=1800)
     ws.run("--report", "report.html")
     lm = json.loads(ws.path("runs/tiny/lm_eval/default.json").read_text())
-    base = json.loads(ws.path("runs/tiny/eval/tiny-lora/base/metrics.json").read_text())
-    tuned = json.loads(ws.path("runs/tiny/eval/tiny-lora/tuned/metrics.json").read_text())
-    preds = [
-        json.loads(x) for x in ws.path("runs/tiny/eval/tiny-lora/tuned/predictions.jsonl").read_text().splitlines()
-    ]
+    # the learning example (tiny-counts): its base evaluation is shared by the fine-tunes of its data set
+    (base_dir,) = ws.path("runs/tiny/eval/base/botchan-counts").iterdir()
+    base = json.loads((base_dir / "metrics.json").read_text())
+    tuned = json.loads(ws.path("runs/tiny/eval/tiny-counts/tuned/metrics.json").read_text())
+    preds_file = ws.path("runs/tiny/eval/tiny-counts/tuned/predictions.jsonl")
+    preds = [json.loads(x) for x in preds_file.read_text().splitlines()]
+    comparison = json.loads(ws.path("runs/tiny/eval/tiny-counts/comparison.json").read_text())
     samples = [json.loads(x) for x in ws.path("runs/tiny/samples.jsonl").read_text().splitlines()]
     with Chromium(tmp_path / "profile") as c:
         c.open(ws.path("report.html").as_uri())
@@ -724,9 +726,8 @@ def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(
                 break
             time.sleep(0.1)
         cats = c.js("Object.fromEntries(Object.entries(categories).map(([k, v]) => [k, Object.keys(v)]))")
-        assert (
-            cats["Evaluation"] == ["tiny"] and cats["Generation"] == ["tiny"] and cats["Fine-tuning"] == ["tiny-lora"]
-        )
+        assert cats["Evaluation"] == ["tiny"] and cats["Generation"] == ["tiny"]
+        assert sorted(cats["Fine-tuning"]) == ["tiny-counts", "tiny-lora"]
         got = c.js(CHECK_RESULTS)
         by_name = {"/".join(Path(p).parts[-2:]): r for p, r in got.items()}
         labels = {
@@ -739,9 +740,11 @@ def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(
             "evaluation/tiny.lm_eval.svg": "lm-eval scores",
             "tiny/tiny-lora.html": "base vs tuned, predictions, settings",
             "tiny/tiny-lora.loss.svg": "loss",
+            "tiny/tiny-counts.html": "base vs tuned, predictions, settings",
+            "tiny/tiny-counts.loss.svg": "loss",
             "generation/tiny.html": "samples",
         }
-        for k in ("evaluation/tiny.lm_eval.svg", "tiny/tiny-lora.loss.svg"):
+        for k in ("evaluation/tiny.lm_eval.svg", "tiny/tiny-lora.loss.svg", "tiny/tiny-counts.loss.svg"):
             assert by_name[k]["loaded"] and by_name[k]["width"] > 200, k
         page = {k: _decode(r["data"]) for k, r in by_name.items() if "data" in r}
         ev = page["evaluation/tiny.lm_eval.html"]
@@ -757,14 +760,18 @@ def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(
             assert f'<td>{task}</td><td>{metric}</td><td>{filt}</td><td class="num">{value}</td>' in ev, (task, key)
         assert '<td class="num">40</td>' in ev  # documents scored (the suite's limit)
         # the LoRA fine-tune's merged model, evaluated with the same suite: its own table on the run's page
-        merged = json.loads(ws.path("runs/tiny/finetune/tiny-lora/lm_eval/default.json").read_text())
-        assert merged["snakellm"]["model_dir"] == "runs/tiny/finetune/tiny-lora/hf_merged"
+        merged = json.loads(ws.path("runs/tiny/finetune/tiny-counts/lm_eval/default.json").read_text())
+        assert merged["snakellm"]["model_dir"] == "runs/tiny/finetune/tiny-counts/hf_merged"
         tables = ev.split("<h2>")
-        assert len([t for t in tables if t.startswith("suite default (")]) == 2
-        (ft_table,) = [t for t in tables if t.startswith("suite default (runs/tiny/finetune/tiny-lora/hf_merged)")]
+        assert len([t for t in tables if t.startswith("suite default (")]) == 3  # the run, two merged fine-tunes
+        (ft_table,) = [t for t in tables if t.startswith("suite default (runs/tiny/finetune/tiny-counts/hf_merged)")]
         value = _fmt(merged["results"]["snakellm_cont4"]["acc,none"])
         assert f'<td>snakellm_cont4</td><td>acc</td><td>none</td><td class="num">{value}</td>' in ft_table
-        ft = page["tiny/tiny-lora.html"]
+        ft = page["tiny/tiny-counts.html"]
+        for r in comparison["metrics"]:  # the comparison file's table, with which way is better
+            better = "higher" if r["higher_is_better"] else "lower"
+            cells = "".join(f'<td class="num">{_fmt(r[k])}</td>' for k in ("base", "tuned", "difference"))
+            assert f"<td>{r['metric']}</td>{cells}<td>{better}</td>" in ft, r
         compared = [k for k, b in base.items() if isinstance(b, float) and isinstance(tuned.get(k), float)]
         assert len(compared) >= 3, compared  # exact match, SQuAD EM/F1, loss: whatever their names
         for key in compared:
@@ -792,7 +799,7 @@ def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(
         c.js("app.setView({navbarMode: 'menu'})")
         assert c.js(CLICK % json.dumps("Fine-tuning"))
         time.sleep(0.3)
-        c.js(CLICK % json.dumps("tiny-lora"))
+        assert c.js(CLICK % json.dumps("tiny-counts"))
         time.sleep(0.3)
         assert c.js(SHOW % json.dumps("loss")) == "ok"
         time.sleep(0.5)

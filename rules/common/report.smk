@@ -219,12 +219,13 @@ def get_report_finetune_input(wildcards):
     """The fine-tune's metrics and summary, and the base and tuned evaluations (rules/common/finetune.smk)."""
     ft = _ft(wildcards)
     d = f"runs/{ft['run']}"
-    ev = f"{d}/eval/{wildcards.ft}"
+    base, ev = base_eval_dir(wildcards.ft), f"{d}/eval/{wildcards.ft}"
     return {
         "metrics": f"{d}/finetune/{wildcards.ft}/metrics.jsonl",
         "summary": f"{d}/finetune/{wildcards.ft}/finetune_summary.json",
-        "base": f"{ev}/base/metrics.json",
+        "base": f"{base}/metrics.json",
         "tuned": f"{ev}/tuned/metrics.json",
-        "base_predictions": f"{ev}/base/predictions.jsonl",
+        "base_predictions": f"{base}/predictions.jsonl",
         "tuned_predictions": f"{ev}/tuned/predictions.jsonl",
+        "comparison": f"{ev}/comparison.json",
     }

@@ -190,12 +190,37 @@ def settings_rows(summary: dict) -> list[tuple[str, Any]]:
     return [(k, summary[k]) for k in keep if k in summary]
 
 
+def _from_comparison(comparison: dict) -> tuple[list[list[Any]], list[str]]:
+    """The rows and notes of a comparison.json (snakellm compare-eval): its metrics first, then any other."""
+    rows = []
+    for r in comparison.get("metrics", []):
+        if isinstance(r, dict) and {"metric", "base", "tuned"} <= set(r):
+            hib = r.get("higher_is_better")
+            better = "" if hib is None else ("higher" if hib else "lower")
+            rows.append([r["metric"], r["base"], r["tuned"], r.get("difference", r["tuned"] - r["base"]), better])
+    notes = [f"{k.replace('_', ' ')}: {comparison[k]}" for k in ("newly_exact", "no_longer_exact") if k in comparison]
+    return rows, notes
+
+
 def finetune_page(
-    name: str, summary: dict, base: dict, tuned: dict, base_preds: list[dict], tuned_preds: list[dict]
+    name: str,
+    summary: dict,
+    base: dict,
+    tuned: dict,
+    base_preds: list[dict],
+    tuned_preds: list[dict],
+    comparison: dict | None = None,
 ) -> str:
-    rows = comparison_rows(base, tuned)
-    cmp = H.table(["metric", "base", "tuned", "tuned − base"], rows) if rows else "<p>no metric in both files</p>"
+    """Base vs tuned (the comparison file's table where there is one, else every number both metrics hold),
+    example predictions, settings."""
+    rows, notes = _from_comparison(comparison) if comparison else ([], [])
+    shown = {r[0] for r in rows}
+    rows += [[*r, ""] for r in comparison_rows(base, tuned) if r[0] not in shown]
+    cols = ["metric", "base", "tuned", "tuned − base", "better"]
+    cmp = H.table(cols, rows) if rows else "<p>no metric in both files</p>"
     counts = {k: tuned[k] for k in ("examples", "tokens_to_generate") if k in tuned}
+    if notes:
+        cmp += f'<p class="note">{H.esc("; ".join(notes))}</p>'
     return H.page(
         f"fine-tune {name}",
         H.section("base vs tuned on the test split", cmp, note=", ".join(f"{k} {v}" for k, v in counts.items())),

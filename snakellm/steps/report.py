@@ -103,6 +103,7 @@ def _finetune(a: argparse.Namespace) -> None:
         ev.read_json(a.tuned),
         ev.read_jsonl(a.base_predictions),
         ev.read_jsonl(a.tuned_predictions),
+        ev.read_json(a.comparison) if a.comparison else None,
     )
     write_text(a.page, page)
     from snakellm.report.train import load_metrics
@@ -127,6 +128,7 @@ def _add_stage_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--tuned", required=True, help="the tuned model's metrics.json")
     s.add_argument("--base-predictions", required=True, help="the base model's predictions (.jsonl)")
     s.add_argument("--tuned-predictions", required=True, help="the tuned model's predictions (.jsonl)")
+    s.add_argument("--comparison", help="the base-vs-tuned comparison.json (snakellm compare-eval), if any")
     s.add_argument("--page", required=True, help="output .html")
     s.add_argument("--loss", required=True, help="output .svg")
     s.set_defaults(func=_finetune)
