@@ -8,8 +8,9 @@ with a `gpu` request served by the fake GRES, and the failures are real (an HTTP
 SIGKILLed rank, `scontrol requeue`, the job's time limit).
 
 The profile is pointed at the test cluster only through its environment variables
-(SNAKELLM_SLURM_PARTITION, SNAKELLM_TRAIN_GPUS_PER_NODE, ...), so the file under test is
-profiles/slurm/config.yaml as shipped. Skipped, with the reason, where the machine cannot
+(SNAKELLM_SLURM_PARTITION, SNAKELLM_TRAIN_GPUS_PER_NODE, ...: the site defaults of the job
+resources), so the file under test is profiles/slurm/config.yaml as shipped; runs and fine-tunes
+with resources of their own (`runs.<name>.resources`, `resources.finetune`) get those instead. Skipped, with the reason, where the machine cannot
 run a cluster: not root, or Slurm missing and no apt-get to install it.
 """
 
