@@ -785,7 +785,7 @@ def test_finetune_example_runs_on_two_ranks_and_is_evaluated_through_sbatch(buil
     )
     assert "world 2 = dp 2 x tp 1" in ws.path("logs/finetune/tiny/tiny-lora.log").read_text()
     summary = json.loads(ws.path("runs/tiny/finetune/tiny-lora/finetune_summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["iteration"] == 20
+    assert summary["steps_run"] == 20 and summary["stopped_early"] is None
     evals = [j for j, (rule, _) in jobs.items() if rule.startswith("evaluate")]
     assert evals and all("gres/gpu=1" in alloc_tres for j in evals for alloc_tres in [sacct(j)[0]["AllocTRES"]])
     tuned = json.loads(ws.path("runs/tiny/eval/tiny-lora/tuned/metrics.json").read_text())
@@ -847,7 +847,8 @@ def test_finetune_stopped_before_its_time_limit_and_requeued_resumes_each_time(b
     resumes = [int(m) for m in resumed_at.findall(log_text())]  # the last start's log
     assert resumes and resumes[0] >= stop, log_text()[-3000:]
     summary = json.loads((d / "finetune_summary.json").read_text())
-    assert summary["iteration"] == steps and summary["world_size"] == 2
+    assert summary["steps_run"] == steps and summary["stopped_early"] is None
+    assert "world 2 = dp 2 x tp 1" in log_text()
 
 
 # ---------------------------------------------------------------- the same rule, locally
