@@ -24,18 +24,44 @@ rule generate:
         "--out {output.samples} --markdown {output.markdown} {params.flags} 2> {log}"
 
 
-# evaluate: greedy generation on a fine-tune's test split, for the base model and the tuned one side by side
-# -> runs/{run}/eval/{ft}/{base,tuned}/metrics.json + predictions.jsonl
+# evaluate: generation on a fine-tune's test split, NeMo's metric names and predictions file.
+# The base model is evaluated once per run, data set and evaluation settings, shared by every fine-tune
+# with the same three: runs/{run}/eval/base/{task}/{key}/ (key: snakellm.config.flags.base_eval_key);
+# each fine-tune in runs/{run}/eval/{ft}/tuned/, and the two side by side in runs/{run}/eval/{ft}/comparison.*
+
+
+rule evaluate_base:
+    input:
+        unpack(get_base_eval_input),
+    output:
+        metrics="runs/{run}/eval/base/{task}/{key}/metrics.json",
+        predictions="runs/{run}/eval/base/{task}/{key}/predictions.jsonl",
+        nemo="runs/{run}/eval/base/{task}/{key}/predictions_test_dataloader0_inputs_preds_labels.jsonl",
+    log:
+        "logs/evaluate/{run}/base/{task}/{key}.log",
+    conda:
+        "../envs/train.yaml"
+    threads: get_base_eval_threads
+    resources:
+        **get_job_resources("evaluate"),
+    params:
+        launch=get_launch_prefix("evaluate"),
+        flags=get_base_eval_flags,
+        out=subpath(output.metrics, parent=True),
+    shell:
+        "{params.launch} snakellm evaluate --base runs/{wildcards.run} --label base --test {input.test} "
+        "--out-dir {params.out} --threads {threads} {params.flags} 2> {log}"
 
 
 rule evaluate_finetune:
     input:
         unpack(get_evaluate_input),
     output:
-        metrics="runs/{run}/eval/{ft}/{which}/metrics.json",
-        predictions="runs/{run}/eval/{ft}/{which}/predictions.jsonl",
+        metrics="runs/{run}/eval/{ft}/tuned/metrics.json",
+        predictions="runs/{run}/eval/{ft}/tuned/predictions.jsonl",
+        nemo="runs/{run}/eval/{ft}/tuned/predictions_test_dataloader0_inputs_preds_labels.jsonl",
     log:
-        "logs/evaluate/{run}/{ft}/{which}.log",
+        "logs/evaluate/{run}/{ft}/tuned.log",
     conda:
         "../envs/train.yaml"
     threads: get_finetune_threads
@@ -47,5 +73,23 @@ rule evaluate_finetune:
         flags=get_evaluate_flags,
         out=subpath(output.metrics, parent=True),
     shell:
-        "{params.launch} snakellm evaluate {params.model} --label {wildcards.which} --test {input.test} "
+        "{params.launch} snakellm evaluate {params.model} --label tuned --test {input.test} "
         "--out-dir {params.out} --threads {threads} {params.flags} 2> {log}"
+
+
+rule compare_finetune:
+    input:
+        unpack(get_compare_input),
+    output:
+        multiext("runs/{run}/eval/{ft}/comparison", ".json", ".tsv", ".md"),
+    log:
+        "logs/compare_finetune/{run}/{ft}.log",
+    conda:
+        "../envs/train.yaml"
+    params:
+        base=subpath(input.base, parent=True),
+        tuned=subpath(input.tuned, parent=True),
+        out=subpath(output[0], parent=True),
+    shell:
+        "snakellm compare-eval --base {params.base} --tuned {params.tuned} --name {wildcards.ft} "
+        "--out-dir {params.out} 2> {log}"

@@ -384,9 +384,16 @@ class ExamplesSettings:
     add_bos: bool = setting(False, "BOS before the context", trajectory=True)
     add_eos: bool = setting(True, "EOD after the answer", trajectory=True)
     answer_only_loss: bool = setting(True, "loss on the answer tokens only", trajectory=True)
+    truncation_field: str = setting(
+        "input",
+        "NeMo's truncation_field: the template fields (comma-separated) that lose tokens first when an example "
+        "is too long",
+        trajectory=True,
+    )
     truncation_method: str = setting(
-        "right",
-        "too long a context loses tokens from its end (right) or start (left)",
+        "left",
+        "they lose tokens from their start (left: a prompt ending in its question keeps it) or end (right, "
+        "NeMo's default)",
         trajectory=True,
         choices=("left", "right"),
     )
@@ -430,6 +437,14 @@ class EvaluateSettings:
     """``finetune.<name>.evaluate``: greedy generation on the test split (`snakellm evaluate`)."""
 
     tokens_to_generate: int = setting(32, "longest answer generated")
+    min_tokens_to_generate: int = setting(0, "EOD is not allowed before this many tokens")
+    greedy: bool = setting(True, "argmax decoding, NeMo's SFT default (the sampling settings are then unused)")
+    temperature: float = setting(1.0, "softmax temperature (sampling)")
+    top_k: int = setting(0, "sample from the k most likely tokens (0: off)")
+    top_p: float = setting(1.0, "nucleus sampling (1: off)")
+    repetition_penalty: float = setting(1.0, "divides the logits of tokens already present (1: off)")
+    end_strings: list[str] = setting([], "stop an answer at this text (it is cut off)", flag="end_string")
+    seed: int = setting(1234, "sampling seed (each prompt draws from its own stream)")
     batch_size: int = setting(16, "prompts per generation batch")
     limit: int | None = setting(None, "evaluate only the first N test examples")
 
@@ -451,6 +466,11 @@ class FinetuneSettings:
     examples: dict[str, Any] = setting({}, "example building", section=ExamplesSettings)
     train: dict[str, Any] = setting(REQUIRED, "training", section=FinetuneTrainSettings)
     parallel: dict[str, Any] = setting({}, "parallelism", section=FinetuneParallelSettings)
+    select: str = setting(
+        "best",
+        "which checkpoint is exported and evaluated: the best validation loss (NeMo's default) or the last",
+        choices=("best", "last"),
+    )
     evaluate: dict[str, Any] = setting({}, "evaluation", section=EvaluateSettings)
     resources: dict[str, Any] = setting({}, "the fine-tuning job's allocation", section=JobResourceSettings)
 
