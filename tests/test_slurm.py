@@ -758,8 +758,9 @@ def finetune_config(ws: SlurmWorkspace, steps: int) -> dict:
     2-CPU cluster: 2 ranks of 1 CPU (the example's 2 GPUs), evaluations of 1 CPU."""
     cfg = ws.read_config()
     example = yaml.safe_load(FT_EXAMPLE.read_text())
-    cfg["sft_data"], cfg["finetune"], cfg["resources"] = example["sft_data"], example["finetune"], example["resources"]
-    ft = cfg["finetune"]["tiny-lora"]
+    ft = example["finetune"]["tiny-lora"]  # the SQuAD one (the workspace's resources/ is the default workflow's)
+    cfg["sft_data"] = {ft["data"]: example["sft_data"][ft["data"]]}
+    cfg["finetune"], cfg["resources"] = {"tiny-lora": ft}, example["resources"]
     ft["train"].update(steps=steps, eval_interval=5, patience=0)
     ft["parallel"] = {"threads": 1}
     cfg["resources"]["finetune"].update(cpus_per_gpu=1, mem_mb=4000)
