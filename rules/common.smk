@@ -13,17 +13,25 @@ from snakemake.exceptions import WorkflowError
 
 from snakellm.config import checks as checkmod
 from snakellm.config import flags as flagmod
+from snakellm.config import jobs as jobmod
 from snakellm.config import resolve as resolvemod
 from snakellm.config import sections as S
 from snakellm.config import validate as cfgmod
 from snakellm.config.settings import to_flags
 from snakellm.data import planning as planmod
 
+# profiles/slurm declares the default resource `launcher` (the launcher of multi-rank jobs):
+# under it, a multi-rank job is an MPI-style Slurm job whose shell starts its ranks with srun,
+# and the Slurm profile's environment variables are the site defaults of the job resources
+# (snakellm.config.jobs); elsewhere ranks start with torchrun and only the config counts.
+ON_SLURM = "launcher" in (workflow.resource_settings.default_resources or {})
+SITE_ENV = dict(os.environ) if ON_SLURM else None
+
 try:
     cfgmod.validate(
         config, cfgmod.load_schema(workflow.source_path("../config/schema.yaml"))
     )
-    RUN_MODELS = checkmod.check_config(config)  # {run: complete architecture dict}
+    RUN_MODELS = checkmod.check_config(config, SITE_ENV)  # {run: complete architecture}
 except cfgmod.ConfigError as e:
     raise WorkflowError(f"invalid config: {e}") from None
 
@@ -306,14 +314,48 @@ def get_train_targets():
 # ---------------------------------------------------------------- launch (snakellm/launch/prefix.py)
 
 
-def get_launch_prefix(wildcards, resources):
-    """`srun ...` (Slurm profile, mpi="srun"), `torchrun ...` (tasks > 1) or "" in front of a
-    training command, plus the configured container. Taking `resources` keeps it out of
-    Snakemake's params rerun trigger: changing profile or node count retrains nothing.
+def _allocation(stage, wildcards):
+    """The job's allocation (snakellm.config.jobs): its run's or fine-tune's own, else the stage's."""
+    entry = jobmod.STAGES[stage]
+    name = wildcards[entry[1]] if entry else None
+    return jobmod.allocation(config, stage, name, SITE_ENV)
+
+
+def get_job_resources(stage):
+    """The resources of a `stage` job (pretrain, finetune, evaluate, generate, convert), from config:
+    `resources: **get_job_resources("evaluate")` in a rule is all a new GPU rule needs. Keys no entry
+    of the stage sets are left out, so the profile's default-resources fill them."""
+    entry = jobmod.STAGES[stage]
+    names = list(config.get(entry[0], {})) if entry else [None]
+    keys = {
+        k
+        for n in names
+        for k in jobmod.snakemake_resources(
+            jobmod.allocation(config, stage, n, SITE_ENV), 1
+        )
+    }
+    if not ON_SLURM:
+        keys.discard("mpi")  # the local executor: torchrun starts the ranks
+
+    def one(key):
+        return lambda wildcards, threads: jobmod.snakemake_resources(
+            _allocation(stage, wildcards), threads
+        ).get(key)
+
+    return {k: one(k) for k in sorted(keys)}
+
+
+def get_launch_prefix(stage):
+    """A params function: `srun ...` (Slurm profile, a multi-rank job), `torchrun ...` (ranks > 1
+    elsewhere) or "" in front of the step's command, plus the job's container. Taking `resources`
+    keeps it out of Snakemake's params rerun trigger: changing profile or node count reruns nothing.
     """
     from snakellm.launch.prefix import launch_prefix
 
-    return launch_prefix(resources, config.get("container"))
+    def launch(wildcards, resources):
+        return launch_prefix(resources, _allocation(stage, wildcards).container)
+
+    return launch
 
 
 # ---------------------------------------------------------------- export, import, generation (rules/export.smk, evaluate.smk)

@@ -14,10 +14,13 @@ rule generate:
     conda:
         "../envs/train.yaml"
     threads: config["generate"]["threads"]
+    resources:
+        **get_job_resources("generate"),
     params:
+        launch=get_launch_prefix("generate"),
         flags=flags(S.GenerateSettings, config["generate"]),
     shell:
-        "snakellm generate runs/{wildcards.run} --device auto --threads {threads} "
+        "{params.launch} snakellm generate runs/{wildcards.run} --device auto --threads {threads} "
         "--out {output.samples} --markdown {output.markdown} {params.flags} 2> {log}"
 
 
@@ -36,10 +39,13 @@ rule evaluate_finetune:
     conda:
         "../envs/train.yaml"
     threads: get_finetune_threads
+    resources:
+        **get_job_resources("evaluate"),
     params:
+        launch=get_launch_prefix("evaluate"),
         model=get_evaluate_model,
         flags=get_evaluate_flags,
         out=subpath(output.metrics, parent=True),
     shell:
-        "snakellm evaluate {params.model} --label {wildcards.which} --test {input.test} "
+        "{params.launch} snakellm evaluate {params.model} --label {wildcards.which} --test {input.test} "
         "--out-dir {params.out} --threads {threads} {params.flags} 2> {log}"

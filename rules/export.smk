@@ -20,6 +20,8 @@ rule export_nemo:
     conda:
         "../envs/train.yaml"
     threads: 2
+    resources:
+        **get_job_resources("convert"),
     params:
         flags=flags(S.ExportNemoSettings, EXPORT_NEMO),
     shell:
@@ -41,6 +43,8 @@ rule export_hf:
         "benchmarks/export_hf/{run}.tsv"
     conda:
         "../envs/train.yaml"
+    resources:
+        **get_job_resources("convert"),
     params:
         flags=flags(S.ExportHfSettings, config["export_hf"]),
     shell:
@@ -58,6 +62,8 @@ rule import_hf:
         "logs/import_hf/{run}.log",
     conda:
         "../envs/train.yaml"
+    resources:
+        **get_job_resources("convert"),
     params:
         hf_dir=get_import_hf_dir,
         flags=get_import_hf_flags,

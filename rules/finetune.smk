@@ -45,8 +45,10 @@ rule finetune:
     conda:
         "../envs/train.yaml"
     threads: get_finetune_threads
+    resources:
+        **get_job_resources("finetune"),
     params:
-        launch=get_launch_prefix,
+        launch=get_launch_prefix("finetune"),
         flags=get_finetune_flags,
         data=subpath(input.train, parent=True),
         out=subpath(output.summary, parent=True),
@@ -65,6 +67,8 @@ rule export_peft:
         "logs/export_peft/{run}/{ft}.log",
     conda:
         "../envs/train.yaml"
+    resources:
+        **get_job_resources("convert"),
     params:
         out=subpath(output[0], parent=True),
     shell:

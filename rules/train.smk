@@ -25,8 +25,10 @@ rule pretrain:
     conda:
         "../envs/train.yaml"
     threads: get_train_threads
+    resources:
+        **get_job_resources("pretrain"),
     params:
-        launch=get_launch_prefix,
+        launch=get_launch_prefix("pretrain"),
         flags=get_train_flags,
     shell:
         "{params.launch} snakellm train --blend {input.blend} --run-dir runs/{wildcards.run} "

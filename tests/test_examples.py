@@ -51,6 +51,15 @@ def test_8b_example_fits_8_nodes_of_8_gpus_and_says_so(capsys):
         "llama 6841.4M params: 32 layers, hidden 4096, 32 heads (32 KV groups), ffn 10880, seq 2048, vocab 50688" in out
     )
     assert "total           32.35 GiB" in out and "fits in 80 GiB GPUs" in out
+    # the same from the run's own allocation (runs.gpt-8b.resources), no flag and no environment variable
+    assert plan_cli.main(["--config", str(EIGHT_B), "--run", "gpt-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "run gpt-8b: 64 ranks = 8 nodes x 8; tp 4 x pp 1 x dp 16;" in out
+    assert (
+        "  job (runs.gpt-8b.resources): 8 nodes x 8 GPUs = 64 ranks, 8 CPUs per GPU, time limit 1440 min, "
+        "container nvcr.io/nvidia/pytorch:25.04-py3" in out
+    )
+    assert "total           32.35 GiB" in out
     # a layout the batch does not divide over: an error with the numbers, exit status 2
     assert plan_cli.main(["--config", str(EIGHT_B), "--nodes", "3", "--gpus-per-node", "8", "--run", "gpt-8b"]) == 2
     assert (
@@ -134,6 +143,15 @@ def test_8b_example_train_dry_run_checks_the_8_node_layout_and_prints_the_memory
     assert plan_cli.main(["--config", str(EIGHT_B), "--nodes", "8", "--gpus-per-node", "8", "--run", "gpt-8b"]) == 0
     assert "\n".join(memory) in capsys.readouterr().out
 
+    # the job from the recipe's own config (runs.gpt-8b.resources): the same layout and memory, and the allocation
+    proc = dry_run("--config", str(EIGHT_B))
+    assert proc.stdout.splitlines()[-1] == "exit 0 False False", proc.stderr
+    assert "run gpt-8b: 64 ranks = 8 nodes x 8; tp 4 x pp 1 x dp 16;" in proc.stdout
+    assert (
+        "  job (runs.gpt-8b.resources): 8 nodes x 8 GPUs = 64 ranks, 8 CPUs per GPU, time limit 1440 min" in proc.stdout
+    )
+    assert "\n".join(memory) in proc.stdout
+
     # with both options on: the optimizer states sharded over 16 ranks, the activations outside TP split by 4
     out = dry_run("--nodes", "8", "--gpus-per-node", "8", "--sequence-parallel", "--distributed-optimizer").stdout
     assert "tp 4 x pp 1 x dp 16 (sequence parallel, distributed optimizer);" in out
@@ -163,7 +181,8 @@ def test_8b_example_dry_runs_with_its_8_node_srun_line(workspace):
     assert counts["download"] == counts["chunk"] == counts["tokenize"] == 75 and counts["pretrain"] == 1
     assert "--tp 4" in out and "--global-batch-size 512" in out and "--micro-batch-size 1" in out
     cfg = yaml.safe_load(EIGHT_B.read_text())
-    line = launch_prefix({"mpi": "srun", "nodes": 8, "tasks": 64, "cpus_per_task": 8}, cfg["container"], "/work")
+    container = cfg["runs"]["gpt-8b"]["resources"]["container"]
+    line = launch_prefix({"mpi": "srun", "nodes": 8, "tasks": 64, "cpus_per_task": 8}, container, "/work")
     assert line.startswith(
         "srun --nodes=8 --ntasks=64 --ntasks-per-node=8 --cpus-per-task=8 --kill-on-bad-exit=1 "
         "--container-image=nvcr.io/nvidia/pytorch:25.04-py3"

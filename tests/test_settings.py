@@ -369,3 +369,108 @@ def test_cross_field_checks_pass_a_good_config_and_resolve_its_runs():
     cfg["export_nemo"]["enabled"] = False
     cfg["tokenizers"]["gpt2"] = {"kind": "huggingface", "tokenizer_file": "t.json", "eod": "x"}
     checks.check_config(cfg)  # no .nemo asked for: any tokenizer kind
+
+
+# ---------------------------------------------------------------- job resources (snakellm.config.jobs)
+
+
+def _jobs_config(**resources):
+    cfg = _config(resources={"nodes": 2, "gpus_per_node": 4})
+    cfg["runs"]["r"]["train"] = {"steps": 3, "micro_batch_size": 2, "global_batch_size": 16}
+    cfg["resources"] = resources
+    return cfg
+
+
+def test_job_allocation_takes_each_key_from_the_first_place_that_sets_it():
+    from snakellm.config import jobs
+
+    cfg = _jobs_config(pretrain={"gpus_per_node": 2, "time_limit": "1-02:30", "partition": "big"})
+    env = {"SNAKELLM_TRAIN_CPUS_PER_GPU": "6", "SNAKELLM_TRAIN_GPUS_PER_NODE": "8", "SNAKELLM_SLURM_ACCOUNT": "proj"}
+    a = jobs.allocation(cfg, "pretrain", "r", env)
+    # the run's own (nodes, gpus_per_node) > resources.pretrain (time_limit, partition) > site > built-in
+    assert (a.nodes, a.gpus_per_node, a.ranks, a.time_limit, a.partition) == (2, 4, 8, 1590, "big")
+    assert (a.cpus_per_gpu, a.account, a.signal_s, a.mem_mb) == (6, "proj", 300, 0)
+    assert jobs.allocation(cfg, "pretrain", "r", None).cpus_per_gpu is None  # no site defaults off Slurm
+    res = jobs.snakemake_resources(a, threads=3)
+    assert res == {
+        "nodes": 2,
+        "cpus_per_task": 6,
+        "gpu": 8,
+        "tasks": 8,
+        "tasks_per_gpu": 1,
+        "mpi": "srun",
+        "mem_mb": 0,
+        "runtime": 1590,
+        "slurm_partition": "big",
+        "slurm_account": "proj",
+        "slurm_extra": "--signal=USR1@300",
+    }
+    # a one-GPU stage: a plain job (no mpi, no early signal); its CPUs are the job's threads
+    ev = jobs.snakemake_resources(jobs.allocation(cfg, "evaluate", None, {}), threads=3)
+    assert ev == {"nodes": 1, "cpus_per_task": 3, "gpu": 1, "tasks": 1, "tasks_per_gpu": 1}
+    conv = jobs.snakemake_resources(jobs.allocation(cfg, "convert", None, {}), threads=2)
+    assert conv == {"nodes": 1, "cpus_per_task": 2}  # exports: a CPU job
+    # a fine-tune's own block, its container replacing the workflow's
+    cfg["container"] = {"runtime": "pyxis", "image": "a.sqsh", "mounts": []}
+    cfg["finetune"] = {"f": {"resources": {"gpus_per_node": 2, "qos": "high", "sbatch_extra": "--exclusive"}}}
+    ft = jobs.allocation(cfg, "finetune", "f", {})
+    assert ft.container == cfg["container"] and ft.qos == "high"
+    assert jobs.snakemake_resources(ft, 1)["slurm_extra"] == "--signal=USR1@300 --exclusive"
+    cfg["finetune"]["f"]["resources"]["container"] = {"runtime": "none"}
+    assert jobs.allocation(cfg, "finetune", "f", {}).container == {"runtime": "none"}
+    assert [jobs.minutes(t) for t in (90, "45", "2:00", "1:00:30", "2-00:00:00")] == [90, 45, 120, 61, 2880]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"parallel": {"tp": 3}},
+            r"config key runs.r.resources: 2 nodes x 4 GPUs = 8 ranks are not divisible by tensor-parallel size 3",
+        ),
+        (
+            {"train": {"steps": 1, "micro_batch_size": 4, "global_batch_size": 16}},
+            r"config key runs.r.resources: global_batch_size 16 is not divisible by micro_batch_size 4 x "
+            r"data-parallel size 8 \(2 nodes x 4 GPUs = 8 ranks / \(tp 1 x pp 1\)\): choose a multiple of 32",
+        ),
+        (
+            {"resources": {"gpus_per_node": 1, "time_limit": 5, "signal_s": 300, "nodes": 2}},
+            r"config key runs.r.resources.signal_s: 300 s is not before the time limit \(5 min\)",
+        ),
+        (
+            {"resources": {"time_limit": "90 minutes"}},
+            r"config key runs.r.resources: '90 minutes' is not minutes or \[D-\]HH:MM\[:SS\]",
+        ),
+    ],
+)
+def test_job_resource_errors_name_the_key(change, message):
+    cfg = _jobs_config()
+    cfg["runs"]["r"].update(change)
+    with pytest.raises(ConfigError, match=message):
+        checks.check_resources(cfg)
+
+
+def test_one_gpu_stages_and_site_defaults_are_checked_before_submitting():
+    cfg = _jobs_config(evaluate={"gpus_per_node": 2})
+    with pytest.raises(
+        ConfigError, match="config key resources.evaluate: 1 node x 2 GPUs = 2 ranks: evaluate runs one"
+    ):
+        checks.check_resources(cfg)
+    cfg = _config()  # batch 4 of micro batch 2: 2 ranks at most; the site's 8 GPUs do not divide it
+    with pytest.raises(ConfigError, match="data-parallel size 8"):
+        checks.check_resources(cfg, {"SNAKELLM_TRAIN_GPUS_PER_NODE": "8"})
+    checks.check_resources(cfg, {"SNAKELLM_TRAIN_GPUS_PER_NODE": "2"})
+    cfg["resources"] = {"evaluate": {"container": {"runtime": "pyxis", "image": "x.sqsh"}}}
+    checks.check_resources(cfg)  # locally: pyxis is an srun plugin, the job runs on the host
+    with pytest.raises(ConfigError, match="config key resources.evaluate: a pyxis container needs the job's own srun"):
+        checks.check_resources(cfg, {})
+    # the schema: unknown keys and bad values name the key
+    schema = validate.load_schema(REPO / "config/schema.yaml")
+    default = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    default["runs"]["tiny"]["resources"] = {"gpus": 8}
+    with pytest.raises(ConfigError, match=r"config key runs.tiny.resources: unknown key 'gpus'"):
+        validate.validate(default, schema)
+    del default["runs"]["tiny"]["resources"]
+    default["resources"] = {"finetune": {"nodes": 0}}
+    with pytest.raises(ConfigError, match=r"config key resources.finetune.nodes: 0 is less than the minimum of 1"):
+        validate.validate(default, schema)

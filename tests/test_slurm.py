@@ -705,6 +705,150 @@ def test_a_node_cut_off_mid_run_fails_the_job_and_the_next_attempt_resumes(multi
     assert summary["iteration"] == 60 and summary["world_size"] == 2
 
 
+# ---------------------------------------------------------------- resources from config: runs and fine-tunes
+
+FT_EXAMPLE = REPO / "config" / "examples" / "tiny-squad-finetune.yaml"
+
+
+def alloc(job_id: str) -> dict[str, str]:
+    """The job's allocation as Slurm recorded it: AllocTRES (cpu, mem, gres/gpu), time limit, partition."""
+    fmt = "AllocTRES,Timelimit,Partition,NNodes"
+    out = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-j", job_id, f"--format={fmt}"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()[0]
+    rec = dict(zip(fmt.split(","), out.split("|")))
+    rec.update(kv.split("=", 1) for kv in rec.pop("AllocTRES").split(",") if "=" in kv)
+    return rec
+
+
+def test_two_runs_with_their_own_resources_get_their_own_allocations(built):
+    """Two runs of one workflow, each with its own `resources:` (over the profile's site defaults):
+    two different Slurm allocations, read back from sacct."""
+    ws, _ = built
+    cfg = ws.read_config()
+    train = dict(cfg["runs"]["tiny"]["train"], steps=4, save_interval=4, eval_interval=4, eval_iters=1)
+    cfg["runs"]["wide"] = {
+        "tokenizer": "spm2k",
+        "train": train,
+        "parallel": {"threads": 1},
+        "resources": {"gpus_per_node": 2, "cpus_per_gpu": 1, "mem_mb": 3000, "time_limit": 7},
+    }
+    cfg["runs"]["narrow"] = {
+        "tokenizer": "spm2k",
+        "train": train,
+        "parallel": {"threads": 1},
+        "resources": {"gpus_per_node": 1, "cpus_per_gpu": 1, "mem_mb": 2000, "time_limit": "0:09"},
+    }
+    ws.write_config(cfg)
+    t0 = time.monotonic()
+    ws.slurm("runs/wide/train_summary.json", "runs/narrow/train_summary.json")
+    TIMINGS["two runs, two allocations"] = time.monotonic() - t0
+    jobs = {wc: j for j, (rule, wc) in ws.slurm_jobs().items() if rule == "pretrain" and wc in ("wide", "narrow")}
+    wide, narrow = alloc(jobs["wide"]), alloc(jobs["narrow"])
+    assert (wide["gres/gpu"], wide["cpu"], wide["mem"], wide["Timelimit"]) == ("2", "2", "3000M", "00:07:00"), wide
+    assert (narrow["gres/gpu"], narrow["cpu"], narrow["mem"], narrow["Timelimit"]) == ("1", "1", "2000M", "00:09:00")
+    assert "srun --nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 " in ws.slurm_log(jobs["wide"])
+    assert json.loads(ws.path("runs/wide/train_summary.json").read_text())["world_size"] == 2
+    assert json.loads(ws.path("runs/narrow/train_summary.json").read_text())["world_size"] == 1
+
+
+def finetune_config(ws: SlurmWorkspace, steps: int) -> dict:
+    """The fine-tuning example (config/examples/tiny-squad-finetune.yaml) on the built run, sized for this
+    2-CPU cluster: 2 ranks of 1 CPU (the example's 2 GPUs), evaluations of 1 CPU."""
+    cfg = ws.read_config()
+    example = yaml.safe_load(FT_EXAMPLE.read_text())
+    cfg["sft_data"], cfg["finetune"], cfg["resources"] = example["sft_data"], example["finetune"], example["resources"]
+    ft = cfg["finetune"]["tiny-lora"]
+    ft["train"].update(steps=steps, eval_interval=5, patience=0)
+    ft["parallel"] = {"threads": 1}
+    cfg["resources"]["finetune"].update(cpus_per_gpu=1, mem_mb=4000)
+    return cfg
+
+
+def test_finetune_example_runs_on_two_ranks_and_is_evaluated_through_sbatch(built):
+    """The fine-tuning example through the profile: `finetune` is a 2-GPU job whose rule starts 2 ranks
+    with srun (data-parallel over gloo here), each evaluation a 1-GPU job."""
+    ws, _ = built
+    ws.write_config(finetune_config(ws, steps=20))
+    t0 = time.monotonic()
+    ws.slurm("runs/tiny/finetune/tiny-lora/finetune_summary.json", "runs/tiny/eval/tiny-lora/tuned/metrics.json")
+    TIMINGS["finetune 2 ranks + evaluation"] = time.monotonic() - t0
+    jobs = ws.slurm_jobs()
+    (ft,) = [j for j, (rule, _) in jobs.items() if rule == "finetune"]
+    records = {r["JobID"]: r for r in sacct(ft)}
+    assert records[ft]["State"] == "COMPLETED" and "gres/gpu=2" in records[ft]["AllocTRES"], records
+    assert records[f"{ft}.0"]["NTasks"] == "2", records  # the rule's srun step: 2 ranks
+    assert (
+        "srun --nodes=1 --ntasks=2 --ntasks-per-node=2 --cpus-per-task=1 --kill-on-bad-exit=1 snakellm finetune "
+        in (ws.slurm_log(ft))
+    )
+    assert "world 2 = dp 2 x tp 1" in ws.path("logs/finetune/tiny/tiny-lora.log").read_text()
+    summary = json.loads(ws.path("runs/tiny/finetune/tiny-lora/finetune_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["iteration"] == 20
+    evals = [j for j, (rule, _) in jobs.items() if rule.startswith("evaluate")]
+    assert evals and all("gres/gpu=1" in alloc_tres for j in evals for alloc_tres in [sacct(j)[0]["AllocTRES"]])
+    tuned = json.loads(ws.path("runs/tiny/eval/tiny-lora/tuned/metrics.json").read_text())
+    assert tuned["examples"] == 16
+
+
+def test_finetune_stopped_before_its_time_limit_and_requeued_resumes_each_time(built):
+    """A fine-tune, as pretraining: SIGUSR1 to its ranks (what the job's `--signal=USR1@300` sends before
+    the time limit) -> checkpoint at the current step, exit 75 -> the profile resubmits it and it resumes
+    from exactly that step; `scontrol requeue` of that job -> the same job starts again and resumes."""
+    ws, _ = built
+    steps = 60
+    cfg = finetune_config(ws, steps=steps)
+    cfg["finetune"]["stop"] = dict(cfg["finetune"].pop("tiny-lora"))
+    ws.write_config(cfg)
+    d = ws.path("runs/tiny/finetune/stop")
+    log = ws.path("logs/finetune/tiny/stop.log")
+    resumed_at = re.compile(r"resumed from \S+ \(iteration (\d+)")
+
+    def latest() -> int:
+        p = d / "checkpoints" / "latest_checkpointed_iteration.txt"
+        return int(p.read_text()) if p.exists() else 0
+
+    def ft_jobs() -> list[str]:
+        return sorted((j for j, (r, wc) in ws.slurm_jobs().items() if r == "finetune" and wc.endswith("stop")), key=int)
+
+    def log_text() -> str:
+        return log.read_text() if log.exists() else ""
+
+    t0 = time.monotonic()
+    proc = ws.slurm("runs/tiny/finetune/stop/finetune_summary.json", background=True)
+    try:
+        job = wait_for("the finetune job", lambda: ft_jobs()[:1], proc=proc)[0]
+        first = wait_for("a first checkpoint", latest, proc=proc)
+        # 1. SIGUSR1 to the ranks, as before the time limit: queued while they are paused, then handled
+        pause_ranks(job)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True, capture_output=True)
+        signal_ranks(job, signal.SIGCONT)
+        m = wait_for(
+            "the ranks to stop on SIGUSR1", lambda: re.search(r"stopped at iteration (\d+)", log_text()), proc=proc
+        )
+        stop = int(m.group(1))
+        assert first <= stop < steps
+        second = wait_for("the resubmitted job", lambda: ft_jobs()[1:2], proc=proc)[0]
+        wait_for(f"a resume from iteration {stop}", lambda: f"(iteration {stop}," in log_text(), proc=proc)
+        # 2. requeue: the same job id starts again
+        pause_ranks(second)
+        subprocess.run(["scontrol", "requeue", second], check=True, capture_output=True)
+        assert proc.wait(timeout=600) == 0, proc.log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        ws.cancel_leftovers()
+    TIMINGS["finetune SIGUSR1 + requeue"] = time.monotonic() - t0
+    states = {j: [r["State"] for r in sacct(j, duplicates=True) if r["JobID"] == j] for j in ft_jobs()}
+    assert ft_jobs() == [job, second], states  # one resubmission after exit 75; the requeue kept its id
+    assert states[job] == ["FAILED"] and states[second][0] == "REQUEUED" and states[second][-1] == "COMPLETED"
+    assert next(r for r in sacct(job) if r["JobID"] == f"{job}.0")["ExitCode"] == "75:0"  # the ranks' clean stop
+    resumes = [int(m) for m in resumed_at.findall(log_text())]  # the last start's log
+    assert resumes and resumes[0] >= stop, log_text()[-3000:]
+    summary = json.loads((d / "finetune_summary.json").read_text())
+    assert summary["iteration"] == steps and summary["world_size"] == 2
+
+
 # ---------------------------------------------------------------- the same rule, locally
 
 

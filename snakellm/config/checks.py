@@ -11,8 +11,10 @@ tests call them directly, in milliseconds, without Snakemake. Torch-free.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
+from snakellm.config import jobs
 from snakellm.config.resolve import check_tokenizers, resolve_runs
 from snakellm.errors import ConfigError
 
@@ -44,6 +46,32 @@ def check_finetunes(config: dict[str, Any]) -> None:
                 f"config key finetune.{name}.train: global_batch_size {t['global_batch_size']} is not "
                 f"a multiple of micro_batch_size {t['micro_batch_size']}"
             )
+
+
+def check_resources(config: dict[str, Any], env: Mapping[str, str] | None = None) -> None:
+    """Every GPU stage's allocation fits its parallelism (tp x pp divides the ranks, the global batch splits
+    over the data-parallel ranks) before anything is submitted; ``env``: the site defaults (Slurm only)."""
+    for name, run in config.get("runs", {}).items():
+        par, t = run.get("parallel", {}), run["train"]
+        jobs.check_allocation(
+            jobs.allocation(config, "pretrain", name, env),
+            par.get("tp", 1),
+            par.get("pp", 1),
+            (t["global_batch_size"], t["micro_batch_size"]),
+            slurm=env is not None,
+        )
+    for name, ft in config.get("finetune", {}).items():
+        t = ft["train"]
+        jobs.check_allocation(
+            jobs.allocation(config, "finetune", name, env),
+            ft.get("parallel", {}).get("tp", 1),
+            1,
+            (t.get("global_batch_size", 8), t.get("micro_batch_size", 4)),
+            slurm=env is not None,
+        )
+    for stage, entries in jobs.STAGES.items():
+        if entries is None:
+            jobs.check_allocation(jobs.allocation(config, stage, None, env), slurm=env is not None)
 
 
 def check_export_nemo(config: dict[str, Any]) -> None:
@@ -97,11 +125,15 @@ def import_tokenizer_kind(hf_dir: str) -> str:
     return "sentencepiece" if has("tokenizer.model") else "huggingface"
 
 
-def check_config(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Every cross-field check, in the order a reader meets the sections; returns each run's architecture."""
+def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Every cross-field check, in the order a reader meets the sections; returns each run's architecture.
+
+    ``env``: the environment whose site defaults the job allocations take (under the Slurm profile).
+    """
     check_tokenizers(config)
     run_models = resolve_runs(config)
     check_finetunes(config)
+    check_resources(config, env)
     check_export_nemo(config)
     check_imports(config)
     check_hf_exports(config, run_models)

@@ -246,6 +246,63 @@ class ParallelSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ContainerSettings:
+    """``container``: the container the training ranks run in (read by snakellm.launch.prefix)."""
+
+    runtime: str = setting("none", "container runtime", choices=("none", "pyxis", "apptainer"), cli=False)
+    image: str | None = setting(None, "an enroot URI or .sqsh (pyxis), a .sif or docker:// URI (apptainer)", cli=False)
+    mounts: list[str] = setting([], "SRC[:DST[:FLAGS]] bind mounts", cli=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobResourceSettings:
+    """The allocation of a GPU stage's jobs (``runs.<name>.resources``, ``finetune.<name>.resources``,
+    ``resources.<stage>``); read by :mod:`snakellm.config.jobs`, which turns it into the rule's resources.
+
+    Every key defaults to unset: a run's own value wins over the workflow's ``resources.<stage>``,
+    that over the site's environment (the Slurm profile's variables), that over the built-in default
+    (:data:`snakellm.config.jobs.BUILTIN`). Nothing here is a flag of a step, and none of it enters a
+    fingerprint: moving a run to more GPUs resumes it (the batch stays the same).
+    """
+
+    nodes: int | None = setting(None, "nodes of the job", cli=False)
+    gpus_per_node: int | None = setting(None, "GPUs per node = ranks per node (0: a CPU job)", cli=False)
+    cpus_per_gpu: int | None = setting(None, "CPUs per rank (unset: the job's threads)", cli=False)
+    mem_mb: int | None = setting(None, "memory per node in MB (unset or 0: the cluster's default)", cli=False)
+    time_limit: int | str | None = setting(
+        None, "the job's time limit: minutes, or [D-]HH:MM[:SS] (a stopped training job resumes)", cli=False
+    )
+    signal_s: int | None = setting(
+        None,
+        "multi-rank jobs: SIGUSR1 to the ranks this long before the limit (checkpoint, exit 75; 0: none)",
+        cli=False,
+    )
+    partition: str | None = setting(None, "Slurm partition (sbatch -p)", cli=False)
+    account: str | None = setting(None, "Slurm account (sbatch -A)", cli=False)
+    qos: str | None = setting(None, "Slurm quality of service (sbatch --qos)", cli=False)
+    constraint: str | None = setting(None, "node features (sbatch -C)", cli=False)
+    sbatch_extra: str | None = setting(
+        None, "further sbatch flags (those Snakemake's Slurm plugin sets itself are rejected by it)", cli=False
+    )
+    container: dict[str, Any] | None = setting(
+        None, "the job's container (replaces the workflow's `container` block)", section=ContainerSettings
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResourcesSettings:
+    """``resources``: the workflow's defaults for each GPU stage's jobs (a run or fine-tune may set its own)."""
+
+    pretrain: dict[str, Any] = setting({}, "pretraining runs", section=JobResourceSettings)
+    finetune: dict[str, Any] = setting({}, "fine-tunes", section=JobResourceSettings)
+    evaluate: dict[str, Any] = setting({}, "evaluation (one GPU)", section=JobResourceSettings)
+    generate: dict[str, Any] = setting({}, "samples (one GPU)", section=JobResourceSettings)
+    convert: dict[str, Any] = setting(
+        {}, "exports and imports (.nemo, Hugging Face, PEFT; a CPU job by default)", section=JobResourceSettings
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """``runs.<name>``: one pretraining run."""
 
@@ -253,15 +310,7 @@ class RunSettings:
     model: dict[str, Any] = setting({"preset": "tiny"}, "a preset, then single keys", section=ModelSettings)
     train: dict[str, Any] = setting(REQUIRED, "steps, batch, optimizer, checkpoints", section=TrainSettings)
     parallel: dict[str, Any] = setting({}, "how the ranks split the work", section=ParallelSettings)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ContainerSettings:
-    """``container``: the container the training ranks run in (read by snakellm.launch.prefix)."""
-
-    runtime: str = setting("none", "container runtime", choices=("none", "pyxis", "apptainer"), cli=False)
-    image: str | None = setting(None, "an enroot URI or .sqsh (pyxis), a .sif or docker:// URI (apptainer)", cli=False)
-    mounts: list[str] = setting([], "SRC[:DST[:FLAGS]] bind mounts", cli=False)
+    resources: dict[str, Any] = setting({}, "the job's allocation", section=JobResourceSettings)
 
 
 # ---------------------------------------------------------------- fine-tuning stage
@@ -401,6 +450,7 @@ class FinetuneSettings:
     train: dict[str, Any] = setting(REQUIRED, "training", section=FinetuneTrainSettings)
     parallel: dict[str, Any] = setting({}, "parallelism", section=FinetuneParallelSettings)
     evaluate: dict[str, Any] = setting({}, "evaluation", section=EvaluateSettings)
+    resources: dict[str, Any] = setting({}, "the fine-tuning job's allocation", section=JobResourceSettings)
 
 
 # ---------------------------------------------------------------- export, import, generation
@@ -481,4 +531,13 @@ SECTIONS: dict[str, type] = {
     "export_hf": ExportHfSettings,
     "import_hf.*": ImportHfSettings,
     "generate": GenerateSettings,
+    "resources": ResourcesSettings,
 }
+# the job resources and their container, wherever they occur
+for _where in (
+    "runs.*.resources",
+    "finetune.*.resources",
+    *(f"resources.{f}" for f in ResourcesSettings.__dataclass_fields__),
+):
+    SECTIONS[_where] = JobResourceSettings
+    SECTIONS[f"{_where}.container"] = ContainerSettings

@@ -3,10 +3,10 @@
 The same planning code the Snakefile runs, without Snakemake: handy to check a
 new source (how many shards a glob or URL template gives, which shards land in
 which chunk) before launching anything. For each training run it also checks the
-batch against the parallel layout of the job it would get (nodes x GPUs per node,
-from ``--nodes``/``--gpus-per-node`` or the Slurm profile's ``SNAKELLM_TRAIN_NODES``/
-``SNAKELLM_TRAIN_GPUS_PER_NODE``) exactly as ``snakellm train`` will, and prints the
-memory per GPU (``snakellm.models.memory``): whether it fits is known before submitting.
+batch against the parallel layout of the job it would get (the run's allocation from
+config, :mod:`snakellm.config.jobs`, with the Slurm profile's ``SNAKELLM_TRAIN_*`` site
+defaults; or ``--nodes``/``--gpus-per-node``) exactly as ``snakellm train`` will, and prints
+the memory per GPU (``snakellm.models.memory``): whether it fits is known before submitting.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from snakellm.config import jobs
 from snakellm.config import validate as cfgmod
 from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.data import planning as plan
@@ -40,14 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nodes",
         type=int,
-        default=int(os.environ.get("SNAKELLM_TRAIN_NODES") or 1),
-        help="nodes of a training job (default: $SNAKELLM_TRAIN_NODES, else 1)",
+        default=None,
+        help="nodes of a training job (default: the run's allocation: runs.<name>.resources, resources.pretrain, "
+        "$SNAKELLM_TRAIN_NODES, else 1)",
     )
     p.add_argument(
         "--gpus-per-node",
         type=int,
-        default=int(os.environ.get("SNAKELLM_TRAIN_GPUS_PER_NODE") or 1),
-        help="ranks (GPUs) per node (default: $SNAKELLM_TRAIN_GPUS_PER_NODE, else 1)",
+        default=None,
+        help="ranks (GPUs) per node (default: the run's allocation, $SNAKELLM_TRAIN_GPUS_PER_NODE, else 1)",
     )
     p.add_argument(
         "--gpu-memory-gib",
@@ -88,8 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.run and name not in a.run:
             continue
         print()
+        job = jobs.allocation(cfg, "pretrain", name, os.environ)
+        nodes, per_node = a.nodes or job.nodes, a.gpus_per_node or job.gpus_per_node or 1
         try:
-            print("\n".join(run_plan(name, run, cfg, a.nodes, a.gpus_per_node, a.gpu_memory_gib)))
+            lines = run_plan(name, run, cfg, nodes, per_node, a.gpu_memory_gib)
+            if (nodes, per_node) == (job.nodes, job.gpus_per_node):
+                lines.insert(1, f"  job ({job.where}): {job.describe()}")
+            print("\n".join(lines))
         except ValueError as e:
             print(f"run {name}: error: {e}")
             status = 2

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--gpus-per-node", type=int, default=None, help="with --dry-run: ranks (GPUs) per node (default: 1)")
     c.add_argument(
+        "--config",
+        default=None,
+        help="with --dry-run: take the job's nodes and GPUs per node from this workflow config's allocation of "
+        "the run (runs.<--run-name>.resources, resources.pretrain, the Slurm profile's site defaults) and print it",
+    )
+    c.add_argument(
         "--gpu-memory-gib", type=float, default=80.0, help="with --dry-run: one GPU's memory, for the fits line"
     )
 
@@ -118,6 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _configured_job(args: argparse.Namespace):  # -> snakellm.config.jobs.Allocation
+    """The run's job allocation in the workflow config ``--config`` (with the site's environment defaults)."""
+    import os
+    from pathlib import Path
+
+    from snakellm.config import jobs
+    from snakellm.config import validate as cfgmod
+
+    name = args.run_name or Path(args.run_dir).name
+    cfg = cfgmod.load(args.config, Path(__file__).resolve().parents[2] / "config" / "schema.yaml")
+    if name not in cfg.get("runs", {}):
+        raise ValueError(
+            f"{args.config}: no run {name!r} under runs (runs: {', '.join(cfg.get('runs', {})) or 'none'})"
+        )
+    return jobs.allocation(cfg, "pretrain", name, os.environ)
+
+
 def _error(e: Exception) -> None:
     print(f"snakellm train: error: {e}", file=sys.stderr)
 
@@ -126,6 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     env = None
+    job = None
+    if args.config is not None:
+        if not args.dry_run:
+            parser.error("--config describes the job for --dry-run; a run takes its ranks from the launcher")
+        try:
+            job = _configured_job(args)
+        except (OSError, ValueError) as e:  # ConfigError is a ValueError
+            _error(e)
+            return EXIT_USAGE
+        args.nodes = args.nodes or job.nodes
+        args.gpus_per_node = args.gpus_per_node or job.gpus_per_node or 1
     if args.nodes is not None or args.gpus_per_node is not None:
         if not args.dry_run:
             parser.error(
@@ -144,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from snakellm.train.request import dry_run
 
-            print("\n".join(dry_run(req, args.nodes, args.gpus_per_node, args.gpu_memory_gib)))
+            lines = dry_run(req, args.nodes, args.gpus_per_node, args.gpu_memory_gib)
+            if job is not None:
+                lines.insert(2, f"  job ({job.where}): {job.describe()}")
+            print("\n".join(lines))
             return EXIT_OK
     except (
         RequestError,
