@@ -1,6 +1,8 @@
 # prepare_sft: a SQuAD json / jsonl -> data/sft/{task}/{train,validation,test}.jsonl (+ rejected, stats)
 # finetune:    a pretrained run + a data set -> runs/{run}/finetune/{ft}/ (LoRA, full SFT or p-tuning)
-# export_peft: a LoRA adapter in Hugging Face PEFT format
+# export_peft: a LoRA adapter (or a p-tuning prompt table) in Hugging Face PEFT format, naming its base
+#              (the run's hf/ export) as base_model_name_or_path
+# export_finetune_hf, export_finetune_nemo: a full fine-tune's model as hf/ and {ft}.nemo
 # merge_lora_hf: base + LoRA folded into one Hugging Face model directory (streamed, one layer at a time)
 # finetunes:   the target of the whole chain (`snakemake finetunes`): every fine-tune, its evaluation,
 #              PEFT adapter, merged model, and the .nemo of an imported base
@@ -59,7 +61,7 @@ rule finetune:
 
 rule export_peft:
     input:
-        "runs/{run}/finetune/{ft}/finetune_summary.json",
+        unpack(get_export_peft_input),
     output:
         "runs/{run}/finetune/{ft}/hf_peft/adapter_config.json",
         "runs/{run}/finetune/{ft}/hf_peft/adapter_model.safetensors",
@@ -70,10 +72,48 @@ rule export_peft:
     resources:
         **get_job_resources("convert"),
     params:
+        source=get_export_peft_source,
         out=subpath(output[0], parent=True),
     shell:
-        "snakellm lora export-peft --adapter runs/{wildcards.run}/finetune/{wildcards.ft}/adapter "
+        "snakellm lora export-peft {params.source} --base-model {input.base} "
         "--out {params.out} 2> {log}"
+
+
+# a full fine-tune's model/ is a run of its own: exported as the run's checkpoint is
+
+
+rule export_finetune_hf:
+    input:
+        get_full_finetune_summary,
+    output:
+        directory("runs/{run}/finetune/{ft}/hf"),
+    log:
+        "logs/export_hf/{run}/{ft}.log",
+    conda:
+        "../envs/train.yaml"
+    params:
+        model=subpath(input[0], parent=True),
+        flags=flags(S.ExportHfSettings, config["export_hf"]),
+    shell:
+        "snakellm export-hf {params.model}/model {output} {params.flags} 2> {log}"
+
+
+rule export_finetune_nemo:
+    input:
+        get_full_finetune_summary,
+    output:
+        "runs/{run}/finetune/{ft}/{ft}.nemo",
+    log:
+        "logs/export_nemo/{run}/{ft}.log",
+    conda:
+        "../envs/train.yaml"
+    threads: 2
+    params:
+        model=subpath(input[0], parent=True),
+        flags=flags(S.ExportNemoSettings, EXPORT_NEMO),
+    shell:
+        "snakellm export-nemo {params.model}/model {output} --threads {threads} "
+        "{params.flags} 2> {log}"
 
 
 rule merge_lora_hf:

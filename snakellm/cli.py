@@ -32,7 +32,15 @@ STEPS: dict[str, tuple[str, str]] = {
         "snakellm.steps.finetune",
         "LoRA, full SFT or p-tuning of a pretrained run (answer-only loss, resumable)",
     ),
-    "evaluate": ("snakellm.steps.evaluate", "greedy generation on a test split: exact_string_match, SQuAD EM/F1, loss"),
+    "evaluate": (
+        "snakellm.steps.evaluate",
+        "generation on a test split: NeMo's test_exact_string_match and test_loss, SQuAD EM/F1",
+    ),
+    "compare-eval": ("snakellm.steps.compare_eval", "a fine-tune's base-vs-tuned table (json, tsv, markdown)"),
+    "evaluate-lm": (
+        "snakellm.steps.evaluate_lm",
+        "lm-evaluation-harness on a Hugging Face export (or a server), local tasks only; builds the shipped suite",
+    ),
     "lora": (
         "snakellm.steps.lora",
         "merge a LoRA adapter into its base, or write it in Hugging Face PEFT format",

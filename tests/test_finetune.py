@@ -177,13 +177,13 @@ def test_method_learns(default_workflow: Workspace, sft: Path, base_scores: dict
     print(
         method, "memorise", {"first_loss": first, "last_loss": last, "trained": trained, "base": base_scores["train"]}
     )
-    assert base_scores["train"]["exact_string_match"] == 0.0
+    assert base_scores["train"]["test_exact_string_match"] == 0.0
     if method != "ptuning":  # LoRA's B and full SFT start from the base model exactly
-        assert first == pytest.approx(base_scores["train"]["answer_only_loss"], rel=1e-3)
+        assert first == pytest.approx(base_scores["train"]["test_loss"], rel=1e-3)
     if method == "full":
         assert last < 0.1 * first
     if method != "ptuning":
-        assert trained["exact_string_match"] >= 0.9 and trained["squad_exact_match"] >= 0.9
+        assert trained["test_exact_string_match"] >= 0.9 and trained["squad_exact_match"] >= 0.9
     if method == "lora":
         # with the tied embedding E and the final LayerNorm frozen, every logit is E @ LN(x) and bounded
         # (|logit| <= |g * e_t| * sqrt(h) ~ 6 on this 300-step model): adapters alone reach a floor near
@@ -208,9 +208,9 @@ def test_method_learns(default_workflow: Workspace, sft: Path, base_scores: dict
         "generalise",
         {"best": gen["best"], "val_losses": gen["val_losses"], "held_out": held, "base": base_scores["validation"]},
     )
-    base_val = base_scores["validation"]["answer_only_loss"]
+    base_val = base_scores["validation"]["test_loss"]
     assert gen["best"]["val_loss"] < base_val and gen["chosen_iteration"] == gen["best"]["iteration"]
-    assert held["answer_only_loss"] == pytest.approx(gen["best"]["val_loss"], rel=1e-3)
+    assert held["test_loss"] == pytest.approx(gen["best"]["val_loss"], rel=1e-3)
     kept = {p.name for p in (out / "checkpoints").glob("iter_*")}
     assert f"iter_{gen['best']['iteration']:07d}" in kept
 
@@ -298,14 +298,29 @@ def test_exact_resume_after_sigkill(default_workflow: Workspace, sft: Path) -> N
     assert f"iter_{best['iteration']:07d}" in kept and "iter_0000012" in kept
 
 
-def test_workflow_base_and_tuned(default_workflow: Workspace) -> None:
-    """prepare_sft -> finetune -> export_peft -> evaluate (base and tuned) through Snakemake, on the default run."""
+def test_workflow_base_and_tuned(default_workflow: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare_sft -> finetune -> exports -> evaluate (base once, each tuned) -> comparison through Snakemake.
+
+    The example's SQuAD fine-tune (LoRA) beside a full one and a p-tuning one on the same data and evaluation
+    settings: one base evaluation serves all three; every method's export loads with transformers / peft."""
     root = default_workflow.root
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     extra = yaml.safe_load((REPO / "config" / "examples" / "tiny-squad-finetune.yaml").read_text())
-    cfg["sft_data"], cfg["finetune"] = extra["sft_data"], extra["finetune"]
+    cfg["sft_data"] = {"squad-questions": extra["sft_data"]["squad-questions"]}
+    cfg["finetune"] = {"tiny-lora": extra["finetune"]["tiny-lora"]}
     cfg["finetune"]["tiny-lora"]["train"]["steps"] = 20
     cfg["finetune"]["tiny-lora"]["examples"]["packing"] = True  # the rule's flag reaches the packed batches
+    small = {"steps": 4, "micro_batch_size": 8, "global_batch_size": 8, "eval_interval": 2}
+    for name, method in (("tiny-full", "full"), ("tiny-pt", "ptuning")):
+        cfg["finetune"][name] = {
+            "run": "tiny",
+            "data": "squad-questions",
+            "method": method,
+            "ptuning": {"virtual_tokens": 4, "hidden": 32},
+            "examples": dict(extra["finetune"]["tiny-lora"]["examples"], packing=False),
+            "train": small,
+            "evaluate": extra["finetune"]["tiny-lora"]["evaluate"],
+        }
     ws = Workspace(root)
     ws.config_path = root / "config-finetune.yaml"
     ws.write_config(cfg)
@@ -313,21 +328,62 @@ def test_workflow_base_and_tuned(default_workflow: Workspace) -> None:
     ws.run(timeout=1800)
     assert not ws.changed(before, "runs/tiny/checkpoints")  # the pretrained run is only read
     ev = root / "runs" / "tiny" / "eval" / "tiny-lora"
-    base, tuned = (json.loads((ev / w / "metrics.json").read_text()) for w in ("base", "tuned"))
+    base_dirs = list((root / "runs" / "tiny" / "eval" / "base" / "squad-questions").iterdir())
+    assert len(base_dirs) == 1  # one base evaluation per run, data set and evaluation settings
+    base, tuned = (json.loads((d / "metrics.json").read_text()) for d in (base_dirs[0], ev / "tuned"))
     for m in (base, tuned):
         assert m["examples"] == 16 and set(m) >= {
-            "exact_string_match",
+            "test_exact_string_match",
             "squad_exact_match",
             "squad_f1",
-            "answer_only_loss",
+            "test_loss",
         }
-    assert tuned["answer_only_loss"] < base["answer_only_loss"]
+    assert tuned["test_loss"] < base["test_loss"]
     preds = [json.loads(line) for line in (ev / "tuned" / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 16 and all(set(p) >= {"input", "pred", "label"} for p in preds)
+    # NeMo's predictions file beside ours: exactly its three fields, the same rows
+    nemo = (ev / "tuned" / "predictions_test_dataloader0_inputs_preds_labels.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in nemo] == [{k: p[k] for k in ("input", "pred", "label")} for p in preds]
+    comparison = json.loads((ev / "comparison.json").read_text())
+    rows = {r["metric"]: r for r in comparison["metrics"]}
+    assert rows["test_loss"]["base"] == base["test_loss"] and rows["test_loss"]["tuned"] == tuned["test_loss"]
+    assert rows["test_loss"]["difference"] == pytest.approx(tuned["test_loss"] - base["test_loss"])
+    assert comparison["base"] == str(base_dirs[0].relative_to(root))
+    assert "| test_exact_string_match |" in (ev / "comparison.md").read_text()
     summary = json.loads((root / "runs" / "tiny" / "finetune" / "tiny-lora" / "finetune_summary.json").read_text())
     assert summary["train_examples"] == 16 and 1 <= summary["sequences"] < 16  # packed: several per row
     assert summary["method_config"]["modules_to_save"] == ["final_layernorm"]
-    peft_dir = root / "runs" / "tiny" / "finetune" / "tiny-lora" / "hf_peft"
-    assert json.loads((peft_dir / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    _check_exports(root, monkeypatch)
     out = ws.run("-n")
     assert "Nothing to be done" in out.stdout + out.stderr
+
+
+def _check_exports(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every method's export: PEFT adapters (LoRA, p-tuning) name and load onto runs/tiny/hf; full SFT: hf/, .nemo."""
+    import tarfile
+
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    ft = root / "runs" / "tiny" / "finetune"
+    monkeypatch.chdir(root)  # base_model_name_or_path is relative to the workflow directory
+    tokens = torch.tensor([[5, 17, 42, 99, 7]])
+    base = AutoModelForCausalLM.from_pretrained("runs/tiny/hf").eval()
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+    for name, peft_type in (("tiny-lora", "LORA"), ("tiny-pt", "PROMPT_TUNING")):
+        conf = json.loads((ft / name / "hf_peft" / "adapter_config.json").read_text())
+        assert conf["peft_type"] == peft_type and conf["base_model_name_or_path"] == "runs/tiny/hf"
+        model = AutoPeftModelForCausalLM.from_pretrained(str(ft / name / "hf_peft")).eval()
+        with torch.no_grad():
+            logits = model(input_ids=tokens).logits
+        assert logits.shape[-1] == base_logits.shape[-1] and torch.isfinite(logits).all()
+        assert not torch.allclose(logits[:, -5:], base_logits, atol=1e-4)  # the tuned part acts
+    full = AutoModelForCausalLM.from_pretrained(str(ft / "tiny-full" / "hf")).eval()
+    with torch.no_grad():
+        full_logits = full(tokens).logits
+    assert full_logits.shape == base_logits.shape and not torch.allclose(full_logits, base_logits, atol=1e-4)
+    with tarfile.open(ft / "tiny-full" / "tiny-full.nemo") as tar:
+        names = tar.getnames()
+    assert "./model_config.yaml" in names and any(n.startswith("./model_weights/") for n in names)

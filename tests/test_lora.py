@@ -101,9 +101,10 @@ def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -
     assert torch.equal(_logits(gpt2_, tokens), tuned)
 
     # PEFT format onto the Hugging Face base: the same logits
-    write_peft(adir, tmp_path / "peft")
+    write_peft(adir, tmp_path / "peft", str(tmp_path / "hf"))
     conf = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert conf["peft_type"] == "LORA" and conf["r"] == 4 and conf["lora_alpha"] == 8.0
+    assert conf["base_model_name_or_path"] == str(tmp_path / "hf")  # the adapter names its base
     assert conf["modules_to_save"] == [{"gpt2": "transformer.ln_f", "llama": "model.norm"}[style]]
     peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
     with torch.no_grad():
@@ -125,6 +126,46 @@ def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -
             ("mlp", "linear_fc2"),
         )
     }
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_ptuning_prompt_table_as_peft_prompt_tuning(rt, style: str, tmp_path: Path) -> None:
+    """p-tuning's prompt table in PEFT's prompt-tuning format: AutoPeftModelForCausalLM loads it onto the base
+    its config names and gives our logits (virtual tokens in front, the prompt after them)."""
+    from peft import AutoPeftModelForCausalLM
+    from safetensors.torch import save_file
+
+    from snakellm.finetune.peft_export import write_prompt_tuning
+    from snakellm.finetune.ptuning import PTuning, PTuningConfig
+
+    gpt, arch = _model(style)
+    _export_hf(gpt, arch, tmp_path / "hf")
+    pt = PTuning(
+        gpt,
+        PTuningConfig(virtual_tokens=3, encoder="mlp", hidden=16, seed=2),
+        arch["hidden_size"],
+        torch.float32,
+        torch.device("cpu"),
+    )
+    try:
+        table = pt.virtual_embeddings().detach()
+        tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+        ours = _logits(gpt, torch.cat([torch.zeros(2, 3, dtype=torch.long), tokens], dim=1))  # 3 placeholders
+    finally:
+        pt.remove()
+    src = tmp_path / "prompt"
+    src.mkdir()
+    save_file({"prompt_table": table.contiguous()}, str(src / "virtual_tokens.safetensors"))
+    (src / "prompt_config.json").write_text(json.dumps({"method": "ptuning", "model": arch}))
+    write_prompt_tuning(src, tmp_path / "peft", str(tmp_path / "hf"))
+    conf = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert conf["peft_type"] == "PROMPT_TUNING" and conf["num_virtual_tokens"] == 3
+    assert conf["base_model_name_or_path"] == str(tmp_path / "hf")
+    model = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "peft"), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(input_ids=tokens).logits.float()
+    assert theirs.shape == ours.shape
+    assert torch.allclose(theirs, ours, atol=2e-5), (theirs - ours).abs().max()
 
 
 def test_lora_options_checked_and_layer_selection(rt) -> None:

@@ -272,7 +272,7 @@ def _full_config():
     cfg["tokenizers"]["gpt2"].update(vocab_file="v.json", merges_file="m.txt")
     cfg.update(
         sources={"s": {"kind": "local", "path": "x/*.jsonl", "format": "jsonl", "shards_per_chunk": 1}},
-        sft_data={"squad": {"path": "s.json"}},
+        sft_data={"squad": {"path": str(REPO / "resources/squad/squad-dev-subset.json")}},
         finetune={"ft": {"run": "r", "data": "squad", "method": "lora", "train": {"steps": 2}}},
         import_hf={},
         export_nemo={"enabled": True, "transformer_engine": "auto"},
@@ -354,6 +354,29 @@ def test_tokenizer_flags_fill_a_trained_model_file_and_options():
             lambda c: c["runs"]["r"]["model"].update(position_embedding="rope"),
             "config key runs.r.model: Hugging Face export",
         ),
+        # bad fine-tuning input, caught before any job
+        (lambda c: c["sft_data"]["squad"].update(path="gone.json"), "config key sft_data.squad.path: gone.json: no"),
+        (
+            lambda c: c["sft_data"]["squad"].update(template="Q: {question} {answer}"),
+            r"config key sft_data.squad.template: unknown field \{answer\}",
+        ),
+        (
+            lambda c: c["finetune"]["ft"]["examples"].update(template="{input}"),
+            r"config key finetune.ft.examples.template: '\{input\}' must end with \{output\}",
+        ),
+        (
+            lambda c: c["finetune"]["ft"]["examples"].update(template="{input} {answer} {output}"),
+            r"config key finetune.ft.examples.template: unknown field \{answer\}",
+        ),
+        (
+            lambda c: c["finetune"]["ft"]["examples"].update(template="{input {output}"),
+            "config key finetune.ft.examples.template: template '{input {output}': ",
+        ),
+        (
+            lambda c: c["finetune"]["ft"]["examples"].update(template="{question} {output}"),
+            "config key finetune.ft.examples.truncation_field: 'input' is not a prompt field",
+        ),
+        (lambda c: c["finetune"].update(base=c["finetune"]["ft"]), "config key finetune.base: the name 'base'"),
     ],
 )
 def test_cross_field_checks_name_the_key(change, message):

@@ -2,12 +2,18 @@
 
 SFT_DATA = config.get("sft_data", {})  # {task: {path, format, template, ...}}
 FINETUNES = config.get("finetune", {})  # {name: {run, data, method, lora, ...}}
+# the base model's evaluations, each shared by the fine-tunes of one run, data set and evaluation settings:
+# {(run, task, key): a fine-tune that uses it} (snakellm.config.flags.base_eval_key)
+BASE_EVALS = {
+    (ft["run"], ft["data"], flagmod.base_eval_key(ft)): name
+    for name, ft in FINETUNES.items()
+}
 
 
 wildcard_constraints:
     task=_names_regex(SFT_DATA),
     ft=_names_regex(FINETUNES),
-    which="base|tuned",
+    key="[0-9a-f]{8}",
 
 
 def get_sft_source(wildcards):
@@ -53,22 +59,78 @@ def get_finetune_threads(wildcards):
     return FINETUNES[wildcards.ft]["parallel"]["threads"]
 
 
+def get_export_peft_input(wildcards):
+    ft = _ft(wildcards)
+    if ft["method"] == "full":
+        raise WorkflowError(
+            f"finetune {wildcards.ft} is a full fine-tune: its exports are hf/ and {wildcards.ft}.nemo"
+        )
+    # base_model_name_or_path: an imported base's own Hugging Face directory, else the run's export
+    base = (
+        IMPORTS[ft["run"]]["hf_dir"] if ft["run"] in IMPORTS else f"runs/{ft['run']}/hf"
+    )
+    return {
+        "summary": f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json",
+        "base": base,
+    }
+
+
+def get_export_peft_source(wildcards):
+    d = f"runs/{wildcards.run}/finetune/{wildcards.ft}"
+    if FINETUNES[wildcards.ft]["method"] == "lora":
+        return f"--adapter {d}/adapter"
+    return f"--prompt {d}/prompt"
+
+
+def get_full_finetune_summary(wildcards):
+    ft = _ft(wildcards)
+    if ft["method"] != "full":
+        raise WorkflowError(
+            f"finetune {wildcards.ft} ({ft['method']}) has no model of its own: see its hf_peft/ export"
+        )
+    return f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
+
+
+def base_eval_dir(name):
+    """Where the base model's evaluation for fine-tune `name` lies (shared, see BASE_EVALS)."""
+    ft = FINETUNES[name]
+    return f"runs/{ft['run']}/eval/base/{ft['data']}/{flagmod.base_eval_key(ft)}"
+
+
+def _base_eval_ft(wildcards):
+    key = (wildcards.run, wildcards.task, wildcards.key)
+    if key not in BASE_EVALS:
+        raise WorkflowError(
+            f"no fine-tune of run {wildcards.run} on {wildcards.task} evaluates with settings {wildcards.key}"
+        )
+    return FINETUNES[BASE_EVALS[key]]
+
+
+def get_base_eval_input(wildcards):
+    ft = _base_eval_ft(wildcards)
+    return _base_inputs(ft) | {"test": f"data/sft/{ft['data']}/test.jsonl"}
+
+
+def get_base_eval_flags(wildcards):
+    return flagmod.evaluate_flags(_base_eval_ft(wildcards))
+
+
+def get_base_eval_threads(wildcards):
+    return _base_eval_ft(wildcards)["parallel"]["threads"]
+
+
 def get_evaluate_input(wildcards):
     ft = _ft(wildcards)
-    inp = _base_inputs(ft) | {"test": f"data/sft/{ft['data']}/test.jsonl"}
-    if wildcards.which == "tuned":
-        inp["finetune"] = (
-            f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json"
-        )
-    return inp
+    return _base_inputs(ft) | {
+        "test": f"data/sft/{ft['data']}/test.jsonl",
+        "finetune": f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json",
+    }
 
 
 def get_evaluate_model(wildcards):
-    """The evaluated model: the base run, + its adapter / prompt table, or the full fine-tune's model."""
+    """The evaluated model: the base run + its adapter / prompt table, or the full fine-tune's model."""
     ft = _ft(wildcards)
     d = f"runs/{ft['run']}/finetune/{wildcards.ft}"
-    if wildcards.which == "base":
-        return f"--base runs/{ft['run']}"
     return {
         "lora": f"--base runs/{ft['run']} --adapter {d}/adapter",
         "ptuning": f"--base runs/{ft['run']} --prompt {d}/prompt",
@@ -79,19 +141,33 @@ def get_evaluate_flags(wildcards):
     return flagmod.evaluate_flags(_ft(wildcards))
 
 
+def get_compare_input(wildcards):
+    _ft(wildcards)
+    base = base_eval_dir(wildcards.ft)
+    tuned = f"runs/{wildcards.run}/eval/{wildcards.ft}/tuned"
+    return {"base": f"{base}/metrics.json", "tuned": f"{tuned}/metrics.json"}
+
+
+EVAL_FILES = (
+    "metrics.json",
+    "predictions.jsonl",
+    "predictions_test_dataloader0_inputs_preds_labels.jsonl",
+)
+
+
 def get_finetune_targets():
     out = []
     for name, ft in FINETUNES.items():
         d = f"runs/{ft['run']}"
         out += [f"{d}/finetune/{name}/finetune_summary.json"]
-        out += [
-            f"{d}/eval/{name}/{w}/{f}"
-            for w in ("base", "tuned")
-            for f in ("metrics.json", "predictions.jsonl")
-        ]
-        if ft["method"] == "lora":
+        out += [f"{d}/eval/{name}/tuned/{f}" for f in EVAL_FILES]
+        out += [f"{base_eval_dir(name)}/{f}" for f in EVAL_FILES]
+        out += [f"{d}/eval/{name}/comparison.{x}" for x in ("json", "tsv", "md")]
+        if ft["method"] == "full":
+            out += [f"{d}/finetune/{name}/hf", f"{d}/finetune/{name}/{name}.nemo"]
+        else:
             out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
-            if config["export_hf"]["enabled"]:
+            if ft["method"] == "lora" and config["export_hf"]["enabled"]:
                 out.append(f"{d}/finetune/{name}/hf_merged")
     return out
 

@@ -11,6 +11,7 @@ tests call them directly, in milliseconds, without Snakemake. Torch-free.
 from __future__ import annotations
 
 import os
+import string
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,8 @@ def check_finetunes(config: dict[str, Any]) -> None:
     runs, imports, sft = config.get("runs", {}), config.get("import_hf", {}), config.get("sft_data", {})
     bases = list(runs) + list(imports)
     for name, ft in config.get("finetune", {}).items():
+        if name == "base":  # runs/{run}/eval/base/ holds the base model's shared evaluations
+            raise ConfigError("config key finetune.base: the name 'base' is reserved (runs/RUN/eval/base/)")
         if ft["run"] not in bases:
             raise ConfigError(
                 f"config key finetune.{name}.run: unknown run {ft['run']!r} "
@@ -40,12 +43,70 @@ def check_finetunes(config: dict[str, Any]) -> None:
             raise ConfigError(
                 f"config key finetune.{name}.data: unknown sft_data {ft['data']!r} (sft_data: {_names(sft)})"
             )
+        check_example_template(name, ft, config["sft_data"][ft["data"]])
         t = ft["train"]
         if t["global_batch_size"] % t["micro_batch_size"]:
             raise ConfigError(
                 f"config key finetune.{name}.train: global_batch_size {t['global_batch_size']} is not "
                 f"a multiple of micro_batch_size {t['micro_batch_size']}"
             )
+
+
+# the string fields of prepare-sft's records, by source format: what a fine-tune's template may name
+RECORD_FIELDS = {"squad": ("input", "output", "context", "question", "title"), "jsonl": ("input", "output")}
+SQUAD_PROMPT_FIELDS = ("context", "question", "title")
+
+
+def template_fields(template: str, key: str) -> list[str]:
+    """The ``{name}`` fields of a template (str.format syntax), or an error naming the config key."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ConfigError(f"config key {key}: template {template!r}: {e}") from None
+    fields = [f for _, f, spec, conv in parsed if f is not None]
+    bad = [f for f in fields if not f.isidentifier()]
+    if bad:
+        raise ConfigError(f"config key {key}: template {template!r}: {{{bad[0]}}} is not a field name")
+    return fields
+
+
+def check_sft_data(config: dict[str, Any]) -> None:
+    """A data set's file exists (a missing one once left the old splits in place), its template names its fields."""
+    for name, d in config.get("sft_data", {}).items():
+        if not os.path.exists(d["path"]):
+            raise ConfigError(f"config key sft_data.{name}.path: {d['path']}: no such file (relative to {os.getcwd()})")
+        if d.get("template") is None:
+            continue
+        fields = template_fields(d["template"], f"sft_data.{name}.template")
+        unknown = [f for f in fields if f not in SQUAD_PROMPT_FIELDS]
+        if d.get("format", "squad") == "squad" and unknown:
+            raise ConfigError(
+                f"config key sft_data.{name}.template: unknown field {{{unknown[0]}}} in {d['template']!r} "
+                f"(a SQuAD question has {', '.join(SQUAD_PROMPT_FIELDS)})"
+            )
+
+
+def check_example_template(name: str, ft: dict[str, Any], data: dict[str, Any]) -> None:
+    """The fine-tune's prompt template ends with its one {output} and names only fields its records have."""
+    ex = ft.get("examples", {})
+    template, key = ex.get("template", "{input} {output}"), f"finetune.{name}.examples.template"
+    fields = template_fields(template, key)
+    if fields.count("output") != 1 or not template.rstrip().endswith("{output}"):
+        raise ConfigError(f"config key {key}: {template!r} must end with {{output}} (the answer), once")
+    known = RECORD_FIELDS[data.get("format", "squad")]
+    unknown = [f for f in fields if f not in known]
+    if unknown:
+        raise ConfigError(
+            f"config key {key}: unknown field {{{unknown[0]}}} in {template!r} (the records of sft_data "
+            f"{ft['data']} have {', '.join(known)})"
+        )
+    cut = [f.strip() for f in ex.get("truncation_field", "input").split(",")]
+    wrong = [f for f in cut if f not in fields or f == "output"]
+    if wrong:
+        raise ConfigError(
+            f"config key finetune.{name}.examples.truncation_field: {wrong[0]!r} is not a prompt field of the "
+            f"template {template!r} (one of: {', '.join(f for f in fields if f != 'output') or 'none'})"
+        )
 
 
 def check_resources(config: dict[str, Any], env: Mapping[str, str] | None = None) -> None:
@@ -132,6 +193,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
     """
     check_tokenizers(config)
     run_models = resolve_runs(config)
+    check_sft_data(config)
     check_finetunes(config)
     check_resources(config, env)
     check_export_nemo(config)

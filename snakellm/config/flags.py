@@ -10,6 +10,7 @@ implies (a trained tokenizer's model file), are put together here.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from snakellm.config import sections as S
@@ -70,3 +71,14 @@ def evaluate_flags(ft: dict[str, Any]) -> str:
         to_flags(S.ExamplesSettings, ft.get("examples", {}), exclude=("packing",)),
         to_flags(S.EvaluateSettings, ft.get("evaluate", {})),
     )
+
+
+def base_eval_key(ft: dict[str, Any]) -> str:
+    """The base model's evaluation for a fine-tune: named by what changes its result, not by the fine-tune.
+
+    The base model is evaluated once per (run, data set, example and decoding
+    settings) and shared by every fine-tune with the same three, in
+    ``runs/{run}/eval/base/{data}/{key}/``: ``key`` is the first 8 hex digits of
+    the sha256 of the evaluation's flags (the same flags give the same key).
+    """
+    return hashlib.sha256(evaluate_flags(ft).encode()).hexdigest()[:8]

@@ -382,9 +382,16 @@ class ExamplesSettings:
     add_bos: bool = setting(False, "BOS before the context", trajectory=True)
     add_eos: bool = setting(True, "EOD after the answer", trajectory=True)
     answer_only_loss: bool = setting(True, "loss on the answer tokens only", trajectory=True)
+    truncation_field: str = setting(
+        "input",
+        "NeMo's truncation_field: the template fields (comma-separated) that lose tokens first when an example "
+        "is too long",
+        trajectory=True,
+    )
     truncation_method: str = setting(
-        "right",
-        "too long a context loses tokens from its end (right) or start (left)",
+        "left",
+        "they lose tokens from their start (left: a prompt ending in its question keeps it) or end (right, "
+        "NeMo's default)",
         trajectory=True,
         choices=("left", "right"),
     )
@@ -428,6 +435,14 @@ class EvaluateSettings:
     """``finetune.<name>.evaluate``: greedy generation on the test split (`snakellm evaluate`)."""
 
     tokens_to_generate: int = setting(32, "longest answer generated")
+    min_tokens_to_generate: int = setting(0, "EOD is not allowed before this many tokens")
+    greedy: bool = setting(True, "argmax decoding, NeMo's SFT default (the sampling settings are then unused)")
+    temperature: float = setting(1.0, "softmax temperature (sampling)")
+    top_k: int = setting(0, "sample from the k most likely tokens (0: off)")
+    top_p: float = setting(1.0, "nucleus sampling (1: off)")
+    repetition_penalty: float = setting(1.0, "divides the logits of tokens already present (1: off)")
+    end_strings: list[str] = setting([], "stop an answer at this text (it is cut off)", flag="end_string")
+    seed: int = setting(1234, "sampling seed (each prompt draws from its own stream)")
     batch_size: int = setting(16, "prompts per generation batch")
     limit: int | None = setting(None, "evaluate only the first N test examples")
 
@@ -449,6 +464,11 @@ class FinetuneSettings:
     examples: dict[str, Any] = setting({}, "example building", section=ExamplesSettings)
     train: dict[str, Any] = setting(REQUIRED, "training", section=FinetuneTrainSettings)
     parallel: dict[str, Any] = setting({}, "parallelism", section=FinetuneParallelSettings)
+    select: str = setting(
+        "best",
+        "which checkpoint is exported and evaluated: the best validation loss (NeMo's default) or the last",
+        choices=("best", "last"),
+    )
     evaluate: dict[str, Any] = setting({}, "evaluation", section=EvaluateSettings)
     resources: dict[str, Any] = setting({}, "the fine-tuning job's allocation", section=JobResourceSettings)
 
@@ -507,6 +527,51 @@ class GenerateSettings:
     threads: int = setting(1, "torch CPU threads of the job", cli=False)
 
 
+# ---------------------------------------------------------------- lm-evaluation-harness (rules/evaluate.smk: evaluate_lm)
+
+LM_EVAL_DEFAULT_TASKS = ["snakellm_wikitext", "snakellm_lambada", "snakellm_cont4", "snakellm_squad"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmEvalSuiteSettings:
+    """``lm_eval.suites.<name>``: lm-eval tasks run together on each run's Hugging Face export.
+
+    The keys are lm-eval's own command-line options (``--tasks``, ``--num_fewshot``, ``--limit``,
+    ``--batch_size``, ``--bootstrap_iters``, ``--include_path``), so a suite reads like its CLI call.
+    """
+
+    tasks: list[str] = setting(
+        LM_EVAL_DEFAULT_TASKS,
+        "lm-eval task names (its own, or defined by YAMLs under include_path)",
+        sep=",",
+    )
+    num_fewshot: int | None = setting(None, "few-shot examples per prompt (null: each task's own default)")
+    limit: int | None = setting(None, "evaluate only the first N documents of each task (null: all)")
+    batch_size: int = setting(16, "requests per forward pass")
+    bootstrap_iters: int = setting(
+        1000, "bootstrap resamples for the standard error of non-mean metrics (perplexities; 0: none)"
+    )
+    seed: int = setting(1234, "lm-eval's random, numpy, torch and few-shot seeds")
+    include_path: list[str] = setting(
+        [],
+        "more directories of lm-eval task YAMLs over local files (the evaluation runs offline); the workflow "
+        "always adds data/lm_eval/tasks, the shipped suite",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmEvalSettings:
+    """``lm_eval``: runs/{run}/lm_eval/{suite}.json for every run and import (`snakellm evaluate-lm`)."""
+
+    enabled: bool = setting(True, "part of the default target", cli=False)
+    suites: dict[str, Any] = setting(
+        {"default": {"tasks": LM_EVAL_DEFAULT_TASKS, "limit": 40}},
+        "suites by name",
+        cli=False,
+    )
+    threads: int = setting(2, "torch CPU threads of the job", cli=False)
+
+
 # Schema location -> settings class: what tests/test_settings.py compares (a ``*`` is any name).
 SECTIONS: dict[str, type] = {
     "sources.*": SourceSettings,
@@ -531,6 +596,8 @@ SECTIONS: dict[str, type] = {
     "export_hf": ExportHfSettings,
     "import_hf.*": ImportHfSettings,
     "generate": GenerateSettings,
+    "lm_eval": LmEvalSettings,
+    "lm_eval.suites.*": LmEvalSuiteSettings,
     "resources": ResourcesSettings,
 }
 # the job resources and their container, wherever they occur

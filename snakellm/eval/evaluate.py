@@ -1,35 +1,75 @@
-"""``snakellm evaluate``: greedy generation on a test split, NeMo's and SQuAD's metrics.
+"""``snakellm evaluate``: generation on a test split, scored with NeMo's and SQuAD's metrics.
 
 For each ``{input, output[, answers]}`` example (prepare-sft's test split) the
-model generates greedily from the prompt (the same template, BOS/EOS and
-truncation as in training) for up to ``--tokens-to-generate`` tokens or EOD,
-with the KV-cached engine that ``snakellm generate`` and the server use. One
-process, tensor parallel 1: a model that was tuned with tp > 1 is read back
+model generates from the prompt (the same template, BOS/EOS and truncation as
+in training) for up to ``--tokens-to-generate`` tokens or EOD, with the
+KV-cached engine that ``snakellm generate`` and the server use, and NeMo's
+inference settings (``greedy`` by default; temperature, top-k/p, repetition
+penalty, ``min_tokens_to_generate``, ``end_strings`` and a seed otherwise).
+One process, tensor parallel 1: a model that was tuned with tp > 1 is read back
 whole (dist_checkpointing reshards it).
-Then, as NeMo's ``MegatronGPTSFTModel`` test pass does,
-``pred = decode(generated ids)`` and ``label = decode(answer ids)`` are compared
-by ``exact_string_match`` (raw equality); SQuAD's normalised exact match and F1
-take the best over every gold answer; ``answer_only_loss`` is the token-mean
-loss on the answer tokens given the prompt (teacher forcing).
+
+As NeMo's ``MegatronGPTSFTModel`` test pass does, ``pred = decode(generated
+ids)`` and ``label = decode(answer ids)`` are compared by exact string match
+(raw equality), reported under NeMo's logged names: ``test_exact_string_match``
+and ``test_loss`` (the token-mean loss on the answer tokens given the prompt,
+teacher forced). SQuAD's normalised exact match and F1 take the best over
+every gold answer (``squad_exact_match``, ``squad_f1``).
 
 The model is the base run alone or with what ``snakellm finetune`` wrote:
 ``--adapter DIR`` (LoRA), ``--prompt DIR`` (p-tuning) or a full fine-tune's
-``model/`` directory as ``--base``. Outputs: ``metrics.json`` and
-``predictions.jsonl`` (``{input, pred, label, answers}`` per example, NeMo's
-``*_inputs_preds_labels.jsonl`` fields plus the gold list).
+``model/`` directory as ``--base``. Outputs in ``--out-dir``: ``metrics.json``;
+``predictions.jsonl`` (``{input, pred, label, answers}``); and NeMo's own
+``predictions_test_dataloader0_inputs_preds_labels.jsonl`` (what
+``write_predictions_to_file`` with ``output_file_path_prefix: predictions``
+writes for an unnamed test set: ``{input, pred, label}`` per line).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 from snakellm.io.atomic import atomic_group
 
+# NeMo: f"{output_file_path_prefix}_{mode}_dataloader{idx}_inputs_preds_labels.jsonl"
+NEMO_PREDICTIONS = "predictions_test_dataloader0_inputs_preds_labels.jsonl"
+OUTPUTS = ("metrics.json", "predictions.jsonl", NEMO_PREDICTIONS)
+DECODING = (
+    "tokens_to_generate",
+    "min_tokens_to_generate",
+    "greedy",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "end_strings",
+    "seed",
+)
+
+
+def sampling_params(a: argparse.Namespace, room: int, index: int) -> Any:
+    """The engine's SamplingParams from the decoding settings (a seed per prompt: any batch, same draws)."""
+    from snakellm.serve.generate import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=room,
+        min_new_tokens=min(a.min_tokens_to_generate, room),
+        greedy=a.greedy,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        repetition_penalty=a.repetition_penalty,
+        end_strings=tuple(a.end_string or ()),
+        seed=a.seed + index,
+    )
+
 
 def generate_answers(gpt, arch: dict, tok, prompts: list[list[int]], a, seq: int, extra) -> list[list[int]]:
-    """Greedy answers by the serving engine (snakellm.serve.engine, continuous batching), EOD excluded.
+    """Answers by the serving engine (snakellm.serve.engine, continuous batching), EOD excluded.
 
     A LoRA adapter is merged into the weights first (the merged model computes what base + adapter
     computes); a p-tuning prompt table goes to the decoder, which puts it at each prompt's first
@@ -39,16 +79,17 @@ def generate_answers(gpt, arch: dict, tok, prompts: list[list[int]], a, seq: int
     """
     from snakellm.finetune.lora import LoRAAdapters, merge
     from snakellm.serve.engine import Engine, EngineSettings, Request
-    from snakellm.serve.generate import Generator, SamplingParams
 
     if isinstance(extra, LoRAAdapters):
         merge(gpt, extra)
     virtual = extra.prompt().detach() if extra is not None and hasattr(extra, "prompt") else None
+    from snakellm.serve.generate import Generator
+
     engine = Engine(Generator(gpt, arch, tok, virtual=virtual), EngineSettings(max_batch=a.batch_size))
     out: list[list[int]] = [[] for _ in prompts]
     budget = [min(a.tokens_to_generate, seq - len(p)) for p in prompts]
     reqs = {
-        i: engine.add(Request(list(p), SamplingParams(max_new_tokens=room, greedy=True)))
+        i: engine.add(Request(list(p), sampling_params(a, room, i)))
         for i, (p, room) in enumerate(zip(prompts, budget, strict=True))
         if room > 0
     }
@@ -59,6 +100,51 @@ def generate_answers(gpt, arch: dict, tok, prompts: list[list[int]], a, seq: int
     return out
 
 
+def decoding(a: argparse.Namespace) -> dict[str, Any]:
+    """The decoding settings as the config spells them (metrics.json records what produced the predictions)."""
+    return {k: list(a.end_string or []) if k == "end_strings" else getattr(a, k) for k in DECODING}
+
+
+def cut_at_end_strings(text: str, ends: list[str]) -> str:
+    """The answer up to the first end string (NeMo strips its end_strings from the response as well)."""
+    cut = min((text.find(e) for e in ends if e and e in text), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+def answer_loss(rt, gpt, exs: list, eod: int, batch_size: int) -> float:
+    """NeMo's ``test_loss``: the answer tokens' mean loss given their prompts (teacher forcing)."""
+    from snakellm.finetune import dataset as ds
+
+    torch = rt.torch
+    tot = torch.zeros(2, dtype=torch.float64)
+    gpt.eval()
+    with torch.no_grad():
+        for k in range(0, len(exs), batch_size):
+            b = ds.collate(exs[k : k + batch_size], eod, True)
+            b = {kk: v.to(rt.device) for kk, v in b.items()}
+            per_tok = gpt(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            m = b["loss_mask"]
+            tot += torch.tensor([float((per_tok.float() * m).sum()), float(m.sum())], dtype=torch.float64)
+    return float(tot[0] / tot[1].clamp(min=1))
+
+
+def _encoder(a: argparse.Namespace, tok, seq: int, conf: dict | None, virtual: int):
+    """The training run's example encoder: an adapter/prompt's own settings win over the flags."""
+    from snakellm.finetune import dataset as ds
+
+    ex_cfg = (conf or {}).get("examples") or {}
+    return ds.Encoder(
+        tok,
+        seq + 1,
+        ex_cfg.get("template", a.template),
+        ex_cfg.get("add_bos", a.add_bos),
+        ex_cfg.get("add_eos", a.add_eos),
+        ex_cfg.get("truncation_method", a.truncation_method),
+        reserved=virtual,
+        truncation_field=ex_cfg.get("truncation_field", a.truncation_field),
+    ), ex_cfg.get("add_eos", a.add_eos)
+
+
 def evaluate(a: argparse.Namespace) -> dict:
     from snakellm import models
     from snakellm.finetune import artifacts, runtime
@@ -66,73 +152,62 @@ def evaluate(a: argparse.Namespace) -> dict:
     from snakellm.finetune.metrics import exact_string_match, squad_scores
 
     rt = runtime.start(a.device, 1, a.threads)
-    torch = rt.torch
     try:
         bf16 = (a.precision == "bf16") or (a.precision == "auto" and rt.cuda)
         base = models.load(a.base, device=rt.device, bf16=bf16, seq_length=a.max_seq_length)
-        gpt, arch, ck = base.model, base.arch, base.checkpoint
+        gpt, arch = base.model, base.arch
         seq = a.max_seq_length or arch["seq_length"]
         tok = runtime.load_tokenizer(base.tokenizer)  # the tokenizer the run carries
         virtual, conf, extra = artifacts.attach(rt.device, gpt, arch, a.adapter, a.prompt)
-        ex_cfg = (conf or {}).get("examples") or {}
-        template = ex_cfg.get("template", a.template)
-        enc = ds.Encoder(
-            tok,
-            seq + 1,
-            template,
-            ex_cfg.get("add_bos", a.add_bos),
-            ex_cfg.get("add_eos", a.add_eos),
-            ex_cfg.get("truncation_method", a.truncation_method),
-            reserved=virtual,
-        )
-        records = ds.read_jsonl(a.test)
-        if a.limit:
-            records = records[: a.limit]
+        enc, add_eos = _encoder(a, tok, seq, conf, virtual)
+        records = ds.read_jsonl(a.test)[: a.limit or None]
         exs = enc.encode_all(records)
+        warning = ds.truncation_warning(a.test, exs, enc)
+        if warning:
+            print(f"snakellm evaluate: {warning}", file=sys.stderr)
         for e in exs:
             e.context = [int(tok.eod_id)] * virtual + e.context
-
-        eos = [] if not ex_cfg.get("add_eos", a.add_eos) else [tok.eod_id]
-        labels = [
-            tok.decode(e.answer[: len(e.answer) - len(eos)] if eos and e.answer[-1:] == eos else e.answer) for e in exs
-        ]
+        eos = [tok.eod_id] if add_eos else []
+        labels = [tok.decode(e.answer[: len(e.answer) - 1] if eos and e.answer[-1:] == eos else e.answer) for e in exs]
         golds = [r.get("answers") or [r["output"]] for r in records]
-        # answer-only loss, teacher forced
-        tot = torch.zeros(2, dtype=torch.float64)
-        gpt.eval()
-        with torch.no_grad():
-            for k in range(0, len(exs), a.batch_size):
-                b = ds.collate(exs[k : k + a.batch_size], tok.eod_id, True)
-                b = {kk: v.to(rt.device) for kk, v in b.items()}
-                per_tok = gpt(b["tokens"], b["position_ids"], None, labels=b["labels"])
-                m = b["loss_mask"]
-                tot += torch.tensor([float((per_tok.float() * m).sum()), float(m.sum())], dtype=torch.float64)
+        loss = answer_loss(rt, gpt, exs, tok.eod_id, a.batch_size)
         gen = generate_answers(gpt, arch, tok, [e.context for e in exs], a, seq, extra)
-        preds = [tok.decode(g) for g in gen]
+        preds = [cut_at_end_strings(tok.decode(g), a.end_string or []) for g in gen]
         metrics = {
             "model": a.label or ("lora" if a.adapter else "ptuning" if a.prompt else "base"),
-            "checkpoint": str(ck),
+            "checkpoint": str(base.checkpoint),
             "adapter": a.adapter,
             "prompt": a.prompt,
+            "test": str(a.test),
             "examples": len(exs),
-            "exact_string_match": exact_string_match(preds, labels),
+            "test_exact_string_match": exact_string_match(preds, labels),
             **squad_scores(preds, golds),
-            "answer_only_loss": float(tot[0] / tot[1].clamp(min=1)),
-            "tokens_to_generate": a.tokens_to_generate,
-            "context_truncated": enc.stats.context_truncated,
+            "test_loss": loss,
+            "decoding": decoding(a),
+            "encode": enc.stats.as_dict(),
         }
         if rt.rank == 0:
-            out = Path(a.out_dir)
-            with atomic_group(out / "predictions.jsonl", out / "metrics.json") as (p_tmp, m_tmp):
-                p_tmp.write_text(
-                    "".join(
-                        json.dumps({"input": r["input"], "pred": p, "label": lab, "answers": g}, ensure_ascii=False)
-                        + "\n"
-                        for r, p, lab, g in zip(records, preds, labels, golds, strict=False)
-                    ),
-                    encoding="utf-8",
-                )
-                m_tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+            write_outputs(Path(a.out_dir), metrics, records, preds, labels, golds)
         return metrics
     finally:
         runtime.stop()
+
+
+def write_outputs(
+    out: Path, metrics: dict, records: list[dict], preds: list[str], labels: list[str], golds: list[list[str]]
+) -> None:
+    """metrics.json, our predictions.jsonl and NeMo's predictions file, all three or none (atomic)."""
+    rows = list(zip(records, preds, labels, golds, strict=True))
+    with atomic_group(*(out / f for f in OUTPUTS)) as (m_tmp, p_tmp, n_tmp):
+        p_tmp.write_text(
+            "".join(
+                json.dumps({"input": r["input"], "pred": p, "label": lab, "answers": g}, ensure_ascii=False) + "\n"
+                for r, p, lab, g in rows
+            ),
+            encoding="utf-8",
+        )
+        # NeMo writes json.dumps({'input': i, 'pred': p, 'label': l}) per line (ASCII escapes, its default)
+        n_tmp.write_text(
+            "".join(json.dumps({"input": r["input"], "pred": p, "label": lab}) + "\n" for r, p, lab, _ in rows)
+        )
+        m_tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")

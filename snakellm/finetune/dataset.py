@@ -10,9 +10,11 @@ for a space-insensitive one (SentencePiece) it is dropped. The pieces before
 
 ``add_bos`` (NeMo default False) puts BOS in front of the context, ``add_eos``
 (default True) EOD after the answer. Too long an example loses tokens from its
-context (``truncation_method`` right: from its end, NeMo's default; left: from
-its start), then, only if the answer alone is too long, from the answer's end;
-both are counted. With ``answer_only_loss`` only the answer tokens (and EOD) are
+``truncation_field`` (NeMo's option: the template fields that may be cut; default
+``input``) from the start (``truncation_method: left``, our default: a prompt ends
+with its question) or the end (right, NeMo's default), then from the rest of the
+context, and only if the answer alone is too long, from the answer's end; all
+counted (:class:`EncodeStats`) and warned about in the job log. With ``answer_only_loss`` only the answer tokens (and EOD) are
 predicted; otherwise every token is.
 
 Batches are ``tokens``/``labels``/``loss_mask``/``position_ids`` ``[b, s]``; with
@@ -45,6 +47,7 @@ class Example:
     context: list[int]
     answer: list[int]
     record: dict = field(default_factory=dict)
+    truncated: int = 0  # tokens dropped to fit the sequence
 
     @property
     def ids(self) -> list[int]:
@@ -62,7 +65,11 @@ class EncodeStats:
         return dict(self.__dict__)
 
 
+LINE = "_line"  # where read_jsonl found a record (1-based), for messages; never a template field
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The ``{input, output, ...}`` records of a jsonl file, each with its line number under ``LINE``."""
     out = []
     with open(path, encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
@@ -80,6 +87,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 raise SFTFormatError(
                     f"{path}:{n}: expected an object with string 'input' and 'output' (run prepare-sft)"
                 )
+            rec[LINE] = n
             out.append(rec)
     if not out:
         raise SFTFormatError(f"{path}: no examples")
@@ -122,22 +130,31 @@ def template_pieces(template: str, record: dict, sensitive: bool) -> tuple[list[
 
 @dataclass
 class Encoder:
-    """Turns records into :class:`Example`s (token ids split into context and answer)."""
+    """Turns records into :class:`Example`s (token ids split into context and answer).
+
+    Too long an example loses tokens first from its ``truncation_field`` pieces (NeMo's
+    ``truncation_field``: the template fields that may be cut, comma-separated), from their
+    start (``truncation_method: left``) or end (right); so a prompt ``{context} {question}`` cut
+    in ``context`` keeps the question and the template's words. Only if that is not enough
+    the rest of the context is cut the same way, and last the answer's end; each is counted.
+    """
 
     tok: Any
     max_seq_length: int
     template: str = "{input} {output}"
     add_bos: bool = False
     add_eos: bool = True
-    truncation_method: str = "right"
+    truncation_method: str = "left"
     reserved: int = 0  # positions taken by p-tuning's virtual tokens
     bos_id: int | None = None
     eos_id: int | None = None
+    truncation_field: str = "input"
 
     def __post_init__(self) -> None:
         if self.truncation_method not in ("left", "right"):
             raise SFTFormatError(f"truncation_method must be left or right, got {self.truncation_method!r}")
         self.sensitive = space_sensitive(self.tok)
+        self.fields = {f.strip() for f in self.truncation_field.split(",") if f.strip()}
         if self.eos_id is None:
             self.eos_id = int(self.tok.eod_id)
         if self.bos_id is None:
@@ -146,38 +163,59 @@ class Encoder:
             self.bos_id = int(bos) if bos is not None and bos >= 0 else int(self.tok.eod_id)
         self.stats = EncodeStats()
 
+    def _cut(self, pieces: list[list[int]], which: list[int], over: int) -> int:
+        """Drop up to ``over`` tokens from the pieces ``which`` (left: their starts, first piece first)."""
+        left = self.truncation_method == "left"
+        cut = 0
+        for i in which if left else reversed(which):
+            take = min(over - cut, len(pieces[i]))
+            if take:
+                pieces[i] = pieces[i][take:] if left else pieces[i][: len(pieces[i]) - take]
+                cut += take
+            if cut >= over:
+                break
+        return cut
+
     def encode(self, rec: dict) -> Example:
         strings, keys = template_pieces(self.template, rec, self.sensitive)
-        ids = [list(map(int, self.tok.encode(s))) for s in strings]
-        context = [t for piece in ids[:-1] for t in piece]
-        answer = list(ids[-1])
-        if self.add_bos:
-            context = [int(self.bos_id or 0)] + context
+        pieces = [list(map(int, self.tok.encode(s))) for s in strings[:-1]]
+        answer = list(map(int, self.tok.encode(strings[-1])))
+        head = [int(self.bos_id or 0)] if self.add_bos else []
         if self.add_eos:
             answer = answer + [int(self.eos_id or 0)]
         budget = self.max_seq_length - self.reserved
-        over = len(context) + len(answer) - budget
+        over = len(head) + sum(map(len, pieces)) + len(answer) - budget
         self.stats.examples += 1
-        if over > 0:
-            keep_ctx = max(len(context) - over, 1 if self.add_bos else 0)
-            cut = len(context) - keep_ctx
+        cut = 0
+        if over > 0:  # the truncation fields first, then the rest of the context (BOS stays first)
+            cut = self._cut(pieces, [i for i, k in enumerate(keys[:-1]) if k in self.fields], over)
+            cut += self._cut(pieces, list(range(len(pieces))), over - cut)
             if cut:
                 self.stats.context_truncated += 1
                 self.stats.tokens_dropped += cut
-                if self.truncation_method == "right":
-                    context = context[:keep_ctx]
-                else:  # keep the end (BOS stays first)
-                    head = context[:1] if self.add_bos else []
-                    context = head + context[len(head) + cut :]
-            over = len(context) + len(answer) - budget
-            if over > 0:
-                self.stats.answer_truncated += 1
-                self.stats.tokens_dropped += over
-                answer = answer[: len(answer) - over]
-        return Example(context, answer, rec)
+        context = head + [t for p in pieces for t in p]
+        over = len(context) + len(answer) - budget
+        if over > 0:
+            self.stats.answer_truncated += 1
+            self.stats.tokens_dropped += over
+            answer = answer[: len(answer) - over]
+        return Example(context, answer, rec, truncated=cut + max(over, 0))
 
     def encode_all(self, records: Sequence[dict]) -> list[Example]:
         return [self.encode(r) for r in records]
+
+
+def truncation_warning(path: str | Path, exs: Sequence[Example], enc: Encoder) -> str | None:
+    """The job log's line about over-long examples of one file (None when none was cut): counts and lines."""
+    cut = [e.record.get(LINE, n) for n, e in enumerate(exs, 1) if e.truncated]
+    if not cut:
+        return None
+    rows = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
+    return (
+        f"warning: {path}: {len(cut)} of {len(exs)} examples longer than {enc.max_seq_length - 1} tokens were "
+        f"truncated ({sum(e.truncated for e in exs)} tokens dropped; truncation_field {enc.truncation_field!r} "
+        f"from the {enc.truncation_method}; {enc.stats.answer_truncated} answers cut); lines {rows}"
+    )
 
 
 def sample_order(n: int, seed: int, start: int, count: int) -> list[int]:

@@ -89,18 +89,61 @@ def to_peft(tensors: dict[str, torch.Tensor], arch: dict, lora: dict) -> tuple[d
     return out, config
 
 
-def write_peft(adapter_dir: str | Path, out_dir: str | Path) -> Path:
-    """Read finetune's adapter/ and write PEFT's adapter_config.json + adapter_model.safetensors."""
-    from safetensors.torch import load_file, save_file
+def _write(out: Path, sd: dict[str, torch.Tensor], cfg: dict) -> Path:
+    """adapter_model.safetensors, then adapter_config.json (the file a rule waits for), each atomically."""
+    from safetensors.torch import save_file
 
     from snakellm.io.atomic import atomic_path, write_json
+
+    with atomic_path(out / "adapter_model.safetensors") as tmp:
+        save_file(sd, str(tmp), metadata={"format": "pt"})
+    write_json(out / "adapter_config.json", cfg)
+    return out
+
+
+def write_peft(adapter_dir: str | Path, out_dir: str | Path, base_model: str) -> Path:
+    """Read finetune's adapter/ and write PEFT's adapter_config.json + adapter_model.safetensors.
+
+    ``base_model`` goes to ``base_model_name_or_path``: the Hugging Face directory (or hub name) of the
+    base, which ``AutoPeftModelForCausalLM.from_pretrained(out_dir)`` loads the adapter onto.
+    """
+    from safetensors.torch import load_file
 
     src = Path(adapter_dir)
     conf = json.loads((src / "adapter_config.json").read_text())
     tensors = load_file(str(src / "adapter.safetensors"))
     sd, cfg = to_peft(tensors, conf["model"], conf["lora"])
-    out = Path(out_dir)
-    with atomic_path(out / "adapter_model.safetensors") as tmp:
-        save_file(sd, str(tmp), metadata={"format": "pt"})
-    write_json(out / "adapter_config.json", cfg)
-    return out
+    cfg["base_model_name_or_path"] = base_model
+    return _write(Path(out_dir), sd, cfg)
+
+
+def write_prompt_tuning(prompt_dir: str | Path, out_dir: str | Path, base_model: str) -> Path:
+    """A p-tuning prompt table in PEFT's prompt-tuning format (``peft_type: PROMPT_TUNING``).
+
+    What NeMo keeps of a p-tuning run for inference is its ``prompt_table``: the prompt encoder's
+    output, one embedding per virtual token, put in front of each prompt's token embeddings. PEFT's
+    prompt tuning is exactly that table (``prompt_embeddings`` [virtual tokens, hidden], in front of
+    the input embeddings, positions counted from the first virtual token, as ours), so
+    ``PeftModel.from_pretrained(hf_base, out_dir)`` computes what our model with the table computes.
+    """
+    from safetensors.torch import load_file
+
+    src = Path(prompt_dir)
+    conf = json.loads((src / "prompt_config.json").read_text())
+    table = load_file(str(src / "virtual_tokens.safetensors"))["prompt_table"]
+    arch = conf["model"]
+    cfg = {
+        "peft_type": "PROMPT_TUNING",
+        "task_type": "CAUSAL_LM",
+        "num_virtual_tokens": int(table.shape[0]),
+        "token_dim": int(table.shape[1]),
+        "num_transformer_submodules": 1,
+        "num_attention_heads": int(arch["num_attention_heads"]),
+        "num_layers": int(arch["num_layers"]),
+        "prompt_tuning_init": "RANDOM",
+        "prompt_tuning_init_text": None,
+        "tokenizer_name_or_path": None,
+        "inference_mode": True,
+        "base_model_name_or_path": base_model,
+    }
+    return _write(Path(out_dir), {"prompt_embeddings": table.float().contiguous()}, cfg)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -120,21 +121,29 @@ class FinetuneRecipe:
 
         a = self.a
         self.tok = load_tokenizer(self.tok_info)
-        enc = ds.Encoder(
-            self.tok, self.seq + 1, a.template, a.add_bos, a.add_eos, a.truncation_method, reserved=self.virtual
-        )
         prefix = [int(self.tok.eod_id)] * self.virtual
 
-        def encode(path: Path) -> list[ds.Example]:
+        def encode(path: Path) -> tuple[list[ds.Example], dict[str, int]]:
+            enc = ds.Encoder(
+                self.tok,
+                self.seq + 1,
+                a.template,
+                a.add_bos,
+                a.add_eos,
+                a.truncation_method,
+                reserved=self.virtual,
+                truncation_field=a.truncation_field,
+            )
             exs = enc.encode_all(ds.read_jsonl(path))
+            warning = ds.truncation_warning(path, exs, enc)
+            if warning:
+                print(f"snakellm finetune: {warning}", file=sys.stderr)
             for e in exs:
                 e.context = prefix + e.context
-            return exs
+            return exs, enc.stats.as_dict()
 
-        self.train_ex = encode(self.train_path)
-        self.train_stats = enc.stats.as_dict()
-        enc.stats = ds.EncodeStats()
-        self.valid_ex = encode(self.valid_path)
+        self.train_ex, self.train_stats = encode(self.train_path)
+        self.valid_ex, self.valid_stats = encode(self.valid_path)
         if a.eval_examples:
             self.valid_ex = self.valid_ex[: a.eval_examples]
         self.items = (
@@ -305,6 +314,7 @@ class FinetuneRecipe:
             "sequences": len(self.items),
             "validation_examples": len(self.valid_ex),
             "encode": self.train_stats,
+            "encode_validation": self.valid_stats,
             "median_tokens_per_s": tps[len(tps) // 2] if tps else None,
             "flops_per_token": done.parts.flops_per_token,
             "fingerprint": done.fingerprint,

@@ -93,7 +93,9 @@ def squad_records(path: str, template: str) -> Iterator[tuple[str, dict | None, 
                     raise SFTDataError(
                         f"prompt template {template!r}: unknown field {e} (fields: context, question, title)"
                     ) from None
-                rec = {"input": prompt, "output": texts[0], "answers": texts}
+                # the prompt's fields stay beside it: a fine-tune's template may cut {context} and keep {question}
+                rec = {"input": prompt, "output": texts[0], "answers": texts, "context": context, "question": question}
+                rec["title"] = art["title"] if isinstance(art.get("title"), str) else ""
                 if isinstance(qa.get("id"), str):
                     rec["id"] = qa["id"]
                 yield place, rec, None, None
@@ -210,6 +212,13 @@ def prepare(
     if limit is not None:
         order = order[:limit]
     counts = split_counts(len(order), shares)
+    if any(c == 0 and share > 0 for c, share in zip(counts, shares, strict=True)):  # share 0: left empty on purpose
+        raise SFTDataError(
+            f"{source}: too few records: {len(order)} used ({len(good)} usable of {seen}, "
+            f"{sum(reasons.values())} rejected) split {split} give "
+            + ", ".join(f"{n} {c}" for n, c in zip(SPLITS, counts, strict=True))
+            + ": a split with a share needs at least one record (add records or change split/limit)"
+        )
     splits: dict[str, list[dict]] = {}
     start = 0
     for name, c in zip(SPLITS, counts, strict=False):

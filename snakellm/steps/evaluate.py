@@ -14,12 +14,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         formatter_class=DefaultsHelpFormatter,
         prog="snakellm evaluate",
-        description="Greedy generation on a test split: NeMo's exact_string_match, SQuAD EM/F1 and answer-only "
-        "loss -> metrics.json + predictions.jsonl ({input, pred, label}).",
+        description="Generation on a test split (greedy by default): NeMo's test_exact_string_match and test_loss, "
+        "SQuAD EM/F1 -> metrics.json, predictions.jsonl ({input, pred, label, answers}) and NeMo's "
+        "predictions_test_dataloader0_inputs_preds_labels.jsonl ({input, pred, label}).",
     )
     p.add_argument("--base", required=True, help="pretrained run (or a full fine-tune's model/ directory)")
     p.add_argument("--test", required=True, help="test split jsonl ({input, output[, answers]})")
-    p.add_argument("--out-dir", required=True, help="directory for metrics.json and predictions.jsonl")
+    p.add_argument("--out-dir", required=True, help="directory for metrics.json and the predictions files")
     p.add_argument("--adapter", default=None, help="LoRA adapter directory (finetune's adapter/)")
     p.add_argument("--prompt", default=None, help="p-tuning directory (finetune's prompt/)")
     p.add_argument("--label", default=None, help="name of the evaluated model in metrics.json")
@@ -51,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"snakellm evaluate: error: {e}", file=sys.stderr)
         return 2
     print(
-        f"snakellm evaluate: {m['model']}: exact_string_match {m['exact_string_match']:.4f}, SQuAD EM "
-        f"{m['squad_exact_match']:.4f} F1 {m['squad_f1']:.4f}, answer-only loss {m['answer_only_loss']:.4f} "
+        f"snakellm evaluate: {m['model']}: test_exact_string_match {m['test_exact_string_match']:.4f}, SQuAD EM "
+        f"{m['squad_exact_match']:.4f} F1 {m['squad_f1']:.4f}, test_loss {m['test_loss']:.4f} "
         f"({m['examples']} examples)",
         file=sys.stderr,
     )

@@ -44,12 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_arguments(p)
     add_arguments(p.add_argument_group("training"), FinetuneTrainSettings)
     c = p.add_argument_group("validation, checkpoints, stopping")
-    c.add_argument(
-        "--select",
-        default="best",
-        choices=("best", "last"),
-        help="which checkpoint the artifacts come from: the best validation loss (NeMo's default) or the last",
-    )
     c.add_argument("--max-time", type=float, default=None, help="seconds; then checkpoint and exit 75")
     s = p.add_argument_group("parallelism")
     add_arguments(s, FinetuneParallelSettings)

@@ -1,4 +1,5 @@
-"""``snakellm lora``: merge a LoRA adapter into its base (a checkpoint or a Hugging Face directory), or write it in PEFT format (snakellm.finetune.adapters)."""
+"""``snakellm lora``: merge a LoRA adapter into its base (a checkpoint or a Hugging Face directory), or write it
+(or a p-tuning prompt table) in PEFT format (snakellm.finetune.adapters, snakellm.finetune.peft_export)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--adapter", required=True, help="finetune's adapter/ directory")
     h.add_argument("--out", required=True, help="output Hugging Face directory (replaced atomically)")
     add_arguments(h.add_argument_group("export (config: export_hf)"), ExportHfSettings)
-    e = sub.add_parser("export-peft", help="write adapter_config.json + adapter_model.safetensors for peft")
-    e.add_argument("--adapter", required=True, help="finetune's adapter/ directory")
+    e = sub.add_parser(
+        "export-peft",
+        help="write adapter_config.json + adapter_model.safetensors for peft (LoRA, or p-tuning's prompt table)",
+    )
+    src = e.add_mutually_exclusive_group(required=True)
+    src.add_argument("--adapter", help="finetune's adapter/ directory (LoRA: peft_type LORA)")
+    src.add_argument("--prompt", help="finetune's prompt/ directory (p-tuning: peft_type PROMPT_TUNING)")
     e.add_argument("--out", required=True, help="output directory")
+    e.add_argument(
+        "--base-model",
+        required=True,
+        help="base_model_name_or_path: the base's Hugging Face directory (the run's hf/) or hub name",
+    )
     for each in sub.choices.values():  # add_parser does not pass the formatter on
         each.formatter_class = DefaultsHelpFormatter
     return p
@@ -53,9 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "merge-hf":
             path = merge_hf(a.base, a.adapter, a.out, max_shard_size=a.max_shard_size, dtype=a.dtype)
         else:
-            from snakellm.finetune.peft_export import write_peft
+            from snakellm.finetune.peft_export import write_peft, write_prompt_tuning
 
-            path = write_peft(a.adapter, a.out)
+            if a.adapter:
+                path = write_peft(a.adapter, a.out, a.base_model)
+            else:
+                path = write_prompt_tuning(a.prompt, a.out, a.base_model)
     except (OSError, KeyError, ValueError, json.JSONDecodeError, LoadError) as e:
         print(f"snakellm lora: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,40 @@
+"""``snakellm compare-eval``: a fine-tune's base-vs-tuned table (snakellm.eval.compare)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from snakellm.config.settings import DefaultsHelpFormatter
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        formatter_class=DefaultsHelpFormatter,
+        prog="snakellm compare-eval",
+        description="Base vs tuned: two `snakellm evaluate` directories on the same test split and decoding -> "
+        "comparison.json, comparison.tsv and comparison.md (metrics and their differences) in --out-dir.",
+    )
+    p.add_argument("--base", required=True, help="the base model's evaluation directory")
+    p.add_argument("--tuned", required=True, help="the fine-tuned model's evaluation directory")
+    p.add_argument("--out-dir", required=True, help="where comparison.{json,tsv,md} go")
+    p.add_argument("--name", default="", help="the fine-tune's name (in the table's title)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from snakellm.eval.compare import CompareError, compare, markdown, write
+
+    a = build_parser().parse_args(argv)
+    try:
+        c = compare(a.base, a.tuned, a.name)
+    except CompareError as e:
+        print(f"snakellm compare-eval: error: {e}", file=sys.stderr)
+        return 2
+    write(c, a.out_dir)
+    print(markdown(c), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
