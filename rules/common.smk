@@ -406,16 +406,33 @@ def get_export_nemo_targets():
     return [f"runs/{run}/{run}.nemo" for run in RUNS] if EXPORT_NEMO["enabled"] else []
 
 
+_NOTED = set()
+
+
+def _note_once(message):
+    """A line on stderr for the user, once per Snakemake start (not from a job-side Snakemake)."""
+    if workflow.is_main_process and message not in _NOTED:
+        _NOTED.add(message)
+        print(message, file=sys.stderr)
+
+
 def get_import_nemo_targets(names):
     """The .nemo of these imports, when enabled and NeMo can pack their tokenizer (not a tokenizer.json)."""
     if not EXPORT_NEMO["enabled"]:
         return []
-    return [
-        f"runs/{n}/{n}.nemo"
-        for n in names
-        if checkmod.import_tokenizer_kind(IMPORTS[n]["hf_dir"])
-        in checkmod.NEMO_TOKENIZER_KINDS
-    ]
+    out = []
+    for n in names:
+        if (
+            checkmod.import_tokenizer_kind(IMPORTS[n]["hf_dir"])
+            in checkmod.NEMO_TOKENIZER_KINDS
+        ):
+            out.append(f"runs/{n}/{n}.nemo")
+        else:
+            _note_once(
+                f"import_hf.{n}: no .nemo: its tokenizer is a Hugging Face tokenizer.json, which NeMo 1.x "
+                "cannot pack (export_nemo.enabled: false silences this)"
+            )
+    return out
 
 
 def get_hf_targets():
@@ -430,6 +447,59 @@ def get_hf_targets():
     return out
 
 
+# ---------------------------------------------------------------- lm-evaluation-harness (rules/evaluate.smk)
+
+LM_EVAL = config["lm_eval"]
+LM_EVAL_TASKS = "data/lm_eval/tasks"  # the shipped suite's task YAMLs and jsonl files (rule lm_eval_tasks)
+
+
+def _shipped(rel):
+    """A file of this repository's resources/: relative to the working directory when it lies under it
+    (the README's commands), else absolute (a workflow run with -d elsewhere builds from the same files).
+    """
+    path = os.path.join(workflow.basedir, rel)
+    short = os.path.relpath(path)
+    return path if short.startswith("..") else short
+
+
+LM_EVAL_SOURCES = {
+    "wikipedia": _shipped("resources/wikipedia/enwiki-pages-articles-excerpt.xml.bz2"),
+    "squad": _shipped("resources/squad/squad-dev-subset.json"),
+}
+
+
+wildcard_constraints:
+    suite=_names_regex(LM_EVAL["suites"]),
+
+
+def get_lm_eval_flags(wildcards):
+    """The suite's settings (config: lm_eval.suites.NAME): editing one suite reruns that suite only."""
+    return flags(S.LmEvalSuiteSettings, LM_EVAL["suites"][wildcards.suite])
+
+
+def get_lm_eval_targets():
+    """runs/{run}/lm_eval/{suite}.json of every run and import (on its Hugging Face export)."""
+    if not (LM_EVAL["enabled"] and config["export_hf"]["enabled"]):
+        return []
+    return [
+        f"runs/{n}/lm_eval/{suite}.json"
+        for n in list(RUNS) + list(IMPORTS)
+        for suite in LM_EVAL["suites"]
+    ]
+
+
+def lm_eval_finetune_files(run):
+    """runs/{run}/finetune/{ft}/lm_eval/{suite}.json of the run's LoRA fine-tunes (their merged HF models)."""
+    if not get_lm_eval_targets():
+        return []
+    return [
+        f"runs/{run}/finetune/{name}/lm_eval/{suite}.json"
+        for name, ft in config.get("finetune", {}).items()
+        if ft["run"] == run and ft["method"] == "lora"
+        for suite in LM_EVAL["suites"]
+    ]
+
+
 # ---------------------------------------------------------------- targets
 
 
@@ -442,6 +512,8 @@ def get_all_targets():
         + get_train_targets()
         + get_export_nemo_targets()
         + get_hf_targets()
+        + get_lm_eval_targets()
+        + [f for n in list(RUNS) + list(IMPORTS) for f in lm_eval_finetune_files(n)]
         + get_finetune_targets()
         + get_report_targets()
     )

@@ -21,6 +21,8 @@ localrules:
     report_tokens_overview,
     report_tokenizer,
     report_train,
+    report_lm_eval,
+    report_finetune,
     report_table,
 
 
@@ -255,6 +257,62 @@ rule report_train:
     shell:
         "snakellm report train --run {wildcards.run} --metrics {input.metrics} --summary {input.summary} "
         "--prefix {params.prefix} 2> {log}"
+
+
+rule report_lm_eval:
+    input:
+        get_report_lm_eval_input,
+    output:
+        table=report(
+            "results/report/evaluation/{run}.lm_eval.html",
+            caption="../report/lm_eval_table.rst",
+            category="Evaluation",
+            subcategory="{run}",
+            labels={"figure": "lm-eval suites (table)"},
+        ),
+        plot=report(
+            "results/report/evaluation/{run}.lm_eval.svg",
+            caption="../report/lm_eval_plot.rst",
+            category="Evaluation",
+            subcategory="{run}",
+            labels={"figure": "lm-eval scores"},
+        ),
+    log:
+        "logs/report/evaluation/{run}.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "snakellm report lm-eval {input:q} --run {wildcards.run} --table {output.table} "
+        "--plot {output.plot} 2> {log}"
+
+
+rule report_finetune:
+    input:
+        unpack(get_report_finetune_input),
+    output:
+        page=report(
+            "results/report/finetune/{run}/{ft}.html",
+            caption="../report/finetune_page.rst",
+            category="Fine-tuning",
+            subcategory="{ft}",
+            labels={"figure": "base vs tuned, predictions, settings"},
+        ),
+        loss=report(
+            "results/report/finetune/{run}/{ft}.loss.svg",
+            caption="../report/finetune_loss.rst",
+            category="Fine-tuning",
+            subcategory="{ft}",
+            labels={"figure": "loss"},
+        ),
+    log:
+        "logs/report/finetune/{run}/{ft}.log",
+    conda:
+        "../envs/data.yaml"
+    shell:
+        "snakellm report finetune --name {wildcards.ft} --metrics {input.metrics} --summary {input.summary} "
+        "--base {input.base} --tuned {input.tuned} --base-predictions {input.base_predictions} "
+        "--tuned-predictions {input.tuned_predictions} --comparison {input.comparison} --page {output.page} "
+        "--loss {output.loss} 2> {log}"
 
 
 rule report_table:

@@ -37,6 +37,10 @@ STEPS: dict[str, tuple[str, str]] = {
         "generation on a test split: NeMo's test_exact_string_match and test_loss, SQuAD EM/F1",
     ),
     "compare-eval": ("snakellm.steps.compare_eval", "a fine-tune's base-vs-tuned table (json, tsv, markdown)"),
+    "evaluate-lm": (
+        "snakellm.steps.evaluate_lm",
+        "lm-evaluation-harness on a Hugging Face export (or a server), local tasks only; builds the shipped suite",
+    ),
     "lora": (
         "snakellm.steps.lora",
         "merge a LoRA adapter into its base, or write it in Hugging Face PEFT format",

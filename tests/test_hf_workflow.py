@@ -73,16 +73,20 @@ def test_reruns_only_on_checkpoint_or_own_settings(copy_of_default: Workspace):
     assert _jobs(ws) == {"generate": 1}
     cfg["export_hf"] = {"max_shard_size": "1MB"}
     ws.write_config(cfg)
-    assert _jobs(ws) == {"generate": 1, "export_hf": 1}
+    assert _jobs(ws) == {"generate": 1, "export_hf": 1, "evaluate_lm": 1}  # lm-eval reads the export
     cfg.pop("generate")
     cfg.pop("export_hf")
+    cfg["lm_eval"] = {"suites": {"default": {"limit": 5}}}  # a suite's settings: that suite only
+    ws.write_config(cfg)
+    assert _jobs(ws) == {"evaluate_lm": 1}
+    cfg.pop("lm_eval")
     ws.write_config(cfg)
     assert _jobs(ws) == {}
     # a new checkpoint (the run's summary is rewritten after it) reruns the exports and samples, nothing else
     age(ws.root, 60, "runs")
     summary = ws.path("runs/tiny/train_summary.json")
     summary.write_text(summary.read_text() + "\n")  # new content: Snakemake ignores a bare touch of small files
-    assert _jobs(ws) == {"generate": 1, "export_hf": 1, "export_nemo": 1}
+    assert _jobs(ws) == {"generate": 1, "export_hf": 1, "export_nemo": 1, "evaluate_lm": 1}
 
 
 def test_import_hf_rule_then_export_and_samples(workspace: Workspace):

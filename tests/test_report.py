@@ -204,6 +204,94 @@ def test_table_step_renders_metrics_json_and_samples_jsonl(tmp_path):
     assert "&lt;b&gt;a&lt;/b&gt;" in page and "<b>a</b>" not in page  # model output is text, never markup
 
 
+def test_table_step_shows_unicode_as_text(tmp_path):
+    """Non-ASCII answers read as written (json.dumps' default would show \\u00a3 for a £)."""
+    (tmp_path / "p.jsonl").write_text(
+        json.dumps({"input": "Preis?", "answers": ["£5", "café"], "pred": "naïve ⁇"}, ensure_ascii=False) + "\n",
+        encoding="utf-8",
+    )
+    snakellm("report", "table", "p.jsonl", "--title", "Preise", "--output", "t.html", cwd=tmp_path)
+    page = (tmp_path / "t.html").read_text(encoding="utf-8")
+    assert "£5" in page and "café" in page and "naïve ⁇" in page and "\\u00a3" not in page
+
+
+def test_lm_eval_and_finetune_pages_hold_the_files_values(tmp_path):
+    """The Evaluation and Fine-tuning pages from files shaped as lm-eval and snakellm evaluate write them,
+    NeMo's metric and field names (test_exact_string_match, inputs/preds/labels) as well as the older ones."""
+    lm = {
+        "results": {
+            "t_ppl": {"alias": "t_ppl", "sample_len": 2, "word_perplexity,none": 1234.5, "word_perplexity_stderr,none": "N/A"},
+            "t_mc": {"acc,none": 0.375, "acc_stderr,none": 0.125, "acc_norm,none": 0.5},
+        },
+        "n-samples": {"t_ppl": {"effective": 2}, "t_mc": {"effective": 8}},
+        "n-shot": {"t_ppl": 0, "t_mc": 0},
+        "samples": {"t_mc": [{"doc_id": 0, "arguments": {"gen_args_0": {"arg_0": "Le café"}}, "target": "£5",
+                              "filtered_resps": [[-1.5, False]], "metrics": ["acc"], "acc": 1.0}]},
+        "config": {"model": "hf"},
+        "snakellm": {"suite": "default", "model_dir": "runs/r/hf", "limit": 8},
+    }  # fmt: skip
+    (tmp_path / "default.json").write_text(json.dumps(lm))
+    snakellm("report", "lm-eval", "default.json", "--run", "r", "--table", "e.html", "--plot", "e.svg", cwd=tmp_path)
+    page = (tmp_path / "e.html").read_text(encoding="utf-8")
+    assert '<td>t_ppl</td><td>word_perplexity</td><td>none</td><td class="num">1,234</td>' in page
+    assert '<td>t_mc</td><td>acc</td><td>none</td><td class="num">0.375</td><td class="num">0.125</td>' in page
+    assert "sample_len" not in page and "Le café" in page and "£5" in page
+    assert "t_mc acc" in svg_text(tmp_path / "e.svg") and "0.375" in svg_text(tmp_path / "e.svg")
+    (tmp_path / "m.jsonl").write_text(
+        "".join(json.dumps({"step": i, "loss": 5.0 - i / 10, **({"val_loss": 4.9} if i == 5 else {})}) + "\n" for i in range(1, 11))
+    )  # fmt: skip
+    (tmp_path / "s.json").write_text(
+        json.dumps({"method": "lora", "base": "runs/r/checkpoints/iter_0000300", "steps": 10})
+    )
+    (tmp_path / "b.json").write_text(json.dumps({"test_exact_string_match": 0.0, "test_loss": 6.5, "examples": 2}))
+    (tmp_path / "t.json").write_text(json.dumps({"test_exact_string_match": 0.5, "test_loss": 2.25, "examples": 2}))
+    rows = [{"inputs": "Q: Größe?", "preds": "groß", "labels": "groß"}, {"inputs": "Q2", "preds": "x", "labels": "y"}]
+    (tmp_path / "bp.jsonl").write_text("".join(json.dumps({**r, "preds": "?"}) + "\n" for r in rows))
+    (tmp_path / "tp.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    snakellm(
+        "report", "finetune", "--name", "ft", "--metrics", "m.jsonl", "--summary", "s.json", "--base", "b.json",
+        "--tuned", "t.json", "--base-predictions", "bp.jsonl", "--tuned-predictions", "tp.jsonl",
+        "--page", "f.html", "--loss", "f.svg", cwd=tmp_path,
+    )  # fmt: skip
+    page = (tmp_path / "f.html").read_text(encoding="utf-8")
+    num = '<td class="num">{}</td>'.format
+    assert "<td>test_exact_string_match</td>" + num(0) + num(0.5) + num(0.5) in page.replace("0.0<", "0<")
+    assert "<td>test_loss</td>" + num(6.5) + num(2.25) + num(-4.25) in page
+    assert "<td>Q: Größe?</td><td>groß</td><td>?</td><td>groß</td>" in page
+    text = svg_text(tmp_path / "f.svg")
+    assert "validation loss" in text and "best 4.900" in text
+
+
+def test_two_tables_with_one_label_in_one_menu_entry_are_refused(tmp_path):
+    """register_report_table's label defaults to the title; the same (category, subcategory, label) twice is an error."""
+    ws = Workspace(tmp_path)
+    shutil.copytree(REPO / "resources" / "corpus" / "botchan", tmp_path / "corpus")
+    ws.write_config(
+        {"sources": {"b": {"kind": "local", "path": "corpus/*.jsonl", "format": "jsonl", "shards_per_chunk": 1}}}
+    )
+    stats = "data/jsonl/b/chunk-00000.stats.json"
+    body = (
+        f'include: "{SNAKEFILE}"\n\n'
+        f'register_report_table("eval", "one", "{stats}", "Scores A", category="Evaluation", subcategory="x")\n'
+        f'register_report_table("eval", "two", "{stats}", "Scores B", category="Evaluation", subcategory="x")\n'
+        "%s"
+        "rule everything:\n    input: get_all_targets()\n"
+    )
+    cmd = [str(BIN / "snakemake"), "-s", str(tmp_path / "eval.smk"), "-d", str(tmp_path), "--configfile"]
+    cmd += [str(ws.config_path), "--replace-workflow-config", "-n", "everything"]
+    (tmp_path / "eval.smk").write_text(body % "")
+    ok = subprocess.run(cmd, cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]  # two titles: two labels
+    for name in ("one", "two"):
+        assert f"results/report/tables/eval/{name}.html" in ok.stdout
+    clash = f'register_report_table("eval", "three", "{stats}", "Other", subcategory="x", category="Evaluation", figure="Scores A")\n'
+    (tmp_path / "eval.smk").write_text(body % clash)
+    bad = subprocess.run(cmd, cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    out = bad.stdout + bad.stderr  # snakemake 9 prints parse errors on stdout
+    assert "'eval/three'" in out and "'eval/one'" in out and "same category" in out
+
+
 @pytest.mark.slow
 def test_a_registered_table_is_a_report_output_with_its_category(tmp_path):
     """The plug-in point for later stages: register_report_table(...) in a rules file."""
@@ -502,7 +590,14 @@ def test_report_of_the_default_workflow_in_headless_chromium(default_workflow, t
             if c.js("document.querySelector('nav') !== null && typeof categories !== 'undefined'"):
                 break
             time.sleep(0.1)
-        assert set(c.js("Object.keys(categories)")) == {"DAG", "Data", "Tokens", "Training"}
+        assert set(c.js("Object.keys(categories)")) == {
+            "DAG",
+            "Data",
+            "Tokens",
+            "Training",
+            "Evaluation",
+            "Generation",
+        }
         assert c.js("Object.keys(categories['Training'])") == ["tiny"]
         assert set(c.js("Object.keys(categories['Data'])")) == {"All sources", "wikitext", "botchan"}
         assert set(c.js("Object.keys(categories['Tokens'])")) == {"All tokenizers", "gpt2", "spm2k"}
@@ -587,3 +682,125 @@ def test_report_of_the_default_workflow_in_headless_chromium(default_workflow, t
     shutil.copy(report, shots / "report.html")
     with capsys.disabled():
         print(f"\nreport screenshots ({time.time() - t0:.0f} s): {shots}/0[1-5]-*.png, report: {shots}/report.html")
+
+
+FINETUNE_EXAMPLE = REPO / "config/examples/tiny-squad-finetune.yaml"
+
+
+def _fmt(v: float) -> str:
+    """A number as the report's tables print it (snakellm.report.html.fmt)."""
+    from snakellm.report.html import fmt
+
+    return fmt(v)
+
+
+@pytest.mark.slow
+@NEEDS_CHROMIUM
+def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(default_workflow, tmp_path):
+    """The default run plus the fine-tuning example: Evaluation (lm-eval), Fine-tuning (loss, base vs tuned,
+    predictions, settings) and Generation (samples) in the report, each holding the files' real values."""
+    from chromium import Chromium
+
+    root = tmp_path / "ws"
+    shutil.copytree(default_workflow.root, root, symlinks=True)
+    ws = Workspace(root)
+    cfg = ws.read_config()
+    example = yaml.safe_load(FINETUNE_EXAMPLE.read_text())
+    cfg.update(sft_data=example["sft_data"], finetune=example["finetune"])
+    ws.write_config(cfg)
+    ws.run(timeout=1800)
+    ws.run("--report", "report.html")
+    lm = json.loads(ws.path("runs/tiny/lm_eval/default.json").read_text())
+    # the learning example (tiny-counts): its base evaluation is shared by the fine-tunes of its data set
+    (base_dir,) = ws.path("runs/tiny/eval/base/botchan-counts").iterdir()
+    base = json.loads((base_dir / "metrics.json").read_text())
+    tuned = json.loads(ws.path("runs/tiny/eval/tiny-counts/tuned/metrics.json").read_text())
+    preds_file = ws.path("runs/tiny/eval/tiny-counts/tuned/predictions.jsonl")
+    preds = [json.loads(x) for x in preds_file.read_text().splitlines()]
+    comparison = json.loads(ws.path("runs/tiny/eval/tiny-counts/comparison.json").read_text())
+    samples = [json.loads(x) for x in ws.path("runs/tiny/samples.jsonl").read_text().splitlines()]
+    with Chromium(tmp_path / "profile") as c:
+        c.open(ws.path("report.html").as_uri())
+        for _ in range(100):
+            if c.js("document.querySelector('nav') !== null && typeof categories !== 'undefined'"):
+                break
+            time.sleep(0.1)
+        cats = c.js("Object.fromEntries(Object.entries(categories).map(([k, v]) => [k, Object.keys(v)]))")
+        assert cats["Evaluation"] == ["tiny"] and cats["Generation"] == ["tiny"]
+        assert sorted(cats["Fine-tuning"]) == ["tiny-counts", "tiny-lora"]
+        got = c.js(CHECK_RESULTS)
+        by_name = {"/".join(Path(p).parts[-2:]): r for p, r in got.items()}
+        labels = {
+            k: r["labels"]["figure"]
+            for k, r in by_name.items()
+            if k.startswith(("evaluation/", "tiny/", "generation/"))
+        }
+        assert labels == {
+            "evaluation/tiny.lm_eval.html": "lm-eval suites (table)",
+            "evaluation/tiny.lm_eval.svg": "lm-eval scores",
+            "tiny/tiny-lora.html": "base vs tuned, predictions, settings",
+            "tiny/tiny-lora.loss.svg": "loss",
+            "tiny/tiny-counts.html": "base vs tuned, predictions, settings",
+            "tiny/tiny-counts.loss.svg": "loss",
+            "generation/tiny.html": "samples",
+        }
+        for k in ("evaluation/tiny.lm_eval.svg", "tiny/tiny-lora.loss.svg", "tiny/tiny-counts.loss.svg"):
+            assert by_name[k]["loaded"] and by_name[k]["width"] > 200, k
+        page = {k: _decode(r["data"]) for k, r in by_name.items() if "data" in r}
+        ev = page["evaluation/tiny.lm_eval.html"]
+        for task, key in (
+            ("snakellm_wikitext", "word_perplexity,none"),
+            ("snakellm_wikitext", "bits_per_byte,none"),
+            ("snakellm_lambada", "acc,none"),
+            ("snakellm_cont4", "acc_norm,none"),
+            ("snakellm_squad", "exact_match,strip"),
+        ):
+            metric, _, filt = key.partition(",")
+            value = _fmt(lm["results"][task][key])
+            assert f'<td>{task}</td><td>{metric}</td><td>{filt}</td><td class="num">{value}</td>' in ev, (task, key)
+        assert '<td class="num">40</td>' in ev  # documents scored (the suite's limit)
+        # the LoRA fine-tune's merged model, evaluated with the same suite: its own table on the run's page
+        merged = json.loads(ws.path("runs/tiny/finetune/tiny-counts/lm_eval/default.json").read_text())
+        assert merged["snakellm"]["model_dir"] == "runs/tiny/finetune/tiny-counts/hf_merged"
+        tables = ev.split("<h2>")
+        assert len([t for t in tables if t.startswith("suite default (")]) == 3  # the run, two merged fine-tunes
+        (ft_table,) = [t for t in tables if t.startswith("suite default (runs/tiny/finetune/tiny-counts/hf_merged)")]
+        value = _fmt(merged["results"]["snakellm_cont4"]["acc,none"])
+        assert f'<td>snakellm_cont4</td><td>acc</td><td>none</td><td class="num">{value}</td>' in ft_table
+        ft = page["tiny/tiny-counts.html"]
+        for r in comparison["metrics"]:  # the comparison file's table, with which way is better
+            better = "higher" if r["higher_is_better"] else "lower"
+            cells = "".join(f'<td class="num">{_fmt(r[k])}</td>' for k in ("base", "tuned", "difference"))
+            assert f"<td>{r['metric']}</td>{cells}<td>{better}</td>" in ft, r
+        compared = [k for k, b in base.items() if isinstance(b, float) and isinstance(tuned.get(k), float)]
+        assert len(compared) >= 3, compared  # exact match, SQuAD EM/F1, loss: whatever their names
+        for key in compared:
+            b, t = base[key], tuned[key]
+            row = f'<td>{key}</td><td class="num">{_fmt(b)}</td><td class="num">{_fmt(t)}</td>'
+            assert row + f'<td class="num">{_fmt(t - b)}</td>' in ft, key
+        assert ft.count("<tr>") > 10  # comparison, 10 example predictions, settings
+        from html import escape
+
+        assert escape(preds[0]["pred"]) in ft and escape(preds[0]["input"]) in ft
+        gen = page["generation/tiny.html"]
+        for s in samples:
+            assert escape(s["prompt"]) in gen and escape(s["completion"].strip()[:40]) in gen
+        for text in page.values():
+            assert not re.search(r"\\u[0-9a-f]{4}", text)  # Unicode as text, never escaped
+        # click through like a person: the Evaluation table opens in the report's frame
+        assert c.js(CLICK % json.dumps("Evaluation")), "no Evaluation category in the menu"
+        time.sleep(0.3)
+        c.js(CLICK % json.dumps("tiny"))  # a category of one subcategory opens it at once
+        time.sleep(0.3)
+        assert c.js(SHOW % json.dumps("lm-eval suites (table)")) == "ok"
+        time.sleep(1.0)
+        assert c.js("document.querySelectorAll('iframe').length") == 1
+        c.screenshot(artifacts_dir() / "06-evaluation.png")
+        c.js("app.setView({navbarMode: 'menu'})")
+        assert c.js(CLICK % json.dumps("Fine-tuning"))
+        time.sleep(0.3)
+        assert c.js(CLICK % json.dumps("tiny-counts"))
+        time.sleep(0.3)
+        assert c.js(SHOW % json.dumps("loss")) == "ok"
+        time.sleep(0.5)
+        c.screenshot(artifacts_dir() / "07-finetune-loss.png")

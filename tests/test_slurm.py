@@ -255,11 +255,11 @@ def test_changing_one_shard_resubmits_only_the_stale_jobs(built):
         ("tokenize", "gpt2_wikitext_chunk-00001"),
         ("tokenize", "spm2k_wikitext_chunk-00001"),
     ]
-    # and what is built from the retrained run and the changed token counts: its artifacts and
+    # and what is built from the retrained run and the changed token counts: its artifacts, lm-eval and
     # samples, the token report figures (the other report rules run locally, not through sbatch)
     later = sorted({r for r, _ in new} - {r for r, _ in data_and_training})
-    assert later == ["export_hf", "export_nemo", "generate", "report_tokens"], new
-    assert len(new) == len(data_and_training) + 3 + 2, new  # one run; two tokenizers' token reports
+    assert later == ["evaluate_lm", "export_hf", "export_nemo", "generate", "report_tokens"], new
+    assert len(new) == len(data_and_training) + 4 + 2, new  # one run; two tokenizers' token reports
 
 
 # ---------------------------------------------------------------- failures: retried as the profile says

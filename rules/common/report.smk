@@ -16,23 +16,34 @@ REPORT_TABLES = (
 
 
 def register_report_table(
-    stage, name, files, title, note="", category=None, subcategory=None, figure="table"
+    stage, name, files, title, note="", category=None, subcategory=None, figure=None
 ):
     """Put FILES (a metrics.json, a predictions/samples .jsonl, a .csv/.tsv; or a list of them)
     into `snakemake --report` as one HTML table: results/report/tables/{stage}/{name}.html,
-    shown under CATEGORY (default: the stage, capitalised) / SUBCATEGORY (default: NAME).
-    The files must be outputs of rules; the table is rebuilt only when they change."""
+    shown under CATEGORY (default: the stage, capitalised) / SUBCATEGORY (default: NAME) with the
+    label FIGURE (default: TITLE). Snakemake's report lists results by their labels: two tables
+    with the same category, subcategory and label would collapse into one menu entry, so that is
+    an error here. The files must be outputs of rules; the table is rebuilt only when they change.
+    """
     key = f"{stage}/{name}"
     if key in REPORT_TABLES:
         raise WorkflowError(f"report table {key!r} registered twice")
-    REPORT_TABLES[key] = {
+    entry = {
         "files": [files] if isinstance(files, str) else list(files),
         "title": title,
         "note": note,
         "category": category or stage.replace("_", " ").capitalize(),
         "subcategory": subcategory or name,
-        "figure": figure,
+        "figure": figure or title,
     }
+    where = (entry["category"], entry["subcategory"], entry["figure"])
+    for other, e in REPORT_TABLES.items():
+        if (e["category"], e["subcategory"], e["figure"]) == where:
+            raise WorkflowError(
+                f"report table {key!r}: {other!r} has the same category, subcategory and label "
+                f"{where!r}; give one of them another figure= label"
+            )
+    REPORT_TABLES[key] = entry
     return f"{REPORT}/tables/{key}.html"
 
 
@@ -182,5 +193,39 @@ def get_report_targets():
                 "summary.html",
             )
         ]
+    if get_lm_eval_targets():
+        out += [
+            f"{REPORT}/evaluation/{n}.lm_eval.{ext}"
+            for n in list(RUNS) + list(IMPORTS)
+            for ext in ("html", "svg")
+        ]
+    for name, ft in FINETUNES.items():
+        out += [
+            f"{REPORT}/finetune/{ft['run']}/{name}.{ext}"
+            for ext in ("html", "loss.svg")
+        ]
     out += [f"{REPORT}/tables/{key}.html" for key in REPORT_TABLES]
     return out
+
+
+def get_report_lm_eval_input(wildcards):
+    """The run's suites, then those of its fine-tunes' merged models (one table per suite and model)."""
+    return [
+        f"runs/{wildcards.run}/lm_eval/{suite}.json" for suite in LM_EVAL["suites"]
+    ] + lm_eval_finetune_files(wildcards.run)
+
+
+def get_report_finetune_input(wildcards):
+    """The fine-tune's metrics and summary, and the base and tuned evaluations (rules/common/finetune.smk)."""
+    ft = _ft(wildcards)
+    d = f"runs/{ft['run']}"
+    base, ev = base_eval_dir(wildcards.ft), f"{d}/eval/{wildcards.ft}"
+    return {
+        "metrics": f"{d}/finetune/{wildcards.ft}/metrics.jsonl",
+        "summary": f"{d}/finetune/{wildcards.ft}/finetune_summary.json",
+        "base": f"{base}/metrics.json",
+        "tuned": f"{ev}/tuned/metrics.json",
+        "base_predictions": f"{base}/predictions.jsonl",
+        "tuned_predictions": f"{ev}/tuned/predictions.jsonl",
+        "comparison": f"{ev}/comparison.json",
+    }

@@ -529,6 +529,51 @@ class GenerateSettings:
     threads: int = setting(1, "torch CPU threads of the job", cli=False)
 
 
+# ---------------------------------------------------------------- lm-evaluation-harness (rules/evaluate.smk: evaluate_lm)
+
+LM_EVAL_DEFAULT_TASKS = ["snakellm_wikitext", "snakellm_lambada", "snakellm_cont4", "snakellm_squad"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmEvalSuiteSettings:
+    """``lm_eval.suites.<name>``: lm-eval tasks run together on each run's Hugging Face export.
+
+    The keys are lm-eval's own command-line options (``--tasks``, ``--num_fewshot``, ``--limit``,
+    ``--batch_size``, ``--bootstrap_iters``, ``--include_path``), so a suite reads like its CLI call.
+    """
+
+    tasks: list[str] = setting(
+        LM_EVAL_DEFAULT_TASKS,
+        "lm-eval task names (its own, or defined by YAMLs under include_path)",
+        sep=",",
+    )
+    num_fewshot: int | None = setting(None, "few-shot examples per prompt (null: each task's own default)")
+    limit: int | None = setting(None, "evaluate only the first N documents of each task (null: all)")
+    batch_size: int = setting(16, "requests per forward pass")
+    bootstrap_iters: int = setting(
+        1000, "bootstrap resamples for the standard error of non-mean metrics (perplexities; 0: none)"
+    )
+    seed: int = setting(1234, "lm-eval's random, numpy, torch and few-shot seeds")
+    include_path: list[str] = setting(
+        [],
+        "more directories of lm-eval task YAMLs over local files (the evaluation runs offline); the workflow "
+        "always adds data/lm_eval/tasks, the shipped suite",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmEvalSettings:
+    """``lm_eval``: runs/{run}/lm_eval/{suite}.json for every run and import (`snakellm evaluate-lm`)."""
+
+    enabled: bool = setting(True, "part of the default target", cli=False)
+    suites: dict[str, Any] = setting(
+        {"default": {"tasks": LM_EVAL_DEFAULT_TASKS, "limit": 40}},
+        "suites by name",
+        cli=False,
+    )
+    threads: int = setting(2, "torch CPU threads of the job", cli=False)
+
+
 # Schema location -> settings class: what tests/test_settings.py compares (a ``*`` is any name).
 SECTIONS: dict[str, type] = {
     "sources.*": SourceSettings,
@@ -553,6 +598,8 @@ SECTIONS: dict[str, type] = {
     "export_hf": ExportHfSettings,
     "import_hf.*": ImportHfSettings,
     "generate": GenerateSettings,
+    "lm_eval": LmEvalSettings,
+    "lm_eval.suites.*": LmEvalSuiteSettings,
     "resources": ResourcesSettings,
 }
 # the job resources and their container, wherever they occur

@@ -84,7 +84,7 @@ def rejection_examples(chunks: list[dict], per_reason: int = EXAMPLES_PER_REASON
 
 
 def _short(text: object, limit: int = EXAMPLE_CHARS) -> str:
-    s = text if isinstance(text, str) else json.dumps(text)
+    s = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False)
     return s if len(s) <= limit else s[:limit] + f" … ({len(s):,} characters)"
 
 

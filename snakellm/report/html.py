@@ -72,7 +72,8 @@ def cell(value: Any) -> str:
     if isinstance(value, (dict, list)):
         import json
 
-        return f"<td><pre>{esc(json.dumps(value, indent=1, sort_keys=True))}</pre></td>"
+        # Unicode as text (a £ stays a £, not \u00a3)
+        return f"<td><pre>{esc(json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False))}</pre></td>"
     text = "–" if value is None else str(value)
     if "\n" in text or len(text) > 200:
         return f"<td><pre>{esc(text)}</pre></td>"

@@ -86,6 +86,54 @@ def _table(a: argparse.Namespace) -> None:
     write_text(a.output, table.table_page(a.files, a.title, a.note or "", a.max_rows))
 
 
+def _lm_eval(a: argparse.Namespace) -> None:
+    from snakellm.report import evaluation
+
+    write_text(a.table, evaluation.lm_eval_page(a.run, a.results))
+    evaluation.lm_eval_plot(a.run, a.results, a.plot)
+
+
+def _finetune(a: argparse.Namespace) -> None:
+    from snakellm.report import evaluation as ev
+
+    page = ev.finetune_page(
+        a.name,
+        ev.read_json(a.summary),
+        ev.read_json(a.base),
+        ev.read_json(a.tuned),
+        ev.read_jsonl(a.base_predictions),
+        ev.read_jsonl(a.tuned_predictions),
+        ev.read_json(a.comparison) if a.comparison else None,
+    )
+    write_text(a.page, page)
+    from snakellm.report.train import load_metrics
+
+    ev.plot_finetune_loss(a.name, load_metrics(a.metrics), a.loss)
+
+
+def _add_stage_parsers(sub: argparse._SubParsersAction) -> None:
+    """The later stages' pages: a run's lm-eval suites, a fine-tune."""
+    s = sub.add_parser("lm-eval", help="a run's lm-eval suites: tables with example documents, a bar chart of scores")
+    s.add_argument("results", nargs="+", help="runs/{run}/lm_eval/{suite}.json (lm-eval's results and samples)")
+    s.add_argument("--run", required=True)
+    s.add_argument("--table", required=True, help="output .html")
+    s.add_argument("--plot", required=True, help="output .svg")
+    s.set_defaults(func=_lm_eval)
+
+    s = sub.add_parser("finetune", help="a fine-tune: loss curve, base vs tuned, example predictions, settings")
+    s.add_argument("--name", required=True, help="the fine-tune's name")
+    s.add_argument("--metrics", required=True, help="runs/{run}/finetune/{ft}/metrics.jsonl")
+    s.add_argument("--summary", required=True, help="runs/{run}/finetune/{ft}/finetune_summary.json")
+    s.add_argument("--base", required=True, help="the base model's metrics.json on the test split")
+    s.add_argument("--tuned", required=True, help="the tuned model's metrics.json")
+    s.add_argument("--base-predictions", required=True, help="the base model's predictions (.jsonl)")
+    s.add_argument("--tuned-predictions", required=True, help="the tuned model's predictions (.jsonl)")
+    s.add_argument("--comparison", help="the base-vs-tuned comparison.json (snakellm compare-eval), if any")
+    s.add_argument("--page", required=True, help="output .html")
+    s.add_argument("--loss", required=True, help="output .svg")
+    s.set_defaults(func=_finetune)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         formatter_class=DefaultsHelpFormatter,
@@ -156,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix", required=True, help="writes PREFIX.{loss,lr,grad_norm,throughput}.svg and PREFIX.summary.html"
     )
     s.set_defaults(func=_train)
+
+    _add_stage_parsers(sub)
 
     s = sub.add_parser(
         "table", help="any JSON / JSONL / CSV / TSV file(s) as an HTML table (for later stages' metrics and samples)"
