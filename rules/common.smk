@@ -406,16 +406,33 @@ def get_export_nemo_targets():
     return [f"runs/{run}/{run}.nemo" for run in RUNS] if EXPORT_NEMO["enabled"] else []
 
 
+_NOTED = set()
+
+
+def _note_once(message):
+    """A line on stderr for the user, once per Snakemake start (not from a job-side Snakemake)."""
+    if workflow.is_main_process and message not in _NOTED:
+        _NOTED.add(message)
+        print(message, file=sys.stderr)
+
+
 def get_import_nemo_targets(names):
     """The .nemo of these imports, when enabled and NeMo can pack their tokenizer (not a tokenizer.json)."""
     if not EXPORT_NEMO["enabled"]:
         return []
-    return [
-        f"runs/{n}/{n}.nemo"
-        for n in names
-        if checkmod.import_tokenizer_kind(IMPORTS[n]["hf_dir"])
-        in checkmod.NEMO_TOKENIZER_KINDS
-    ]
+    out = []
+    for n in names:
+        if (
+            checkmod.import_tokenizer_kind(IMPORTS[n]["hf_dir"])
+            in checkmod.NEMO_TOKENIZER_KINDS
+        ):
+            out.append(f"runs/{n}/{n}.nemo")
+        else:
+            _note_once(
+                f"import_hf.{n}: no .nemo: its tokenizer is a Hugging Face tokenizer.json, which NeMo 1.x "
+                "cannot pack (export_nemo.enabled: false silences this)"
+            )
+    return out
 
 
 def get_hf_targets():

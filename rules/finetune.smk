@@ -128,6 +128,8 @@ rule merge_lora_hf:
         "benchmarks/merge_lora_hf/{run}/{ft}.tsv"
     conda:
         "../envs/train.yaml"
+    resources:
+        **get_job_resources("convert"),
     params:
         adapter=subpath(input.summary, parent=True),
         flags=flags(S.ExportHfSettings, config["export_hf"]),

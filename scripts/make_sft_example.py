@@ -1,13 +1,15 @@
 """Build resources/sft/botchan-counts.jsonl: the fine-tuning example's templated task (deterministic).
 
 Each record has a name and a word taken from the shipped Botchan corpus
-(resources/corpus/botchan/botchan.jsonl, public domain), a number 0-8 and the
-next one: ``{"name", "word", "number", "next"}`` (strings). The example config
-renders it through the template ``"{name} says {word} and counts {number}"``
-with ``next`` as the answer: counting on, with a name and a word in front that
-change from record to record. The tiny default model cannot do it before
-fine-tuning (it has not learnt which digit follows which) and learns it in
-seconds; the test split's records are new combinations.
+(resources/corpus/botchan/botchan.jsonl, public domain), a number word from
+"zero" to "eight" and the one after it: ``{"name", "word", "number", "next"}``.
+The example config renders it through the template ``"{name} says {word} and
+counts {number}"`` with ``next`` as the answer ("Kiyo says came and counts
+four" -> "five"): counting on, with a name and a word in front that change from
+record to record. The tiny default model cannot do it before fine-tuning and
+learns it in seconds; the test split's records are combinations it never saw.
+Number words rather than digits: the tiny model's 2k-token vocabulary has
+well-trained embeddings for them, its digit embeddings barely differ.
 
 Names: capitalised words of the novel that occur at least 5 times, never in
 lowercase, and at least 3 times after a lowercase word or a comma (proper nouns);
@@ -31,6 +33,7 @@ SOURCE = ROOT / "resources" / "corpus" / "botchan" / "botchan.jsonl"
 OUT = ROOT / "resources" / "sft" / "botchan-counts.jsonl"
 SEED = 1234
 WORDS = 120
+NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 _WORD = re.compile(r"[A-Za-z]+")
 
 
@@ -57,7 +60,7 @@ def main(argv: list[str]) -> int:
         key = (rng.choice(names), rng.choice(words), rng.randrange(9))
         if key not in seen:
             seen.add(key)
-            rows.append({"name": key[0], "word": key[1], "number": str(key[2]), "next": str(key[2] + 1)})
+            rows.append({"name": key[0], "word": key[1], "number": NUMBERS[key[2]], "next": NUMBERS[key[2] + 1]})
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     print(f"{OUT.relative_to(ROOT)}: {len(rows)} records from {len(names)} names and {len(words)} words")

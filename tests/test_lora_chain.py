@@ -41,8 +41,9 @@ SHAPE = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=128,
+    max_position_embeddings=256,
 )
+SEQ = 128  # the fine-tune's max_seq_length: shorter than the model's (the adapter records the fine-tune's)
 TEST_EXAMPLES = 8
 
 
@@ -91,7 +92,7 @@ def _chain_config(names: list[str]) -> dict:
     for n in names:
         ft = copy.deepcopy(template)
         ft["run"] = n
-        ft["examples"]["max_seq_length"] = SHAPE["max_position_embeddings"]
+        ft["examples"]["max_seq_length"] = SEQ
         ft["train"].update(
             steps=8, micro_batch_size=4, global_batch_size=4, lr=1.0e-2, warmup_steps=0, precision="fp32"
         )
@@ -182,6 +183,8 @@ def test_peft_adapter_and_merged_model_agree_with_transformers(chain: Workspace,
     assert type(merged_model).__name__ == type(base).__name__
     assert (with_adapter - before).abs().max().item() > 1e-3  # the adapter was trained: it moves the logits
     assert (merged - with_adapter).abs().max().item() < 1e-4
+    # the base's context, not the fine-tune's shorter max_seq_length
+    assert json.loads((d / "hf_merged" / "config.json").read_text())["max_position_embeddings"] == 256
     tok = json.loads((d / "hf_merged" / "tokenizer_config.json").read_text())
     assert tok["chat_template"] == TEMPLATE  # the base's chat template travels to the merged model
 
@@ -199,3 +202,22 @@ def test_merge_refuses_an_adapter_of_another_base(chain: Workspace):
     )
     assert p.returncode == 2 and "trained on another model than runs/llama31" in p.stderr, p.stderr
     assert "style 'qwen2' != 'llama3'" in p.stderr and not chain.path("wrong").exists()
+
+
+def test_a_tokenizer_json_base_runs_the_chain_without_a_nemo_and_says_so(chain: Workspace):
+    """NeMo 1.x packs no tokenizer.json (Llama 3's, Qwen 2's own): the chain plans without the .nemo, with a note."""
+    hub = chain.path("hub/qwen2-tokjson")
+    hub.mkdir()
+    shutil.copy(chain.path("hub/qwen2/config.json"), hub / "config.json")
+    (hub / "tokenizer.json").write_text("{}")
+    ws = Workspace(chain.root)
+    ws.config_path = chain.root / "config-tokjson.yaml"
+    cfg = _chain_config(["qwen2"])
+    cfg["import_hf"] = {"qwen2": {"hf_dir": "hub/qwen2-tokjson"}}
+    ws.write_config(cfg)
+    out = ws.run("-n", "finetunes")
+    text = out.stdout + out.stderr
+    assert "import_hf.qwen2: no .nemo: its tokenizer is a Hugging Face tokenizer.json" in text
+    stats = out.stdout.split("Job stats:", 1)[1]
+    jobs = {ln.split()[0] for ln in stats.splitlines() if len(ln.split()) == 2 and ln.split()[1].isdigit()}
+    assert {"import_hf", "finetune", "export_peft", "merge_lora_hf", "finetunes"} <= jobs and "export_nemo" not in jobs

@@ -298,7 +298,9 @@ class ResourcesSettings:
     evaluate: dict[str, Any] = setting({}, "evaluation (one GPU)", section=JobResourceSettings)
     generate: dict[str, Any] = setting({}, "samples (one GPU)", section=JobResourceSettings)
     convert: dict[str, Any] = setting(
-        {}, "exports and imports (.nemo, Hugging Face, PEFT; a CPU job by default)", section=JobResourceSettings
+        {},
+        "exports and imports (.nemo, Hugging Face, PEFT, merged LoRA; a CPU job by default)",
+        section=JobResourceSettings,
     )
 
 

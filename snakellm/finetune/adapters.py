@@ -56,7 +56,8 @@ def merge_hf(base: str, adapter: str, out: str, *, max_shard_size: str = "5GB", 
     conf = json.loads((src / "adapter_config.json").read_text())
     if conf.get("method") != "lora":
         raise ValueError(f"{src / 'adapter_config.json'}: method {conf.get('method')!r}, merge-hf merges lora")
-    trained_on = conf.get("model") or {}
+    # the base the adapter was trained on (its seq_length is the fine-tune's: no weight depends on it)
+    trained_on = {k: v for k, v in (conf.get("model") or {}).items() if k != "seq_length"}
     differ = sorted(k for k in trained_on if k in info["arch"] and trained_on[k] != info["arch"][k])
     if differ:
         raise ValueError(
