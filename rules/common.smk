@@ -488,14 +488,27 @@ def get_lm_eval_targets():
     ]
 
 
+# the Hugging Face model of a fine-tune: LoRA merged into its base (merge_lora_hf), full SFT's own export
+FINETUNE_HF = {"lora": "hf_merged", "full": "hf"}
+
+
+def get_finetune_hf_dir(wildcards):
+    ft = config["finetune"][wildcards.ft]
+    if ft["run"] != wildcards.run or ft["method"] not in FINETUNE_HF:
+        raise WorkflowError(
+            f"finetune {wildcards.ft} of run {ft['run']} ({ft['method']}) has no Hugging Face model"
+        )
+    return f"runs/{wildcards.run}/finetune/{wildcards.ft}/{FINETUNE_HF[ft['method']]}"
+
+
 def lm_eval_finetune_files(run):
-    """runs/{run}/finetune/{ft}/lm_eval/{suite}.json of the run's LoRA fine-tunes (their merged HF models)."""
+    """runs/{run}/finetune/{ft}/lm_eval/{suite}.json of the run's LoRA and full fine-tunes (their HF models)."""
     if not get_lm_eval_targets():
         return []
     return [
         f"runs/{run}/finetune/{name}/lm_eval/{suite}.json"
         for name, ft in config.get("finetune", {}).items()
-        if ft["run"] == run and ft["method"] == "lora"
+        if ft["run"] == run and ft["method"] in FINETUNE_HF
         for suite in LM_EVAL["suites"]
     ]
 

@@ -152,10 +152,11 @@ rule evaluate_lm:
         "--include-path {input.tasks} --device auto --threads {threads} {params.flags} 2> {log}"
 
 
-# a LoRA fine-tune's merged Hugging Face model (rule merge_lora_hf), evaluated with the same suites as its base
+# a fine-tune's own Hugging Face model (LoRA: merged by merge_lora_hf; full SFT: its hf/ export), evaluated
+# with the same suites as its base
 use rule evaluate_lm as evaluate_lm_finetune with:
     input:
-        hf="runs/{run}/finetune/{ft}/hf_merged",
+        hf=get_finetune_hf_dir,
         tasks=LM_EVAL_TASKS,
     output:
         "runs/{run}/finetune/{ft}/lm_eval/{suite}.json",

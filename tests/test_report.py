@@ -759,12 +759,12 @@ def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(
             value = _fmt(lm["results"][task][key])
             assert f'<td>{task}</td><td>{metric}</td><td>{filt}</td><td class="num">{value}</td>' in ev, (task, key)
         assert '<td class="num">40</td>' in ev  # documents scored (the suite's limit)
-        # the LoRA fine-tune's merged model, evaluated with the same suite: its own table on the run's page
+        # the fine-tunes' own models (full SFT's hf/, LoRA's merged one), evaluated with the same suite
         merged = json.loads(ws.path("runs/tiny/finetune/tiny-counts/lm_eval/default.json").read_text())
-        assert merged["snakellm"]["model_dir"] == "runs/tiny/finetune/tiny-counts/hf_merged"
+        assert merged["snakellm"]["model_dir"] == "runs/tiny/finetune/tiny-counts/hf"
         tables = ev.split("<h2>")
-        assert len([t for t in tables if t.startswith("suite default (")]) == 3  # the run, two merged fine-tunes
-        (ft_table,) = [t for t in tables if t.startswith("suite default (runs/tiny/finetune/tiny-counts/hf_merged)")]
+        assert len([t for t in tables if t.startswith("suite default (")]) == 3  # the run, its two fine-tunes
+        (ft_table,) = [t for t in tables if t.startswith("suite default (runs/tiny/finetune/tiny-counts/hf)")]
         value = _fmt(merged["results"]["snakellm_cont4"]["acc,none"])
         assert f'<td>snakellm_cont4</td><td>acc</td><td>none</td><td class="num">{value}</td>' in ft_table
         ft = page["tiny/tiny-counts.html"]
