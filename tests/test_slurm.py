@@ -529,9 +529,12 @@ def test_pretrain_on_two_nodes_is_bit_identical_to_one_node(multi, nodes, per_no
             "train": dict(cfg["runs"]["tiny"]["train"], **MULTI_TRAIN),
             "parallel": {"threads": 1},
         }
+    # the run's allocation in its own config (the profile's SNAKELLM_TRAIN_* site defaults would apply to every
+    # run of the workflow, and the default `tiny` run's batch does not split over 2 x 2 ranks)
+    cfg["runs"][run]["resources"] = {"nodes": nodes, "gpus_per_node": per_node, "mem_mb": 2000, "partition": "multi"}
     ws.write_config(cfg)
     t0 = time.monotonic()
-    ws.slurm(f"runs/{run}/train_summary.json", env=multi_env(nodes, per_node))
+    ws.slurm(f"runs/{run}/train_summary.json", env={"SNAKELLM_SLURM_GPU_PARTITION": "multi"})
     TIMINGS[f"pretrain {nodes}x{per_node} via sbatch"] = time.monotonic() - t0
     t0 = time.monotonic()
     ws.run(f"runs/{ref}/train_summary.json", "--set-resources", f"pretrain:tasks={world}")
