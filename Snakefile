@@ -14,6 +14,9 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
+include: "rules/common/launch.smk"
+include: "rules/common/export.smk"
+include: "rules/common/evaluate.smk"
 include: "rules/common/finetune.smk"
 include: "rules/common/report.smk"
 include: "rules/data.smk"
