@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -222,15 +222,21 @@ def export_hf_from_checkpoint(
     max_shard_size: str = "5GB",
     dtype: str = "auto",
     tokenizer_base: Path | None = None,
+    transform: Callable[[Iterator[dict[str, Any]]], Iterator[dict[str, Any]]] | None = None,
+    source_extra: dict[str, Any] | None = None,
 ) -> Path:
-    """:func:`export_hf` reading the checkpoint one layer at a time (``info``: ``describe_run``'s)."""
+    """:func:`export_hf` reading the checkpoint one layer at a time (``info``: ``describe_run``'s).
+
+    ``transform`` rewrites the stream of tensor groups on its way out (``lora merge-hf`` folds an adapter
+    in) and ``source_extra`` adds to the provenance recorded with the export.
+    """
     from snakellm.export.stream import read_groups
 
     groups = read_groups(info["checkpoint_dir"], info["iteration"], info["arch"], info["padded_vocab_size"])
-    source = {"source": str(info["checkpoint_dir"]), "iteration": info["iteration"]}
+    source = {"source": str(info["checkpoint_dir"]), "iteration": info["iteration"], **(source_extra or {})}
     return write_export(
         info["arch"],
-        groups,
+        transform(groups) if transform else groups,
         info["tokenizer"],
         info["padded_vocab_size"],
         source,

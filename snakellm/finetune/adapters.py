@@ -44,8 +44,7 @@ def merge_hf(base: str, adapter: str, out: str, *, max_shard_size: str = "5GB", 
     """
     from safetensors.torch import load_file
 
-    from snakellm.export.hf import write_export
-    from snakellm.export.stream import read_groups
+    from snakellm.export.hf import export_hf_from_checkpoint
     from snakellm.finetune.lora import LoRAConfig
     from snakellm.launch.runtime import ensure_single_process
     from snakellm.models.loading import describe_run
@@ -66,18 +65,13 @@ def merge_hf(base: str, adapter: str, out: str, *, max_shard_size: str = "5GB", 
         )
     scaling = LoRAConfig.from_dict(conf["lora"]).scaling
     tensors = load_file(str(src / "adapter.safetensors"))
-    groups = read_groups(info["checkpoint_dir"], info["iteration"], info["arch"], info["padded_vocab_size"])
-    source = {"source": str(info["checkpoint_dir"]), "iteration": info["iteration"], "adapter": str(src)}
-    return write_export(
-        info["arch"],
-        merged_groups(groups, tensors, scaling, str(src)),
-        info["tokenizer"],
-        info["padded_vocab_size"],
-        source,
+    return export_hf_from_checkpoint(
+        info,
         out,
-        max_shard_size,
-        dtype,
-        None,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        transform=lambda groups: merged_groups(groups, tensors, scaling, str(src)),
+        source_extra={"adapter": str(src)},
     )
 
 
