@@ -8,7 +8,9 @@ loaded back with ``AutoModelForCausalLM`` (SDPA attention). All decode greedily
 from the same random prompts (``--prompt-len`` tokens) exactly ``--new-tokens``
 tokens (no early stop); tokens/s = batch x new tokens / wall time of the whole
 call (prefill included), best of ``--repeats`` after a warm-up (which also
-captures the engine's CUDA graphs).
+captures the engine's CUDA graphs). The engine runs twice: as it runs by
+default (fused Triton kernels for batches of up to 16 rows, ``kernels.py``) and
+with its PyTorch-ops step (``--no-fused-kernels``, the step before the kernels).
 
 Printed beside the figures: the bandwidth bound at batch 1 (bytes of weights read
 per token / the device-to-device copy bandwidth measured here), the engine's peak
@@ -143,10 +145,14 @@ def build(a: argparse.Namespace) -> tuple[Any, ...]:
     return tok, arch, padded, model
 
 
-def make_engine(gen: Any, a: argparse.Namespace, max_batch: int, max_seq_len: int, compile: bool = False) -> Any:
+def make_engine(
+    gen: Any, a: argparse.Namespace, max_batch: int, max_seq_len: int, compile: bool = False, fused: bool = True
+) -> Any:
     from snakellm.serve.engine import Engine, EngineSettings
 
-    s = EngineSettings(max_batch=max_batch, max_seq_len=max_seq_len, kv_cache_memory="0.5", compile=compile)
+    s = EngineSettings(
+        max_batch=max_batch, max_seq_len=max_seq_len, kv_cache_memory="0.5", compile=compile, fused_kernels=fused
+    )
     return Engine(gen, s)
 
 
@@ -178,10 +184,12 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
     rows = prompts.tolist()
     r: dict[str, Any] = {"batch": b, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens}
     times, ids = {}, {}
-    variants = [("engine", False)] + ([("engine_compiled", True)] if a.compile else [])
-    for name, comp in variants:
+    # the engine as it runs by default (fused Triton kernels up to 16 rows), and its PyTorch-ops step
+    variants = [("engine", False, True), ("engine_unfused", False, False)]
+    variants += [("engine_compiled", True, False)] if a.compile else []
+    for name, comp, fused in variants:
         t0 = time.perf_counter()
-        eng = make_engine(gen, a, b, a.prompt_len + a.new_tokens, compile=comp)
+        eng = make_engine(gen, a, b, a.prompt_len + a.new_tokens, compile=comp, fused=fused)
         reset_peak(a.device)
         times[name], out = best_time(lambda eng=eng: eng.generate(rows, params), a.repeats, a.device)
         ids[name] = [o.ids for o in out]

@@ -32,6 +32,18 @@ from typing import Any
 from snakellm.serve.engine.sampling import SamplingState
 from snakellm.serve.engine.static_cache import CacheShape, StaticKVCache
 
+FUSED_MAX_ROWS = 16  # kernels.MAX_ROWS, without importing Triton
+
+
+def fused_kernels_usable(decoder: Any) -> bool:
+    """Whether the fused Triton step can run for ``decoder``: a 16-bit model on CUDA, Triton installed."""
+    import importlib.util
+
+    import torch
+
+    sixteen = decoder.dtype in (torch.bfloat16, torch.float16)
+    return decoder.device.type == "cuda" and sixteen and importlib.util.find_spec("triton") is not None
+
 
 def buckets(limit: int, start: int) -> list[int]:
     """Powers of two from ``start`` below ``limit``, then ``limit`` itself."""
@@ -49,7 +61,17 @@ def pick(bucket_list: list[int], need: int) -> int:
 class FastDecoder:
     """Static-cache decoding for up to ``rows`` requests of up to ``max_len`` tokens each."""
 
-    def __init__(self, decoder: Any, rows: int, max_len: int, eod: int, *, graphs: bool, compile: bool = False) -> None:
+    def __init__(
+        self,
+        decoder: Any,
+        rows: int,
+        max_len: int,
+        eod: int,
+        *,
+        graphs: bool,
+        compile: bool = False,
+        fused: bool = False,
+    ) -> None:
         import torch
 
         self.dec = decoder
@@ -78,6 +100,8 @@ class FastDecoder:
         self.length_buckets = buckets(max_len, 64)
         self.graphs_on = graphs and self.device.type == "cuda"
         self.compile = compile and self.graphs_on
+        # fused Triton kernels for buckets of up to 16 rows (see kernels.py); larger ones are matrix products
+        self.fused = fused
         self.graphs: dict[tuple[int, int, bool, bool, bool], Any] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_on else None
         self._compiled: dict[tuple[int, int, bool, bool, bool], Any] = {}
@@ -208,14 +232,34 @@ class FastDecoder:
         distribution).
         """
         import torch
+
+        fused = self.fused and B <= FUSED_MAX_ROWS
+        logits = self._logits_fused(B, Lb) if fused else self._logits(B, Lb)
+        pos, rows = self.pos[:B], self.row_ids[:B]
+        nxt, lp = self.sampler.sample(logits, rows, greedy_only, penalty, probs)
+        if probs:
+            self.logits[:B].copy_(logits)
+        self.out_tokens[:B].copy_(nxt)
+        self.out_logprobs[:B].copy_(lp)
+        self.tokens[:B].copy_(nxt)
+        self.pos[:B].copy_(torch.clamp(pos + self.active[:B].long(), max=self.max_len))
+
+    def _step_input(self, B: int) -> Any:
+        """Embeddings [B, 1, h] of rows 0..B-1's current tokens at their positions."""
+        # idle rows sit on the spare slot (pos = max_len): clamp for the learned position table
+        pos = self.pos[:B].clamp(max=self.max_len - 1)
+        return self._embed(self.tokens[:B, None], pos[:, None], prefill=False)
+
+    def _logits(self, B: int, Lb: int) -> Any:
+        """The step's logits [B, V] (fp32) through PyTorch ops: the eager decoder's computation."""
+        import torch
         import torch.nn.functional as F
 
         dec = self.dec
         g, d, per = dec.g, dec.d, self.per
         pos = self.pos[:B]
         rows = self.row_ids[:B]
-        # idle rows sit on the spare slot (pos = max_len): clamp for the learned position table
-        x = self._embed(self.tokens[:B, None], pos.clamp(max=self.max_len - 1)[:, None], prefill=False)
+        x = self._step_input(B)
         cos: Any = None
         sin: Any = None
         if self.cos is not None:
@@ -233,14 +277,27 @@ class FastDecoder:
             o = F.scaled_dot_product_attention(q, kv[0, :B, :, :Lb], kv[1, :B, :, :Lb], attn_mask=mask)
             x = self._residual(x, o.reshape(B, 1, dec.n * d), L["proj_w"], L["proj_b"])
             x = self._mlp(x, L)
-        logits = self._head(x[:, 0])
-        nxt, lp = self.sampler.sample(logits, rows, greedy_only, penalty, probs)
-        if probs:
-            self.logits[:B].copy_(logits)
-        self.out_tokens[:B].copy_(nxt)
-        self.out_logprobs[:B].copy_(lp)
-        self.tokens[:B].copy_(nxt)
-        self.pos[:B].copy_(torch.clamp(pos + self.active[:B].long(), max=self.max_len))
+        return self._head(x[:, 0])
+
+    def _logits_fused(self, B: int, Lb: int) -> Any:
+        """The same logits through the fused kernels: five per layer (see :mod:`.kernels`)."""
+        from snakellm.serve.engine import kernels as K
+
+        dec = self.dec
+        norm = K.RMSNORM if dec.arch["normalization"] == "RMSNorm" else K.LAYERNORM
+        act = K.SWIGLU if dec.arch["activation"] == "swiglu" else K.GELU
+        pos, eps = self.pos[:B], dec.eps
+        x = self._step_input(B)[:, 0]
+        for li, L in enumerate(dec.layers):
+            h = K.linear(x, L["qkv_w"], bias=L["qkv_b"], norm=norm, norm_w=L["ln1_w"], norm_b=L["ln1_b"], eps=eps)
+            o = K.attend(h, self.cache.data[li], pos, self.cos, self.sin, self.per, Lb)
+            x = K.linear(o, L["proj_w"], bias=L["proj_b"], residual=x)
+            h = K.linear(
+                x, L["fc1_w"], bias=L["fc1_b"], norm=norm, norm_w=L["ln2_w"], norm_b=L["ln2_b"], eps=eps, act=act
+            )
+            x = K.linear(h, L["fc2_w"], bias=L["fc2_b"], residual=x)
+        out = dec.out[: self.vocab]
+        return K.linear(x, out, norm=norm, norm_w=dec.final_w, norm_b=dec.final_b, eps=eps, out_f32=True)
 
     @staticmethod
     def _residual(x: Any, h: Any, w: Any, b: Any) -> Any:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from snakellm.serve.engine.fast_decoder import FastDecoder
+from snakellm.serve.engine.fast_decoder import FastDecoder, fused_kernels_usable
 from snakellm.serve.engine.settings import EngineSettings
 from snakellm.serve.engine.static_cache import CacheShape, rows_for_budget
 from snakellm.serve.generate import Completion, GenerationError, SamplingParams
@@ -95,11 +95,28 @@ class Engine:
             raise ConfigError(f"max_seq_len: {max_len} is outside 1..{dec.max_len} (the model's sequence length)")
         shape = CacheShape(len(dec.layers), dec.g, dec.d, max_len, dec.emb.element_size())
         rows = rows_for_budget(shape, s.kv_cache_memory, s.max_batch, dec.device)
-        self.fast = FastDecoder(dec, rows, max_len, self.tok.eod_id, graphs=s.cuda_graphs, compile=s.compile)
+        fused = s.fused_kernels and fused_kernels_usable(dec)
+        self.fast = FastDecoder(
+            dec, rows, max_len, self.tok.eod_id, graphs=s.cuda_graphs, compile=s.compile, fused=fused
+        )
         self.max_len = max_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}
         self.free: list[int] = list(range(rows))  # a heap: the lowest free row first keeps batches compact
+        self.pending: tuple[list[Request], int, Any] | None = None  # the decode step whose tokens are unread
+        self._slot = 0
+        self.host_tokens, self.host_logprobs, self.copied = self._host_buffers(rows, dec.device)
+
+    @staticmethod
+    def _host_buffers(rows: int, device: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        """Two (pinned, on CUDA) host buffers for a step's tokens and log-probs, and their copy events."""
+        import torch
+
+        cuda = device.type == "cuda"
+        tokens = [torch.zeros(rows, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        logprobs = [torch.zeros(rows, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
+        events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        return tokens, logprobs, events
 
     # ------------------------------------------------------------------ requests
 
@@ -130,7 +147,7 @@ class Engine:
         return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pending)
 
     # ------------------------------------------------------------------ one step
 
@@ -140,6 +157,12 @@ class Engine:
         Rows admitted in this step take part in its decode step too (their second token), so a
         request's first two tokens cost one step; a row that finished on its first token only
         wastes that one computation.
+
+        The decode step is pipelined: its tokens are copied to the host behind it, and read one
+        step later, after the next step is queued, so the device never waits for the host's
+        emitting, stop checks and admissions. A row whose request finished at step ``k`` is
+        computed once more at ``k + 1`` and that token is dropped. Requests that want every
+        step's full distribution run unpipelined.
         """
         import torch
 
@@ -147,29 +170,52 @@ class Engine:
             self._step()
 
     def _step(self) -> None:
-        import torch
-
         self._drop_cancelled()
         joined = self._admit()
         running = list(self.running.values())
-        want_full = any(r.params.all_probs for r in running)
-        probs = want_full or any(r.params.logprobs for r in running)
-        if running:
-            greedy = all(r.params.greedy for r in running)
-            penalty = any(r.params.repetition_penalty != 1.0 for r in running)
-            longest = min(max(len(r.prompt) + len(r.ids) + 1 for r in running), self.max_len)
-            self.fast.decode(max(r.row for r in running), longest, greedy, penalty, probs)
+        launched = self._launch(running) if running else None
         emitted: list[tuple[Request, int, float, Any]] = []
         if joined is not None:
             batch, nxt, lp, first_full = joined
             for i, (r, t, x) in enumerate(zip(batch, nxt.tolist(), lp.tolist(), strict=True)):
                 emitted.append((r, t, x, None if first_full is None else first_full[i]))
-        if running:
-            toks, lps = self.fast.out_tokens.tolist(), self.fast.out_logprobs.tolist()
-            full = torch.log_softmax(self.fast.logits, dim=-1).cpu() if want_full else None
-            emitted += [(r, toks[r.row], lps[r.row], None if full is None else full[r.row]) for r in running]
+        previous, self.pending = self.pending, launched
+        if previous is not None:
+            emitted += self._collect(*previous)
+        if launched is not None and launched[2] is not None:  # unpipelined: this step's tokens now
+            self.pending = None
+            emitted += self._collect(*launched)
         for r, t, x, f in emitted:
             self._emit(r, t, x, f)
+
+    def _launch(self, running: list[Request]) -> tuple[list[Request], int, Any]:
+        """Queue one decode step for ``running`` and the copy of its tokens to the host.
+
+        Returns (requests, host buffer index, full log-probabilities or None); the full
+        distribution (``all_probs``) is read at once, which ends the pipelining for that step.
+        """
+        import torch
+
+        want_full = any(r.params.all_probs for r in running)
+        probs = want_full or any(r.params.logprobs for r in running)
+        greedy = all(r.params.greedy for r in running)
+        penalty = any(r.params.repetition_penalty != 1.0 for r in running)
+        # + 1: the tokens of the step still in flight are not emitted yet
+        longest = min(max(len(r.prompt) + len(r.ids) + 1 for r in running) + 1, self.max_len)
+        self.fast.decode(max(r.row for r in running), longest, greedy, penalty, probs)
+        slot = self._slot = 1 - self._slot
+        self.host_tokens[slot].copy_(self.fast.out_tokens, non_blocking=True)
+        self.host_logprobs[slot].copy_(self.fast.out_logprobs, non_blocking=True)
+        self.copied[slot].record() if self.copied[slot] is not None else None
+        full = torch.log_softmax(self.fast.logits, dim=-1).cpu() if want_full else None
+        return running, slot, full
+
+    def _collect(self, running: list[Request], slot: int, full: Any) -> list[tuple[Request, int, float, Any]]:
+        """The tokens of a launched step for its requests (once its copy to the host is done)."""
+        if self.copied[slot] is not None:
+            self.copied[slot].synchronize()
+        toks, lps = self.host_tokens[slot].tolist(), self.host_logprobs[slot].tolist()
+        return [(r, toks[r.row], lps[r.row], None if full is None else full[r.row]) for r in running if not r.done]
 
     def _drop_cancelled(self) -> None:
         for r in [r for r in self.waiting if r.cancelled]:
@@ -258,6 +304,7 @@ class Engine:
             r.error = error
             self._finish(r, "error")
         self.waiting.clear()
+        self.pending = None
 
     # ------------------------------------------------------------------ offline batches
 
