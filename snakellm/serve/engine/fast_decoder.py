@@ -81,7 +81,9 @@ class FastDecoder:
         self.vocab = decoder.vocab_size
         self.per = decoder.n // decoder.g
         shape = CacheShape(len(decoder.layers), decoder.g, decoder.d, max_len, decoder.emb.element_size())
-        self.cache = StaticKVCache(shape, rows, decoder.dtype, self.device)
+        self.graphs_on = graphs and self.device.type == "cuda"
+        # with graphs, one spare row (index ``rows``) takes the padding rows of a bucketed prefill
+        self.cache = StaticKVCache(shape, rows + self.graphs_on, decoder.dtype, self.device)
         dev, i64 = self.device, torch.long
         self.tokens = torch.zeros(rows, dtype=i64, device=dev)
         self.pos = torch.full((rows,), max_len, dtype=i64, device=dev)
@@ -98,12 +100,18 @@ class FastDecoder:
             self.qkv_cos, self.qkv_sin = self._qkv_rope_table()
         self.batch_buckets = buckets(rows, 1)
         self.length_buckets = buckets(max_len, 64)
-        self.graphs_on = graphs and self.device.type == "cuda"
+        self.prefill_buckets = buckets(max_len, 16)
         self.compile = compile and self.graphs_on
         # fused Triton kernels for buckets of up to 16 rows (see kernels.py); larger ones are matrix products
         self.fused = fused
         self.graphs: dict[tuple[int, int, bool, bool, bool], Any] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_on else None
+        self.prefill_graphs: dict[tuple[int, int], Any] = {}
+        if self.graphs_on:  # the graphed prefill's static inputs and output
+            self.pf_tokens = torch.zeros(rows, max_len, dtype=i64, device=dev)
+            self.pf_lengths = torch.ones(rows, dtype=i64, device=dev)
+            self.pf_slots = torch.zeros(rows, dtype=i64, device=dev)
+            self.pf_logits = torch.zeros(rows, self.vocab, dtype=torch.float32, device=dev)
         self._compiled: dict[tuple[int, int, bool, bool, bool], Any] = {}
 
     def _rope_table(self, n: int) -> tuple[Any, Any]:
@@ -172,18 +180,29 @@ class FastDecoder:
         """Write the prompts' keys/values into cache rows ``rows``; logits [n, V] of each last token.
 
         ``want_all``: logits [n, T, V] of every position instead (for prompt log-probabilities).
+        With graphs on, the prefill is padded to a (rows, length) bucket and replayed from a CUDA
+        graph: in eager PyTorch, a short prompt's prefill is hundreds of Python-launched kernels
+        (20 ms for 128 tokens of llama-1b, as long as 20 decode steps).
         """
+        import torch
+
+        if self.graphs_on and not want_all:
+            return self._prefill_graphed(rows, prompts)
+        dev = self.device
+        tokens = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        slot = torch.tensor(rows, dtype=torch.long, device=dev)
+        return self._prefill_forward(tokens.to(dev), lengths, slot, want_all)
+
+    def _prefill_forward(self, tokens: Any, lengths: Any, slot: Any, want_all: bool) -> Any:
+        """The prefill of ``tokens`` [n, T] (right-padded to T) into cache rows ``slot`` [n]."""
         import torch
         import torch.nn.functional as F
 
         dec, dev = self.dec, self.device
-        n, T = len(prompts), max(map(len, prompts))
-        tokens = torch.zeros(n, T, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        tokens = tokens.to(dev)
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        slot = torch.tensor(rows, dtype=torch.long, device=dev)
+        n, T = tokens.shape
         positions = torch.arange(T, device=dev)[None, :].expand(n, T)
         x = self._embed(tokens, positions, prefill=True)
         cos = sin = None
@@ -206,6 +225,47 @@ class FastDecoder:
         if want_all:
             return self._head(x)
         return self._head(x[torch.arange(n, device=dev), lengths - 1])
+
+    def _prefill_graphed(self, rows: list[int], prompts: list[list[int]]) -> Any:
+        """The prefill through a CUDA graph per (rows, length) bucket; padding rows write the spare row."""
+        import torch
+
+        n, T = len(prompts), max(map(len, prompts))
+        Bb, Tb = pick(self.batch_buckets, n), pick(self.prefill_buckets, T)
+        key = (Bb, Tb)
+        graph = self.prefill_graphs.get(key)
+        if graph is None:
+            graph = self.prefill_graphs[key] = self._capture_prefill(Bb, Tb)
+        tokens = torch.zeros(Bb, Tb, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        self.pf_tokens[:Bb, :Tb].copy_(tokens)
+        self.pf_lengths[:Bb].copy_(torch.tensor([len(p) for p in prompts] + [1] * (Bb - n)))
+        self.pf_slots[:Bb].copy_(torch.tensor(rows + [self.rows] * (Bb - n)))
+        graph.replay()
+        return self.pf_logits[:n].clone()
+
+    def _capture_prefill(self, Bb: int, Tb: int) -> Any:
+        """Warm up and capture the prefill of a (Bb, Tb) bucket; it writes only the spare cache row."""
+        import torch
+
+        self.pf_slots[:Bb].fill_(self.rows)
+        self.pf_lengths[:Bb].fill_(1)
+
+        def fn() -> None:
+            args = (self.pf_tokens[:Bb, :Tb], self.pf_lengths[:Bb], self.pf_slots[:Bb])
+            self.pf_logits[:Bb].copy_(self._prefill_forward(*args, want_all=False))
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        return graph
 
     def start_rows(self, rows: list[int], prompts: list[list[int]], logits: Any) -> tuple[Any, Any]:
         """Sample each new row's first token from its prefill logits and arm the row for decode steps."""

@@ -38,6 +38,7 @@ from typing import Any
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # the matrix-vector kernel's norms (before the product) and activations (after it)
 NONE, RMSNORM, LAYERNORM, SWIGLU, GELU = 0, 1, 2, 3, 4
@@ -46,6 +47,18 @@ MAX_ROWS = 16  # the dot path's tile: batches of up to 16 rows take these kernel
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def pdl() -> bool:
+    """Programmatic dependent launch (Hopper and later): each kernel is scheduled into the tail of the
+    one before and fetches its first weight tile before it waits for that kernel's output, which
+    hides most of the gap between two short kernels. ``SNAKELLM_NO_PDL=1`` turns it off (to measure)."""
+    import torch
+
+    if interpreting() or os.environ.get("SNAKELLM_NO_PDL", "0") not in ("", "0"):
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
 @triton.jit
@@ -139,6 +152,7 @@ def _linear_kernel(
     HAS_RES: tl.constexpr,
     OUT_F32: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -149,9 +163,20 @@ def _linear_kernel(
     computes both halves of its block and stores ``silu(gate) * up`` [B, N], so fc2 reads N values.
     """
     DT: tl.constexpr = w_ptr.dtype.element_ty
+    if PDL:
+        gdc_launch_dependents()  # the next kernel may be scheduled into this one's tail
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = tl.arange(0, BLOCK_B)
     nmask, bmask = rn < N, rb < B
+    # the weights do not depend on the kernel before: with PDL, the first tile loads while it finishes
+    rk = tl.arange(0, BLOCK_K)
+    wm = nmask[:, None] & (rk < K)[None, :]
+    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
+    w_up = w
+    if ACT == 3:
+        w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=wm, other=0.0)
+    if PDL:
+        gdc_wait()  # x is the kernel before's output
     if PRO == 2:
         mean, rstd = _row_stats(x_ptr, stride_x, B, K, eps, rb, BLOCK_B, BLOCK_K)
     else:
@@ -170,12 +195,14 @@ def _linear_kernel(
             x_ptr, nw_ptr, nb_ptr, stride_x, K, rb, rk, bmask[:, None] & kmask[None, :], mean, rstd, PRO
         )
         ss += sq
-        wm = nmask[:, None] & kmask[None, :]
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
         acc = _product(acc, xv, w, BLOCK_B, IEEE, DT)
         if ACT == 3:
-            w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=wm, other=0.0)
             up = _product(up, xv, w_up, BLOCK_B, IEEE, DT)
+        nk = rk + BLOCK_K  # the next tile (all masked off after the last)
+        wm = nmask[:, None] & (nk < K)[None, :]
+        w = tl.load(w_ptr + rn[:, None] * K + nk[None, :], mask=wm, other=0.0)
+        if ACT == 3:
+            w_up = tl.load(w_ptr + (rn + N)[:, None] * K + nk[None, :], mask=wm, other=0.0)
     out = _finish(acc, BLOCK_B)
     if PRO == 1:
         out = out / tl.sqrt(ss / K + eps)[:, None]
@@ -253,12 +280,14 @@ def linear(
         "HAS_RES": residual is not None,
         "OUT_F32": out_f32,
         "IEEE": w.dtype == torch.float32,
+        "PDL": pdl(),
     }
     tile = 1 if B == 1 else MAX_ROWS
     if interpreting():
         _linear_kernel[(triton.cdiv(N, 256),)](*args, **flags, BLOCK_B=tile, BLOCK_N=256, BLOCK_K=128)
     else:
-        _tuned_linear(tile)[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags, BLOCK_B=tile)
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        _tuned_linear(tile)[grid](*args, **flags, BLOCK_B=tile, launch_pdl=flags["PDL"])
     return y
 
 
@@ -280,12 +309,16 @@ def _attend_kernel(
     D: tl.constexpr,
     ROPE: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
     """One (row, KV group): RoPE, cache write at ``pos``, attention over slots ``0..pos``."""
     DT: tl.constexpr = kv_ptr.dtype.element_ty
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()  # qkv is the kernel before's output
     b, g = tl.program_id(0), tl.program_id(1)
     G = tl.num_programs(1)
     pos = tl.load(pos_ptr + b + tl.arange(0, 1))  # [1]: the interpreter wants tensors, not scalars
@@ -376,6 +409,8 @@ def attend(qkv: Any, kv: Any, pos: Any, cos: Any, sin: Any, per: int, length: in
         D=d,
         ROPE=rope,
         IEEE=kv.dtype == torch.float32,
+        PDL=pdl(),
+        launch_pdl=pdl(),
         BLOCK_H=max(16, triton.next_power_of_2(per)),
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         **({"BLOCK_L": 32} if interpreting() else {}),
