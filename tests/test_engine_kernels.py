@@ -118,7 +118,7 @@ def test_attend_writes_the_cache_and_matches_sdpa(per, d, rope):
         assert torch.equal(kv[:, b, :, mask], before[:, b, :, mask])  # nothing but slot pos is written
 
 
-def test_fused_step_equals_eager(gen):
+def test_fused_step_equals_eager(gen):  # noqa: F811
     """The engine's decode step through the fused kernels: the eager decoder's greedy tokens and
     log-probabilities, for three rows (the 16-row tile) and for one (the one-row path)."""
     params = greedy(6, stop_at_eod=False, logprobs=True)
