@@ -9,8 +9,9 @@ from the same random prompts (``--prompt-len`` tokens) exactly ``--new-tokens``
 tokens (no early stop); tokens/s = batch x new tokens / wall time of the whole
 call (prefill included), best of ``--repeats`` after a warm-up (which also
 captures the engine's CUDA graphs). The engine runs twice: as it runs by
-default (fused Triton kernels for batches of up to 16 rows, ``kernels.py``) and
-with its PyTorch-ops step (``--no-fused-kernels``, the step before the kernels).
+default (fused Triton kernels for steps of up to ``fused_max_batch`` rows,
+``kernels.py``) and with its PyTorch-ops step (``--fused-max-batch 0``, the step
+before the kernels).
 
 Printed beside the figures: the bandwidth bound at batch 1 (bytes of weights read
 per token / the device-to-device copy bandwidth measured here), the engine's peak
@@ -151,7 +152,11 @@ def make_engine(
     from snakellm.serve.engine import Engine, EngineSettings
 
     s = EngineSettings(
-        max_batch=max_batch, max_seq_len=max_seq_len, kv_cache_memory="0.5", compile=compile, fused_kernels=fused
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        kv_cache_memory="0.5",
+        compile=compile,
+        fused_max_batch=EngineSettings.fused_max_batch if fused else 0,
     )
     return Engine(gen, s)
 
@@ -184,7 +189,7 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
     rows = prompts.tolist()
     r: dict[str, Any] = {"batch": b, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens}
     times, ids = {}, {}
-    # the engine as it runs by default (fused Triton kernels up to 16 rows), and its PyTorch-ops step
+    # the engine as it runs by default (fused Triton kernels up to fused_max_batch rows), and its PyTorch-ops step
     variants = [("engine", False, True), ("engine_unfused", False, False)]
     variants += [("engine_compiled", True, False)] if a.compile else []
     for name, comp, fused in variants:

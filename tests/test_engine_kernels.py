@@ -71,8 +71,8 @@ def test_linear_matches_pytorch(rows, norm, act, bias, res):
 
 
 def test_linear_refuses_what_it_cannot_tile():
-    with pytest.raises(ValueError, match="x \\[<= 16, K\\]"):
-        K.linear(torch.zeros(17, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=f"x \\[<= {K.MAX_ROWS}, K\\]"):
+        K.linear(torch.zeros(K.MAX_ROWS + 1, 8), torch.zeros(4, 8))
     with pytest.raises(ValueError, match="contiguous"):
         K.linear(torch.zeros(1, 8), torch.zeros(8, 4).t())
 
@@ -123,7 +123,7 @@ def test_fused_step_equals_eager(gen):  # noqa: F811
     log-probabilities, for three rows (the 16-row tile) and for one (the one-row path)."""
     params = greedy(6, stop_at_eod=False, logprobs=True)
     eng = engine(gen, max_batch=4)
-    eng.fast.fused = True  # the GPU's choice; forced here, where the interpreter runs it
+    eng.fast.fused = K.MAX_ROWS  # the GPU's choice (fused_max_batch); forced here, where the interpreter runs it
     calls = []
     real = eng.fast._logits_fused
     eng.fast._logits_fused = lambda B, Lb: calls.append(B) or real(B, Lb)

@@ -70,7 +70,7 @@ class FastDecoder:
         *,
         graphs: bool,
         compile: bool = False,
-        fused: bool = False,
+        fused: int = 0,
     ) -> None:
         import torch
 
@@ -102,7 +102,7 @@ class FastDecoder:
         self.length_buckets = buckets(max_len, 64)
         self.prefill_buckets = buckets(max_len, 16)
         self.compile = compile and self.graphs_on
-        # fused Triton kernels for buckets of up to 16 rows (see kernels.py); larger ones are matrix products
+        # fused Triton kernels (kernels.py) for batch buckets of up to this many rows; larger ones are PyTorch ops
         self.fused = fused
         self.graphs: dict[tuple[int, int, bool, bool, bool], Any] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_on else None
@@ -180,13 +180,14 @@ class FastDecoder:
         """Write the prompts' keys/values into cache rows ``rows``; logits [n, V] of each last token.
 
         ``want_all``: logits [n, T, V] of every position instead (for prompt log-probabilities).
-        With graphs on, the prefill is padded to a (rows, length) bucket and replayed from a CUDA
-        graph: in eager PyTorch, a short prompt's prefill is hundreds of Python-launched kernels
-        (20 ms for 128 tokens of llama-1b, as long as 20 decode steps).
+        With graphs on, the prefill of up to 4 prompts of up to 512 tokens is padded to a (rows,
+        length) bucket and replayed from a CUDA graph: in eager PyTorch, a short prompt's prefill
+        is hundreds of Python-launched kernels (20 ms for 128 tokens of llama-1b, as long as 20
+        decode steps); larger ones keep the GPU busy as they are and would need many graphs.
         """
         import torch
 
-        if self.graphs_on and not want_all:
+        if self.graphs_on and not want_all and len(prompts) <= 4 and max(map(len, prompts)) <= 512:
             return self._prefill_graphed(rows, prompts)
         dev = self.device
         tokens = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
@@ -293,8 +294,7 @@ class FastDecoder:
         """
         import torch
 
-        fused = self.fused and B <= FUSED_MAX_ROWS
-        logits = self._logits_fused(B, Lb) if fused else self._logits(B, Lb)
+        logits = self._logits_fused(B, Lb) if B <= self.fused else self._logits(B, Lb)
         pos, rows = self.pos[:B], self.row_ids[:B]
         nxt, lp = self.sampler.sample(logits, rows, greedy_only, penalty, probs)
         if probs:

@@ -168,13 +168,17 @@ def _linear_kernel(
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = tl.arange(0, BLOCK_B)
     nmask, bmask = rn < N, rb < B
-    # the weights do not depend on the kernel before: with PDL, the first tile loads while it finishes
-    rk = tl.arange(0, BLOCK_K)
-    wm = nmask[:, None] & (rk < K)[None, :]
-    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
-    w_up = w
-    if ACT == 3:
-        w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=wm, other=0.0)
+    # one row: the weights do not depend on the kernel before, so the first tile loads (with PDL, in
+    # its tail) before the wait, and each iteration fetches the next; the 16-row tile keeps Triton's
+    # own pipelining of the loop, which that prefetch defeats
+    PREFETCH: tl.constexpr = BLOCK_B == 1
+    if PREFETCH:
+        rk = tl.arange(0, BLOCK_K)
+        wm = nmask[:, None] & (rk < K)[None, :]
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
+        w_up = w
+        if ACT == 3:
+            w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=wm, other=0.0)
     if PDL:
         gdc_wait()  # x is the kernel before's output
     if PRO == 2:
@@ -191,6 +195,11 @@ def _linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
+        if not PREFETCH:
+            wm = nmask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
+            if ACT == 3:
+                w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=wm, other=0.0)
         xv, sq = _input_tile(
             x_ptr, nw_ptr, nb_ptr, stride_x, K, rb, rk, bmask[:, None] & kmask[None, :], mean, rstd, PRO
         )
@@ -198,11 +207,12 @@ def _linear_kernel(
         acc = _product(acc, xv, w, BLOCK_B, IEEE, DT)
         if ACT == 3:
             up = _product(up, xv, w_up, BLOCK_B, IEEE, DT)
-        nk = rk + BLOCK_K  # the next tile (all masked off after the last)
-        wm = nmask[:, None] & (nk < K)[None, :]
-        w = tl.load(w_ptr + rn[:, None] * K + nk[None, :], mask=wm, other=0.0)
-        if ACT == 3:
-            w_up = tl.load(w_ptr + (rn + N)[:, None] * K + nk[None, :], mask=wm, other=0.0)
+        if PREFETCH:
+            nk = rk + BLOCK_K  # the next tile (all masked off after the last)
+            wm = nmask[:, None] & (nk < K)[None, :]
+            w = tl.load(w_ptr + rn[:, None] * K + nk[None, :], mask=wm, other=0.0)
+            if ACT == 3:
+                w_up = tl.load(w_ptr + (rn + N)[:, None] * K + nk[None, :], mask=wm, other=0.0)
     out = _finish(acc, BLOCK_B)
     if PRO == 1:
         out = out / tl.sqrt(ss / K + eps)[:, None]
@@ -271,7 +281,7 @@ def linear(
     if B > MAX_ROWS or x.stride(1) != 1 or not w.is_contiguous() or w.shape[1] != K:
         raise ValueError(f"linear: needs x [<= {MAX_ROWS}, K] with unit column stride and w [N, K] contiguous")
     y = torch.empty(B, N, dtype=torch.float32 if out_f32 else w.dtype, device=x.device)
-    args = (x, w, y, residual if residual is not None else y, bias if bias is not None else w)
+    args: tuple[Any, ...] = (x, w, y, residual if residual is not None else y, bias if bias is not None else w)
     args += (norm_w if norm_w is not None else w, norm_b if norm_b is not None else w, B, N, K, x.stride(0), eps)
     flags = {
         "PRO": norm,

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from snakellm.serve.engine.fast_decoder import FastDecoder, fused_kernels_usable
+from snakellm.serve.engine.fast_decoder import FUSED_MAX_ROWS, FastDecoder, fused_kernels_usable
 from snakellm.serve.engine.settings import EngineSettings
 from snakellm.serve.engine.static_cache import CacheShape, rows_for_budget
 from snakellm.serve.generate import Completion, GenerationError, SamplingParams
@@ -95,7 +95,9 @@ class Engine:
             raise ConfigError(f"max_seq_len: {max_len} is outside 1..{dec.max_len} (the model's sequence length)")
         shape = CacheShape(len(dec.layers), dec.g, dec.d, max_len, dec.emb.element_size())
         rows = rows_for_budget(shape, s.kv_cache_memory, s.max_batch, dec.device)
-        fused = s.fused_kernels and fused_kernels_usable(dec)
+        if not 0 <= s.fused_max_batch <= FUSED_MAX_ROWS:
+            raise ConfigError(f"fused_max_batch: {s.fused_max_batch} is outside 0..{FUSED_MAX_ROWS}")
+        fused = s.fused_max_batch if fused_kernels_usable(dec) else 0
         self.fast = FastDecoder(
             dec, rows, max_len, self.tok.eod_id, graphs=s.cuda_graphs, compile=s.compile, fused=fused
         )
