@@ -18,6 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+# Triton's interpreter runs the fused decode kernels' tests (test_engine_kernels.py) on a machine
+# without a GPU. It must be chosen before anything imports Triton (transformers and torch may):
+# Triton decorates its own standard library (tl.sum's combine, ...) when it is imported.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 SNAKEFILE = REPO / "Snakefile"
 BIN = Path(sys.executable).parent

@@ -63,20 +63,24 @@ def test_greedy_batch_equals_eager(gen):
         assert f.logprobs == pytest.approx(e.logprobs, abs=1e-4)
 
 
-def test_requests_join_mid_flight_and_get_their_tokens_alone(gen):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_requests_join_mid_flight_and_get_their_tokens_alone(gen, pipelined):
     """Two rows, five requests of different lengths: later ones wait, join as rows free up, and each
-    gets exactly the tokens it gets alone in the eager decoder."""
+    gets exactly the tokens it gets alone in the eager decoder; also with the decode pipelined as on
+    a GPU (tokens read one step late, a finished row computed once more and its token dropped)."""
     from snakellm.serve.engine import Request
 
     eng = engine(gen, max_batch=2)
+    eng.pipelined = pipelined
     assert eng.fast.rows == 2
     prompts = [gen.tok.encode(p) for p in PROMPTS + ["Once upon a time", "Hello world, hello"]]
     lengths = [7, 15, 4, 12, 9]
     reqs = [eng.add(Request(p, greedy(n, stop_at_eod=False))) for p, n in zip(prompts[:2], lengths, strict=False)]
     for _ in range(3):
         eng.step()
-    # the prefill's token, and the decode steps' tokens one step late (pipelined: the third is in flight)
-    assert [len(r.ids) for r in reqs] == [3, 3] and eng.pending is not None
+    # the prefill's token and one per decode step; pipelined, the third step's tokens are still in flight
+    assert [len(r.ids) for r in reqs] == ([3, 3] if pipelined else [4, 4])
+    assert (eng.pending is not None) == pipelined
     reqs += [eng.add(Request(p, greedy(n, stop_at_eod=False))) for p, n in zip(prompts[2:], lengths[2:], strict=True)]
     seen_batches = set()
     while eng.has_work():
@@ -89,10 +93,13 @@ def test_requests_join_mid_flight_and_get_their_tokens_alone(gen):
     assert sorted(eng.free) == [0, 1] and not eng.running
 
 
-def test_greedy_controls_equal_eager(gen):
-    """Repetition penalty, min_new_tokens with EOD, end strings: the eager decoder's tokens and reasons."""
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_greedy_controls_equal_eager(gen, pipelined):
+    """Repetition penalty, min_new_tokens with EOD, end strings: the eager decoder's tokens and reasons
+    (pipelined too: a stop is seen one step late and the extra token is dropped)."""
     eod = gen.tok.eod_id
     eng = engine(gen)
+    eng.pipelined = pipelined
     for params in (
         greedy(24, repetition_penalty=1.5),
         greedy(12, min_new_tokens=5),
@@ -182,11 +189,14 @@ def test_budget_admission_and_too_large(gen):
     assert all(len(r.ids) == 6 for r in reqs)
 
 
-def test_worker_streams_async_clients_and_cancellation(gen):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_worker_streams_async_clients_and_cancellation(gen, pipelined):
     """Four asyncio clients stream at once through the worker thread; one cancels mid-stream."""
     from snakellm.serve.engine import EngineWorker
 
-    worker = EngineWorker(engine(gen, max_batch=4))
+    eng = engine(gen, max_batch=4)
+    eng.pipelined = pipelined
+    worker = EngineWorker(eng)
     ids = [gen.tok.encode(p) for p in PROMPTS]
     want = gen.generate(PROMPTS, greedy(12, stop_at_eod=False))
 

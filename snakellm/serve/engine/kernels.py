@@ -252,7 +252,9 @@ def _tuned_linear(rows_tile: int) -> Any:
     configs = [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in _CONFIGS[rows_tile]
     ]
-    return triton.autotune(configs, key=["N", "K", "PRO", "ACT", "HAS_RES", "OUT_F32"])(_linear_kernel)
+    return triton.autotune(configs, key=["N", "K", "PRO", "ACT", "HAS_RES", "OUT_F32"], cache_results=True)(
+        _linear_kernel
+    )
 
 
 def linear(
@@ -436,4 +438,4 @@ def _tuned_attend() -> Any:
         triton.Config({"BLOCK_L": n}, num_warps=w, num_stages=s)
         for n, w, s in ((64, 4, 3), (128, 4, 3), (128, 8, 2), (256, 8, 2), (64, 2, 4))
     ]
-    return triton.autotune(configs, key=["L", "PER", "D"])(_attend_kernel)
+    return triton.autotune(configs, key=["L", "PER", "D"], cache_results=True)(_attend_kernel)

@@ -106,6 +106,8 @@ class Engine:
         self.running: dict[int, Request] = {}
         self.free: list[int] = list(range(rows))  # a heap: the lowest free row first keeps batches compact
         self.pending: tuple[list[Request], int, Any] | None = None  # the decode step whose tokens are unread
+        # on the CPU every op runs as it is called: there is nothing to overlap, only a step of latency
+        self.pipelined = dec.device.type == "cuda"
         self._slot = 0
         self.host_tokens, self.host_logprobs, self.copied = self._host_buffers(rows, dec.device)
 
@@ -164,7 +166,8 @@ class Engine:
         step later, after the next step is queued, so the device never waits for the host's
         emitting, stop checks and admissions. A row whose request finished at step ``k`` is
         computed once more at ``k + 1`` and that token is dropped. Requests that want every
-        step's full distribution run unpipelined.
+        step's full distribution run unpipelined, and so does the CPU (``pipelined``), where
+        nothing runs behind the host.
         """
         import torch
 
@@ -184,7 +187,7 @@ class Engine:
         previous, self.pending = self.pending, launched
         if previous is not None:
             emitted += self._collect(*previous)
-        if launched is not None and launched[2] is not None:  # unpipelined: this step's tokens now
+        if launched is not None and (launched[2] is not None or not self.pipelined):  # this step's tokens now
             self.pending = None
             emitted += self._collect(*launched)
         for r, t, x, f in emitted:
