@@ -6,7 +6,8 @@ tokenizer is served by ``snakellm serve``'s own app on 127.0.0.1 (uvicorn), once
 with the continuous-batching engine (what ``snakellm serve`` runs) and once with
 the single model worker it replaced (requests one at a time) for reference.
 ``--requests`` OpenAI completions (``--max-tokens`` new tokens, greedy) are sent
-one after another, then from ``--clients`` threads at once; requests/s of each.
+one after another, then from ``--clients`` threads at once, by a client process of
+their own (as users' clients are); requests/s of each.
 Bar: parallel >= 3x sequential on the engine. Not a timed test: the figure moves
 with the machine's load.
 
@@ -99,6 +100,16 @@ def measure(url: str, prompts: list[str], clients: int, max_tokens: int) -> tupl
     return len(prompts) / t_seq, len(prompts) / t_par, par
 
 
+def clients(url: str, a: argparse.Namespace) -> tuple[float, float]:
+    """``measure`` in a process of its own, as users' clients are: the server keeps its GIL to itself."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--client-of", url, "--requests", str(a.requests), "--clients", str(a.clients)]
+    out = subprocess.run([*cmd, "--max-tokens", str(a.max_tokens)], capture_output=True, text=True, check=True)
+    seq, par = json.loads(out.stdout.strip().splitlines()[-1])
+    return seq, par
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
@@ -107,18 +118,23 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--json", default=None)
+    p.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # the client process (internal)
     a = p.parse_args()
+    words = "the of and to in is was for on that with as by at from his her an which".split()
+    prompts = [" ".join(words[(i * 7 + k) % len(words)] for k in range(3 + i % 9)) for i in range(a.requests)]
+    if a.client_of:
+        seq, par, _ = measure(a.client_of, prompts, a.clients, a.max_tokens)
+        print(json.dumps([seq, par]))
+        return 0
     import torch
 
     torch.set_num_threads(a.threads)
     gen = model(a.preset)
-    words = "the of and to in is was for on that with as by at from his her an which".split()
-    prompts = [" ".join(words[(i * 7 + k) % len(words)] for k in range(3 + i % 9)) for i in range(a.requests)]
     out: dict[str, Any] = {"preset": a.preset, "requests": a.requests, "clients": a.clients, "max_tokens": a.max_tokens}
     for name, batching in (("engine", True), ("single_worker", False)):
         url, stop = serve(gen, batching)
         try:
-            seq, par, _ = measure(url, prompts, a.clients, a.max_tokens)
+            seq, par = clients(url, a)
         finally:
             stop()
         out[name] = {"sequential_rps": seq, "parallel_rps": par, "speedup": par / seq}

@@ -259,7 +259,9 @@ class Engine:
             self._prompt_logprobs(batch, logits)
             last = torch.tensor([len(p) - 1 for p in prompts], device=logits.device)
             logits = logits[torch.arange(len(batch), device=logits.device), last]
-        nxt, lp = self.fast.start_rows(rows, prompts, logits)
+        greedy = all(r.params.greedy for r in batch)
+        penalty = any(r.params.repetition_penalty != 1.0 for r in batch)
+        nxt, lp = self.fast.start_rows(rows, prompts, logits, greedy, penalty)
         full = torch.log_softmax(logits, dim=-1).cpu() if any(r.params.all_probs for r in batch) else None
         return batch, nxt, lp, full
 
