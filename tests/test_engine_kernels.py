@@ -119,19 +119,23 @@ def test_attend_writes_the_cache_and_matches_sdpa(per, d, rope):
         assert torch.equal(kv[:, b, :, mask], before[:, b, :, mask])  # nothing but slot pos is written
 
 
-def test_fused_step_equals_eager(gen):  # noqa: F811
+@pytest.mark.parametrize("fused_max_batch", [K.MAX_ROWS, 1])
+def test_fused_step_equals_eager(gen, fused_max_batch):  # noqa: F811
     """The engine's decode step through the fused kernels: the eager decoder's greedy tokens and
-    log-probabilities, for three rows (the 16-row tile) and for one (the one-row path)."""
+    log-probabilities, for three rows (the 16-row tile, or with ``fused_max_batch`` 1 the PyTorch
+    step around the fused attention kernel) and for one (the one-row path)."""
     params = greedy(6, stop_at_eod=False, logprobs=True)
     eng = engine(gen, max_batch=4)
-    eng.fast.fused = K.MAX_ROWS  # the GPU's choice (fused_max_batch); forced here, where the interpreter runs it
+    eng.fast.fused = fused_max_batch  # the GPU's choice; forced here, where the interpreter runs it
     calls = []
-    real = eng.fast._logits_fused
-    eng.fast._logits_fused = lambda B, Lb: calls.append(B) or real(B, Lb)
+    real, real_hybrid = eng.fast._logits_fused, eng.fast._logits_hybrid
+    eng.fast._logits_fused = lambda B, Lb: calls.append(("fused", B)) or real(B, Lb)
+    eng.fast._logits_hybrid = lambda B, Lb: calls.append(("hybrid", B)) or real_hybrid(B, Lb)
     for prompts in (PROMPTS, PROMPTS[2:]):
         fast = eng.generate(prompts, params)
         eager = gen.generate(prompts, params)
         assert [o.ids for o in fast] == [o.ids for o in eager]
         for f, e in zip(fast, eager, strict=True):
             assert f.logprobs == pytest.approx(e.logprobs, abs=1e-4)
-    assert 4 in calls and 1 in calls  # both tiles ran (batch buckets 4 and 1)
+    four = "fused" if fused_max_batch >= 4 else "hybrid"
+    assert ("fused", 1) in calls and (four, 4) in calls  # batch buckets 1 and 4 took the expected paths

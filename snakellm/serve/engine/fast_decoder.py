@@ -317,10 +317,17 @@ class FastDecoder:
         return self._embed(self.tokens[:B, None], pos[:, None], prefill=False)
 
     def _logits(self, B: int, Lb: int) -> Any:
-        """The step's logits [B, V] (fp32) through PyTorch ops: the eager decoder's computation."""
+        """The step's logits [B, V] (fp32) through PyTorch ops: the eager decoder's computation.
+
+        Where the fused kernels run (``fused`` > 0: a GPU), a batch too large for them still takes
+        their attention kernel (RoPE, the cache write and attention in one launch instead of about
+        six), with the matrix products on cuBLAS.
+        """
         import torch
         import torch.nn.functional as F
 
+        if self.fused > 0:
+            return self._logits_hybrid(B, Lb)
         dec = self.dec
         g, d, per = dec.g, dec.d, self.per
         pos = self.pos[:B]
@@ -344,6 +351,22 @@ class FastDecoder:
             x = self._residual(x, o.reshape(B, 1, dec.n * d), L["proj_w"], L["proj_b"])
             x = self._mlp(x, L)
         return self._head(x[:, 0])
+
+    def _logits_hybrid(self, B: int, Lb: int) -> Any:
+        """PyTorch ops (cuBLAS products) around the fused attention kernel, for batches above ``fused``."""
+        import torch.nn.functional as F
+
+        from snakellm.serve.engine import kernels as K
+
+        dec = self.dec
+        pos = self.pos[:B]
+        x = self._step_input(B)[:, 0]
+        for li, L in enumerate(dec.layers):
+            qkv = F.linear(dec._norm(x, L["ln1_w"], L["ln1_b"]), L["qkv_w"], L["qkv_b"])
+            o = K.attend(qkv, self.cache.data[li], pos, self.cos, self.sin, self.per, Lb)
+            x = self._residual(x, o, L["proj_w"], L["proj_b"])
+            x = self._mlp(x, L)
+        return self._head(x)
 
     def _logits_fused(self, B: int, Lb: int) -> Any:
         """The same logits through the fused kernels: five per layer (see :mod:`.kernels`)."""
