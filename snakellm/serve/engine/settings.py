@@ -32,8 +32,9 @@ class EngineSettings:
     cuda_graphs: bool = setting(True, "capture the decode step in CUDA graphs per batch-size bucket (GPU only)")
     fused_max_batch: int = setting(
         1,
-        "decode steps of up to this many rows (0-16; 0: off) run fused Triton kernels, five per layer (GPU, "
-        "bf16/fp16 models); on an H200 they double batch 1's speed, and lose to cuBLAS from 4 rows up",
+        "decode steps of up to this many rows (0-16; 0: off) run fused Triton kernels, five per layer, and larger "
+        "ones cuBLAS around the fused attention kernel (GPU, bf16/fp16 models); on an H200 the fused step doubles "
+        "batch 1's speed and loses to cuBLAS from 4 rows up",
     )
     compile: bool = setting(
         False, "torch.compile the decode step before capturing it (fuses the small kernels; slower start)"
