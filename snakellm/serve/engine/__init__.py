@@ -2,6 +2,7 @@
 
 * :mod:`.static_cache`: the preallocated cache and its memory budget;
 * :mod:`.fast_decoder`: batched prefill and the capturable decode step;
+* :mod:`.kernels`: the fused Triton decode step for small batches (GPU; imported only there);
 * :mod:`.sampling`: per-row sampling on the device (no host sync per token);
 * :mod:`.scheduler`: :class:`Engine` (continuous batching) and :class:`EngineWorker`
   (its thread, with per-request token streams for servers).
