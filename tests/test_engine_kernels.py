@@ -56,9 +56,9 @@ def reference(x, w, bias, residual, norm, norm_w, norm_b, eps, act):
     ],
 )
 def test_linear_matches_pytorch(rows, norm, act, bias, res):
-    """Odd sizes (K=200 over 128-wide tiles, N=300 over 256-wide blocks): the masks hold."""
+    """Odd sizes (K=200 over 128-wide tiles, N=2100 over three 1024-wide blocks): the masks hold."""
     g = torch.Generator().manual_seed(rows * 7 + norm * 3 + act)
-    n_out, k = 300, 200
+    n_out, k = 2100, 200
     x = torch.randn(rows, k, generator=g) * 2 + 0.5
     w = torch.randn(2 * n_out if act == K.SWIGLU else n_out, k, generator=g) / k**0.5
     b = torch.randn(w.shape[0], generator=g) if bias else None
@@ -119,23 +119,30 @@ def test_attend_writes_the_cache_and_matches_sdpa(per, d, rope):
         assert torch.equal(kv[:, b, :, mask], before[:, b, :, mask])  # nothing but slot pos is written
 
 
-@pytest.mark.parametrize("fused_max_batch", [K.MAX_ROWS, 1])
-def test_fused_step_equals_eager(gen, fused_max_batch):  # noqa: F811
+@pytest.mark.parametrize("fused_max_batch,attend_max_len", [(K.MAX_ROWS, 1024), (1, 1024), (K.MAX_ROWS, 0)])
+def test_fused_step_equals_eager(gen, fused_max_batch, attend_max_len, monkeypatch):  # noqa: F811
     """The engine's decode step through the fused kernels: the eager decoder's greedy tokens and
-    log-probabilities, for three rows (the 16-row tile, or with ``fused_max_batch`` 1 the PyTorch
-    step around the fused attention kernel) and for one (the one-row path)."""
+    log-probabilities, for three rows (the 16-row tile; with ``fused_max_batch`` 1, cuBLAS-style
+    PyTorch products around the fused attention kernel) and for one (the one-row path); and with
+    the rows longer than the attention kernel takes (SDPA inside the fused step)."""
+    from snakellm.serve.engine import fast_decoder
+
+    monkeypatch.setattr(fast_decoder, "ATTEND_MAX_LEN", attend_max_len)
     params = greedy(6, stop_at_eod=False, logprobs=True)
     eng = engine(gen, max_batch=4)
     eng.fast.fused = fused_max_batch  # the GPU's choice; forced here, where the interpreter runs it
     calls = []
-    real, real_hybrid = eng.fast._logits_fused, eng.fast._logits_hybrid
-    eng.fast._logits_fused = lambda B, Lb: calls.append(("fused", B)) or real(B, Lb)
-    eng.fast._logits_hybrid = lambda B, Lb: calls.append(("hybrid", B)) or real_hybrid(B, Lb)
+    for name in ("_logits_fused", "_logits"):
+        real = getattr(eng.fast, name)
+        monkeypatch.setattr(eng.fast, name, lambda B, Lb, real=real, name=name: calls.append((name, B)) or real(B, Lb))
+    attends = []
+    monkeypatch.setattr(K, "attend", lambda *a, real=K.attend: attends.append(1) or real(*a))
     for prompts in (PROMPTS, PROMPTS[2:]):
         fast = eng.generate(prompts, params)
         eager = gen.generate(prompts, params)
         assert [o.ids for o in fast] == [o.ids for o in eager]
         for f, e in zip(fast, eager, strict=True):
             assert f.logprobs == pytest.approx(e.logprobs, abs=1e-4)
-    four = "fused" if fused_max_batch >= 4 else "hybrid"
-    assert ("fused", 1) in calls and (four, 4) in calls  # batch buckets 1 and 4 took the expected paths
+    four = "_logits_fused" if fused_max_batch >= 4 else "_logits"
+    assert ("_logits_fused", 1) in calls and (four, 4) in calls  # batch buckets 1 and 4 took the expected paths
+    assert bool(attends) == (attend_max_len > 0)  # the attention kernel, or SDPA for rows past its length

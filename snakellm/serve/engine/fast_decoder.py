@@ -33,6 +33,7 @@ from snakellm.serve.engine.sampling import SamplingState
 from snakellm.serve.engine.static_cache import CacheShape, StaticKVCache
 
 FUSED_MAX_ROWS = 16  # kernels.MAX_ROWS, without importing Triton
+ATTEND_MAX_LEN = 1024  # cache slots the fused attention kernel reads (one program per row and group); SDPA beyond
 
 
 def fused_kernels_usable(decoder: Any) -> bool:
@@ -323,50 +324,56 @@ class FastDecoder:
         their attention kernel (RoPE, the cache write and attention in one launch instead of about
         six), with the matrix products on cuBLAS.
         """
-        import torch
         import torch.nn.functional as F
 
-        if self.fused > 0:
-            return self._logits_hybrid(B, Lb)
         dec = self.dec
-        g, d, per = dec.g, dec.d, self.per
-        pos = self.pos[:B]
-        rows = self.row_ids[:B]
-        x = self._step_input(B)
-        cos: Any = None
-        sin: Any = None
-        if self.cos is not None:
-            cos, sin = self.qkv_cos[pos][:, None, None], self.qkv_sin[pos][:, None, None]  # [B, 1, 1, per+2, d]
-        mask = (torch.arange(Lb, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
-        for li, L in enumerate(dec.layers):
-            h = dec._norm(x, L["ln1_w"], L["ln1_b"])
-            qkv = F.linear(h, L["qkv_w"], L["qkv_b"]).view(B, 1, g, per + 2, d)
-            if cos is not None:
-                flipped = qkv.view(B, 1, g, per + 2, 2, d // 2).flip(-2).view(B, 1, g, per + 2, d)
-                qkv = torch.addcmul(qkv * cos, flipped, sin)
-            kv = self.cache.data[li]  # [2, rows, g, max_len + 1, d]
-            kv[:, rows, :, pos] = qkv[:, 0, :, per:].transpose(1, 2)  # [B, 2, g, d]: k and v in one write
-            q = qkv[:, 0, :, :per]  # [B, g, per, d]: a group's query heads attend together to its keys
-            o = F.scaled_dot_product_attention(q, kv[0, :B, :, :Lb], kv[1, :B, :, :Lb], attn_mask=mask)
-            x = self._residual(x, o.reshape(B, 1, dec.n * d), L["proj_w"], L["proj_b"])
-            x = self._mlp(x, L)
-        return self._head(x[:, 0])
-
-    def _logits_hybrid(self, B: int, Lb: int) -> Any:
-        """PyTorch ops (cuBLAS products) around the fused attention kernel, for batches above ``fused``."""
-        import torch.nn.functional as F
-
-        from snakellm.serve.engine import kernels as K
-
-        dec = self.dec
-        pos = self.pos[:B]
+        ctx = self._attention_context(B, Lb)
         x = self._step_input(B)[:, 0]
         for li, L in enumerate(dec.layers):
             qkv = F.linear(dec._norm(x, L["ln1_w"], L["ln1_b"]), L["qkv_w"], L["qkv_b"])
-            o = K.attend(qkv, self.cache.data[li], pos, self.cos, self.sin, self.per, Lb)
-            x = self._residual(x, o, L["proj_w"], L["proj_b"])
+            x = self._residual(x, self._attention(qkv, li, B, Lb, ctx), L["proj_w"], L["proj_b"])
             x = self._mlp(x, L)
         return self._head(x)
+
+    def _attention_context(self, B: int, Lb: int) -> tuple[Any, Any, Any] | None:
+        """The PyTorch attention's per-step tensors (RoPE rows, mask), or None where the fused kernel runs.
+
+        The kernel runs one program per (row, KV group) over the whole cache: up to ``ATTEND_MAX_LEN``
+        slots; longer rows take SDPA, which splits the sequence.
+        """
+        import torch
+
+        if self.fused > 0 and Lb <= ATTEND_MAX_LEN:
+            return None
+        pos = self.pos[:B]
+        cos = sin = None
+        if self.cos is not None:
+            cos, sin = self.qkv_cos[pos][:, None, None], self.qkv_sin[pos][:, None, None]  # [B, 1, 1, per+2, d]
+        mask = (torch.arange(Lb, device=self.device)[None, :] <= pos[:, None])[:, None, None, :]
+        return cos, sin, mask
+
+    def _attention(self, qkv: Any, li: int, B: int, Lb: int, ctx: tuple[Any, Any, Any] | None) -> Any:
+        """Attention output [B, n * d] of the step's ``qkv`` [B, g * (per + 2) * d] at layer ``li``,
+        the new keys and values written to the cache (``ctx``: see :meth:`_attention_context`)."""
+        import torch
+        import torch.nn.functional as F
+
+        pos = self.pos[:B]
+        if ctx is None:
+            from snakellm.serve.engine import kernels as K
+
+            return K.attend(qkv, self.cache.data[li], pos, self.cos, self.sin, self.per, Lb)
+        cos, sin, mask = ctx
+        g, d, per = self.dec.g, self.dec.d, self.per
+        qkv = qkv.view(B, 1, g, per + 2, d)
+        if cos is not None:
+            flipped = qkv.view(B, 1, g, per + 2, 2, d // 2).flip(-2).view(B, 1, g, per + 2, d)
+            qkv = torch.addcmul(qkv * cos, flipped, sin)
+        kv = self.cache.data[li]  # [2, rows, g, max_len + 1, d]
+        kv[:, self.row_ids[:B], :, pos] = qkv[:, 0, :, per:].transpose(1, 2)  # [B, 2, g, d]: k and v in one write
+        q = qkv[:, 0, :, :per]  # [B, g, per, d]: a group's query heads attend together to its keys
+        o = F.scaled_dot_product_attention(q, kv[0, :B, :, :Lb], kv[1, :B, :, :Lb], attn_mask=mask)
+        return o.reshape(B, self.dec.n * d)
 
     def _logits_fused(self, B: int, Lb: int) -> Any:
         """The same logits through the fused kernels: five per layer (see :mod:`.kernels`)."""
@@ -375,12 +382,11 @@ class FastDecoder:
         dec = self.dec
         norm = K.RMSNORM if dec.arch["normalization"] == "RMSNorm" else K.LAYERNORM
         act = K.SWIGLU if dec.arch["activation"] == "swiglu" else K.GELU
-        pos, eps = self.pos[:B], dec.eps
+        eps, ctx = dec.eps, self._attention_context(B, Lb)
         x = self._step_input(B)[:, 0]
         for li, L in enumerate(dec.layers):
             h = K.linear(x, L["qkv_w"], bias=L["qkv_b"], norm=norm, norm_w=L["ln1_w"], norm_b=L["ln1_b"], eps=eps)
-            o = K.attend(h, self.cache.data[li], pos, self.cos, self.sin, self.per, Lb)
-            x = K.linear(o, L["proj_w"], bias=L["proj_b"], residual=x)
+            x = K.linear(self._attention(h, li, B, Lb, ctx), L["proj_w"], bias=L["proj_b"], residual=x)
             h = K.linear(
                 x, L["fc1_w"], bias=L["fc1_b"], norm=norm, norm_w=L["ln2_w"], norm_b=L["ln2_b"], eps=eps, act=act
             )

@@ -296,7 +296,7 @@ def linear(
     }
     tile = 1 if B == 1 else MAX_ROWS
     if interpreting():
-        _linear_kernel[(triton.cdiv(N, 256),)](*args, **flags, BLOCK_B=tile, BLOCK_N=256, BLOCK_K=128)
+        _linear_kernel[(triton.cdiv(N, 1024),)](*args, **flags, BLOCK_B=tile, BLOCK_N=1024, BLOCK_K=128)
     else:
         grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         _tuned_linear(tile)[grid](*args, **flags, BLOCK_B=tile, launch_pdl=flags["PDL"])
