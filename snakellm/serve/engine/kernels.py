@@ -26,8 +26,10 @@ the eager decoder stores them (the matrix product, the activation), so the
 two agree to the usual bf16 tolerance, and to fp32 rounding in fp32
 (the tests run these kernels in Triton's interpreter on the CPU).
 
-Triton is imported only when the fused step is used: CUDA with a 16-bit model,
-or the interpreter (``TRITON_INTERPRET=1``) in the tests.
+Larger batches keep cuBLAS's products and take only :func:`attend` (see
+``FastDecoder._logits``). Triton is imported only where these kernels run: CUDA
+with a 16-bit model and ``fused_max_batch`` > 0, or the interpreter
+(``TRITON_INTERPRET=1``) in the tests.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ MAX_ROWS = 16  # the dot path's tile: batches of up to 16 rows take these kernel
 
 
 def interpreting() -> bool:
+    """Triton's interpreter (the CPU tests): fixed tiles instead of autotuning, no PDL."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
