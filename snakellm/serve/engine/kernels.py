@@ -136,6 +136,19 @@ def _finish(acc, BLOCK_B: tl.constexpr):
 
 
 @triton.jit
+def _output(
+    acc, ss, bias_ptr, rn, nmask, K: tl.constexpr, eps, PRO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_B: tl.constexpr
+):
+    """The product [BLOCK_B, BLOCK_N] in fp32: RMSNorm's scale (applied after the product) and the bias."""
+    out = _finish(acc, BLOCK_B)
+    if PRO == 1:
+        out = out / tl.sqrt(ss / K + eps)[:, None]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr,
     w_ptr,
@@ -216,19 +229,11 @@ def _linear_kernel(
             w = tl.load(w_ptr + rn[:, None] * K + nk[None, :], mask=wm, other=0.0)
             if ACT == 3:
                 w_up = tl.load(w_ptr + (rn + N)[:, None] * K + nk[None, :], mask=wm, other=0.0)
-    out = _finish(acc, BLOCK_B)
-    if PRO == 1:
-        out = out / tl.sqrt(ss / K + eps)[:, None]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    out = _round(out, DT)  # the matrix product's output, as stored by the eager path
+    # the matrix product's output, rounded as the eager path stores it
+    out = _round(_output(acc, ss, bias_ptr, rn, nmask, K, eps, PRO, HAS_BIAS, BLOCK_B), DT)
     if ACT == 3:
-        u = _finish(up, BLOCK_B)
-        if PRO == 1:
-            u = u / tl.sqrt(ss / K + eps)[:, None]
-        if HAS_BIAS:
-            u += tl.load(bias_ptr + N + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        out = _round(_round(out / (1.0 + tl.exp(-out)), DT) * _round(u, DT), DT)
+        u = _round(_output(up, ss, bias_ptr + N, rn, nmask, K, eps, PRO, HAS_BIAS, BLOCK_B), DT)
+        out = _round(_round(out / (1.0 + tl.exp(-out)), DT) * u, DT)
     elif ACT == 4:
         out = _round(0.5 * out * (1.0 + tl.erf(out * 0.7071067811865476)), DT)
     offs = rb[:, None] * N + rn[None, :]
