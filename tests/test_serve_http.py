@@ -270,6 +270,9 @@ def test_soak_of_parallel_clients_leaves_threads_and_memory_flat(served):
         return errors
 
     assert round_of(8, 6) == []  # warm up: every shape once
+    # and two full rounds: the allocator's arenas for 8 concurrent request threads settle there
+    # (30-90 MB over the first rounds on a loaded machine, flat after: measured over 16 rounds)
+    assert round_of(8, 12) == [] and round_of(8, 12) == []
     time.sleep(0.5)
     threads0, rss0 = proc.num_threads(), proc.memory_info().rss
     t0 = time.time()
