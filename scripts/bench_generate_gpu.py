@@ -63,6 +63,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="then serve the same model with snakellm serve on 127.0.0.1 and ask it once per API",
     )
+    p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # the HTTP client process (internal)
     a = p.parse_args()
     if a.toy:
         a.preset, a.prompt_len, a.new_tokens, a.repeats = "tiny-llama", 16, 16, 1
@@ -398,6 +399,9 @@ def bench_eval(a: argparse.Namespace, gen: Any, vocab: int) -> dict:
 
 def main() -> int:
     a = parse_args()
+    if a.clients_of:
+        print(json.dumps(http_clients(a.clients_of, a.clients, a.new_tokens)))
+        return 0
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -453,11 +457,37 @@ def main() -> int:
     return 0 if all(ok for _, ok in bars) or not cuda else 1
 
 
+def http_clients(url: str, clients: int, max_tokens: int) -> tuple[float, float, list[str], list[str]]:
+    """``clients`` concurrent OpenAI completions, after a warm-up, then the same ones in sequence:
+    (sequential s, concurrent s, sequential texts, concurrent texts). Run by the client process."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    words = "the of and to in is was for on that with as by at from his her an which".split()
+    prompts = [" ".join(words[(i * 7 + k) % len(words)] for k in range(20 + i % 9)) for i in range(clients)]
+
+    def one(prompt: str) -> str:
+        body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+
+    one(prompts[0])
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(one, prompts))  # warm-up: graphs for the larger buckets
+        t0 = time.perf_counter()
+        par = list(pool.map(one, prompts))
+        t_par = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    seq = [one(p) for p in prompts]
+    return time.perf_counter() - t0, t_par, seq, par
+
+
 def serve_check(gen: Any, device: str, clients: int, max_tokens: int) -> dict:
     """NeMo's PUT /generate and OpenAI's /v1/completions against this device's model, over real HTTP;
     then ``clients`` concurrent completions vs the same ones in sequence (requests/s)."""
+    import subprocess
     import urllib.request
-    from concurrent.futures import ThreadPoolExecutor
 
     from snakellm.serve.server import serve_in_thread
     from snakellm.serve.settings import ServeSettings
@@ -490,23 +520,10 @@ def serve_check(gen: Any, device: str, clients: int, max_tokens: int) -> dict:
     print(f"serve on {device}: PUT /generate -> {code}, keys {sorted(r)}, {len(r['token_ids'][0])} tokens in row 0")
     code, r = call("/v1/completions", "POST", {"model": "bench", "prompt": "Hello", "max_tokens": 16, "temperature": 0})
     print(f"serve on {device}: POST /v1/completions -> {code}, usage {r['usage']}")
-    words = "the of and to in is was for on that with as by at from his her an which".split()
-    prompts = [" ".join(words[(i * 7 + k) % len(words)] for k in range(20 + i % 9)) for i in range(clients)]
-
-    def one(prompt: str) -> str:
-        body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        return call("/v1/completions", "POST", body)[1]["choices"][0]["text"]
-
-    try:
-        one(prompts[0])
-        with ThreadPoolExecutor(clients) as pool:
-            list(pool.map(one, prompts))  # warm-up: graphs for the larger buckets
-            t0 = time.perf_counter()
-            par = list(pool.map(one, prompts))
-            t_par = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        seq = [one(p) for p in prompts]
-        t_seq = time.perf_counter() - t0
+    try:  # the clients in a process of their own, as users' are: the server keeps its GIL to itself
+        cmd = [sys.executable, __file__, "--clients-of", url, "--clients", str(clients)]
+        done = subprocess.run([*cmd, "--new-tokens", str(max_tokens)], capture_output=True, text=True, check=True)
+        t_seq, t_par, seq, par = json.loads(done.stdout.strip().splitlines()[-1])
     finally:
         stop()
     out = {"clients": clients, "sequential_rps": clients / t_seq, "concurrent_rps": clients / t_par}
