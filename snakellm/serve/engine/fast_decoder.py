@@ -46,6 +46,16 @@ def fused_kernels_usable(decoder: Any) -> bool:
     return decoder.device.type == "cuda" and sixteen and importlib.util.find_spec("triton") is not None
 
 
+def padded(prompts: list[list[int]], rows: int, length: int) -> Any:
+    """The prompts as a right-padded (zeros) host tensor [rows, length]; rows past the prompts are zeros."""
+    import torch
+
+    tokens = torch.zeros(rows, length, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+    return tokens
+
+
 def buckets(limit: int, start: int) -> list[int]:
     """Powers of two from ``start`` below ``limit``, then ``limit`` itself."""
     out, b = [], start
@@ -191,9 +201,7 @@ class FastDecoder:
         if self.graphs_on and not want_all and len(prompts) <= 4 and max(map(len, prompts)) <= 512:
             return self._prefill_graphed(rows, prompts)
         dev = self.device
-        tokens = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        tokens = padded(prompts, len(prompts), max(map(len, prompts)))
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         slot = torch.tensor(rows, dtype=torch.long, device=dev)
         return self._prefill_forward(tokens.to(dev), lengths, slot, want_all)
@@ -238,10 +246,7 @@ class FastDecoder:
         graph = self.prefill_graphs.get(key)
         if graph is None:
             graph = self.prefill_graphs[key] = self._capture_prefill(Bb, Tb)
-        tokens = torch.zeros(Bb, Tb, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-        self.pf_tokens[:Bb, :Tb].copy_(tokens)
+        self.pf_tokens[:Bb, :Tb].copy_(padded(prompts, Bb, Tb))
         self.pf_lengths[:Bb].copy_(torch.tensor([len(p) for p in prompts] + [1] * (Bb - n)))
         self.pf_slots[:Bb].copy_(torch.tensor(rows + [self.rows] * (Bb - n)))
         graph.replay()
@@ -249,14 +254,19 @@ class FastDecoder:
 
     def _capture_prefill(self, Bb: int, Tb: int) -> Any:
         """Warm up and capture the prefill of a (Bb, Tb) bucket; it writes only the spare cache row."""
-        import torch
-
         self.pf_slots[:Bb].fill_(self.rows)
         self.pf_lengths[:Bb].fill_(1)
 
         def fn() -> None:
             args = (self.pf_tokens[:Bb, :Tb], self.pf_lengths[:Bb], self.pf_slots[:Bb])
             self.pf_logits[:Bb].copy_(self._prefill_forward(*args, want_all=False))
+
+        return self._graph(fn)
+
+    def _graph(self, fn: Any) -> Any:
+        """``fn`` warmed up twice on a side stream (autotuning and lazy allocations happen there), then
+        captured into a CUDA graph in the decoder's pool."""
+        import torch
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -439,23 +449,13 @@ class FastDecoder:
 
     def _capture(self, key: tuple[int, int, bool, bool, bool]) -> Any:
         """Warm up and capture the step for ``key`` without disturbing the rows in flight."""
-        import torch
 
         s = self.sampler
         state = [self.tokens, self.pos, self.active, self.out_tokens, self.out_logprobs, s.n_gen, s.seen, self.logits]
         saved = [t.clone() for t in state]
         self.pos.fill_(self.max_len)  # writes land on the spare slot while warming up
         self.active.zero_()
-        fn = self._fn(key)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            fn()
+        graph = self._graph(self._fn(key))
         for t, v in zip(state, saved, strict=True):
             t.copy_(v)
         return graph

@@ -113,6 +113,17 @@ def _input_tile(x_ptr, nw_ptr, nb_ptr, stride_x, K: tl.constexpr, rb, rk, m, mea
 
 
 @triton.jit
+def _weight_tiles(w_ptr, rn, nmask, N, K: tl.constexpr, rk, ACT: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at columns ``rk`` and, for SwiGLU, the up rows' tile (else the same)."""
+    wm = nmask[:, None] & (rk < K)[None, :]
+    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
+    w_up = w
+    if ACT == 3:
+        w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=wm, other=0.0)
+    return w, w_up
+
+
+@triton.jit
 def _product(acc, x, w, BLOCK_B: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr):
     """``acc += x @ w.T``: elementwise into a [BLOCK_N, BLOCK_K] accumulator for one row (summed at the
     end, no reduction per tile), ``tl.dot`` on the 16-row tile."""
@@ -189,12 +200,7 @@ def _linear_kernel(
     # own pipelining of the loop, which that prefetch defeats
     PREFETCH: tl.constexpr = BLOCK_B == 1
     if PREFETCH:
-        rk = tl.arange(0, BLOCK_K)
-        wm = nmask[:, None] & (rk < K)[None, :]
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
-        w_up = w
-        if ACT == 3:
-            w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=wm, other=0.0)
+        w, w_up = _weight_tiles(w_ptr, rn, nmask, N, K, tl.arange(0, BLOCK_K), ACT)
     if PDL:
         gdc_wait()  # x is the kernel before's output
     if PRO == 2:
@@ -212,10 +218,7 @@ def _linear_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         if not PREFETCH:
-            wm = nmask[:, None] & kmask[None, :]
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=wm, other=0.0)
-            if ACT == 3:
-                w_up = tl.load(w_ptr + (rn + N)[:, None] * K + rk[None, :], mask=wm, other=0.0)
+            w, w_up = _weight_tiles(w_ptr, rn, nmask, N, K, rk, ACT)
         xv, sq = _input_tile(
             x_ptr, nw_ptr, nb_ptr, stride_x, K, rb, rk, bmask[:, None] & kmask[None, :], mean, rstd, PRO
         )
@@ -223,12 +226,8 @@ def _linear_kernel(
         acc = _product(acc, xv, w, BLOCK_B, IEEE, DT)
         if ACT == 3:
             up = _product(up, xv, w_up, BLOCK_B, IEEE, DT)
-        if PREFETCH:
-            nk = rk + BLOCK_K  # the next tile (all masked off after the last)
-            wm = nmask[:, None] & (nk < K)[None, :]
-            w = tl.load(w_ptr + rn[:, None] * K + nk[None, :], mask=wm, other=0.0)
-            if ACT == 3:
-                w_up = tl.load(w_ptr + (rn + N)[:, None] * K + nk[None, :], mask=wm, other=0.0)
+        if PREFETCH:  # the next tile (all masked off after the last)
+            w, w_up = _weight_tiles(w_ptr, rn, nmask, N, K, rk + BLOCK_K, ACT)
     # the matrix product's output, rounded as the eager path stores it
     out = _round(_output(acc, ss, bias_ptr, rn, nmask, K, eps, PRO, HAS_BIAS, BLOCK_B), DT)
     if ACT == 3:

@@ -80,6 +80,12 @@ class Request:
         return self.finish_reason is not None
 
 
+def sampler_variant(requests: Sequence[Request]) -> tuple[bool, bool]:
+    """(every request greedy, some request with a repetition penalty): which sampler path their rows need."""
+    greedy = all(r.params.greedy for r in requests)
+    return greedy, any(r.params.repetition_penalty != 1.0 for r in requests)
+
+
 class Engine:
     """Continuous batching over a :class:`FastDecoder` for one loaded :class:`Generator` (one thread)."""
 
@@ -203,15 +209,15 @@ class Engine:
 
         want_full = any(r.params.all_probs for r in running)
         probs = want_full or any(r.params.logprobs for r in running)
-        greedy = all(r.params.greedy for r in running)
-        penalty = any(r.params.repetition_penalty != 1.0 for r in running)
+        greedy, penalty = sampler_variant(running)
         # + 1: the tokens of the step still in flight are not emitted yet
         longest = min(max(len(r.prompt) + len(r.ids) + 1 for r in running) + 1, self.max_len)
         self.fast.decode(max(r.row for r in running), longest, greedy, penalty, probs)
         slot = self._slot = 1 - self._slot
         self.host_tokens[slot].copy_(self.fast.out_tokens, non_blocking=True)
         self.host_logprobs[slot].copy_(self.fast.out_logprobs, non_blocking=True)
-        self.copied[slot].record() if self.copied[slot] is not None else None
+        if self.copied[slot] is not None:
+            self.copied[slot].record()
         full = torch.log_softmax(self.fast.logits, dim=-1).cpu() if want_full else None
         return running, slot, full
 
@@ -259,9 +265,7 @@ class Engine:
             self._prompt_logprobs(batch, logits)
             last = torch.tensor([len(p) - 1 for p in prompts], device=logits.device)
             logits = logits[torch.arange(len(batch), device=logits.device), last]
-        greedy = all(r.params.greedy for r in batch)
-        penalty = any(r.params.repetition_penalty != 1.0 for r in batch)
-        nxt, lp = self.fast.start_rows(rows, prompts, logits, greedy, penalty)
+        nxt, lp = self.fast.start_rows(rows, prompts, logits, *sampler_variant(batch))
         full = torch.log_softmax(logits, dim=-1).cpu() if any(r.params.all_probs for r in batch) else None
         return batch, nxt, lp, full
 
