@@ -117,6 +117,17 @@ FAMILY = Family(
             ffn_hidden_size=5632,
             seq_length=2048,
         ),
+        # Llama-2 7B's shape (NeMo Launcher's PEFT example): 32 layers, d=4096, 32 heads (no GQA), SwiGLU 11008,
+        # vocabulary 32,000, untied embeddings, sequence 4096
+        "llama2-7b": dict(
+            num_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_query_groups=32,
+            ffn_hidden_size=11008,
+            seq_length=4096,
+            tie_embeddings=False,
+        ),
     },
     features=dict(position_embedding="rope", normalization="RMSNorm", activation="swiglu"),
     hf_model_type="llama",

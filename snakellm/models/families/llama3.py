@@ -135,6 +135,17 @@ FAMILY = Family(
             tie_embeddings=True,
             rope_scaling_factor=32.0,
         ),
+        # Llama 3.1 8B's shape: 32 layers, d=4096, 32 heads in 8 KV groups, SwiGLU 14336, vocabulary 128,256,
+        # untied embeddings, RoPE base 500000 with Llama 3.1's scaling (factor 8); NeMo's pretraining runs 8192
+        "llama3-8b": dict(
+            num_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_query_groups=8,
+            ffn_hidden_size=14336,
+            seq_length=8192,
+            tie_embeddings=False,
+        ),
     },
     features=llama.FAMILY.features,
     hf_model_type="llama",
