@@ -46,13 +46,16 @@ def build_model(
     use_te: bool | None = None,
     attention_backend: str = "auto",
     sequence_parallel: bool = False,
+    fp8: str | None = None,
 ):
     """Build a megatron-core GPTModel (model-parallel state must be initialised).
 
     ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (compiled
     loss on CUDA with TP=1), "compiled", "eager" (the same math uncompiled) or
     "megatron" (megatron-core's own vocab-parallel cross-entropy; the only one
-    that supports TP > 1). ``sequence_parallel`` needs ``tp > 1``.
+    that supports TP > 1). ``sequence_parallel`` needs ``tp > 1``. ``fp8``: a
+    recipe of :mod:`snakellm.models.fp8` ("tensorwise" | "rowwise"): the block
+    linears' matmuls in float8 (needs ``bf16``; Transformer Engine's FP8 with its spec).
     """
     import torch
     from megatron.core.models.gpt import GPTModel
@@ -62,8 +65,22 @@ def build_model(
     cuda = device.startswith("cuda")
     if use_te is None:
         use_te = cuda and have_transformer_engine()
+    if fp8:
+        from snakellm.models import fp8 as fp8mod
+
+        fp8mod.check_device(torch, device)
+        if not bf16:
+            raise ModelConfigError("precision: fp8 keeps bf16 weights: build with bf16=True")
     family = families.get(cfg["style"])
-    tcfg = _transformer_config(cfg, family, tp=tp, cuda=cuda, bf16=bf16, sequence_parallel=sequence_parallel)
+    tcfg = _transformer_config(
+        cfg,
+        family,
+        tp=tp,
+        cuda=cuda,
+        bf16=bf16,
+        sequence_parallel=sequence_parallel,
+        extra=fp8mod.te_config(fp8) if fp8 and use_te else None,
+    )
     layers = _layer_spec(cfg, use_te=use_te, attention_backend=attention_backend, sequence_parallel=sequence_parallel)
     loss_fn = _loss_function(fused_loss, cuda=cuda, tp=tp)
 
@@ -98,6 +115,8 @@ def build_model(
         model.bfloat16()
     if cuda:
         model.cuda(torch.cuda.current_device())
+    if fp8 and not use_te:
+        fp8mod.convert(model, fp8)  # the block linears' matmuls in float8 (torchao), before compilation
     if compile_layers:
         for layer in model.decoder.layers:
             layer.compile(dynamic=False)
@@ -105,9 +124,16 @@ def build_model(
 
 
 def _transformer_config(
-    cfg: dict[str, Any], family: families.Family, *, tp: int, cuda: bool, bf16: bool, sequence_parallel: bool
+    cfg: dict[str, Any],
+    family: families.Family,
+    *,
+    tp: int,
+    cuda: bool,
+    bf16: bool,
+    sequence_parallel: bool,
+    extra: dict[str, Any] | None = None,
 ) -> Any:
-    """megatron-core's TransformerConfig for the architecture (plus the family's extra arguments)."""
+    """megatron-core's TransformerConfig for the architecture (plus the family's and the caller's arguments)."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -145,6 +171,7 @@ def _transformer_config(
         cross_entropy_loss_fusion=False,
     )
     args.update(family.megatron_config(cfg))  # the family's own (and overriding) arguments, e.g. add_qkv_bias
+    args.update(extra or {})  # e.g. Transformer Engine's FP8 recipe
     return TransformerConfig(**args)
 
 

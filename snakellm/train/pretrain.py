@@ -111,11 +111,12 @@ class PretrainRecipe:
             req.vocab,
             tp=par.tp,
             device=str(s.device),
-            bf16=s.precision == "bf16",
+            bf16=s.precision in ("bf16", "fp8"),
             fused_loss=par.loss,
             compile_layers=par.compile,
             attention_backend=req.args.attention_backend,
             sequence_parallel=par.sequence_parallel,
+            fp8=t.fp8_recipe if s.precision == "fp8" else None,
         )
         seq, gbs = req.model["seq_length"], t.global_batch_size
         self.train_ds, self.valid_ds = datamod.build_datasets(
@@ -138,7 +139,9 @@ class PretrainRecipe:
     def describe(self, s: assembly.Session, parts: assembly.Parts) -> str:
         req, t, par = self.req, self.req.train, self.req.parallel
         return (
-            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {s.precision} on "
+            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {s.precision}"
+            + (f" ({t.fp8_recipe})" if s.precision == "fp8" else "")
+            + " on "
             f"{'GPU' if s.cuda else 'CPU'}; world {s.dist.world_size} ({s.dist.launcher}) = dp {s.dp} x tp "
             f"{par.tp} x pp {par.pp}; global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {s.dp} x "
             f"{s.num_micro} accumulation steps; {t.steps} steps"
