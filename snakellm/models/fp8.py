@@ -128,6 +128,9 @@ class Float8Matmul:
     """A megatron-core linear's ``_forward_impl`` with the matmul in float8 (see the module docstring)."""
 
     def __init__(self, config: Any):
+        from megatron.core.tensor_parallel import mappings
+        from megatron.core.utils import get_tensor_model_parallel_group_if_none
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
         self.config = config
@@ -138,6 +141,12 @@ class Float8Matmul:
                 for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
             )
         )
+        # resolved once here: the call runs inside torch.compile'd layers
+        self._matmul = matmul_with_hp_or_float8_args
+        self._frozen = _frozen_matmul()
+        self._gather = mappings.gather_from_sequence_parallel_region
+        self._copy = mappings.copy_to_tensor_model_parallel_region
+        self._group = get_tensor_model_parallel_group_if_none
 
     def __repr__(self) -> str:
         c = self.config
@@ -156,25 +165,16 @@ class Float8Matmul:
         tp_group: Any = None,
         **unused: Any,
     ) -> Any:
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            gather_from_sequence_parallel_region,
-        )
-        from megatron.core.utils import get_tensor_model_parallel_group_if_none
-
         if gradient_accumulation_fusion or grad_output_buffer is not None:
             raise FP8Error("precision: fp8 does not support gradient accumulation fusion or deferred weight gradients")
-        tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         if sequence_parallel:  # all-gather the sequence; its backward reduce-scatters the input gradient
-            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+            input = self._gather(input, tensor_parallel_output_grad=True, group=self._group(tp_group))
         elif allreduce_dgrad:  # identity; its backward all-reduces the input gradient over the TP ranks
-            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+            input = self._copy(input, group=self._group(tp_group))
         if weight.requires_grad:
-            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
-            out = matmul_with_hp_or_float8_args.apply(input, weight.t(), self.mm_config, self.config)
-        else:
-            out = _frozen_matmul().apply(input, weight, self.mm_config, self.config)
+            out = self._matmul.apply(input, weight.t(), self.mm_config, self.config)
+        else:  # a frozen weight: no weight gradient to compute
+            out = self._frozen.apply(input, weight, self.mm_config, self.config)
         return out + bias if bias is not None else out
 
 
