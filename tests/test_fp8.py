@@ -44,7 +44,9 @@ def _tiny(recipe: str | None, seed: int = 0, **kw):
     from snakellm.models.build import build_model
 
     torch.manual_seed(seed)
-    model, _ = build_model(resolve("tiny-llama", {}), 256, bf16=True, fused_loss="eager", use_te=False, fp8=recipe, **kw)
+    model, _ = build_model(
+        resolve("tiny-llama", {}), 256, bf16=True, fused_loss="eager", use_te=False, fp8=recipe, **kw
+    )
     return model
 
 
@@ -143,12 +145,13 @@ def test_megatron_linears_match_torchao_float8_linear_bit_for_bit(parallel, any_
         x = torch.randn(32, 2, in_f, dtype=torch.bfloat16)  # [s, b, h]: megatron's layout
         g = torch.randn(32, 2, out_f, dtype=torch.bfloat16)
         outs = []
-        for f in (lambda t: lin(t)[0], ref8, ref):
+        for module in (lin, ref8, ref):
             xi = x.clone().requires_grad_()
             lin.weight.grad = ref.weight.grad = None
-            y = f(xi)
+            y = module(xi)
+            y = y[0] if module is lin else y  # megatron's linears return (output, bias)
             y.backward(g)
-            w = lin.weight if f is not ref and f is not ref8 else ref.weight
+            w = lin.weight if module is lin else ref.weight
             outs.append((y.detach(), xi.grad, w.grad.clone()))
         (y, gx, gw), (y8, gx8, gw8), (y16, gx16, gw16) = outs
         assert y.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
@@ -197,6 +200,17 @@ def test_shapes_float8_kernels_refuse_are_named(parallel, any_device):
     arch = resolve("tiny-llama", {"ffn_hidden_size": 100})
     with pytest.raises(fp8.FP8Error, match=r"decoder.layers.0.mlp.linear_fc1 has a 200 x 64 weight"):
         build_model(arch, 256, bf16=True, fused_loss="eager", use_te=False, fp8="tensorwise")
+    # before anything starts (the request), on each tensor-parallel rank's shard: tiny-llama's ffn 176 / 2 = 88
+    with pytest.raises(fp8.FP8Error, match=r"linear_fc2 has a 64 x 88 weight on each of the 2 tensor-parallel"):
+        fp8.check_request("fp8", "auto", resolve("tiny-llama", {}), tp=2)
+    fp8.check_request("fp8", "auto", resolve("tiny-llama", {}), tp=1)
+    fp8.check_request("bf16", "cpu", resolve("tiny-llama", {"ffn_hidden_size": 100}), tp=2)
+    for preset in ("llama-1b", "llama3-8b", "gpt2-124m"):  # the shapes we benchmark
+        fp8.check_shapes(resolve(preset, {}), tp=1)
+    # the torch-free shapes are those megatron-core builds
+    model = _tiny("tensorwise")
+    built = {n.rsplit(".", 1)[-1]: tuple(lin.weight.shape) for n, lin in fp8.block_linears(model)}
+    assert built == fp8.weight_shapes(resolve("tiny-llama", {}))
 
 
 def test_lora_on_an_fp8_base_trains_the_adapters_only(parallel, any_device):
@@ -224,7 +238,8 @@ def test_tensor_and_sequence_parallel_fp8_training_follows_one_process(tmp_path)
     losses agree; they differ by float8's per-shard weight scales only."""
     make_blend(tmp_path)
     env = env_with_venv() | {fp8.ANY_DEVICE_ENV: "1"}
-    common = [*BASE, "--preset", "tiny-llama", "--steps", "6", "--precision", "fp8", "--device", "cpu"]
+    common = [*BASE, "--preset", "tiny-llama", "--ffn-hidden-size", "160", "--steps", "6", "--precision", "fp8"]
+    common += ["--device", "cpu"]
     common += ["--no-checkpoints", "--eval-iters", "0"]
     runs = {}
     for name, launch, extra in (
