@@ -259,3 +259,62 @@ def test_tensor_and_sequence_parallel_fp8_training_follows_one_process(tmp_path)
     assert runs["one"].keys() == runs["tp2sp"].keys() == set(range(1, 7))
     for s, loss in runs["one"].items():
         assert abs(runs["tp2sp"][s] / loss - 1) < 5e-3, (s, loss, runs["tp2sp"][s])
+
+
+# ----------------------------------------------------------------------------- snakellm finetune, LoRA on an fp8 base
+
+GPT2 = {
+    "kind": "gpt2-bpe",
+    "name": "gpt2",
+    "vocab_size": 50257,
+    "eod_id": 50256,
+    "eod_token": "<|endoftext|>",
+    "files": {
+        "vocab_file": "resources/tokenizers/gpt2/vocab.json",
+        "merges_file": "resources/tokenizers/gpt2/merges.txt",
+    },
+}
+
+
+@pytest.mark.slow
+def test_lora_finetune_on_an_fp8_base_follows_bf16(tmp_path, parallel, any_device):
+    """`snakellm finetune --method lora --precision fp8` (the frozen base's matmuls in float8, the adapters bf16)
+    trains as the bf16 fine-tune does, records fp8 (and its recipe) in its fingerprint, and writes the adapter."""
+    import shutil
+
+    from conftest import REPO
+
+    from snakellm import models
+    from snakellm.finetune.artifacts import save_model
+    from snakellm.models.build import build_model
+
+    shutil.copytree(REPO / "resources/tokenizers", tmp_path / "resources/tokenizers")
+    arch = resolve("tiny-llama", {})
+    vocab = models.padded_vocab_size(50257, arch)
+    torch.manual_seed(0)
+    gpt, _ = build_model(arch, vocab, fused_loss="eager", use_te=False)
+    tok = GPT2 | {"files": {k: str(tmp_path / v) for k, v in GPT2["files"].items()}}
+    save_model(gpt, tmp_path / "base", arch, vocab, tok)
+    book = [json.loads(ln)["text"] for ln in (REPO / "resources/corpus/botchan/botchan.jsonl").read_text().splitlines()]
+    (tmp_path / "sft").mkdir()
+    recs = [{"input": book[i][:300], "output": f" the answer is {i}"} for i in range(16)]
+    for split in ("train", "validation"):
+        (tmp_path / "sft" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = {}
+    for precision in ("bf16", "fp8"):
+        cmd = [str(BIN / "snakellm"), "finetune", "--base", "base", "--data-dir", "sft", "--out-dir", precision]
+        cmd += ["--method", "lora", "--lora-targets", "linear_qkv,linear_fc1", "--steps", "6", "--lr", "1e-2"]
+        cmd += ["--micro-batch-size", "4", "--global-batch-size", "8", "--max-seq-length", "128"]
+        cmd += ["--eval-interval", "6", "--precision", precision, "--device", "cpu", "--no-progress"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        recs = [json.loads(ln) for ln in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
+        out[precision] = [r["loss"] for r in recs if "loss" in r]
+        assert (tmp_path / precision / "adapter").is_dir()
+        cfg = json.loads((tmp_path / precision / "checkpoints" / "run_config.json").read_text())["config"]["train"]
+        assert cfg["precision"] == precision and ("fp8_recipe" in cfg) == (precision == "fp8")
+    assert len(out["bf16"]) == len(out["fp8"]) == 6
+    assert out["fp8"] != out["bf16"]  # float8 is really used
+    for a, b in zip(out["bf16"], out["fp8"]):
+        assert abs(b / a - 1) < 0.01, (out["bf16"], out["fp8"])
+    assert out["fp8"][-1] < out["fp8"][0]
