@@ -120,6 +120,7 @@ def check_resources(config: dict[str, Any], env: Mapping[str, str] | None = None
             par.get("pp", 1),
             (t["global_batch_size"], t["micro_batch_size"]),
             slurm=env is not None,
+            virtual_pp=par.get("virtual_pp", 1),
         )
     for name, ft in config.get("finetune", {}).items():
         t = ft["train"]

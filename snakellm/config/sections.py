@@ -223,7 +223,32 @@ class ParallelSettings:
     """``runs.<name>.parallel``: how the ranks split the model and the work."""
 
     tp: int = setting(1, "tensor-parallel size (on the CPU only for models without dropout)")
-    pp: int = setting(1, "pipeline-parallel size (must be 1)")
+    pp: int = setting(
+        1,
+        "pipeline-parallel size: the layers split into pp stages, run by megatron-core's 1F1B schedule "
+        "(num_layers divisible by pp x virtual_pp)",
+    )
+    virtual_pp: int = setting(
+        1,
+        "virtual pipeline stages (model chunks) per pipeline rank: megatron-core's interleaved 1F1B schedule, a "
+        "smaller pipeline bubble for more point-to-point traffic (> 1 needs pp > 1 and micro batches per step "
+        "divisible by pp)",
+    )
+    recompute: str = setting(
+        "none",
+        "megatron-core activation recomputation: selective (core attention, recomputed in the backward pass) or "
+        "full (whole transformer layers: only each layer's input is kept)",
+        choices=("none", "selective", "full"),
+    )
+    recompute_method: str = setting(
+        "uniform",
+        "recompute full: uniform (the layers in groups of recompute_num_layers, each group's input kept) or block "
+        "(the first recompute_num_layers layers of each pipeline stage or chunk, the rest kept whole)",
+        choices=("uniform", "block"),
+    )
+    recompute_num_layers: int = setting(
+        1, "recompute full: layers per group (uniform) or recomputed layers per stage or chunk (block)"
+    )
     threads: int = setting(2, "CPU threads of the job (torch intra-op threads on CPU)")
     num_workers: int | None = setting(None, "data-loader workers per rank (null: 2 on GPU, 0 on CPU)")
     loss: str = setting(

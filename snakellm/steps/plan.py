@@ -113,9 +113,15 @@ def run_plan(
     model = dict(run.get("model") or {})
     arch = arch_mod.resolve(model.pop("preset", None), model)
     par, train = run.get("parallel") or {}, run.get("train") or {}
-    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
+    tp, pp, vpp = int(par.get("tp", 1)), int(par.get("pp", 1)), int(par.get("virtual_pp", 1))
+    recompute = (
+        par.get("recompute", "none"),
+        par.get("recompute_method", "uniform"),
+        par.get("recompute_num_layers", 1),
+    )
     world = nodes * per_node
-    arch_mod.check_parallel(arch, tp, pp)
+    arch_mod.check_parallel(arch, tp, pp, vpp)
+    arch_mod.check_recompute(arch, pp, vpp, *recompute)
     if world % (tp * pp):
         raise ValueError(f"world size {world} ({nodes} nodes x {per_node}) is not divisible by tp {tp} x pp {pp}")
     dp = world // (tp * pp)
@@ -126,6 +132,9 @@ def run_plan(
             f"{dp} (= {mbs * dp}; {nodes} nodes x {per_node} GPUs / (tp {tp} x pp {pp})): choose a "
             f"multiple of {mbs * dp}"
         )
+    why = arch_mod.check_pipeline_batches(pp, vpp, gbs // (mbs * dp))
+    if why:
+        raise ValueError(f"global batch size {gbs}: {why}")
     tok = (cfg.get("tokenizers") or {}).get(run.get("tokenizer"), {})
     out = [
         f"run {name}: {world} ranks = {nodes} nodes x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "
@@ -148,6 +157,10 @@ def run_plan(
             sequence_parallel=bool(par.get("sequence_parallel", False)),
             distributed_optimizer=bool(par.get("distributed_optimizer", False)),
             gpu_gib=gpu_gib,
+            recompute=recompute[0],
+            recompute_method=recompute[1],
+            recompute_num_layers=int(recompute[2]),
+            virtual_pp=vpp,
         )
     ]
     return out

@@ -110,12 +110,16 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     model = models.resolve(args.preset, overrides)
     _check_positive(t)
     dist = distmod.detect(env)
-    models.check_parallel(model, par.tp, par.pp)
+    models.check_parallel(model, par.tp, par.pp, par.virtual_pp)
+    models.check_recompute(model, par.pp, par.virtual_pp, par.recompute, par.recompute_method, par.recompute_num_layers)
     if par.sequence_parallel and par.tp == 1:
         raise RequestError(
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
         )
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
+    why = models.check_pipeline_batches(par.pp, par.virtual_pp, num_micro)
+    if why:
+        raise RequestError(f"--global-batch-size {t.global_batch_size}: {why}")
     decay = t.decay_steps if t.decay_steps is not None else t.steps
     if not 0 <= t.warmup_steps <= decay:
         raise RequestError(f"--warmup-steps {t.warmup_steps} must be between 0 and the decay steps {decay}")
@@ -188,6 +192,8 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
         for o, on in (
             ("sequence parallel", par.sequence_parallel),
             ("distributed optimizer", par.distributed_optimizer),
+            (f"{par.virtual_pp} virtual pipeline stages", par.virtual_pp > 1),
+            (f"recompute {par.recompute}", par.recompute != "none"),
         )
         if on
     ]
@@ -215,6 +221,10 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
                 distributed_optimizer=par.distributed_optimizer,
                 bf16=precision == "bf16",
                 gpu_gib=gpu_gib,
+                recompute=par.recompute,
+                recompute_method=par.recompute_method,
+                recompute_num_layers=par.recompute_num_layers,
+                virtual_pp=par.virtual_pp,
             )
         ),
     ]
