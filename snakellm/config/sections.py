@@ -30,7 +30,8 @@ SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "medi
 TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LORA_INITS = ("xavier", "normal", "kaiming", "zero")
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp32", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")
 DECAY_STYLES = ("cosine", "linear", "constant")
 
 # ---------------------------------------------------------------- data: sources, download
@@ -193,9 +194,17 @@ class TrainSettings(ResumeSettings):
     )
     precision: str = setting(
         "auto",
-        "auto: bf16 with fp32 master weights on GPU, fp32 on CPU",
+        "auto: bf16 with fp32 master weights on GPU, fp32 on CPU; fp8: bf16 weights with the transformer "
+        "blocks' matmuls in float8 (GPUs of compute capability 8.9+: Ada, Hopper)",
         trajectory=True,
-        choices=("auto", "bf16", "fp32"),
+        choices=PRECISIONS,
+    )
+    fp8_recipe: str = setting(
+        "tensorwise",
+        "precision fp8: one scale per tensor (tensorwise) or per row (rowwise) for the float8 casts (enters the "
+        "trajectory only with fp8)",
+        trajectory=True,
+        choices=FP8_RECIPES,
     )
     save_interval: int = setting(1000, "checkpoint every N steps (and at the end)")
     keep_last: int = setting(2, "keep the newest K checkpoints, plus the best by validation loss")
@@ -441,7 +450,19 @@ class FinetuneTrainSettings(ResumeSettings):
     adam_beta2: float = setting(0.98, "AdamW beta2", trajectory=True)
     clip_grad: float = setting(1.0, "gradient-norm clip (0: off)", trajectory=True)
     seed: int = setting(1234, "seeds the adapters, the data order and dropout", trajectory=True)
-    precision: str = setting("auto", "auto: bf16 on GPU, fp32 on CPU", trajectory=True, choices=PRECISIONS)
+    precision: str = setting(
+        "auto",
+        "auto: bf16 on GPU, fp32 on CPU; fp8: bf16 weights with the transformer blocks' matmuls (frozen base "
+        "and trained) in float8 (GPUs of compute capability 8.9+)",
+        trajectory=True,
+        choices=PRECISIONS,
+    )
+    fp8_recipe: str = setting(
+        "tensorwise",
+        "precision fp8: one scale per tensor (tensorwise) or per row (rowwise) (enters the trajectory only with fp8)",
+        trajectory=True,
+        choices=FP8_RECIPES,
+    )
     eval_interval: int = setting(50, "validation loss (and a checkpoint) every N steps")
     eval_examples: int = setting(0, "validation examples per evaluation (0: all)")
     patience: int = setting(0, "early stopping: evaluations without improvement (0: off)")

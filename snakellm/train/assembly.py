@@ -118,7 +118,7 @@ class Session:
     device: Any
     cuda: bool
     dist: distmod.DistEnv
-    precision: str  # bf16 | fp32
+    precision: str  # bf16 | fp32 | fp8 (bf16 weights, float8 matmuls: snakellm.models.fp8)
     dp: int
     num_micro: int
     stop: StopPolicy

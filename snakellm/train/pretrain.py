@@ -124,7 +124,7 @@ class PretrainRecipe:
                 req.vocab,
                 tp=par.tp,
                 device=str(s.device),
-                bf16=s.precision == "bf16",
+                bf16=s.precision in ("bf16", "fp8"),
                 fused_loss=par.loss,
                 compile_layers=par.compile,
                 attention_backend=req.args.attention_backend,
@@ -134,6 +134,7 @@ class PretrainRecipe:
                 recompute_method=par.recompute_method,
                 recompute_num_layers=par.recompute_num_layers,
                 seed=t.seed,  # the same initial weights at any tp x pp layout
+                fp8=t.fp8_recipe if s.precision == "fp8" else None,
             )
 
         chunks: list[Any] | None = None
@@ -179,7 +180,9 @@ class PretrainRecipe:
     def describe(self, s: assembly.Session, parts: assembly.Parts) -> str:
         req, t, par = self.req, self.req.train, self.req.parallel
         return (
-            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {s.precision} on "
+            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {s.precision}"
+            + (f" ({t.fp8_recipe})" if s.precision == "fp8" else "")
+            + " on "
             f"{'GPU' if s.cuda else 'CPU'}; world {s.dist.world_size} ({s.dist.launcher}) = dp {s.dp} x tp "
             f"{par.tp} x pp {par.pp}; global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {s.dp} x "
             f"{s.num_micro} accumulation steps; {t.steps} steps"
