@@ -565,11 +565,18 @@ class GenerateSettings:
     )
     max_new_tokens: int = setting(48, "tokens generated per prompt at most")
     min_new_tokens: int = setting(0, "EOD is not allowed before this many tokens")
-    greedy: bool = setting(False, "argmax decoding (the sampling settings are then ignored)")
+    greedy: bool = setting(
+        False,
+        "argmax of the model's logits (temperature, top-k and top-p are then ignored; a repetition penalty "
+        "applies only when given)",
+    )
     temperature: float = setting(0.8, "softmax temperature")
     top_k: int = setting(40, "sample from the k most likely tokens (0: off)")
     top_p: float = setting(0.95, "nucleus sampling (1: off)")
-    repetition_penalty: float = setting(1.1, "divides the logits of tokens already present (1: off)")
+    repetition_penalty: float | None = setting(
+        None,
+        "divides the logits of tokens already present (1: off; unset: 1.1 when sampling, off with greedy)",
+    )
     end_strings: list[str] = setting([], "stop a continuation at this text", flag="end_string")
     seed: int = setting(1234, "sampling seed")
     threads: int = setting(1, "torch CPU threads of the job", cli=False)
