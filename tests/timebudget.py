@@ -20,16 +20,26 @@ Works under pytest-xdist: the workers attach the CPU times to their reports; the
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import resource
 import time
+from pathlib import Path
 
 import pytest
 
+COUNTS = pytest.StashKey[dict]()
 PER_TEST_S = 120.0
 FAST_TIER_S = 90.0
 FAST_TIER = "not slow and not slurm"
+
+
+def whole_suite(config: pytest.Config) -> bool:
+    """Whether this session collected every test (no file or node arguments: the testpaths)."""
+    return config.args_source == pytest.Config.ArgsSource.TESTPATHS or all(
+        Path(a).resolve() == Path(config.rootpath, "tests").resolve() for a in config.args
+    )
 
 
 def _cpu() -> float:
@@ -57,6 +67,20 @@ class TimeBudget:
         self.records: dict[str, dict] = {}
         self.failures: list[str] = []
         self.enforce = os.environ.get("SNAKELLM_TIME_BUDGET", "") not in ("", "0")
+
+    # ------------------------------------------------------------------ the collection's counts (docs/testing.md)
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        """Count the tiers before ``-m``/``-k`` deselect anything (tests/test_testing_doc.py reads them)."""
+        tiers = collections.Counter(
+            "slurm" if it.get_closest_marker("slurm") else "slow" if it.get_closest_marker("slow") else "fast"
+            for it in items
+        )
+        counts = {"total": len(items), "fast": tiers["fast"], "slow": tiers["slow"], "slurm": tiers["slurm"]}
+        counts["whole_suite"] = whole_suite(config)
+        config.stash[COUNTS] = counts
+        if os.environ.get("SNAKELLM_COUNTS_JSON"):
+            Path(os.environ["SNAKELLM_COUNTS_JSON"]).write_text(json.dumps(counts))
 
     # ------------------------------------------------------------------ measuring (where the test runs)
     @pytest.hookimpl(hookwrapper=True)
