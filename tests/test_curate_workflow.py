@@ -89,7 +89,11 @@ def test_one_changed_shard_reruns_its_signatures_the_index_and_only_the_curated_
         "data/curated-index/wikitext/pairs-0-of-1.npy",
         "data/curated-index/wikitext/index.json",
         "data/curated/wikitext/removal/chunk-00002.json",
-        *(f"data/curated/wikitext/chunk-0000{c}{e}" for c in (0, 2) for e in (".jsonl", ".stats.json", ".removed.jsonl")),
+        *(
+            f"data/curated/wikitext/chunk-0000{c}{e}"
+            for c in (0, 2)
+            for e in (".jsonl", ".stats.json", ".removed.jsonl")
+        ),
     }, changed
     assert curated(ws, "chunk-00001") == bytes_before["chunk-00001"]  # untouched, byte for byte
     after = [json.loads(line) for line in ws.path("data/curated/wikitext/chunk-00002.removed.jsonl").open()]

@@ -56,7 +56,9 @@ class NearDupSettings:
     rows: int = setting(8, "MinHash values per band (datatrove: 8; NeMo Curator: 13)")
     seed: int = setting(1, "seed of the MinHash permutations")
     index_jobs: int = setting(
-        1, "bucket jobs the index's bands are sharded across (each holds docs x 16 B x bands / index_jobs)", cli=False
+        1,
+        "bucket jobs; past bands + 1 each band is split into hash slices (a job holds ~32 B x documents / slices)",
+        cli=False,
     )
 
 

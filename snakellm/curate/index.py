@@ -7,7 +7,8 @@ of its cells a job reads that band's rows of every signature file (memory-mapped
 band-major: only those rows are read), keeps the documents that passed the filters, sorts
 their (key, document) pairs and links each document to the first one with the same key.
 With ``near.threshold`` set, a near pair is kept only when the share of equal MinHash values
-(the Jaccard estimate) reaches it. Memory: 16 bytes x documents for each cell it holds.
+(the Jaccard estimate) reaches it. Memory: 32 bytes a document of one cell (cells run one at a
+time): sharding a band into slices is what bounds it.
 
 **Clustering** (``snakellm curate-index``): the connected components of all the pairs
 (scipy). Each component keeps its first document in corpus order (sources in config order,
@@ -52,10 +53,10 @@ def job_cells(job: int, jobs: int, bands: int | None) -> list[tuple[int, int, in
 
 
 def memory_per_job(documents: int, bands: int | None, jobs: int) -> int:
-    """Bytes a bucket job holds at most: 16 per document per cell (key + reference), sorted in place."""
-    total, slices = cells(bands, jobs)
-    most = math.ceil(total * slices / jobs)
-    return int(documents / slices * 16 * most * 2)  # x2: argsort's index and the gathered copy
+    """Bytes a bucket job holds at most: its cells run one at a time, each 16 bytes (key + reference) per
+    document of its slice, twice while sorting; plus one byte per document for the filter verdicts."""
+    _, slices = cells(bands, jobs)
+    return int(documents / slices * 32 + documents)
 
 
 def _band_keys(sig: np.ndarray, band: int, bands: int | None, rows: int) -> np.ndarray:

@@ -171,7 +171,7 @@ def minhash_datasketch(grams: np.ndarray, offsets: np.ndarray, num_perm: int, se
     from datasketch import MinHash
 
     out = np.zeros((len(offsets) - 1, num_perm), dtype=np.uint32)
-    proto = MinHash(num_perm=num_perm, seed=seed, hashfunc=int)
+    proto = MinHash(num_perm=num_perm, seed=seed, hashfunc=int, scheme="affine64")
     for i in range(len(offsets) - 1):
         sh = grams[offsets[i] : offsets[i + 1]]
         if len(sh):
@@ -179,7 +179,7 @@ def minhash_datasketch(grams: np.ndarray, offsets: np.ndarray, num_perm: int, se
                 num_perm=num_perm, seed=seed, hashfunc=int, permutations=proto.permutations, scheme=proto.scheme
             )
             m.update_batch(sh.tolist())
-            out[i] = m.hashvalues.astype(np.uint32)
+            out[i] = (m.hashvalues & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     return out
 
 
