@@ -166,3 +166,16 @@ def build(curate: dict[str, Any]) -> Judge:
         threshold=float(curate.get("language_threshold", S.CurateSettings().language_threshold)),
         identify=language_identifier(model) if langs else None,
     )
+
+
+def split_tokenizer() -> Any:
+    """A datatrove WordTokenizer whose words are ``str.split()``'s: what our MinHash shingles use on
+    datatrove's simplified text, so datatrove's MinHash pipeline can run beside ours with the same words
+    (scripts/bench_curate.py; datatrove's default for English needs a spaCy model)."""
+    from datatrove.utils.word_tokenizers import WhitespaceTokenizer
+
+    class SplitWordTokenizer(WhitespaceTokenizer):
+        def word_tokenize(self, text: str) -> list[str]:
+            return text.split()
+
+    return SplitWordTokenizer()
