@@ -523,7 +523,7 @@ def _trainer(
     if peak is None and s.cuda:
         peak = peak_tflops_of(s.torch.cuda.get_device_name(s.device))
     valid = recipe.valid_batches(s)
-    pipeline, val_model, val_loss = None, model, recipe.loss
+    pipeline, val_model = None, model
     if parts.chunks is not None:
         from snakellm.train.pipeline import Pipeline
 
@@ -537,7 +537,7 @@ def _trainer(
             seq_length=parts.seq_length,
             micro_batch_size=job.micro_batch_size,
         )
-        val_model, val_loss = pipeline, lambda p, b: p.evaluate(b)
+        val_model = pipeline
     metrics = MetricsLogger(
         job.ckpt_dir / ckpt.LIVE_METRICS,
         rank0=s.rank0,
@@ -562,7 +562,15 @@ def _trainer(
         metrics=metrics,
         stop=s.stop,
         checkpoints=manager,
-        validator=Validator(val_model, valid, val_loss, to_device=s.to_device, dp_group=dp_group, dp_size=s.dp)
+        validator=Validator(
+            val_model,
+            valid,
+            recipe.loss,
+            to_device=s.to_device,
+            dp_group=dp_group,
+            dp_size=s.dp,
+            evaluate=pipeline.evaluate if pipeline is not None else None,
+        )
         if valid is not None
         else None,
         early_stop=early if job.patience else None,

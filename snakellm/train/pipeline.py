@@ -54,6 +54,11 @@ class Pipeline:
         syncs = [c.no_sync for c in chunks]
         config.no_sync_func = syncs[0] if len(syncs) == 1 else syncs
         config.finalize_model_grads_func = finalize_model_grads
+        if len(chunks) > 1:
+            # Megatron-LM's default for the interleaved schedule, and a must at pp 2, where the previous and
+            # the next stage are one rank: batched sends and receives to one peer pair up by order (an
+            # activation would be received as a gradient); the unbatched ones use a communicator per direction
+            config.overlap_p2p_comm, config.batch_p2p_comm = True, False
 
     # ---------------------------------------------------------------- what the Trainer and Validator call
 
@@ -82,9 +87,19 @@ class Pipeline:
         """Forward and backward of a step's micro-batches, gradients finalised; the mean loss on every rank."""
         return self._run(batches, forward_only=False)
 
-    def evaluate(self, batch: Batch) -> Any:
-        """One micro-batch's loss, forward only (validation)."""
-        return self._run([batch], forward_only=True)
+    def evaluate(self, batches: list[Batch]) -> Any:
+        """The mean loss of ``batches``, forward only (validation).
+
+        The interleaved schedule runs micro-batches in groups of pp: the list is filled up to a
+        multiple of pp with its own first batches, whose losses are left out of the mean.
+        """
+        from megatron.core import parallel_state as ps
+
+        n, pp = len(batches), ps.get_pipeline_model_parallel_world_size()
+        padded = batches
+        if len(self.chunks) > 1 and n % pp:
+            padded = batches + [batches[i % n] for i in range(pp - n % pp)]
+        return self._run(padded, forward_only=True, count=n)
 
     # ---------------------------------------------------------------- the schedule
 
@@ -97,12 +112,13 @@ class Pipeline:
         loss = self.reduce(out, b)
         return loss, {"loss": loss.detach().clone()}  # the schedule divides ``loss`` in place
 
-    def _run(self, batches: list[Batch], forward_only: bool) -> Any:
+    def _run(self, batches: list[Batch], forward_only: bool, count: int | None = None) -> Any:
         import torch
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         n = len(batches)
+        count = n if count is None else count
         # each chunk reads every micro-batch once, in order (the interleaved schedule asks per chunk)
         iters: Any = [iter(batches) for _ in self.chunks]
         out = get_forward_backward_func()(
@@ -116,8 +132,8 @@ class Pipeline:
         )
         device = next(self.chunks[0].parameters()).device
         total = torch.zeros((), dtype=torch.float32, device=device)
-        for d in out:  # only on the last stage
+        for d in out[:count]:  # only on the last stage
             total += d["loss"].float()
-        total /= n
+        total /= count
         torch.distributed.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
         return total
