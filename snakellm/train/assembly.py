@@ -63,6 +63,7 @@ class Optim:
     eps: float = 1e-8
     clip_grad: float = 1.0
     distributed: bool = False  # Adam states sharded over the data-parallel ranks
+    fsdp: bool = False  # parameters, gradients and Adam states sharded (FSDP2; snakellm.train.fsdp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +225,7 @@ def run(job: Job, recipe: Recipe) -> int:
         status = trainer.fit()
         if s.watchdog is not None:
             s.watchdog.beat(trainer.step)
-        digests = replica_digests(parts.module)
+        digests = [model.digest()] * s.dp if job.optim.fsdp else replica_digests(parts.module)
         if len(set(digests)) != 1:
             raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
         if status == EXIT_OK:
@@ -351,6 +352,20 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
     from snakellm.train.schedule import CosineSchedule
 
     o = job.optim
+    adamw: dict[str, Any] = dict(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, clip_grad=o.clip_grad)
+    sched = CosineSchedule(o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.decay_style)
+    if o.fsdp:
+        from snakellm.train import fsdp
+
+        sharded = fsdp.shard(parts.module, bf16=s.precision == "bf16", cuda=s.cuda)
+        # checkpoints hold this rank's slices, in the layout of every other run
+        parts.state, parts.load_state = sharded.sharded_state, sharded.load_state
+        fopt = fsdp.FSDPAdamW(sharded, **adamw)
+        s.log(
+            f"FSDP: rank {s.dist.rank} holds {fopt.numel:,} of {sum(p.numel() for p in fopt.params):,} parameters "
+            f"(fp32), their gradients and Adam states"
+        )
+        return sharded, fopt, sched
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
@@ -358,7 +373,6 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
     )
     model = DDP(parts.config, ddp_cfg, parts.module)
     model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
-    adamw: dict[str, Any] = dict(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, clip_grad=o.clip_grad)
     opt: Any
     if o.distributed:
         opt = DistributedAdamW(model, **adamw)
@@ -368,7 +382,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         )
     else:
         opt = MixedPrecisionAdamW(model, **adamw)
-    return model, opt, CosineSchedule(o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.decay_style)
+    return model, opt, sched
 
 
 def _manager(
@@ -516,13 +530,15 @@ def _trainer(
         early_stop=early if job.patience else None,
         to_device=s.to_device,
         start_step=start,
-        overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
+        overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1 and not job.optim.fsdp,
         rank0=s.rank0,
         profiler=StepProfiler(parse_range(job.profile_steps), job.run_dir / "profile.txt", s.cuda, s.rank0),
         desc=job.desc,
         show_progress=job.progress,
         heartbeat=s.watchdog.beat if s.watchdog else None,
-        finalize_grads=(lambda: finalize_model_grads([model])) if job.sequence_parallel else None,
+        finalize_grads=(lambda: finalize_model_grads([model]))
+        if job.sequence_parallel and not job.optim.fsdp
+        else None,
     )
 
 

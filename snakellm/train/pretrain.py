@@ -59,6 +59,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
             eps=t.adam_eps,
             clip_grad=t.clip_grad,
             distributed=par.distributed_optimizer,
+            fsdp=par.fsdp,
         ),
         tp=par.tp,
         pp=par.pp,
@@ -144,6 +145,7 @@ class PretrainRecipe:
             f"{s.num_micro} accumulation steps; {t.steps} steps"
             + ("; sequence parallel" if par.sequence_parallel else "")
             + (f"; optimizer sharded over {s.dp} data-parallel ranks" if par.distributed_optimizer else "")
+            + (f"; parameters, gradients and optimizer sharded over {s.dp} ranks (FSDP2)" if par.fsdp else "")
         )
 
     def _micro_batches(self, s: assembly.Session, ds: Any, start: int, end: int, **kw: Any) -> Iterator[Batch]:
