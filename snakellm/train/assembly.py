@@ -410,7 +410,9 @@ def _manager(
 
     def common_state(step: int) -> dict[str, Any]:
         gbs, early = job.global_batch_size, holder.get("early")
+        lm_args = getattr(recipe, "megatron_args", None)
         return {
+            **({"args": _megatron_namespace(lm_args(), job, s, step)} if lm_args else {}),
             "iteration": step,
             "checkpoint_version": 3.0,
             "opt_param_scheduler": sched.state_dict(step),
@@ -436,6 +438,34 @@ def _manager(
         log=s.log,
     )
     return manager
+
+
+def _megatron_namespace(model_args: dict[str, Any], job: Job, s: Session, step: int) -> Any:
+    """Megatron-LM's ``args`` (an argparse.Namespace, as it pickles them) for this run at ``step``."""
+    import argparse
+
+    return argparse.Namespace(
+        **model_args,
+        tensor_model_parallel_size=job.tp,
+        pipeline_model_parallel_size=job.pp,
+        virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1,
+        world_size=s.dist.world_size,
+        data_parallel_size=s.dp,
+        micro_batch_size=job.micro_batch_size,
+        global_batch_size=job.global_batch_size,
+        iteration=step,
+        consumed_train_samples=step * job.global_batch_size,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
+        bf16=s.precision == "bf16",
+        fp16=False,
+        seed=job.seed,
+        sequence_parallel=job.sequence_parallel,
+        use_distributed_optimizer=job.optim.distributed,
+        no_save_optim=None,
+        no_save_rng=None,
+    )
 
 
 def _early_stopping(job: Job) -> Any:

@@ -67,6 +67,9 @@ class FSDPModel:
         return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> FSDPModel:
+        # validation's forward passes (no backward) leave the units that keep their weights gathered after
+        # the forward as they are: back to the shards, or the next backward would miss their reduce-scatter
+        self.reshard()
         self.module.train(mode)
         return self
 

@@ -179,6 +179,12 @@ class PretrainRecipe:
     def meta(self) -> dict[str, Any]:
         return {}
 
+    def megatron_args(self) -> dict[str, Any]:
+        """The model's Megatron-LM arguments, saved as the checkpoint's ``args`` (Megatron-LM resumes from them)."""
+        from snakellm.models.megatron_args import megatron_lm_args
+
+        return megatron_lm_args(self.req.model, self.req.vocab)
+
     def finish(self, done: assembly.Done) -> None:
         s = done.session
         if s.rank0:
