@@ -390,8 +390,8 @@ class ParallelSettings:
     num_workers: int | None = setting(None, "data-loader workers per rank (null: 2 on GPU, 0 on CPU)")
     loss: str = setting(
         "auto",
-        "cross-entropy: compiled (fused; GPU default), eager, or megatron-core's "
-        "vocab-parallel one (needed for tp > 1)",
+        "cross-entropy: compiled (fused, vocabulary-parallel at tp > 1; GPU default), eager (the same "
+        "uncompiled; CPU default), or megatron-core's vocab-parallel one",
         choices=("auto", "compiled", "eager", "megatron"),
     )
     compile: bool = setting(False, "torch.compile each transformer layer (GPU)")
@@ -404,6 +404,12 @@ class ParallelSettings:
         False,
         "shard the fp32 Adam states and master weights over the data-parallel ranks (megatron-core's "
         "distributed-optimizer gradient buffers: reduce-scatter, then all-gather of the updated weights)",
+    )
+    fsdp: bool = setting(
+        False,
+        "shard the parameters and gradients as well as the optimizer states over the data-parallel ranks "
+        "(PyTorch FSDP2, ZeRO-3: each layer's weights gathered just before it runs; 16 bytes a parameter "
+        "become 16 / dp); checkpoints keep their layout",
     )
 
 

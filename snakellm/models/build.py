@@ -22,7 +22,7 @@ from typing import Any
 from snakellm.models import families
 from snakellm.models.architecture import ModelConfigError
 from snakellm.models.attention import sdpa_attention_class
-from snakellm.models.loss import cross_entropy
+from snakellm.models.loss import cross_entropy, vocab_parallel_cross_entropy
 
 
 def have_transformer_engine() -> bool:
@@ -63,10 +63,10 @@ def build_model(
     (whole layers, ``recompute_method`` uniform|block over ``recompute_num_layers``).
     ``seed``: initialise the weights by :func:`init_weights` (the same whatever the layout).
 
-    ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (compiled
-    loss on CUDA with TP=1), "compiled", "eager" (the same math uncompiled) or
-    "megatron" (megatron-core's own vocab-parallel cross-entropy; the only one
-    that supports TP > 1). ``sequence_parallel`` needs ``tp > 1``. ``fp8``: a
+    ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (the compiled
+    loss on CUDA, eager on the CPU), "compiled", "eager" (the same math uncompiled;
+    both vocabulary-parallel at TP > 1) or "megatron" (megatron-core's own
+    vocab-parallel cross-entropy). ``sequence_parallel`` needs ``tp > 1``. ``fp8``: a
     recipe of :mod:`snakellm.models.fp8` ("tensorwise" | "rowwise"): the block
     linears' matmuls in float8 (needs ``bf16``; Transformer Engine's FP8 with its spec).
     """
@@ -235,20 +235,26 @@ def _layer_spec(
 
 
 def _loss_function(fused_loss: str, *, cuda: bool, tp: int) -> Any:
-    """The cross-entropy the model's loss uses; None: megatron-core's own (vocab-parallel)."""
+    """The cross-entropy the model's loss uses; None: megatron-core's own (vocab-parallel).
+
+    At tp > 1 "compiled" and "eager" are :func:`snakellm.models.loss.vocab_parallel_cross_entropy`
+    (the logits are split over the vocabulary), compiled or not.
+    """
+    import functools
+
     import torch
 
     if fused_loss == "auto":
-        fused_loss = "compiled" if (cuda and tp == 1) else ("eager" if tp == 1 else "megatron")
-    if fused_loss != "megatron" and tp != 1:
-        raise ModelConfigError(f"loss {fused_loss!r} needs tensor parallel size 1 (got {tp}); use 'megatron'")
+        fused_loss = "compiled" if cuda else "eager"
+    if fused_loss not in ("compiled", "eager", "megatron"):
+        raise ModelConfigError(f"unknown loss implementation {fused_loss!r}")
+    if fused_loss == "megatron":
+        return None
+    if tp > 1:
+        return functools.partial(vocab_parallel_cross_entropy, compiled=fused_loss == "compiled")
     if fused_loss == "compiled":
         return torch.compile(cross_entropy, dynamic=False)
-    if fused_loss == "eager":
-        return cross_entropy
-    if fused_loss != "megatron":
-        raise ModelConfigError(f"unknown loss implementation {fused_loss!r}")
-    return None
+    return cross_entropy
 
 
 def _norm_class() -> Any:

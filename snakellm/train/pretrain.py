@@ -69,6 +69,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
             eps=t.adam_eps,
             clip_grad=t.clip_grad,
             distributed=par.distributed_optimizer,
+            fsdp=par.fsdp,
         ),
         tp=par.tp,
         pp=par.pp,
@@ -190,6 +191,7 @@ class PretrainRecipe:
             + ("; sequence parallel" if par.sequence_parallel else "")
             + (f"; recompute {par.recompute}" if par.recompute != "none" else "")
             + (f"; optimizer sharded over {s.dp} data-parallel ranks" if par.distributed_optimizer else "")
+            + (f"; parameters, gradients and optimizer sharded over {s.dp} ranks (FSDP2)" if par.fsdp else "")
         )
 
     def _micro_batches(self, s: assembly.Session, ds: Any, start: int, end: int, **kw: Any) -> Iterator[Batch]:
@@ -222,6 +224,12 @@ class PretrainRecipe:
 
     def meta(self) -> dict[str, Any]:
         return {}
+
+    def megatron_args(self) -> dict[str, Any]:
+        """The model's Megatron-LM arguments, saved as the checkpoint's ``args`` (Megatron-LM resumes from them)."""
+        from snakellm.models.megatron_args import megatron_lm_args
+
+        return megatron_lm_args(self.req.model, self.req.vocab)
 
     def finish(self, done: assembly.Done) -> None:
         s = done.session

@@ -118,6 +118,14 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         raise RequestError(
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
         )
+    if par.fsdp and par.distributed_optimizer:
+        raise RequestError(
+            "--fsdp already shards the optimizer states (and the parameters and gradients): drop --distributed-optimizer"
+        )
+    if par.fsdp and par.pp > 1:
+        raise RequestError(
+            f"--fsdp shards over the data-parallel ranks of one pipeline stage: it needs --pp 1 (got {par.pp})"
+        )
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
     why = models.check_pipeline_batches(par.pp, par.virtual_pp, num_micro)
     if why:
@@ -197,6 +205,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
             ("distributed optimizer", par.distributed_optimizer),
             (f"{par.virtual_pp} virtual pipeline stages", par.virtual_pp > 1),
             (f"recompute {par.recompute}", par.recompute != "none"),
+            ("FSDP", par.fsdp),
         )
         if on
     ]
