@@ -55,20 +55,22 @@ def check_device(torch: Any, device: Any) -> None:
     """Refuse ``precision: fp8`` on the CPU and on GPUs before compute capability 8.9, naming the setting."""
     if os.environ.get(ANY_DEVICE_ENV) == "1":
         return
-    advice = "set precision: bf16 (--precision bf16) instead"
     if not str(device).startswith("cuda"):
-        raise FP8Error(
-            f"precision: fp8 (--precision fp8) needs an NVIDIA GPU with FP8 tensor cores (compute capability "
-            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer: Ada, Hopper, Blackwell); this job runs on the "
-            f"CPU: {advice}"
-        )
-    cap = tuple(torch.cuda.get_device_capability(device))
-    if cap < MIN_CAPABILITY:
-        raise FP8Error(
-            f"precision: fp8 (--precision fp8) needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
-            f"or newer (Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}: "
-            f"{advice}"
-        )
+        check_capability(None, "the CPU")
+    else:
+        check_capability(tuple(torch.cuda.get_device_capability(device)), torch.cuda.get_device_name(device))
+
+
+def check_capability(capability: tuple[int, int] | None, name: str) -> None:
+    """FP8Error unless ``capability`` (a GPU's compute capability; None: the CPU) has FP8 tensor cores."""
+    if capability is not None and tuple(capability) >= MIN_CAPABILITY:
+        return
+    need = f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}"
+    has = "runs on the CPU" if capability is None else f"has compute capability {capability[0]}.{capability[1]}"
+    raise FP8Error(
+        f"precision: fp8 (--precision fp8) needs an NVIDIA GPU with FP8 tensor cores, compute capability {need} "
+        f"or newer (Ada, Hopper, Blackwell); this job {has} ({name}): set precision: bf16 (--precision bf16)"
+    )
 
 
 def te_config(recipe: str) -> dict[str, Any]:
