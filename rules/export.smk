@@ -60,10 +60,10 @@ rule random_hf:
         "logs/random_hf/{name}.log",
     benchmark:
         "benchmarks/random_hf/{name}.tsv"
-    conda:
-        "../envs/train.yaml"
     wildcard_constraints:
         name=_names_regex(RANDOM_IMPORTS),
+    conda:
+        "../envs/train.yaml"
     resources:
         **get_job_resources("convert"),
     params:

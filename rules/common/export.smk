@@ -5,7 +5,8 @@
 # ---------------------------------------------------------------- export, import, generation (rules/export.smk, evaluate.smk)
 
 EXPORT_NEMO = config["export_nemo"]
-IMPORTS = config.get("import_hf", {})  # {name: {hf_dir, make_vocab_size_divisible_by, random}}
+# {name: {hf_dir, make_vocab_size_divisible_by, random}}
+IMPORTS = config.get("import_hf", {})
 # imports whose hf_dir the workflow writes (rule random_hf: models/random/{name}, random weights)
 RANDOM_IMPORTS = [name for name, spec in IMPORTS.items() if spec.get("random")]
 
