@@ -67,6 +67,10 @@ STEPS: dict[str, tuple[str, str]] = {
     ),
     "launch": ("snakellm.steps.launch", "print the srun/torchrun/container command line the pretrain rule runs"),
     "export-hf": ("snakellm.steps.export_hf", "write a Hugging Face model directory (GPT-2 / Llama) from a checkpoint"),
+    "random-hf": (
+        "snakellm.steps.random_hf",
+        "write a Hugging Face model directory of a preset's shape with random weights (no download)",
+    ),
     "import-hf": (
         "snakellm.steps.import_hf",
         "turn a Hugging Face GPT-2 / Llama directory into a snakellm checkpoint",

@@ -156,6 +156,13 @@ def check_imports(config: dict[str, Any]) -> None:
     for name, spec in config.get("import_hf", {}).items():
         if name in runs:
             raise ConfigError(f"config key import_hf.{name}: a run of that name exists under runs")
+        if spec.get("random"):
+            if os.path.normpath(spec["hf_dir"]) != f"models/random/{name}":
+                raise ConfigError(
+                    f"config key import_hf.{name}.hf_dir: with `random` it is the directory the workflow writes, "
+                    f"models/random/{name}; got {spec['hf_dir']!r}"
+                )
+            continue
         if not os.path.isfile(os.path.join(spec["hf_dir"], "config.json")):
             raise ConfigError(
                 f"config key import_hf.{name}.hf_dir: {spec['hf_dir']!r} has no config.json "

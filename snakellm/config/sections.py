@@ -682,11 +682,28 @@ class ExportHfSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RandomHfSettings:
+    """``import_hf.<name>.random``: the workflow writes hf_dir first, a preset's shape with random weights."""
+
+    preset: str = setting(REQUIRED, "the shape: a preset (llama3-8b, llama2-7b, tiny-llama, ...)")
+    seed: int = setting(0, "seed of the weights")
+    tokenizer_dir: str = setting(
+        "resources/tokenizers/gpt2", "GPT-2's vocab.json and merges.txt (the model's tokenizer, copied in)"
+    )
+    max_shard_size: str = setting("5GB", "largest safetensors shard")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ImportHfSettings:
     """``import_hf.<name>``: a Hugging Face GPT-2 / Llama directory turned into a run."""
 
     hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False)
     make_vocab_size_divisible_by: int = setting(128, "embedding padding (Megatron-LM's)")
+    random: dict[str, Any] | None = setting(
+        None,
+        "write hf_dir (models/random/<name>) with random weights of a preset's shape first: no download",
+        section=RandomHfSettings,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -791,6 +808,7 @@ SECTIONS: dict[str, type] = {
     "export_nemo": ExportNemoSettings,
     "export_hf": ExportHfSettings,
     "import_hf.*": ImportHfSettings,
+    "import_hf.*.random": RandomHfSettings,
     "generate": GenerateSettings,
     "lm_eval": LmEvalSettings,
     "lm_eval.suites.*": LmEvalSuiteSettings,
