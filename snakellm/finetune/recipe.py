@@ -320,9 +320,17 @@ class FinetuneRecipe:
             "encode_validation": self.valid_stats,
             "median_tokens_per_s": tps[len(tps) // 2] if tps else None,
             "flops_per_token": done.parts.flops_per_token,
+            "peak_gpu_memory_gib": _peak_gib(done.session),
             "fingerprint": done.fingerprint,
         }
         write_json(out / "finetune_summary.json", summary)
+
+
+def _peak_gib(s: assembly.Session) -> float | None:
+    """Rank 0's peak allocated GPU memory (GiB) over the job; None on the CPU."""
+    if not s.cuda:
+        return None
+    return round(s.torch.cuda.max_memory_allocated(s.device) / 2**30, 2)
 
 
 def _sha256(path: Path) -> str:

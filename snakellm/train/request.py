@@ -111,13 +111,25 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     model = models.resolve(args.preset, overrides)
     _check_positive(t)
     dist = distmod.detect(env)
-    models.check_parallel(model, par.tp, par.pp)
+    models.check_parallel(model, par.tp, par.pp, par.virtual_pp)
+    models.check_recompute(model, par.pp, par.virtual_pp, par.recompute, par.recompute_method, par.recompute_num_layers)
     fp8.check_request(t.precision, args.device, model, par.tp)
     if par.sequence_parallel and par.tp == 1:
         raise RequestError(
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
         )
+    if par.fsdp and par.distributed_optimizer:
+        raise RequestError(
+            "--fsdp already shards the optimizer states (and the parameters and gradients): drop --distributed-optimizer"
+        )
+    if par.fsdp and par.pp > 1:
+        raise RequestError(
+            f"--fsdp shards over the data-parallel ranks of one pipeline stage: it needs --pp 1 (got {par.pp})"
+        )
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
+    why = models.check_pipeline_batches(par.pp, par.virtual_pp, num_micro)
+    if why:
+        raise RequestError(f"--global-batch-size {t.global_batch_size}: {why}")
     decay = t.decay_steps if t.decay_steps is not None else t.steps
     if not 0 <= t.warmup_steps <= decay:
         raise RequestError(f"--warmup-steps {t.warmup_steps} must be between 0 and the decay steps {decay}")
@@ -191,6 +203,9 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
         for o, on in (
             ("sequence parallel", par.sequence_parallel),
             ("distributed optimizer", par.distributed_optimizer),
+            (f"{par.virtual_pp} virtual pipeline stages", par.virtual_pp > 1),
+            (f"recompute {par.recompute}", par.recompute != "none"),
+            ("FSDP", par.fsdp),
         )
         if on
     ]
@@ -218,6 +233,10 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
                 distributed_optimizer=par.distributed_optimizer,
                 bf16=precision in ("bf16", "fp8"),
                 gpu_gib=gpu_gib,
+                recompute=par.recompute,
+                recompute_method=par.recompute_method,
+                recompute_num_layers=par.recompute_num_layers,
+                virtual_pp=par.virtual_pp,
             )
         ),
     ]
