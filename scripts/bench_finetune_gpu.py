@@ -12,7 +12,7 @@ figure for the same model, which --pretrain measures in the same run.
 
     python scripts/bench_finetune_gpu.py                        # lora + full on one GPU
     python scripts/bench_finetune_gpu.py --pretrain             # and snakellm train's llama-1b beside them
-    python scripts/bench_finetune_gpu.py --preset tiny --seq-length 128 --steps 4 --device cpu   # CPU smoke test
+    python scripts/bench_finetune_gpu.py --smoke    # CPU smoke test: tiny, seq 128, 4 steps, a temp workdir
     python scripts/bench_finetune_gpu.py --tp 2 --steps 20 --lr 2e-5 --lr-warmup 5   # each method also TP over 2 GPUs
 
 With ``--tp N`` every method runs twice, on one GPU and tensor parallel over N
@@ -112,8 +112,6 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path, tp:
         "finetune",
         "--base",
         str(base),
-        "--blend",
-        str(blend),
         "--data-dir",
         str(data),
         "--out-dir",
@@ -269,7 +267,15 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1, help="also run each method tensor parallel over this many GPUs")
     p.add_argument("--rtol", type=float, default=0.02, help="TP vs one GPU: relative loss difference allowed")
     p.add_argument("--atol", type=float, default=0.02, help="TP vs one GPU: absolute loss difference allowed")
+    p.add_argument("--smoke", action="store_true", help="seconds on the CPU: tiny, seq 128, 4 steps of 4, temp dirs")
     a = p.parse_args(argv)
+    if a.smoke:
+        import tempfile
+
+        a.preset, a.seq_length, a.steps, a.warmup_steps, a.device = "tiny", 128, 4, 1, "cpu"
+        a.micro_batch_size, a.global_batch_size, a.tp, a.pretrain = 2, 4, 1, False
+        a.workdir = tempfile.mkdtemp(prefix="snakellm-bench-ft-smoke-")
+        a.out = f"{a.workdir}/out"
     root, out = Path(a.workdir), Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -291,6 +297,8 @@ def main(argv=None) -> int:
         results.append(run_pretrain(a, root))
         print(json.dumps(results[-1]), flush=True)
     (out / "bench_finetune.json").write_text(json.dumps(results, indent=2) + "\n")
+    if a.smoke:
+        __import__("shutil").rmtree(a.workdir, ignore_errors=True)
     return 0 if all("error" not in r and r.get("losses_match", True) for r in results) else 1
 
 

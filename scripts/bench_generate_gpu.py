@@ -26,6 +26,7 @@ engine. Bars: batch 1 >= 1,000 tokens/s; batch 32 >= 5x transformers.
 
     python scripts/bench_generate_gpu.py                        # llama-1b on cuda
     python scripts/bench_generate_gpu.py --toy --device cpu     # tiny-llama on the CPU: proves the script
+    python scripts/bench_generate_gpu.py --smoke                # the same in seconds (tests/test_bench_smoke.py)
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--toy", action="store_true", help="tiny-llama, short runs (for the CPU)")
+    p.add_argument("--smoke", action="store_true", help="--toy on the CPU, batches 1 and 4, 4 clients, 8 prompts")
     p.add_argument("--device", default="cuda")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -65,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # the HTTP client process (internal)
     a = p.parse_args()
+    if a.smoke:
+        a.toy, a.device, a.batch_sizes, a.clients, a.eval_prompts = True, "cpu", "1,4", 4, 8
     if a.toy:
         a.preset, a.prompt_len, a.new_tokens, a.repeats = "tiny-llama", 16, 16, 1
         a.clients, a.eval_prompts = min(a.clients, 8), min(a.eval_prompts, 32)
