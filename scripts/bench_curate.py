@@ -328,17 +328,22 @@ def bench_langid() -> list[str]:
     if not sample.exists():
         return ["  (resources/langid/postgres-messages.jsonl not present)"]
     rows = [json.loads(line) for line in sample.read_text().splitlines()]
+    paras = [
+        {"lang": rows[i]["lang"], "text": " ".join(r["text"] for r in rows[i : i + 4])} for i in range(0, len(rows), 4)
+    ]
+    langs = len({r["lang"] for r in rows})
     lines = []
     for model in ("pycld2", "py3langid"):
         ident = filters.language_identifier(model)
-        t0 = time.perf_counter()
-        got = [ident(r["text"])[0] for r in rows]
-        dt = time.perf_counter() - t0
-        acc = sum(g == r["lang"] for g, r in zip(got, rows)) / len(rows)
-        langs = len({r["lang"] for r in rows})
-        lines.append(
-            f"  {model:<10} accuracy {acc:6.1%} on {len(rows)} texts in {langs} languages, {len(rows) / dt:8,.0f} texts/s"
-        )
+        for what, items in (("messages", rows), ("paragraphs of 4", paras)):
+            t0 = time.perf_counter()
+            got = [ident(r["text"])[0] for r in items]
+            dt = time.perf_counter() - t0
+            acc = sum(g == r["lang"] for g, r in zip(got, items)) / len(items)
+            lines.append(
+                f"  {model:<10} {what:<16} accuracy {acc:6.1%} on {len(items)} texts in {langs} languages, "
+                f"{len(items) / dt:8,.0f} texts/s"
+            )
     return lines
 
 
