@@ -92,10 +92,10 @@ def prepare(
     tests run TP=2 on gloo against one process) and only without ``dropout`` (megatron-core
     draws the tensor-parallel ranks' dropout masks from its CUDA RNG tracker; the CPU gets its
     inference tracker, one stream for all ranks), ``threads`` sets torch's intra-op threads on
-    the CPU. It also silences megatron-core's once-per-module warnings about the apex/Transformer
-    Engine fallbacks it uses without them.
+    the CPU. It also silences the library warnings of :mod:`snakellm.quiet` (which ``snakellm <step>``
+    has done already; this is for a job started another way).
     """
-    import warnings
+    from snakellm import quiet
 
     if requested == "cuda" and not torch.cuda.is_available():
         raise LaunchError("--device cuda: no CUDA device is available")
@@ -110,7 +110,7 @@ def prepare(
         )
     if not cuda and threads:
         torch.set_num_threads(threads)
-    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine|TransformerEngine).*")
+    quiet.install()
     return cuda
 
 

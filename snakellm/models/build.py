@@ -22,7 +22,7 @@ from typing import Any
 from snakellm.models import families
 from snakellm.models.architecture import ModelConfigError
 from snakellm.models.attention import sdpa_attention_class
-from snakellm.models.loss import cross_entropy
+from snakellm.models.loss import cross_entropy, vocab_parallel_cross_entropy
 
 
 def have_transformer_engine() -> bool:
@@ -51,6 +51,7 @@ def build_model(
     recompute_method: str = "uniform",
     recompute_num_layers: int = 1,
     seed: int | None = None,
+    fp8: str | None = None,
 ):
     """Build a megatron-core GPTModel (model-parallel state must be initialised).
 
@@ -62,10 +63,12 @@ def build_model(
     (whole layers, ``recompute_method`` uniform|block over ``recompute_num_layers``).
     ``seed``: initialise the weights by :func:`init_weights` (the same whatever the layout).
 
-    ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (compiled
-    loss on CUDA with TP=1), "compiled", "eager" (the same math uncompiled) or
-    "megatron" (megatron-core's own vocab-parallel cross-entropy; the only one
-    that supports TP > 1). ``sequence_parallel`` needs ``tp > 1``.
+    ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (the compiled
+    loss on CUDA, eager on the CPU), "compiled", "eager" (the same math uncompiled;
+    both vocabulary-parallel at TP > 1) or "megatron" (megatron-core's own
+    vocab-parallel cross-entropy). ``sequence_parallel`` needs ``tp > 1``. ``fp8``: a
+    recipe of :mod:`snakellm.models.fp8` ("tensorwise" | "rowwise"): the block
+    linears' matmuls in float8 (needs ``bf16``; Transformer Engine's FP8 with its spec).
     """
     import torch
     from megatron.core import parallel_state as ps
@@ -78,6 +81,12 @@ def build_model(
     cuda = device.startswith("cuda")
     if use_te is None:
         use_te = cuda and have_transformer_engine()
+    if fp8:
+        from snakellm.models import fp8 as fp8mod
+
+        fp8mod.check_device(torch, device)
+        if not bf16:
+            raise ModelConfigError("precision: fp8 keeps bf16 weights: build with bf16=True")
     family = families.get(cfg["style"])
     recompute_args: dict[str, Any] = {}
     if recompute != "none":
@@ -85,7 +94,13 @@ def build_model(
         if recompute == "full":
             recompute_args.update(recompute_method=recompute_method, recompute_num_layers=recompute_num_layers)
     tcfg = _transformer_config(
-        cfg, family, tp=tp, cuda=cuda, bf16=bf16, sequence_parallel=sequence_parallel, extra=recompute_args
+        cfg,
+        family,
+        tp=tp,
+        cuda=cuda,
+        bf16=bf16,
+        sequence_parallel=sequence_parallel,
+        extra={**recompute_args, **(fp8mod.te_config(fp8) if fp8 and use_te else {})},
     )
     layers = _layer_spec(
         cfg, tcfg, vp_stage, use_te=use_te, attention_backend=attention_backend, sequence_parallel=sequence_parallel
@@ -127,6 +142,8 @@ def build_model(
         model.bfloat16()
     if cuda:
         model.cuda(torch.cuda.current_device())
+    if fp8 and not use_te:
+        fp8mod.convert(model, fp8)  # the block linears' matmuls in float8 (torchao), before compilation
     if compile_layers:
         for layer in model.decoder.layers:
             layer.compile(dynamic=False)
@@ -143,7 +160,7 @@ def _transformer_config(
     sequence_parallel: bool,
     extra: dict[str, Any] | None = None,
 ) -> Any:
-    """megatron-core's TransformerConfig for the architecture (plus the family's extra arguments)."""
+    """megatron-core's TransformerConfig for the architecture (plus the family's and the caller's arguments)."""
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -184,7 +201,7 @@ def _transformer_config(
         cross_entropy_loss_fusion=False,
     )
     args.update(family.megatron_config(cfg))  # the family's own (and overriding) arguments, e.g. add_qkv_bias
-    args.update(extra or {})  # activation recomputation
+    args.update(extra or {})  # activation recomputation, Transformer Engine's FP8 recipe
     return TransformerConfig(**args)
 
 
@@ -218,20 +235,26 @@ def _layer_spec(
 
 
 def _loss_function(fused_loss: str, *, cuda: bool, tp: int) -> Any:
-    """The cross-entropy the model's loss uses; None: megatron-core's own (vocab-parallel)."""
+    """The cross-entropy the model's loss uses; None: megatron-core's own (vocab-parallel).
+
+    At tp > 1 "compiled" and "eager" are :func:`snakellm.models.loss.vocab_parallel_cross_entropy`
+    (the logits are split over the vocabulary), compiled or not.
+    """
+    import functools
+
     import torch
 
     if fused_loss == "auto":
-        fused_loss = "compiled" if (cuda and tp == 1) else ("eager" if tp == 1 else "megatron")
-    if fused_loss != "megatron" and tp != 1:
-        raise ModelConfigError(f"loss {fused_loss!r} needs tensor parallel size 1 (got {tp}); use 'megatron'")
+        fused_loss = "compiled" if cuda else "eager"
+    if fused_loss not in ("compiled", "eager", "megatron"):
+        raise ModelConfigError(f"unknown loss implementation {fused_loss!r}")
+    if fused_loss == "megatron":
+        return None
+    if tp > 1:
+        return functools.partial(vocab_parallel_cross_entropy, compiled=fused_loss == "compiled")
     if fused_loss == "compiled":
         return torch.compile(cross_entropy, dynamic=False)
-    if fused_loss == "eager":
-        return cross_entropy
-    if fused_loss != "megatron":
-        raise ModelConfigError(f"unknown loss implementation {fused_loss!r}")
-    return None
+    return cross_entropy
 
 
 def _norm_class() -> Any:

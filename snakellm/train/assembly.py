@@ -63,6 +63,7 @@ class Optim:
     eps: float = 1e-8
     clip_grad: float = 1.0
     distributed: bool = False  # Adam states sharded over the data-parallel ranks
+    fsdp: bool = False  # parameters, gradients and Adam states sharded (FSDP2; snakellm.train.fsdp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +119,7 @@ class Session:
     device: Any
     cuda: bool
     dist: distmod.DistEnv
-    precision: str  # bf16 | fp32
+    precision: str  # bf16 | fp32 | fp8 (bf16 weights, float8 matmuls: snakellm.models.fp8)
     dp: int
     num_micro: int
     stop: StopPolicy
@@ -230,7 +231,7 @@ def run(job: Job, recipe: Recipe) -> int:
         status = trainer.fit()
         if s.watchdog is not None:
             s.watchdog.beat(trainer.step)
-        digests = replica_digests(parts.module)
+        digests = [model.digest()] * s.dp if job.optim.fsdp else replica_digests(parts.module)
         if len(set(digests)) != 1:
             raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
         if status == EXIT_OK:
@@ -357,6 +358,20 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
     from snakellm.train.schedule import CosineSchedule
 
     o = job.optim
+    adamw: dict[str, Any] = dict(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, clip_grad=o.clip_grad)
+    sched = CosineSchedule(o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.decay_style)
+    if o.fsdp:
+        from snakellm.train import fsdp
+
+        sharded = fsdp.shard(parts.module, bf16=s.precision == "bf16", cuda=s.cuda)
+        # checkpoints hold this rank's slices, in the layout of every other run
+        parts.state, parts.load_state = sharded.sharded_state, sharded.load_state
+        fopt = fsdp.FSDPAdamW(sharded, **adamw)
+        s.log(
+            f"FSDP: rank {s.dist.rank} holds {fopt.numel:,} of {sum(p.numel() for p in fopt.params):,} parameters "
+            f"(fp32), their gradients and Adam states"
+        )
+        return sharded, fopt, sched
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
@@ -373,7 +388,6 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         model = ddps[0] if len(ddps) == 1 else s.torch.nn.ModuleList(ddps)
         if o.distributed and len(ddps) > 1:
             raise JobError("distributed_optimizer with virtual_pp > 1 is not supported yet: use virtual_pp 1")
-    adamw: dict[str, Any] = dict(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, clip_grad=o.clip_grad)
     opt: Any
     if o.distributed:
         opt = DistributedAdamW(model, **adamw)
@@ -383,7 +397,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         )
     else:
         opt = MixedPrecisionAdamW(model, **adamw)
-    return model, opt, CosineSchedule(o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.decay_style)
+    return model, opt, sched
 
 
 def _manager(
@@ -415,7 +429,9 @@ def _manager(
 
     def common_state(step: int) -> dict[str, Any]:
         gbs, early = job.global_batch_size, holder.get("early")
+        lm_args = getattr(recipe, "megatron_args", None)
         return {
+            **({"args": _megatron_namespace(lm_args(), job, s, step)} if lm_args else {}),
             "iteration": step,
             "checkpoint_version": 3.0,
             "opt_param_scheduler": sched.state_dict(step),
@@ -442,6 +458,34 @@ def _manager(
         log=s.log,
     )
     return manager
+
+
+def _megatron_namespace(model_args: dict[str, Any], job: Job, s: Session, step: int) -> Any:
+    """Megatron-LM's ``args`` (an argparse.Namespace, as it pickles them) for this run at ``step``."""
+    import argparse
+
+    return argparse.Namespace(
+        **model_args,
+        tensor_model_parallel_size=job.tp,
+        pipeline_model_parallel_size=job.pp,
+        virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1,
+        world_size=s.dist.world_size,
+        data_parallel_size=s.dp,
+        micro_batch_size=job.micro_batch_size,
+        global_batch_size=job.global_batch_size,
+        iteration=step,
+        consumed_train_samples=step * job.global_batch_size,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
+        bf16=s.precision == "bf16",
+        fp16=False,
+        seed=job.seed,
+        sequence_parallel=job.sequence_parallel,
+        use_distributed_optimizer=job.optim.distributed,
+        no_save_optim=None,
+        no_save_rng=None,
+    )
 
 
 def _early_stopping(job: Job) -> Any:
@@ -576,13 +620,15 @@ def _trainer(
         early_stop=early if job.patience else None,
         to_device=s.to_device,
         start_step=start,
-        overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
+        overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1 and not job.optim.fsdp,
         rank0=s.rank0,
         profiler=StepProfiler(parse_range(job.profile_steps), job.run_dir / "profile.txt", s.cuda, s.rank0),
         desc=job.desc,
         show_progress=job.progress,
         heartbeat=s.watchdog.beat if s.watchdog else None,
-        finalize_grads=(lambda: finalize_model_grads([model])) if job.sequence_parallel else None,
+        finalize_grads=(lambda: finalize_model_grads([model]))
+        if job.sequence_parallel and not job.optim.fsdp
+        else None,
         forward_backward=pipeline.step if pipeline is not None else None,
     )
 

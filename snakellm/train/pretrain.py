@@ -69,6 +69,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
             eps=t.adam_eps,
             clip_grad=t.clip_grad,
             distributed=par.distributed_optimizer,
+            fsdp=par.fsdp,
         ),
         tp=par.tp,
         pp=par.pp,
@@ -124,7 +125,7 @@ class PretrainRecipe:
                 req.vocab,
                 tp=par.tp,
                 device=str(s.device),
-                bf16=s.precision == "bf16",
+                bf16=s.precision in ("bf16", "fp8"),
                 fused_loss=par.loss,
                 compile_layers=par.compile,
                 attention_backend=req.args.attention_backend,
@@ -134,6 +135,7 @@ class PretrainRecipe:
                 recompute_method=par.recompute_method,
                 recompute_num_layers=par.recompute_num_layers,
                 seed=t.seed,  # the same initial weights at any tp x pp layout
+                fp8=t.fp8_recipe if s.precision == "fp8" else None,
             )
 
         chunks: list[Any] | None = None
@@ -179,7 +181,9 @@ class PretrainRecipe:
     def describe(self, s: assembly.Session, parts: assembly.Parts) -> str:
         req, t, par = self.req, self.req.train, self.req.parallel
         return (
-            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {s.precision} on "
+            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {s.precision}"
+            + (f" ({t.fp8_recipe})" if s.precision == "fp8" else "")
+            + " on "
             f"{'GPU' if s.cuda else 'CPU'}; world {s.dist.world_size} ({s.dist.launcher}) = dp {s.dp} x tp "
             f"{par.tp} x pp {par.pp}; global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {s.dp} x "
             f"{s.num_micro} accumulation steps; {t.steps} steps"
@@ -187,6 +191,7 @@ class PretrainRecipe:
             + ("; sequence parallel" if par.sequence_parallel else "")
             + (f"; recompute {par.recompute}" if par.recompute != "none" else "")
             + (f"; optimizer sharded over {s.dp} data-parallel ranks" if par.distributed_optimizer else "")
+            + (f"; parameters, gradients and optimizer sharded over {s.dp} ranks (FSDP2)" if par.fsdp else "")
         )
 
     def _micro_batches(self, s: assembly.Session, ds: Any, start: int, end: int, **kw: Any) -> Iterator[Batch]:
@@ -219,6 +224,12 @@ class PretrainRecipe:
 
     def meta(self) -> dict[str, Any]:
         return {}
+
+    def megatron_args(self) -> dict[str, Any]:
+        """The model's Megatron-LM arguments, saved as the checkpoint's ``args`` (Megatron-LM resumes from them)."""
+        from snakellm.models.megatron_args import megatron_lm_args
+
+        return megatron_lm_args(self.req.model, self.req.vocab)
 
     def finish(self, done: assembly.Done) -> None:
         s = done.session
