@@ -22,10 +22,13 @@ concurrent streaming clients vs the same requests one at a time (requests/s,
 time to first token, inter-token latency), and an evaluation-shaped batch
 (``--eval-prompts`` prompts of 64-256 tokens, 32 new tokens) through the eager
 decoder in batches of 16 (evaluate's default before the engine) and through the
-engine. Bars: batch 1 >= 1,000 tokens/s; batch 32 >= 5x transformers.
+engine. Bars: batch 1 >= 60% of the bandwidth bound (and >= 1,000 tokens/s for llama-1b);
+batch 32 >= 5x transformers. ``--preset llama3-8b`` (Llama 3.1 8B's shape with GPT-2's
+vocabulary: about 7.4 B parameters, 14.8 GB of bf16 weights read per token) is issue 31's 8B figure.
 
     python scripts/bench_generate_gpu.py                        # llama-1b on cuda
-    python scripts/bench_generate_gpu.py --toy --device cpu     # tiny-llama on the CPU: proves the script
+    python scripts/bench_generate_gpu.py --smoke                # tiny-llama on the CPU: proves the script
+    python scripts/bench_generate_gpu.py --preset llama3-8b --repeats 2 --clients 0 --eval-prompts 256 --no-eager
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--toy", action="store_true", help="tiny-llama, short runs (for the CPU)")
+    p.add_argument("--smoke", action="store_true", help="--toy on the CPU: the same code path in seconds")
     p.add_argument("--device", default="cuda")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -65,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # the HTTP client process (internal)
     a = p.parse_args()
+    if a.smoke:  # seconds: two small batches, a few clients and evaluation prompts
+        a.toy, a.device, a.batch_sizes, a.clients, a.eval_prompts = True, "cpu", "1,4", 2, 8
     if a.toy:
         a.preset, a.prompt_len, a.new_tokens, a.repeats = "tiny-llama", 16, 16, 1
         a.clients, a.eval_prompts = min(a.clients, 8), min(a.eval_prompts, 32)
@@ -439,7 +445,12 @@ def main() -> int:
     bars = []
     if "1" in results["batches"]:
         v = results["batches"]["1"]["engine_tokens_per_s"]
-        bars.append((f"batch 1 >= 1,000 tokens/s ({v:,.0f}; bound {bw / wbytes:,.0f})", v >= 1000))
+        if a.preset == "llama-1b":
+            bars.append((f"batch 1 >= 1,000 tokens/s ({v:,.0f}; bound {bw / wbytes:,.0f})", v >= 1000))
+        share = v / (bw / wbytes)
+        bars.append(
+            (f"batch 1 >= 60% of the bandwidth bound ({v:,.0f} = {share:.0%} of {bw / wbytes:,.0f})", share >= 0.6)
+        )
     if "32" in results["batches"]:
         v = results["batches"]["32"]["speedup_vs_transformers"]
         bars.append((f"batch 32 >= 5x transformers ({v:.2f}x)", v >= 5))

@@ -217,3 +217,40 @@ def test_wikipedia_example_plans_one_chunk_per_dump_file(workspace):
         "enwiki-latest-pages-articles2.xml-p41243p151573.bz2",
         "enwiki-latest-pages-articles10.xml-p4045403p5399366.bz2",
     ]
+
+
+def test_8b_lora_chain_example_plans_the_seed_chain_on_tp4_and_tp1(workspace):
+    """config/examples/llama3-8b-lora-squad-gpu.yaml: random 8B-shaped HF model -> import -> .nemo ->
+    LoRA (tp 4 on 4 ranks, tp 1 on one; packed sequences of 4096) -> evaluation -> PEFT and merged exports."""
+    for d in ("squad", "tokenizers"):
+        shutil.copytree(REPO / "resources" / d, workspace.root / "resources" / d)
+    shutil.copy(REPO / "config" / "examples" / "llama3-8b-lora-squad-gpu.yaml", workspace.config_path)
+    out = workspace.run("-n", "-p", "finetunes").stdout
+    stats = out.split("Job stats:", 1)[1].split("\n\n", 1)[0]
+    counts = {
+        ln.split()[0]: int(ln.split()[1])
+        for ln in stats.splitlines()[3:]
+        if len(ln.split()) == 2 and ln.split()[1].isdigit()
+    }
+    assert counts == {
+        "prepare_sft": 1,
+        "random_hf": 1,
+        "import_hf": 1,
+        "evaluate_base": 1,
+        "export_nemo": 1,
+        "finetune": 2,
+        "evaluate_finetune": 2,
+        "export_peft": 2,
+        "merge_lora_hf": 2,
+        "compare_finetune": 2,
+        "finetunes": 1,
+        "total": 16,
+    }
+    assert "snakellm random-hf models/random/llama3-8b --preset llama3-8b --seed 0" in out
+    assert "snakellm import-hf models/random/llama3-8b runs/llama3-8b" in out
+    lines = [ln for ln in out.splitlines() if "snakellm finetune" in ln]
+    tp4 = next(ln for ln in lines if "lora-tp4" in ln)
+    tp1 = next(ln for ln in lines if "lora-tp1" in ln)
+    assert "torchrun --standalone --nnodes=1 --nproc-per-node=4" in tp4 and "--tp 4" in tp4
+    assert "torchrun" not in tp1 and "--tp 1" in tp1
+    assert all("--packing" in ln and "--max-seq-length 4096" in ln for ln in (tp1, tp4))

@@ -81,6 +81,7 @@ class Job:
     optim: Optim
     tp: int = 1
     pp: int = 1
+    virtual_pp: int = 1  # model chunks per pipeline rank (the interleaved schedule)
     threads: int | None = None
     seed: int = 1234
     precision: str = "auto"
@@ -119,7 +120,7 @@ class Session:
     device: Any
     cuda: bool
     dist: distmod.DistEnv
-    precision: str  # bf16 | fp32
+    precision: str  # bf16 | fp32 | fp8 (bf16 weights, float8 matmuls: snakellm.models.fp8)
     dp: int
     num_micro: int
     stop: StopPolicy
@@ -152,6 +153,11 @@ class Parts:
     flops_per_token: float
     state: Callable[[], dict[str, Any]]  # sharded state dict of what checkpoints hold (what trains)
     load_state: Callable[[dict[str, Any]], None]
+    # pipeline parallelism: this rank's stage as model chunks (one, or virtual_pp), each wrapped in its own
+    # DDP and run by megatron-core's schedule with these two (snakellm.train.pipeline); ``module`` holds them all
+    chunks: list[Any] | None = None
+    forward: Callable[[Any, Batch], Any] | None = None  # a chunk on a micro-batch
+    reduce: Callable[[Any, Batch], Any] | None = None  # the last chunk's output -> the micro-batch's loss
 
 
 @dataclass
@@ -219,7 +225,7 @@ def run(job: Job, recipe: Recipe) -> int:
         holder: dict[str, Any] = {}
         manager = _manager(job, s, parts, opt, sched, fp, recipe, holder)
         early = _early_stopping(job)
-        start = _restore(job, s, manager, resume_it, parts, opt, fp, early) if action == "resume" else 0
+        start = _restore(job, s, manager, resume_it, parts, opt, fp, early, holder) if action == "resume" else 0
         s.barrier()
         trainer = _trainer(job, s, recipe, parts, model, opt, sched, manager, early, start)
         holder["trainer"], holder["early"] = trainer, early
@@ -266,7 +272,7 @@ def open_session(job: Job) -> Session:
     precision = job.precision if job.precision != "auto" else ("bf16" if cuda else "fp32")
     s = Session(torch, device, cuda, d, precision, dp, num_micro, stop, wd, stop_group)
     try:
-        runtime.init_model_parallel(job.tp, job.pp, cuda=cuda)
+        runtime.init_model_parallel(job.tp, job.pp, cuda=cuda, vpp=job.virtual_pp)
         s.lock = _lock_run_dir(job.run_dir, rank0)
         s.barrier()
     except BaseException:
@@ -372,8 +378,17 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
         use_distributed_optimizer=o.distributed,
     )
-    model = DDP(parts.config, ddp_cfg, parts.module)
-    model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
+    if parts.chunks is None:
+        model = DDP(parts.config, ddp_cfg, parts.module)
+        model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
+    else:
+        # one DDP per pipeline chunk, as Megatron-LM wraps them (one bucket for the chunks after the first)
+        ddps = [DDP(parts.config, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(parts.chunks)]
+        for d in ddps:
+            d.broadcast_params()
+        model = ddps[0] if len(ddps) == 1 else s.torch.nn.ModuleList(ddps)
+        if o.distributed and len(ddps) > 1:
+            raise JobError("distributed_optimizer with virtual_pp > 1 is not supported yet: use virtual_pp 1")
     opt: Any
     if o.distributed:
         opt = DistributedAdamW(model, **adamw)
@@ -397,17 +412,21 @@ def _manager(
 
     def sharded_state(is_loading: bool) -> dict[str, Any]:
         msd = parts.state()
-        return {
+        out = {
             "model": msd,
             "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading),
-            "rng_state": ShardedObject(
+        }
+        # the RNG states are per (pp, tp) rank: a checkpoint of another model-parallel layout has none for
+        # this rank (Megatron-LM skips them too); the model and optimizer reshard by their global keys
+        if not (is_loading and holder.get("skip_rng")):
+            out["rng_state"] = ShardedObject(
                 "rng_state",
                 [rng_states(s.cuda)],
                 (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
                 (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
                 replica_id=ps.get_data_parallel_rank(),
-            ),
-        }
+            )
+        return out
 
     def common_state(step: int) -> dict[str, Any]:
         gbs, early = job.global_batch_size, holder.get("early")
@@ -425,6 +444,7 @@ def _manager(
                 "best": manager.best,
                 "run": job.run_name,
                 "early_stopping": {"best": early.best, "bad_evals": early.bad_evals} if early else None,
+                "layout": {"tp": job.tp, "pp": job.pp},  # model-parallel layout (whose RNG states it holds)
                 **recipe.meta(),
             },
         }
@@ -477,13 +497,29 @@ def _early_stopping(job: Job) -> Any:
 
 
 def _restore(
-    job: Job, s: Session, manager: ckpt.CheckpointManager, it: int | None, parts: Parts, opt: Any, fp: str, early: Any
+    job: Job,
+    s: Session,
+    manager: ckpt.CheckpointManager,
+    it: int | None,
+    parts: Parts,
+    opt: Any,
+    fp: str,
+    early: Any,
+    holder: dict[str, Any],
 ) -> int:
     """Model part, optimizer, RNG states and stopping state of ``iter_{it}``; returns the step to continue from."""
     from snakellm.train.rng import set_rng_states
 
     assert it is not None
     t0 = time.time()
+    saved = ckpt.load_common(job.ckpt_dir, it).get("snakellm", {}).get("layout") or {"tp": job.tp, "pp": job.pp}
+    here = {"tp": job.tp, "pp": job.pp}
+    holder["skip_rng"] = saved != here
+    if saved != here:
+        s.log(
+            f"{ckpt.iter_name(it)} was written at tp {saved['tp']} x pp {saved['pp']}, this job runs tp {job.tp} x "
+            f"pp {job.pp}: weights and optimizer states reshard; the RNG states start from the seed"
+        )
     loaded, common = manager.restore(it)
     meta = common.get("snakellm", {})
     if meta.get("fingerprint") not in (None, fp):
@@ -493,8 +529,9 @@ def _restore(
         )
     parts.load_state(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
-    rng = loaded["rng_state"]
-    set_rng_states(rng[0] if isinstance(rng, list) else rng, s.cuda)
+    if "rng_state" in loaded:
+        rng = loaded["rng_state"]
+        set_rng_states(rng[0] if isinstance(rng, list) else rng, s.cuda)
     manager.best = meta.get("best") or ckpt.read_best(job.ckpt_dir)
     es = meta.get("early_stopping") or {}
     early.best, early.bad_evals = es.get("best"), int(es.get("bad_evals", 0))
@@ -533,6 +570,21 @@ def _trainer(
     if peak is None and s.cuda:
         peak = peak_tflops_of(s.torch.cuda.get_device_name(s.device))
     valid = recipe.valid_batches(s)
+    pipeline, val_model = None, model
+    if parts.chunks is not None:
+        from snakellm.train.pipeline import Pipeline
+
+        assert parts.forward is not None and parts.reduce is not None
+        pipeline = Pipeline(
+            list(model) if isinstance(model, s.torch.nn.ModuleList) else [model],
+            parts.config,
+            forward=parts.forward,
+            reduce=parts.reduce,
+            to_device=s.to_device,
+            seq_length=parts.seq_length,
+            micro_batch_size=job.micro_batch_size,
+        )
+        val_model = pipeline
     metrics = MetricsLogger(
         job.ckpt_dir / ckpt.LIVE_METRICS,
         rank0=s.rank0,
@@ -547,7 +599,7 @@ def _trainer(
         start_step=start,
     )
     return Trainer(
-        model=model,
+        model=pipeline or model,
         optimizer=opt,
         lr_schedule=sched,
         num_micro=s.num_micro,
@@ -557,7 +609,15 @@ def _trainer(
         metrics=metrics,
         stop=s.stop,
         checkpoints=manager,
-        validator=Validator(model, valid, recipe.loss, to_device=s.to_device, dp_group=dp_group, dp_size=s.dp)
+        validator=Validator(
+            val_model,
+            valid,
+            recipe.loss,
+            to_device=s.to_device,
+            dp_group=dp_group,
+            dp_size=s.dp,
+            evaluate=pipeline.evaluate if pipeline is not None else None,
+        )
         if valid is not None
         else None,
         early_stop=early if job.patience else None,
@@ -572,6 +632,7 @@ def _trainer(
         finalize_grads=(lambda: finalize_model_grads([model]))
         if job.sequence_parallel and not job.optim.fsdp
         else None,
+        forward_backward=pipeline.step if pipeline is not None else None,
     )
 
 

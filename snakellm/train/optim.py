@@ -23,12 +23,25 @@ import torch
 
 
 def _is_tp_duplicate(p) -> bool:
-    """True for a replicated parameter on a tensor-parallel rank other than 0 (counted once in the norm)."""
+    """True for a parameter the gradient norm counts elsewhere: a replicated one on a tensor-parallel rank
+    other than 0, or the last pipeline stage's copy of tied embeddings (megatron-core marks it ``shared``)."""
     from megatron.core import parallel_state
 
+    if getattr(p, "shared", False):
+        return True
     if getattr(p, "tensor_model_parallel", False):
         return False
     return parallel_state.get_tensor_model_parallel_rank() != 0
+
+
+def _sum_over_model_parallel(sq: torch.Tensor) -> None:
+    """The squared norm summed over the tensor- and pipeline-parallel ranks (each holds part of the model)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(sq, group=ps.get_model_parallel_group())
+    elif ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(sq, group=ps.get_tensor_model_parallel_group())
 
 
 class MixedPrecisionAdamW:
@@ -77,8 +90,6 @@ class MixedPrecisionAdamW:
 
     def step(self, lr: float) -> torch.Tensor:
         """Clip and apply the accumulated ``main_grad``s; return the gradient norm (on the device)."""
-        from megatron.core import parallel_state
-
         grads = []
         for p, m in self._pairs:
             g = p.main_grad  # type: ignore[attr-defined]  # set by megatron-core DDP
@@ -86,8 +97,7 @@ class MixedPrecisionAdamW:
             grads.append(m.grad)
         norm_grads = [g for g, keep in zip(grads, self._norm_mask) if keep]
         sq = torch.stack(torch._foreach_norm(norm_grads)).square().sum() if norm_grads else grads[0].new_zeros(())
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        _sum_over_model_parallel(sq)
         norm = sq.sqrt()
         if self.clip_grad > 0:
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
@@ -307,8 +317,6 @@ class DistributedAdamW:
 
     def step(self, lr: float) -> torch.Tensor:
         """Clip and apply this rank's reduce-scattered gradients, then all-gather the weights; return the norm."""
-        from megatron.core import parallel_state
-
         grads = []
         for s in self.shards:
             s.master.grad = s.grad if s.grad.dtype == torch.float32 else s.grad.float()
@@ -321,8 +329,7 @@ class DistributedAdamW:
         )
         if self.dp_size > 1:
             torch.distributed.all_reduce(sq, group=self.dp_group)
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        _sum_over_model_parallel(sq)
         norm = sq.sqrt()
         if self.clip_grad > 0 and grads:
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
