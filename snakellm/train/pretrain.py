@@ -83,6 +83,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
         eval_interval=t.eval_interval,
         log_interval=t.log_interval,
         keep_last=t.keep_last,
+        async_save=t.async_save,
         max_time=req.max_time,
         max_time_text=str(t.max_time),
         collective_timeout=t.collective_timeout,
