@@ -33,7 +33,8 @@ if smoke == "1":  # tiny-llama's shape on the CPU, a few steps and test examples
     for ft in cfg["finetune"].values():
         ft["examples"]["max_seq_length"] = 128
         ft["examples"]["packing"] = True
-        ft["train"].update(steps=4, eval_interval=2, global_batch_size=2, micro_batch_size=1, precision="fp32")
+        ft["train"].update(steps=4, warmup_steps=0, eval_interval=2, global_batch_size=2, micro_batch_size=1)
+        ft["train"]["precision"] = "fp32"
         ft["parallel"] = {"tp": 1}
         ft["resources"] = {}
         ft["evaluate"]["tokens_to_generate"] = 4
