@@ -170,8 +170,9 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
         return out + ["  memory: the base's tokenizer names no vocab_size; not estimated"]
     padded = arch_mod.padded_vocab_size(int(vocab), arch, tp)
     out.append(f"  model: {arch_mod.describe(arch, padded)}")
-    kw = dict(seq_length=seq, lora_rank=rank, lora_targets=targets)
-    est = memory.finetune_estimate(arch, padded, method, tp=tp, dp=dp, micro_batch_size=mbs, **kw)  # type: ignore[arg-type]
+    est = memory.finetune_estimate(
+        arch, padded, method, tp=tp, dp=dp, micro_batch_size=mbs, seq_length=seq, lora_rank=rank, lora_targets=targets
+    )
     out += ["  " + line for line in est.lines(gpu_gib)]
     best = memory.advise_finetune(
         arch,
@@ -179,8 +180,10 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
         method,
         ranks=ranks,
         global_batch_size=gbs,
+        seq_length=seq,
         gpu_gib=gpu_gib,
-        **kw,  # type: ignore[arg-type]
+        lora_rank=rank,
+        lora_targets=targets,
     )
     if best is None:
         out.append(
