@@ -155,6 +155,11 @@ def evaluate(a: argparse.Namespace) -> dict:
     rt = runtime.start(a.device, 1, a.threads)
     try:
         bf16 = (a.precision == "bf16") or (a.precision == "auto" and rt.cuda)
+        from snakellm.models.loading import describe_run
+        from snakellm.serve.generate import check_fits_one_gpu, gpu_capacity
+
+        info = describe_run(a.base)
+        check_fits_one_gpu(info["arch"], info["padded_vocab_size"], 2 if bf16 else 4, gpu_capacity(rt.device))
         base = models.load(a.base, device=rt.device, bf16=bf16, seq_length=a.max_seq_length)
         gpt, arch = base.model, base.arch
         seq = a.max_seq_length or arch["seq_length"]
