@@ -29,7 +29,7 @@ rule train_tokenizer:
 
 rule tokenize:
     input:
-        jsonl="data/jsonl/{source}/{chunk}.jsonl",
+        jsonl=get_text_chunk,
         tokenizer=get_tokenizer_files,
     output:
         multiext(

@@ -15,7 +15,10 @@ Shard lists reach the jobs through data/plan/{source}/{chunk}.list files (no com
 ceiling): `--per-chunk 5000` checks the 60,000-shard / 12-chunk case. CPU seconds are printed
 next to wall time: on a loaded machine they are the figure to compare.
 
-usage: .venv/bin/python scripts/bench_plan.py [--shards 60000] [--per-chunk 800] [--naive] [--keep DIR]
+`--smoke` (seconds, tests/test_bench_smoke.py): 20 shards in 2 chunks, and the real build and
+no-op rerun of the `data` target only (the chunk jobs), not of the whole default target.
+
+usage: .venv/bin/python scripts/bench_plan.py [--shards 60000] [--per-chunk 800] [--naive] [--keep DIR] [--smoke]
 """
 
 from __future__ import annotations
@@ -118,7 +121,11 @@ def main() -> None:
     ap.add_argument("--per-chunk", type=int, default=800)
     ap.add_argument("--naive", action="store_true", help="also time a one-job-per-shard Snakefile (slow)")
     ap.add_argument("--keep", type=Path, help="work here and keep it (default: a temp dir, removed)")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 20 shards, 10 a chunk, build only `data`")
     a = ap.parse_args()
+    if a.smoke:
+        a.shards, a.per_chunk, a.naive = 20, 10, False
+    build = ["data"] if a.smoke else []
     base = a.keep or Path(tempfile.mkdtemp(prefix="snakellm-bench-plan-"))
     base.mkdir(parents=True, exist_ok=True)
     n_dirs = 10
@@ -154,9 +161,9 @@ def main() -> None:
         s, mb, out = snakemake(local, "-n")
         print(f"local source jobs: {job_counts(out)}")
         line("local: snakemake -n", s, mb, "per-chunk prototype 16.6 s")
-        s, mb, out = snakemake(local)
+        s, mb, out = snakemake(local, *build)
         print(f"  (real build of {job_counts(out)}: {s:.1f} s)")
-        s, mb, out = snakemake(local)
+        s, mb, out = snakemake(local, *build)
         assert "Nothing to be done" in out, out[-2000:]
         line("local: no-op rerun", s, mb, "per-chunk prototype 15.9 s")
 

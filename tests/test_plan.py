@@ -65,7 +65,8 @@ def test_plan_cli_prints_the_default_plan(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert plan_cli.main([]) == 0
     out = capsys.readouterr().out
-    assert "wikitext: 16 shards -> 3 chunks of <= 6" in out
+    assert "wikitext: 17 shards -> 3 chunks of <= 6" in out  # 16 WikiText-2 shards and the planted one
+    assert "index corpus (sources wikitext, botchan)" in out
     assert "botchan: 1 shards -> 1 chunks" in out
 
 

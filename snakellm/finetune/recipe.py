@@ -34,18 +34,20 @@ from snakellm.config.settings import trajectory_keys
 from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
 from snakellm.io.atomic import write_json, write_text
+from snakellm.models import fp8
 from snakellm.train import assembly
 from snakellm.train.resume import check_required
 from snakellm.train.trainer import Batch
 
 METHODS = ("lora", "full", "ptuning")
 # the fingerprinted settings: the fields marked trajectory (precision enters resolved, by the session)
-TRAJECTORY = tuple(k for k in trajectory_keys(FinetuneTrainSettings) if k != "precision")
+TRAJECTORY = tuple(k for k in trajectory_keys(FinetuneTrainSettings) if k not in ("precision", "fp8_recipe"))
 EXAMPLE_KEYS = trajectory_keys(ExamplesSettings)
 
 
 def finetune(a: argparse.Namespace, mcfg: Any) -> int:
     """Run one fine-tune to its last step (0) or a clean stop (75); ``mcfg``: the method's config (or None)."""
+    fp8.check_request(a.precision, a.device)
     job = job_of(a)
     check_required(job.ckpt_dir, job)  # before the base and the data are read
     return assembly.run(job, FinetuneRecipe(a, mcfg))
@@ -172,7 +174,7 @@ class FinetuneRecipe:
             "padded_vocab": self.vocab,
             "data": {"train": _sha256(self.train_path), "validation": _sha256(self.valid_path)},
             "examples": {k: getattr(a, k) for k in EXAMPLE_KEYS} | {"seq": self.seq},
-            "train": {k: getattr(a, k) for k in TRAJECTORY} | {"precision": s.precision},
+            "train": {k: getattr(a, k) for k in TRAJECTORY} | fp8.trajectory(s.precision, a.fp8_recipe),
         }
 
     def record(self) -> dict[str, Any]:
@@ -185,10 +187,11 @@ class FinetuneRecipe:
         loaded = models.load(
             self.a.base,
             device=s.device,
-            bf16=s.precision == "bf16",
+            bf16=s.precision in ("bf16", "fp8"),
             tp=tp,
             seq_length=self.a.max_seq_length,
             train=True,
+            fp8=self.a.fp8_recipe if s.precision == "fp8" else None,
         )
         gpt = loaded.model
         self.ft, self.extra = attach(s.torch, gpt, self.a.method, self.mcfg, self.arch)

@@ -56,6 +56,7 @@ class MemoryEstimate:
     distributed_optimizer: bool
     sequence_parallel: bool
     recompute: str
+    virtual_pp: int = 1
 
     @property
     def model_states(self) -> float:
@@ -70,7 +71,9 @@ class MemoryEstimate:
         opt = "distributed optimizer" if self.distributed_optimizer else "optimizer replicated"
         out = [
             f"memory per GPU (tp {self.tp} x pp {self.pp} x dp {self.dp}, micro batch {self.micro_batch_size}, "
-            f"{opt}, sequence parallel {'on' if self.sequence_parallel else 'off'}, recompute {self.recompute}):",
+            f"{opt}, sequence parallel {'on' if self.sequence_parallel else 'off'}, recompute {self.recompute}"
+            + (f", {self.virtual_pp} virtual stages" if self.virtual_pp > 1 else "")
+            + "):",
             f"  weights      {self.weights / GiB:8.2f} GiB  ({self.params / 1e6:,.1f}M parameters on this GPU)",
             f"  gradients    {self.grads / GiB:8.2f} GiB",
             f"  optimizer    {self.optimizer / GiB:8.2f} GiB",
@@ -152,6 +155,9 @@ def estimate(
     distributed_optimizer: bool = False,
     flash_attention: bool = True,
     recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    virtual_pp: int = 1,
     bf16: bool = True,
     grad_reduce_in_fp32: bool = True,
 ) -> MemoryEstimate:
@@ -159,11 +165,18 @@ def estimate(
 
     ``sequence_parallel`` defaults to ``tp > 1`` (megatron-core's recommendation);
     ``num_micro_batches`` (per step and data-parallel rank) bounds the micro-batches
-    in flight on the first pipeline stage.
+    in flight on the first pipeline stage. ``recompute``: megatron-core's selective
+    (core attention) or full recomputation, the latter ``uniform`` (groups of
+    ``recompute_num_layers`` layers keep only their input) or ``block`` (the first
+    ``recompute_num_layers`` layers of each chunk keep only their input, the others
+    everything). ``virtual_pp``: chunks per pipeline rank (interleaved 1F1B keeps
+    ``1 + (pp - 1) / (pp x virtual_pp)`` times the micro-batches of 1F1B in flight).
     """
     L, h = arch["num_layers"], arch["hidden_size"]
-    if L % pp:
-        raise ValueError(f"num_layers {L} is not divisible by pipeline parallel size {pp}")
+    if L % (pp * virtual_pp):
+        raise ValueError(
+            f"num_layers {L} is not divisible by pipeline parallel size {pp} x virtual pipeline size {virtual_pp}"
+        )
     s = seq_length or arch["seq_length"]
     b = micro_batch_size
     sp = (tp > 1) if sequence_parallel is None else (bool(sequence_parallel) and tp > 1)
@@ -188,8 +201,25 @@ def estimate(
             bytes_per_element=e,
         )
 
-    in_flight = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
-    recompute_one = act("none") if recompute == "full" else 0.0  # one layer's activations while it is recomputed
+    in_flight: float = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
+    if virtual_pp > 1:
+        in_flight *= 1 + (pp - 1) / (pp * virtual_pp)
+    chunk_layers = stage_layers // virtual_pp
+
+    def stage_act() -> float:
+        """One micro-batch's activations over this stage's layers (its chunks together)."""
+        if recompute != "full":
+            return stage_layers * act()
+        n = min(recompute_num_layers, chunk_layers)
+        if recompute_method == "uniform":  # each group of n layers keeps its input
+            per_chunk = -(-chunk_layers // n) * act("full")
+        else:  # block: the first n layers keep their input, the rest everything
+            per_chunk = n * act("full") + (chunk_layers - n) * act("none")
+        return virtual_pp * per_chunk
+
+    # while a recomputed unit runs its backward pass, its activations exist once (a group of n layers, uniform)
+    unit = min(recompute_num_layers, chunk_layers) if recompute_method == "uniform" else 1
+    recompute_one = unit * act("none") if recompute == "full" else 0.0
     sbh = s * b * h
     emb_act = (e * sbh + (sbh if (arch.get("hidden_dropout") or 0) > 0 else 0)) / (tp if sp else 1)
     # the final norm's input and the logits: 16-bit, plus the float32 copy the loss makes
@@ -197,9 +227,9 @@ def estimate(
     # (parameters, activations) of the first and the last pipeline stage: one GPU when pp == 1
     first = (
         layers + embedding + (head if pp == 1 else 0),
-        in_flight * (stage_layers * act() + emb_act) + recompute_one + (head_act if pp == 1 else 0),
+        in_flight * (stage_act() + emb_act) + recompute_one + (head_act if pp == 1 else 0),
     )
-    last = (layers + head, stage_layers * act() + recompute_one + head_act)
+    last = (layers + head, stage_act() + recompute_one + head_act)
     stage = first if pp == 1 else max(first, last, key=lambda st: st[0] * (18 if bf16 else 16) + st[1])
     params, activations = stage
 
@@ -208,7 +238,19 @@ def estimate(
     opt_states = params * (12 if bf16 else 8)  # fp32 master + exp_avg + exp_avg_sq (no master in fp32)
     optimizer = opt_states / dp if distributed_optimizer else opt_states
     return MemoryEstimate(
-        int(round(params)), weights, grads, optimizer, activations, tp, pp, dp, b, distributed_optimizer, sp, recompute
+        int(round(params)),
+        weights,
+        grads,
+        optimizer,
+        activations,
+        tp,
+        pp,
+        dp,
+        b,
+        distributed_optimizer,
+        sp,
+        recompute,
+        virtual_pp,
     )
 
 
@@ -225,13 +267,17 @@ def report(
     distributed_optimizer: bool,
     bf16: bool = True,
     gpu_gib: float | None = None,
+    recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    virtual_pp: int = 1,
 ) -> list[str]:
     """The memory table of a run as configured, and what the options it leaves off would save.
 
     ``snakellm plan`` and ``snakellm train --dry-run`` both print this: one estimate, one wording.
     """
 
-    def est(sp: bool, dist_opt: bool) -> MemoryEstimate:
+    def est(sp: bool, dist_opt: bool, rc: str = recompute) -> MemoryEstimate:
         return estimate(
             arch,
             padded_vocab,
@@ -243,9 +289,21 @@ def report(
             sequence_parallel=sp,
             distributed_optimizer=dist_opt,
             bf16=bf16,
+            recompute=rc,
+            recompute_method=recompute_method,
+            recompute_num_layers=recompute_num_layers,
+            virtual_pp=virtual_pp,
         )
 
     out = est(sequence_parallel, distributed_optimizer).lines(gpu_gib)
+    # activations under each recomputation setting the run does not use (the others as configured)
+    other = [
+        f"{rc}{f' ({recompute_method}, {recompute_num_layers} layers)' if rc == 'full' else ''} "
+        f"{est(sequence_parallel, distributed_optimizer, rc).activations / GiB:.2f} GiB"
+        for rc in RECOMPUTE
+        if rc != recompute
+    ]
+    out.append(f"  (activations with parallel.recompute {', '.join(other)})")
     more_sp = tp > 1 and not sequence_parallel
     more_do = dp > 1 and not distributed_optimizer
     if more_sp or more_do:

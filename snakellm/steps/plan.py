@@ -62,6 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run", action="append", help="only these runs")
     p.add_argument("--finetune", action="append", help="only these fine-tunes")
+    p.add_argument(
+        "--docs-per-shard",
+        type=float,
+        default=10_000.0,
+        help="documents per shard where no chunk stats exist yet, for the curation memory (SlimPajama: 590M "
+        "documents in 59,166 shards, about 10,000)",
+    )
+    p.add_argument(
+        "--dup-fraction",
+        type=float,
+        default=0.5,
+        help="share of documents that are duplicates, for the clustering job's memory (RedPajama -> SlimPajama: 0.49)",
+    )
     return p
 
 
@@ -89,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             c, shards = item
             print(f"  {c}: {len(shards)} shards, {shards[0]} .. {shards[-1]}")
+    for line in curate_plan(cfg, plans, a.docs_per_shard, a.dup_fraction):
+        print(line)
     status = 0
     for name, run in (cfg.get("runs") or {}).items():
         if a.run and name not in a.run:
@@ -120,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def finetune_base(cfg: dict[str, Any], base: str) -> tuple[dict[str, Any], int | None]:
     """(architecture, tokenizer vocabulary or None) of a fine-tune's base: a run, an import, a random import."""
-    import json as _json
 
     from snakellm import models as arch_mod
 
@@ -137,7 +151,7 @@ def finetune_base(cfg: dict[str, Any], base: str) -> tuple[dict[str, Any], int |
         return {**arch, "make_vocab_size_divisible_by": spec.get("make_vocab_size_divisible_by", 128)}, GPT2_VOCAB
     from snakellm.export.hf import arch_from_hf
 
-    hf = _json.loads((Path(spec["hf_dir"]) / "config.json").read_text())
+    hf = json.loads((Path(spec["hf_dir"]) / "config.json").read_text())
     arch = arch_from_hf(hf, str(Path(spec["hf_dir"]) / "config.json"))
     return {**arch, "make_vocab_size_divisible_by": spec.get("make_vocab_size_divisible_by", 128)}, hf["vocab_size"]
 
@@ -200,6 +214,54 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
     return out
 
 
+def _documents(source: str, chunks: dict[str, list[str]], per_shard: float) -> tuple[int, bool]:
+    """(documents of the source, whether counted): chunk stats where they exist, else shards x per_shard."""
+    total, counted = 0.0, True
+    for c, shards in chunks.items():
+        try:
+            with open(f"data/jsonl/{source}/{c}.stats.json", encoding="utf-8") as fh:
+                total += json.load(fh)["documents"]
+        except (OSError, ValueError, KeyError):
+            total += len(shards) * per_shard
+            counted = False
+    return int(total), counted
+
+
+def curate_plan(
+    cfg: dict[str, Any], plans: dict[str, dict[str, list[str]]], per_shard: float, dup_fraction: float
+) -> list[str]:
+    """Each duplicate index: its sources, documents, and the memory of its jobs (snakellm.curate.index)."""
+    from snakellm.config.checks import curate_indexes
+    from snakellm.curate.index import cells, memory_per_job
+
+    out: list[str] = []
+    for name, members in curate_indexes(cfg).items():
+        if not all(m in plans for m in members):
+            continue
+        cur = cfg["sources"][members[0]]["curate"]
+        near = cur.get("near")
+        bands = near["bands"] if near else None
+        perm = near["bands"] * near["rows"] if near else 0
+        jobs = near["index_jobs"] if near else 1
+        docs, counted = 0, True
+        for m in members:
+            n, ok = _documents(m, plans[m], per_shard)
+            docs, counted = docs + n, counted and ok
+        chunks = sum(len(plans[m]) for m in members)
+        total, slices = cells(bands, jobs)
+        gib = 1024**3
+        out += [
+            "",
+            f"index {name} (sources {', '.join(members)}): {chunks} chunks, {docs:,} documents "
+            f"({'from chunk stats' if counted else f'estimated at {per_shard:,.0f} a shard'})",
+            f"  signatures: {chunks} jobs, {(3 + perm) * 4} B a document, {docs * (3 + perm) * 4 / gib:.1f} GiB in all",
+            f"  buckets: {jobs} job(s) over {total * slices} cells ({bands or 0} bands + exact, {slices} slice(s) "
+            f"a band): {memory_per_job(docs, bands, jobs) / gib:.2f} GiB each at most",
+            f"  clustering: 1 job, ~{docs * dup_fraction * 64 / gib:.2f} GiB at a duplicate share of {dup_fraction}",
+        ]
+    return out
+
+
 def run_plan(
     name: str, run: dict[str, Any], cfg: dict[str, Any], nodes: int, per_node: int, gpu_gib: float
 ) -> list[str]:
@@ -210,9 +272,15 @@ def run_plan(
     model = dict(run.get("model") or {})
     arch = arch_mod.resolve(model.pop("preset", None), model)
     par, train = run.get("parallel") or {}, run.get("train") or {}
-    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
+    tp, pp, vpp = int(par.get("tp", 1)), int(par.get("pp", 1)), int(par.get("virtual_pp", 1))
+    recompute = (
+        par.get("recompute", "none"),
+        par.get("recompute_method", "uniform"),
+        par.get("recompute_num_layers", 1),
+    )
     world = nodes * per_node
-    arch_mod.check_parallel(arch, tp, pp)
+    arch_mod.check_parallel(arch, tp, pp, vpp)
+    arch_mod.check_recompute(arch, pp, vpp, *recompute)
     if world % (tp * pp):
         raise ValueError(f"world size {world} ({nodes} nodes x {per_node}) is not divisible by tp {tp} x pp {pp}")
     dp = world // (tp * pp)
@@ -223,6 +291,9 @@ def run_plan(
             f"{dp} (= {mbs * dp}; {nodes} nodes x {per_node} GPUs / (tp {tp} x pp {pp})): choose a "
             f"multiple of {mbs * dp}"
         )
+    why = arch_mod.check_pipeline_batches(pp, vpp, gbs // (mbs * dp))
+    if why:
+        raise ValueError(f"global batch size {gbs}: {why}")
     tok = (cfg.get("tokenizers") or {}).get(run.get("tokenizer"), {})
     out = [
         f"run {name}: {world} ranks = {nodes} nodes x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "
@@ -245,6 +316,10 @@ def run_plan(
             sequence_parallel=bool(par.get("sequence_parallel", False)),
             distributed_optimizer=bool(par.get("distributed_optimizer", False)),
             gpu_gib=gpu_gib,
+            recompute=recompute[0],
+            recompute_method=recompute[1],
+            recompute_num_layers=int(recompute[2]),
+            virtual_pp=vpp,
         )
     ]
     return out
