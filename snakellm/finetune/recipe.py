@@ -151,6 +151,14 @@ class FinetuneRecipe:
         self.items = (
             [[i] for i in range(len(self.train_ex))] if not a.packing else ds.pack(self.train_ex, self.seq, a.seed)
         )
+        if not a.packing and a.method != "ptuning" and len(self.train_ex) > 1:
+            rows = len(ds.pack(self.train_ex, self.seq, a.seed))
+            if 2 * rows <= len(self.train_ex):  # padding would be at least half of every step's tokens
+                print(
+                    f"snakellm finetune: note: packing (examples.packing: true, --packing) would hold the "
+                    f"{len(self.train_ex)} training examples in {rows} sequences of {self.seq} tokens",
+                    file=sys.stderr,
+                )
 
     @property
     def base_checkpoint(self) -> Path:

@@ -314,3 +314,109 @@ def report(
             f"optimizer {alt.optimizer / GiB:.2f} GiB, activations {alt.activations / GiB:.2f} GiB)"
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------- fine-tuning
+
+LORA_TARGET_DIMS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def lora_params(arch: dict[str, Any], rank: int, targets: tuple[str, ...] | list[str], tp: int = 1) -> float:
+    """LoRA adapter parameters on one tensor-parallel rank: ``rank x (in + out)`` per targeted linear and layer."""
+    h, f = arch["hidden_size"], arch["ffn_hidden_size"]
+    d = h // arch["num_attention_heads"]
+    qkv = d * (arch["num_attention_heads"] + 2 * arch["num_query_groups"])
+    up = 2 * f if arch["activation"] == "swiglu" else f
+    dims = {"linear_qkv": (h, qkv), "linear_proj": (h, h), "linear_fc1": (h, up), "linear_fc2": (f, h)}
+    per_layer = sum(rank * sum(dims[t]) for t in targets if t in dims)
+    return arch["num_layers"] * per_layer / tp
+
+
+def finetune_estimate(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    method: str,
+    *,
+    tp: int,
+    dp: int,
+    micro_batch_size: int,
+    seq_length: int,
+    lora_rank: int = 32,
+    lora_targets: tuple[str, ...] | list[str] = ("linear_qkv",),
+    bf16: bool = True,
+) -> MemoryEstimate:
+    """Memory per GPU of `snakellm finetune` (no pipeline parallelism, no distributed optimizer).
+
+    ``full`` is pretraining's accounting; ``lora`` and ``ptuning`` freeze the base: its weights are held
+    (16-bit) but have no gradient buffer, master weights or Adam states (tests/test_lora.py checks that
+    of the real optimizer); those exist for the adapters only. Activations are counted as for full
+    training (an upper bound: a frozen linear need not keep its input, but the adapters and the
+    backward pass through the base keep most of them).
+    """
+    import dataclasses
+
+    est = estimate(
+        arch,
+        padded_vocab,
+        tp=tp,
+        dp=dp,
+        micro_batch_size=micro_batch_size,
+        seq_length=seq_length,
+        sequence_parallel=False,
+        bf16=bf16,
+    )
+    if method == "full":
+        return est
+    trainable = lora_params(arch, lora_rank, lora_targets, tp) if method == "lora" else 0.0
+    e = 2 if bf16 else 4
+    return dataclasses.replace(
+        est,
+        params=int(est.params + trainable),
+        weights=est.params * e + trainable * e,
+        grads=trainable * 4,
+        optimizer=trainable * (12 if bf16 else 8),
+    )
+
+
+def fits(est: MemoryEstimate, gpu_gib: float) -> bool:
+    """The verdict of :meth:`MemoryEstimate.lines`: within 90% of the GPU, less 2 GiB for the context."""
+    return est.total / GiB <= 0.9 * gpu_gib - 2
+
+
+def advise_finetune(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    method: str,
+    *,
+    ranks: int,
+    global_batch_size: int,
+    seq_length: int,
+    gpu_gib: float,
+    lora_rank: int = 32,
+    lora_targets: tuple[str, ...] | list[str] = ("linear_qkv",),
+) -> tuple[int, int, MemoryEstimate] | None:
+    """(tp, micro batch, estimate) that fits ``gpu_gib`` on ``ranks`` GPUs: the smallest tensor-parallel size
+    (the least communication), then the largest micro batch up to 8 that divides the batch; None if none fits."""
+    heads, groups = arch["num_attention_heads"], arch["num_query_groups"]
+    for tp in (t for t in (1, 2, 4, 8) if ranks % t == 0 and heads % t == 0 and groups % t == 0):
+        dp = ranks // tp
+        best = None
+        for mbs in (1, 2, 4, 8):
+            if global_batch_size % (mbs * dp):
+                continue
+            est = finetune_estimate(
+                arch,
+                padded_vocab,
+                method,
+                tp=tp,
+                dp=dp,
+                micro_batch_size=mbs,
+                seq_length=seq_length,
+                lora_rank=lora_rank,
+                lora_targets=lora_targets,
+            )
+            if fits(est, gpu_gib):
+                best = (tp, mbs, est)
+        if best:
+            return best
+    return None
