@@ -259,6 +259,11 @@ def get_text_chunk(wildcards):
     return text_chunk(wildcards.source, wildcards.chunk)
 
 
+def get_tokenize_empty_flag(wildcards):
+    """A curated chunk may be empty (every document removed): a dataset of no documents, left out of the blend."""
+    return "--allow-empty" if wildcards.source in CURATED else ""
+
+
 def curated_outputs(source, chunk):
     stem = f"data/curated/{source}/{chunk}"
     return [f"{stem}.jsonl", f"{stem}.stats.json", f"{stem}.removed.jsonl"]
