@@ -237,6 +237,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
                 recompute_method=par.recompute_method,
                 recompute_num_layers=par.recompute_num_layers,
                 virtual_pp=par.virtual_pp,
+                fsdp=par.fsdp,
             )
         ),
     ]
