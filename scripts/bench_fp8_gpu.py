@@ -63,6 +63,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -557,7 +558,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--peak-tflops", type=float, default=PEAK, help="bf16 dense peak per GPU for MFU (also for FP8)")
     p.add_argument("--workdir", default="/tmp/snakellm-bench-fp8")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--out", default=None, help="logs and bench-fp8.json (default: $OUT, else bench-out)")
     p.add_argument("--timeout", type=float, default=580)
     p.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -573,14 +574,18 @@ def main(argv=None) -> int:
         args.log_interval, args.lr_warmup, args.lr = 1, 2, 3e-3
         args.numerics_steps, args.numerics_micro_batch_size, args.numerics_global_batch_size = 8, 2, 4
         args.resume_at, args.timeout = 4, 300
-        args.workdir = args.workdir + "-smoke"
-    out = Path(args.out)
+        args.workdir = tempfile.mkdtemp(prefix="snakellm-bench-fp8-smoke-")  # removed at the end
+    out = Path(args.out or os.environ.get("OUT") or (Path(args.workdir) / "out" if args.smoke else "bench-out"))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    results = run_parts(args, out)
-    results["args"] = vars(args)
-    (out / "bench-fp8.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"\ntotal {time.time() - t0:.0f}s; results in {out / 'bench-fp8.json'}")
+    try:
+        results = run_parts(args, out)
+        results["args"] = vars(args)
+        (out / "bench-fp8.json").write_text(json.dumps(results, indent=1, default=str))
+        print(f"\ntotal {time.time() - t0:.0f}s; results in {out / 'bench-fp8.json'}")
+    finally:
+        if args.smoke:
+            shutil.rmtree(args.workdir, ignore_errors=True)
     parts = [results[k].get("verdict", {}) for k in ("speed", "numerics") if k in results]
     ran = all(parts)  # every part produced its figures
     if args.smoke:  # the CPU is deterministic: the resumed run must repeat the uninterrupted one exactly

@@ -132,6 +132,11 @@ class Session:
     def rank0(self) -> bool:
         return self.dist.is_rank0
 
+    @property
+    def bf16(self) -> bool:
+        """bf16 weights (fp8 runs too: only their block matmuls are float8)."""
+        return self.precision in ("bf16", "fp8")
+
     def barrier(self) -> None:
         self.torch.distributed.barrier(group=self.stop_group)
 
@@ -364,7 +369,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
     if o.fsdp:
         from snakellm.train import fsdp
 
-        sharded = fsdp.shard(parts.module, bf16=s.precision == "bf16", cuda=s.cuda)
+        sharded = fsdp.shard(parts.module, bf16=s.bf16, cuda=s.cuda)
         # checkpoints hold this rank's slices, in the layout of every other run
         parts.state, parts.load_state = sharded.sharded_state, sharded.load_state
         fopt = fsdp.FSDPAdamW(sharded, **adamw)
@@ -480,7 +485,7 @@ def _megatron_namespace(model_args: dict[str, Any], job: Job, s: Session, step: 
         consumed_train_samples=step * job.global_batch_size,
         skipped_train_samples=0,
         consumed_valid_samples=0,
-        bf16=s.precision == "bf16",
+        bf16=s.bf16,
         fp16=False,
         seed=job.seed,
         sequence_parallel=job.sequence_parallel,

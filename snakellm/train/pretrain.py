@@ -126,7 +126,7 @@ class PretrainRecipe:
                 req.vocab,
                 tp=par.tp,
                 device=str(s.device),
-                bf16=s.precision in ("bf16", "fp8"),
+                bf16=s.bf16,
                 fused_loss=par.loss,
                 compile_layers=par.compile,
                 attention_backend=req.args.attention_backend,
