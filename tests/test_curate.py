@@ -26,6 +26,7 @@ def test_simplify_is_datatrove_simplify_text():
     from datatrove.utils.text import simplify_text
 
     odd = ["Ça  va? Très   bien—merci!\n\t123,45 €", "naïve café ΑΘΗΝΑ 12.5%", "a \u0301 b", "", "  ...  "]
+    odd += ["x\x1cy\x1fz 1.2.3 ,5 5, a\x0bb\x0cc", "A1,000.50 and 3.14, 2,5"]
     for t in TEXTS + odd:
         assert minhash.simplify(t) == simplify_text(t)
 

@@ -4,9 +4,15 @@
 import hashlib
 import json
 
+from snakellm.report import landing as landingmod
+
 # ---------------------------------------------------------------- lookups of the report rules
 
 REPORT = "results/report"
+
+# `snakemake --report`'s landing page: each rule once in its rule graph (snakellm.report.landing)
+landingmod.install()
+
 HTTP_SOURCES = [s for s, spec in SOURCES.items() if spec["kind"] == "http"]
 
 # Later stages add their metrics and samples to the report here, at parse time, from

@@ -55,11 +55,12 @@ def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> d
     par = run.get("parallel", {})
     try:
         arch = models.resolve(model.pop("preset", None), model)
+        models.check_parallel(arch, par.get("tp", 1), 1)
     except models.ModelConfigError as e:
         raise ConfigError(f"config key runs.{name}.model: {e}") from None
     pp, vpp = par.get("pp", 1), par.get("virtual_pp", 1)
     try:
-        models.check_parallel(arch, par.get("tp", 1), pp, vpp)
+        models.check_pipeline(arch, pp, vpp)
         models.check_recompute(
             arch,
             pp,

@@ -336,6 +336,11 @@ class TrainSettings(ResumeSettings):
     )
     save_interval: int = setting(1000, "checkpoint every N steps (and at the end)")
     keep_last: int = setting(2, "keep the newest K checkpoints, plus the best by validation loss")
+    async_save: bool = setting(
+        False,
+        "write checkpoints in the background (megatron-core's asynchronous torch_dist save: the states are "
+        "copied to host memory, a forked process writes them while training goes on; published when complete)",
+    )
     eval_interval: int = setting(1000, "validation loss every N steps (and at every checkpoint)")
     eval_iters: int = setting(10, "validation batches per evaluation (0: none)")
     log_interval: int = setting(10, "metrics are fetched from the device and written every N steps")

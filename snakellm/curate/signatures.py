@@ -62,7 +62,7 @@ def _batch(texts: list[str]) -> tuple[np.ndarray, list[tuple[str | None, str | N
         h = np.array([minhash.exact_hash(t) for t in texts], dtype=np.uint64)
         block[1], block[2] = (h & np.uint64(0xFFFFFFFF)).astype(np.uint32), (h >> np.uint64(32)).astype(np.uint32)
     if near:
-        grams, offsets = minhash.shingle_hashes([minhash.simplify(t) for t in texts], near["ngram"])
+        grams, offsets = minhash.shingle_hashes([minhash.simplify_bytes(t) for t in texts], near["ngram"])
         values = minhash.minhash_rensa(grams, offsets, perm, near["seed"])
         values[np.diff(offsets) == 0] = 0  # no words: no signature (all-zero values never form a band key)
         block[HEADER_ROWS:] = values.T

@@ -54,7 +54,7 @@ def install_cpu_megatron_shims() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     if not isinstance(schedules.torch, _CpuTorch):
-        schedules.torch = _CpuTorch(torch)  # type: ignore[assignment]
+        schedules.torch = _CpuTorch(torch)
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
     mrandom._set_cuda_rng_state = lambda *a, **k: None
 

@@ -119,10 +119,18 @@ def padded_vocab_size(vocab_size: int, cfg: dict[str, Any], tp: int = 1) -> int:
 
 def check_parallel(cfg: dict[str, Any], tp: int, pp: int, virtual_pp: int = 1) -> None:
     """The model must split evenly over tensor and pipeline ranks (and virtual pipeline stages)."""
-    if tp < 1 or pp < 1 or virtual_pp < 1:
-        raise ModelConfigError(
-            f"tensor ({tp}), pipeline ({pp}) and virtual pipeline ({virtual_pp}) parallel sizes must be >= 1"
-        )
+    if tp < 1:
+        raise ModelConfigError(f"tensor parallel size must be >= 1, got {tp}")
+    check_pipeline(cfg, pp, virtual_pp)
+    for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if cfg[key] % tp:
+            raise ModelConfigError(f"model {key} {cfg[key]} is not divisible by tensor parallel size {tp}")
+
+
+def check_pipeline(cfg: dict[str, Any], pp: int, virtual_pp: int = 1) -> None:
+    """The layers split evenly over ``pp x virtual_pp`` pipeline chunks."""
+    if pp < 1 or virtual_pp < 1:
+        raise ModelConfigError(f"pp ({pp}) and virtual_pp ({virtual_pp}) must be >= 1")
     if virtual_pp > 1 and pp == 1:
         raise ModelConfigError(f"virtual_pp {virtual_pp}: virtual pipeline stages need pp > 1 (got pp 1)")
     if cfg["num_layers"] % (pp * virtual_pp):
@@ -130,9 +138,6 @@ def check_parallel(cfg: dict[str, Any], tp: int, pp: int, virtual_pp: int = 1) -
             f"num_layers {cfg['num_layers']} is not divisible by pp {pp} x virtual_pp {virtual_pp} "
             f"(= {pp * virtual_pp} pipeline chunks of equal size)"
         )
-    for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
-        if cfg[key] % tp:
-            raise ModelConfigError(f"model {key} {cfg[key]} is not divisible by tensor parallel size {tp}")
 
 
 def check_recompute(

@@ -91,6 +91,7 @@ class Job:
     eval_interval: int = 1000
     log_interval: int = 10
     keep_last: int = 1
+    async_save: bool = False  # checkpoints written in the background (megatron-core's async torch_dist save)
     patience: int = 0  # early stopping after this many evaluations without improvement (0: never)
     min_delta: float = 0.0
     max_time: float | None = None
@@ -456,6 +457,7 @@ def _manager(
         rank=s.dist.rank,
         barrier=s.barrier,
         log=s.log,
+        async_save=job.async_save,
     )
     return manager
 
@@ -509,6 +511,7 @@ def _restore(
     from snakellm.train.rng import set_rng_states
 
     assert it is not None
+    t0 = time.time()
     saved = ckpt.load_common(job.ckpt_dir, it).get("snakellm", {}).get("layout") or {"tp": job.tp, "pp": job.pp}
     here = {"tp": job.tp, "pp": job.pp}
     holder["skip_rng"] = saved != here
@@ -537,7 +540,7 @@ def _restore(
         ckpt.mark_resumed(job.ckpt_dir, it)
     s.log(
         f"resumed from {job.ckpt_dir / ckpt.iter_name(it)} (iteration {it}, "
-        f"{it * job.global_batch_size} samples consumed)"
+        f"{it * job.global_batch_size} samples consumed; loaded in {time.time() - t0:.1f}s)"
     )
     return it
 

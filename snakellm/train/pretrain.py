@@ -83,6 +83,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
         eval_interval=t.eval_interval,
         log_interval=t.log_interval,
         keep_last=t.keep_last,
+        async_save=t.async_save,
         max_time=req.max_time,
         max_time_text=str(t.max_time),
         collective_timeout=t.collective_timeout,
@@ -233,8 +234,12 @@ class PretrainRecipe:
 
     def finish(self, done: assembly.Done) -> None:
         s = done.session
+        peak = s.torch.cuda.max_memory_allocated(s.device) if s.cuda else None
+        peaks = [peak]
+        if s.cuda and s.dist.world_size > 1:  # every rank's (pipeline stages differ)
+            peaks = [None] * s.dist.world_size
+            s.torch.distributed.all_gather_object(peaks, peak, group=s.stop_group)
         if s.rank0:
-            peak = s.torch.cuda.max_memory_allocated(s.device) if s.cuda else None
             write_summary(
                 self.req,
                 done.fingerprint,
@@ -245,6 +250,7 @@ class PretrainRecipe:
                 s.precision,
                 done.digests,
                 peak,
+                peaks,
             )
 
 
@@ -269,6 +275,7 @@ def write_summary(
     precision: str,
     digests: list[str],
     peak_memory: int | None = None,
+    peaks: list[int | None] | None = None,
 ) -> None:
     """``metrics.jsonl`` (one record per step) and ``train_summary.json``: the rule's declared outputs."""
     import json
@@ -308,5 +315,6 @@ def write_summary(
         "replica_weight_digests": digests,
         # torch's allocator peak on rank 0's GPU (what snakellm.models.memory estimates, minus the CUDA context)
         "peak_gpu_memory_gib": round(peak_memory / 2**30, 3) if peak_memory is not None else None,
+        "peak_gpu_memory_gib_ranks": [round(p / 2**30, 3) for p in peaks if p is not None] if peaks else None,
     }
     write_json(req.run_dir / "train_summary.json", summary)

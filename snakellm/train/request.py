@@ -110,10 +110,10 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     overrides = {k: getattr(args, k) for k in models.MODEL_KEYS if getattr(args, k, None) is not None}
     model = models.resolve(args.preset, overrides)
     _check_positive(t)
-    fp8.check_request(t.precision, args.device)
     dist = distmod.detect(env)
     models.check_parallel(model, par.tp, par.pp, par.virtual_pp)
     models.check_recompute(model, par.pp, par.virtual_pp, par.recompute, par.recompute_method, par.recompute_num_layers)
+    fp8.check_request(t.precision, args.device, model, par.tp)
     if par.sequence_parallel and par.tp == 1:
         raise RequestError(
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
