@@ -220,6 +220,7 @@ def test_wikipedia_example_plans_one_chunk_per_dump_file(workspace):
     ]
 
 
+@pytest.mark.slow
 def test_8b_lora_chain_example_plans_the_seed_chain_on_tp4_and_tp1(workspace):
     """config/examples/llama3-8b-lora-squad-gpu.yaml: random 8B-shaped HF model -> import -> .nemo ->
     LoRA (tp 4 on 4 ranks, tp 1 on one; packed sequences of 4096) -> evaluation -> PEFT and merged exports."""
