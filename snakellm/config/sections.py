@@ -611,9 +611,15 @@ class FinetuneTrainSettings(ResumeSettings):
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneParallelSettings:
-    """``finetune.<name>.parallel``: tensor parallelism and the job's threads."""
+    """``finetune.<name>.parallel``: tensor parallelism, activation recomputation and the job's threads."""
 
     tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
+    recompute: str = setting(
+        "none",
+        "megatron-core activation recomputation: selective (core attention) or full (every transformer layer, "
+        "only its input kept): less activation memory for a longer step",
+        choices=("none", "selective", "full"),
+    )
     threads: int = setting(2, "CPU threads of the job", cli=False)
 
 

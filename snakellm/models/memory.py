@@ -384,6 +384,7 @@ def finetune_estimate(
     lora_rank: int = 32,
     lora_targets: tuple[str, ...] | list[str] = ("linear_qkv",),
     bf16: bool = True,
+    recompute: str = "none",
 ) -> MemoryEstimate:
     """Memory per GPU of `snakellm finetune` (no pipeline parallelism, no distributed optimizer).
 
@@ -404,6 +405,7 @@ def finetune_estimate(
         seq_length=seq_length,
         sequence_parallel=False,
         bf16=bf16,
+        recompute=recompute,
     )
     if method == "full":
         return est
@@ -434,29 +436,32 @@ def advise_finetune(
     gpu_gib: float,
     lora_rank: int = 32,
     lora_targets: tuple[str, ...] | list[str] = ("linear_qkv",),
-) -> tuple[int, int, MemoryEstimate] | None:
-    """(tp, micro batch, estimate) that fits ``gpu_gib`` on ``ranks`` GPUs: the smallest tensor-parallel size
-    (the least communication), then the largest micro batch up to 8 that divides the batch; None if none fits."""
+) -> tuple[int, int, str, MemoryEstimate] | None:
+    """(tp, micro batch, recompute, estimate) that fits ``gpu_gib`` on ``ranks`` GPUs: no recomputation before
+    selective before full (the least extra compute), then the smallest tensor-parallel size (the least
+    communication), then the largest micro batch up to 8 that divides the batch; None if none fits."""
     heads, groups = arch["num_attention_heads"], arch["num_query_groups"]
-    for tp in (t for t in (1, 2, 4, 8) if ranks % t == 0 and heads % t == 0 and groups % t == 0):
-        dp = ranks // tp
-        best = None
-        for mbs in (1, 2, 4, 8):
-            if global_batch_size % (mbs * dp):
-                continue
-            est = finetune_estimate(
-                arch,
-                padded_vocab,
-                method,
-                tp=tp,
-                dp=dp,
-                micro_batch_size=mbs,
-                seq_length=seq_length,
-                lora_rank=lora_rank,
-                lora_targets=lora_targets,
-            )
-            if fits(est, gpu_gib):
-                best = (tp, mbs, est)
-        if best:
-            return best
+    for recompute in RECOMPUTE:
+        for tp in (t for t in (1, 2, 4, 8) if ranks % t == 0 and heads % t == 0 and groups % t == 0):
+            dp = ranks // tp
+            best = None
+            for mbs in (1, 2, 4, 8):
+                if global_batch_size % (mbs * dp):
+                    continue
+                est = finetune_estimate(
+                    arch,
+                    padded_vocab,
+                    method,
+                    tp=tp,
+                    dp=dp,
+                    micro_batch_size=mbs,
+                    seq_length=seq_length,
+                    lora_rank=lora_rank,
+                    lora_targets=lora_targets,
+                    recompute=recompute,
+                )
+                if fits(est, gpu_gib):
+                    best = (tp, mbs, recompute, est)
+            if best:
+                return best
     return None
