@@ -114,8 +114,8 @@ def _tiny_blend(root: Path) -> Path:
     gpt2 = REPO / "resources" / "tokenizers" / "gpt2"
     prefix = root / "tokens" / "botchan_text_document"
     tok = ("--kind", "gpt2-bpe", "--vocab-file", str(gpt2 / "vocab.json"), "--merges-file", str(gpt2 / "merges.txt"))
-    snakellm("tokenize", str(jsonl), str(prefix), *tok, "--no-progress", cwd=root)
-    snakellm("blend", f"{prefix}.stats.json", "--output", str(root / "blend.json"), cwd=root)
+    snakellm("tokenize", str(jsonl), str(prefix), *tok, "--source", "botchan", "--no-progress", cwd=root)
+    snakellm("blend", f"{prefix}.stats.json", "--output", str(root / "blend.json"), "--weight", "botchan=1", cwd=root)
     return root / "blend.json"
 
 
