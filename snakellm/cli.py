@@ -27,6 +27,13 @@ from snakellm.errors import SnakellmError
 STEPS: dict[str, tuple[str, str]] = {
     "download": ("snakellm.steps.download", "fetch a chunk's http shards with retries, resume and a sha256 manifest"),
     "chunk": ("snakellm.steps.chunk", "stream a chunk's shards into one validated jsonl (+ rejected lines, stats)"),
+    "curate-signatures": (
+        "snakellm.steps.curate_signatures",
+        "a chunk's filter verdicts, language, exact hash and MinHash values",
+    ),
+    "curate-buckets": ("snakellm.steps.curate_buckets", "one bucket job of a duplicate index: the duplicate pairs"),
+    "curate-index": ("snakellm.steps.curate_index", "cluster an index's pairs into per-chunk removal lists"),
+    "curate": ("snakellm.steps.curate", "a curated chunk: kept documents, removed ones with their reason, stats"),
     "train-tokenizer": (
         "snakellm.steps.train_tokenizer",
         "train a SentencePiece tokenizer on a sample of the chunks",
@@ -60,6 +67,10 @@ STEPS: dict[str, tuple[str, str]] = {
     ),
     "launch": ("snakellm.steps.launch", "print the srun/torchrun/container command line the pretrain rule runs"),
     "export-hf": ("snakellm.steps.export_hf", "write a Hugging Face model directory (GPT-2 / Llama) from a checkpoint"),
+    "random-hf": (
+        "snakellm.steps.random_hf",
+        "write a Hugging Face model directory of a preset's shape with random weights (no download)",
+    ),
     "import-hf": (
         "snakellm.steps.import_hf",
         "turn a Hugging Face GPT-2 / Llama directory into a snakellm checkpoint",

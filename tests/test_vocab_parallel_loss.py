@@ -1,0 +1,74 @@
+"""The vocabulary-parallel fused cross-entropy (snakellm.models.loss) at TP 2 against one process, on gloo.
+
+Each of 2 ranks holds half of the vocabulary's logits; the loss and the
+gradient of the logits must be those of torch's cross-entropy over the whole
+vocabulary (fp32), with targets on either rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from snakellm.models.loss import cross_entropy, vocab_parallel_cross_entropy
+
+S, B, V = 12, 3, 40
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(S, B, V, generator=g, dtype=torch.float64).float() * 3
+    labels = torch.randint(0, V, (B, S), generator=g)
+    return logits, labels
+
+
+def _rank(rank: int, world: int, port: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        logits, labels = _data()
+        vp = V // world
+        part = logits[..., rank * vp : (rank + 1) * vp].clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(part, labels, compiled=False, group=dist.group.WORLD)
+        (loss * torch.arange(1, S + 1).float()).sum().backward()  # a non-uniform upstream gradient
+        q.put((rank, loss.detach().numpy(), part.grad.numpy()))  # numpy: no shared-memory handles
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2])
+def test_vocab_parallel_loss_equals_the_whole_vocabulary_loss(world):
+    logits, labels = _data()
+    ref_in = logits.clone().requires_grad_(True)
+    ref = cross_entropy(ref_in, labels)  # [b, s]
+    (ref * torch.arange(1, S + 1).float()).sum().backward()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(
+        (r, (torch.from_numpy(loss), torch.from_numpy(grad))) for r, loss, grad in (q.get(timeout=120) for _ in procs)
+    )
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    vp = V // world
+    for r in range(world):
+        loss, grad = got[r]
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, ref_in.grad[..., r * vp : (r + 1) * vp], rtol=1e-6, atol=1e-6)
+    # the targets fall on both ranks' slices
+    assert (labels < V // 2).any() and (labels >= V // 2).any()
