@@ -14,7 +14,8 @@ time): sharding a band into slices is what bounds it.
 (scipy). Each component keeps its first document in corpus order (sources in config order,
 then chunks, then lines): deterministic, and the same choice as datatrove for pairs. Every
 other member is removed, as ``exact_duplicate`` when its exact hash equals the kept one's,
-else ``near_duplicate``, with its cluster and the kept document's id. Each chunk's removals
+else ``near_duplicate``, with its cluster (an id derived from the kept document's signature:
+stable when other clusters come and go) and the kept document's id. Each chunk's removals
 go to its own list file, rewritten only when its content changes: the curated chunk job
 reads that list, so a chunk whose kept set did not change is not rebuilt (Snakemake sees
 the list's old mtime after this checkpoint job).
@@ -146,6 +147,15 @@ def estimate(sigs: Sequence[np.ndarray], a: np.ndarray, b: np.ndarray) -> np.nda
     return (_gather(sigs, a, rows) == _gather(sigs, b, rows)).mean(axis=1)
 
 
+def cluster_ids(sigs: Sequence[np.ndarray], kept: np.ndarray) -> dict[int, str]:
+    """Each kept document's cluster id: 16 hex digits of a hash of its signature column (exact hash and MinHash
+    values), so that an id depends on the kept document's text alone and a change elsewhere renumbers nothing."""
+    import xxhash
+
+    cols = _gather(sigs, kept, slice(1, None))
+    return {int(k): f"{xxhash.xxh3_64_intdigest(c.tobytes()):016x}" for k, c in zip(kept.tolist(), cols)}
+
+
 def doc_id(names: Sequence[tuple[str, str]], ref: int) -> str:
     source, chunk = names[ref >> 32]
     return f"{source}/{chunk}:{ref & 0xFFFFFFFF}"
@@ -174,19 +184,19 @@ def cluster(
         n_comp, labels = connected_components(graph, directed=False)
         kept = np.full(n_comp, np.iinfo(np.uint64).max, dtype=np.uint64)
         np.minimum.at(kept, labels, nodes)  # the first document in corpus order
-        # clusters numbered by their kept document (stable under unrelated changes elsewhere)
-        cluster_no = np.argsort(np.argsort(kept))
-        removed = nodes != kept[labels]
-        rem_nodes, rem_kept, rem_cluster = nodes[removed], kept[labels[removed]], cluster_no[labels[removed]]
         sigs = [load(f) for f in sig_files]
+        removed = nodes != kept[labels]
+        rem_nodes, rem_kept = nodes[removed], kept[labels[removed]]
+        ids = cluster_ids(sigs, np.unique(rem_kept))
+        rem_cluster = [ids[k] for k in rem_kept.tolist()]
         same = (_gather(sigs, rem_nodes, slice(1, 3)) == _gather(sigs, rem_kept, slice(1, 3))).all(axis=1)
         exact_any = (_gather(sigs, rem_nodes, slice(1, 3)) != 0).any(axis=1)
         is_exact = same & exact_any
         clusters = n_comp
-        for node, k, c, ex in zip(rem_nodes.tolist(), rem_kept.tolist(), rem_cluster.tolist(), is_exact.tolist()):
+        for node, k, c, ex in zip(rem_nodes.tolist(), rem_kept.tolist(), rem_cluster, is_exact.tolist()):
             reason = "exact_duplicate" if ex else "near_duplicate"
             by_reason[reason] += 1
-            per_file[node >> 32].append([node & 0xFFFFFFFF, reason, int(c), doc_id(names, k)])
+            per_file[node >> 32].append([node & 0xFFFFFFFF, reason, c, doc_id(names, k)])
     rewritten = 0
     for lst, rows in zip(lists, per_file):
         rows.sort()
@@ -219,10 +229,10 @@ def write_if_changed(path: str, obj: Any) -> int:
     return 1
 
 
-def read_list(path: str) -> dict[int, tuple[str, int, str]]:
-    """A removal list: line -> (reason, cluster, kept id)."""
+def read_list(path: str) -> dict[int, tuple[str, str, str]]:
+    """A removal list: line -> (reason, cluster id, kept id)."""
     with open(path, encoding="utf-8") as fh:
-        return {int(r[0]): (r[1], int(r[2]), r[3]) for r in json.load(fh)["removed"]}
+        return {int(r[0]): (r[1], str(r[2]), r[3]) for r in json.load(fh)["removed"]}
 
 
 def stale_lists(lists: Sequence[str]) -> list[str]:
