@@ -30,6 +30,7 @@ from snakellm.io.atomic import atomic_path, write_json
 from snakellm.io.progress import progress
 
 BATCH = 512
+POOL_MIN_BYTES = 8 << 20
 HEADER_ROWS = 3  # verdict, exact hash low, exact hash high
 
 _JUDGE: Any = None
@@ -109,7 +110,9 @@ def compute(
     rejected_language: dict[str, list[Any]] = {}
     n = 0
     batches = read_texts(chunk_jsonl, key)
-    pool = multiprocessing.get_context("fork").Pool(threads, _init, (curate,)) if threads > 1 else None
+    # worker processes pay for themselves on a chunk of a few batches or more, not on the shipped corpus's
+    big = os.path.getsize(chunk_jsonl) > POOL_MIN_BYTES
+    pool = multiprocessing.get_context("fork").Pool(threads, _init, (curate,)) if threads > 1 and big else None
     if pool is None:
         _init(curate)
     try:
