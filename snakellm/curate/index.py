@@ -147,13 +147,14 @@ def estimate(sigs: Sequence[np.ndarray], a: np.ndarray, b: np.ndarray) -> np.nda
     return (_gather(sigs, a, rows) == _gather(sigs, b, rows)).mean(axis=1)
 
 
-def cluster_ids(sigs: Sequence[np.ndarray], kept: np.ndarray) -> dict[int, str]:
-    """Each kept document's cluster id: 16 hex digits of a hash of its signature column (exact hash and MinHash
-    values), so that an id depends on the kept document's text alone and a change elsewhere renumbers nothing."""
+def cluster_hashes(sigs: Sequence[np.ndarray], kept: np.ndarray) -> np.ndarray:
+    """Each kept document's cluster id (printed as 16 hex digits): a hash of its signature column (exact hash and
+    MinHash values), so that an id depends on the kept document's text alone and a change elsewhere renumbers
+    nothing."""
     import xxhash
 
     cols = _gather(sigs, kept, slice(1, None))
-    return {int(k): f"{xxhash.xxh3_64_intdigest(c.tobytes()):016x}" for k, c in zip(kept.tolist(), cols)}
+    return np.fromiter((xxhash.xxh3_64_intdigest(c.tobytes()) for c in cols), dtype=np.uint64, count=len(kept))
 
 
 def doc_id(names: Sequence[tuple[str, str]], ref: int) -> str:
@@ -174,38 +175,48 @@ def cluster(
 
     pairs = [np.load(f) for f in pair_files]
     allp = np.concatenate(pairs) if pairs else np.zeros((0, 3), dtype=np.uint64)
-    per_file: list[list[list[Any]]] = [[] for _ in sig_files]
+    del pairs
+    n_pairs = len(allp)
     clusters = 0
-    by_reason = {"exact_duplicate": 0, "near_duplicate": 0}
+    rem_nodes = rem_kept = np.zeros(0, dtype=np.uint64)
+    is_exact = np.zeros(0, dtype=bool)
+    cluster_of = np.zeros(0, dtype=np.uint64)
     if len(allp):
         nodes, inv = np.unique(allp[:, :2], return_inverse=True)
         inv = inv.reshape(-1, 2)
+        del allp
         graph = coo_matrix((np.ones(len(inv), dtype=np.int8), (inv[:, 0], inv[:, 1])), shape=(len(nodes),) * 2)
-        n_comp, labels = connected_components(graph, directed=False)
-        kept = np.full(n_comp, np.iinfo(np.uint64).max, dtype=np.uint64)
+        del inv
+        clusters, labels = connected_components(graph, directed=False)
+        del graph
+        kept = np.full(clusters, np.iinfo(np.uint64).max, dtype=np.uint64)
         np.minimum.at(kept, labels, nodes)  # the first document in corpus order
-        sigs = [load(f) for f in sig_files]
         removed = nodes != kept[labels]
-        rem_nodes, rem_kept = nodes[removed], kept[labels[removed]]
-        ids = cluster_ids(sigs, np.unique(rem_kept))
-        rem_cluster = [ids[k] for k in rem_kept.tolist()]
-        same = (_gather(sigs, rem_nodes, slice(1, 3)) == _gather(sigs, rem_kept, slice(1, 3))).all(axis=1)
-        exact_any = (_gather(sigs, rem_nodes, slice(1, 3)) != 0).any(axis=1)
-        is_exact = same & exact_any
-        clusters = n_comp
-        for node, k, c, ex in zip(rem_nodes.tolist(), rem_kept.tolist(), rem_cluster, is_exact.tolist()):
-            reason = "exact_duplicate" if ex else "near_duplicate"
-            by_reason[reason] += 1
-            per_file[node >> 32].append([node & 0xFFFFFFFF, reason, c, doc_id(names, k)])
+        rem_nodes, rem_kept = nodes[removed], kept[labels[removed]]  # sorted by node: grouped by file
+        del nodes, labels, kept, removed
+        sigs = [load(f) for f in sig_files]
+        own, theirs = _gather(sigs, rem_nodes, slice(1, 3)), _gather(sigs, rem_kept, slice(1, 3))
+        is_exact = (own == theirs).all(axis=1) & (own != 0).any(axis=1)
+        uniq, which = np.unique(rem_kept, return_inverse=True)
+        cluster_of = cluster_hashes(sigs, uniq)[which.ravel()]
+    by_reason = {"exact_duplicate": int(is_exact.sum()), "near_duplicate": int((~is_exact).sum())}
+    files = (rem_nodes >> np.uint64(32)).astype(np.int64)
+    bounds = np.searchsorted(files, np.arange(len(sig_files) + 1))
     rewritten = 0
-    for lst, rows in zip(lists, per_file):
-        rows.sort()
+    for fi, lst in enumerate(lists):
+        a, b = bounds[fi], bounds[fi + 1]
+        rows = [
+            [node & 0xFFFFFFFF, "exact_duplicate" if ex else "near_duplicate", f"{c:016x}", doc_id(names, k)]
+            for node, k, c, ex in zip(
+                rem_nodes[a:b].tolist(), rem_kept[a:b].tolist(), cluster_of[a:b].tolist(), is_exact[a:b].tolist()
+            )
+        ]
         rewritten += write_if_changed(lst, {"removed": rows})
     documents = sum(int(load(f).shape[1]) for f in sig_files)
     summary = {
         "documents": documents,
         "chunks": len(sig_files),
-        "pairs": int(len(allp)),
+        "pairs": int(n_pairs),
         "clusters": int(clusters),
         "removed": sum(by_reason.values()),
         "removed_by_reason": by_reason,
