@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # the HTTP client process (internal)
     a = p.parse_args()
     if a.smoke:  # seconds: two small batches, a few clients and evaluation prompts
-        a.toy, a.device, a.batch_sizes, a.clients, a.eval_prompts = True, "cpu", "1,4", 2, 8
+        a.toy, a.device, a.batch_sizes, a.clients, a.eval_prompts = True, "cpu", "1,4", 4, 8
     if a.toy:
         a.preset, a.prompt_len, a.new_tokens, a.repeats = "tiny-llama", 16, 16, 1
         a.clients, a.eval_prompts = min(a.clients, 8), min(a.eval_prompts, 32)

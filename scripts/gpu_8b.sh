@@ -13,7 +13,7 @@
 #   bash scripts/gpu_8b.sh                       # from the repository root; logs and JSON to $OUT
 #   PRESET=llama2-7b bash scripts/gpu_8b.sh      # Llama-2 7B's shape instead
 #   SMOKE=1 bash scripts/gpu_8b.sh               # CPU, tiny model: the same stages in a minute or two
-#   STAGES=CD ONE=13414 STEPS=6 bash scripts/gpu_8b.sh   # only the 4-GPU stages (~4.5 min), the one-GPU LoRA
+#   STAGES=CD ONE=13414 STEPS=6 bash scripts/gpu_8b.sh   # only the 4-GPU stages (<= 4.5 min), the one-GPU LoRA
 #                                                # figure from an earlier run (same card) for the scaling
 set -u
 cd "$(dirname "$0")/.."
@@ -75,9 +75,9 @@ fi
 if [ "$SMOKE" != 1 ]; then
   # worst case 280 + 2 x 150 s: under the 10-minute call with the start and the summary (C makes the base
   # checkpoint, ~55 s, when A did not run)
-  [[ $STAGES == *C* ]] && stage C-lora-tp4 $([[ $STAGES == *A* ]] && echo 150 || echo 175) "${FT[@]}" --timeout 135 \
+  [[ $STAGES == *C* ]] && stage C-lora-tp4 $([[ $STAGES == *A* ]] && echo 150 || echo 145) "${FT[@]}" --timeout 135 \
     --methods lora-all --tp $TP --tp-only --one-gpu-tokens-per-s "${ONE:-0}" --out "$OUT/C"
-  [[ $STAGES == *D* ]] && stage D-full-tp4 $([[ $STAGES == *A* ]] && echo 150 || echo 105) "${FT[@]}" --timeout 95 \
+  [[ $STAGES == *D* ]] && stage D-full-tp4 $([[ $STAGES == *A* ]] && echo 150 || echo 125) "${FT[@]}" --timeout 115 \
     --methods full --tp $TP --tp-only --out "$OUT/D"
   kill "$SMI" 2>/dev/null
   echo "=== peak GPU memory over the run (MiB, nvidia-smi every second):"

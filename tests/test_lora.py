@@ -227,3 +227,29 @@ def test_lora_trains_only_the_adapters_params_grads_and_optimizer_state(rt) -> N
     assert all(p.grad is None for p in gpt.parameters() if id(p) not in trained)
     assert all(torch.equal(p, base[n]) for n, p in gpt.named_parameters() if n in base)
     assert any(not torch.equal(p, before[id(p)]) for p in ad.parameters())
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_lora_under_activation_recomputation_has_the_same_gradients(rt, recompute: str) -> None:
+    """finetune.<name>.parallel.recompute: LoRA's gradients equal those without recomputation (a frozen base's
+    embedding output is made to need a gradient, else a recomputed layer would pass none to its adapters)."""
+    from megatron.core import tensor_parallel
+
+    from snakellm.finetune.lora import LoRAConfig
+    from snakellm.finetune.recipe import attach
+    from snakellm.models.build import build_model
+
+    arch = models.resolve("tiny-llama", {"seq_length": 32})
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for rc in ("none", recompute):
+        torch.manual_seed(3)
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        gpt, _ = build_model(arch, VOCAB, fused_loss="eager", recompute=rc)
+        ft, ad = attach(torch, gpt.train(), "lora", LoRAConfig(rank=4, row_init="normal"), arch, rc)
+        ft(tokens, torch.arange(16).expand(2, 16), None, labels=tokens.roll(-1, 1)).float().mean().backward()
+        grads[rc] = [p.grad for p in ad.parameters()]
+        with torch.no_grad():  # validation: no gradient asked for, none made
+            assert not ft(tokens, torch.arange(16).expand(2, 16), None, labels=tokens).requires_grad
+    assert all(g is not None and g.abs().sum() > 0 for g in grads[recompute])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads["none"], grads[recompute], strict=True))

@@ -181,6 +181,7 @@ def test_logit_bias_outside_the_vocabulary_is_refused(gen):
         gen.generate(PROMPTS[:1], params)
 
 
+@pytest.mark.slow
 def test_generate_greedy_is_transformers_greedy(tmp_path, capsys):
     """`snakellm generate --greedy` = transformers' greedy generate on the exported model (no default
     repetition penalty); a penalty given with it is applied (a random model's repeats need a large one)."""

@@ -410,6 +410,12 @@ class ParallelSettings:
         "shard the fp32 Adam states and master weights over the data-parallel ranks (megatron-core's "
         "distributed-optimizer gradient buffers: reduce-scatter, then all-gather of the updated weights)",
     )
+    overlap_param_gather: bool = setting(
+        False,
+        "with distributed_optimizer: the updated weights are all-gathered bucket by bucket just before the next "
+        "forward pass uses them, overlapped with its compute (megatron-core DDP's forward pre-hooks), instead of "
+        "all at once after the optimizer step",
+    )
     fsdp: bool = setting(
         False,
         "shard the parameters and gradients as well as the optimizer states over the data-parallel ranks "
@@ -611,9 +617,15 @@ class FinetuneTrainSettings(ResumeSettings):
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneParallelSettings:
-    """``finetune.<name>.parallel``: tensor parallelism and the job's threads."""
+    """``finetune.<name>.parallel``: tensor parallelism, activation recomputation and the job's threads."""
 
     tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
+    recompute: str = setting(
+        "none",
+        "megatron-core activation recomputation: selective (core attention) or full (every transformer layer, "
+        "only its input kept): less activation memory for a longer step",
+        choices=("none", "selective", "full"),
+    )
     threads: int = setting(2, "CPU threads of the job", cli=False)
 
 

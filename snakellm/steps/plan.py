@@ -163,6 +163,7 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
 
     arch, vocab = finetune_base(cfg, ft["run"])
     tp = int((ft.get("parallel") or {}).get("tp", 1))
+    recompute = str((ft.get("parallel") or {}).get("recompute", "none"))
     train, ex, lora = ft["train"], ft.get("examples") or {}, ft.get("lora") or {}
     arch_mod.check_parallel(arch, tp, 1)
     if ranks % tp:
@@ -185,7 +186,16 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
     padded = arch_mod.padded_vocab_size(int(vocab), arch, tp)
     out.append(f"  model: {arch_mod.describe(arch, padded)}")
     est = memory.finetune_estimate(
-        arch, padded, method, tp=tp, dp=dp, micro_batch_size=mbs, seq_length=seq, lora_rank=rank, lora_targets=targets
+        arch,
+        padded,
+        method,
+        tp=tp,
+        dp=dp,
+        micro_batch_size=mbs,
+        seq_length=seq,
+        lora_rank=rank,
+        lora_targets=targets,
+        recompute=recompute,
     )
     out += ["  " + line for line in est.lines(gpu_gib)]
     best = memory.advise_finetune(
@@ -201,15 +211,19 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
     )
     if best is None:
         out.append(
-            f"  advice: no layout of {ranks} GPUs fits {gpu_gib:g} GiB at sequence {seq}: more GPUs (resources), "
-            "a shorter max_seq_length, or LoRA instead of full"
+            f"  advice: no layout of {ranks} GPUs fits {gpu_gib:g} GiB at sequence {seq}, even with full "
+            "recomputation: more GPUs (resources), a shorter max_seq_length, or LoRA instead of full"
         )
     else:
-        t, m, e = best
-        same = (t, m) == (tp, mbs)
+        t, m, rc, e = best
+        same = (t, m, rc) == (tp, mbs, recompute)
+        keys = f"parallel.tp: {t}, train.micro_batch_size: {m}" + (
+            f", parallel.recompute: {rc}" if rc != "none" else ""
+        )
         out.append(
-            f"  advice: tp {t}, micro batch {m}: {e.total / memory.GiB:.2f} GiB per GPU, fits {gpu_gib:g} GiB"
-            + (" (as configured)" if same else f" (parallel.tp: {t}, train.micro_batch_size: {m})")
+            f"  advice: tp {t}, micro batch {m}{'' if rc == 'none' else f', recompute {rc}'}: "
+            f"{e.total / memory.GiB:.2f} GiB per GPU, fits {gpu_gib:g} GiB"
+            + (" (as configured)" if same else f" ({keys})")
         )
     return out
 
@@ -320,6 +334,7 @@ def run_plan(
             recompute_method=recompute[1],
             recompute_num_layers=int(recompute[2]),
             virtual_pp=vpp,
+            fsdp=bool(par.get("fsdp", False)),
         )
     ]
     return out
