@@ -32,6 +32,7 @@ LONG = [
     "test_serve.py",
     "test_chunk_inputs.py",
     "test_train.py",
+    "test_pipeline_cpu.py",
     "test_hf.py",
     "test_incremental.py",
     "test_tokenize_workflow.py",

@@ -120,6 +120,7 @@ def check_resources(config: dict[str, Any], env: Mapping[str, str] | None = None
             par.get("pp", 1),
             (t["global_batch_size"], t["micro_batch_size"]),
             slurm=env is not None,
+            virtual_pp=par.get("virtual_pp", 1),
         )
     for name, ft in config.get("finetune", {}).items():
         t = ft["train"]
@@ -155,6 +156,13 @@ def check_imports(config: dict[str, Any]) -> None:
     for name, spec in config.get("import_hf", {}).items():
         if name in runs:
             raise ConfigError(f"config key import_hf.{name}: a run of that name exists under runs")
+        if spec.get("random"):
+            if os.path.normpath(spec["hf_dir"]) != f"models/random/{name}":
+                raise ConfigError(
+                    f"config key import_hf.{name}.hf_dir: with `random` it is the directory the workflow writes, "
+                    f"models/random/{name}; got {spec['hf_dir']!r}"
+                )
+            continue
         if not os.path.isfile(os.path.join(spec["hf_dir"], "config.json")):
             raise ConfigError(
                 f"config key import_hf.{name}.hf_dir: {spec['hf_dir']!r} has no config.json "
@@ -186,16 +194,60 @@ def import_tokenizer_kind(hf_dir: str) -> str:
     return "sentencepiece" if has("tokenizer.model") else "huggingface"
 
 
+def curate_indexes(config: dict[str, Any]) -> dict[str, list[str]]:
+    """Index name -> the sources it deduplicates together, in config order (sources with a ``curate`` section)."""
+    out: dict[str, list[str]] = {}
+    for name, spec in (config.get("sources") or {}).items():
+        if spec.get("curate") is not None:
+            out.setdefault(spec["curate"].get("index") or name, []).append(name)
+    return out
+
+
+def check_curate(config: dict[str, Any]) -> None:
+    """Sources sharing a duplicate index hash alike (the same exact and near settings), and an index named after
+    a source is that source's own."""
+    sources = config.get("sources") or {}
+    for index, members in curate_indexes(config).items():
+        if index in sources and index not in members:
+            raise ConfigError(
+                f"config key sources.{members[0]}.curate.index: {index!r} is the name of another source, whose "
+                "own index it would be; choose another name"
+            )
+        first = sources[members[0]]["curate"]
+        for other in members[1:]:
+            cur = sources[other]["curate"]
+            for key in ("exact", "near"):
+                if cur.get(key) != first.get(key):
+                    raise ConfigError(
+                        f"config key sources.{other}.curate.{key}: sources sharing the index {index!r} must hash "
+                        f"alike, and sources.{members[0]}.curate.{key} is {first.get(key)!r}"
+                    )
+
+
+def check_fp8(config: dict[str, Any], run_models: dict[str, dict[str, Any]]) -> None:
+    """A run with ``precision: fp8`` has block weights float8 kernels take (each TP shard a multiple of 16)."""
+    from snakellm.models import fp8
+
+    for name, run in config.get("runs", {}).items():
+        if run["train"].get("precision") == "fp8":
+            try:
+                fp8.check_shapes(run_models[name], run.get("parallel", {}).get("tp", 1))
+            except fp8.FP8Error as e:
+                raise ConfigError(f"config key runs.{name}.train.precision: {e}") from None
+
+
 def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Every cross-field check, in the order a reader meets the sections; returns each run's architecture.
 
     ``env``: the environment whose site defaults the job allocations take (under the Slurm profile).
     """
+    check_curate(config)
     check_tokenizers(config)
     run_models = resolve_runs(config)
     check_sft_data(config)
     check_finetunes(config)
     check_resources(config, env)
+    check_fp8(config, run_models)
     check_export_nemo(config)
     check_imports(config)
     check_hf_exports(config, run_models)

@@ -82,3 +82,29 @@ def base_eval_key(ft: dict[str, Any]) -> str:
     the sha256 of the evaluation's flags (the same flags give the same key).
     """
     return hashlib.sha256(evaluate_flags(ft).encode()).hexdigest()[:8]
+
+
+CURATE_JUDGE_KEYS = ("languages", "language_threshold", "language_model")
+
+
+def curate_flags(curate: dict[str, Any], filters: bool = True) -> str:
+    """`snakellm curate-signatures` flags of a source's ``curate`` section (defaults filled); ``filters=False``:
+    only the dedup settings (`snakellm curate-buckets`).
+
+    Each filter is ``--filter NAME`` and each of its settings ``--filter-setting NAME.KEY=JSON``;
+    near dedup is ``--near`` and the NearDupSettings flags, or ``--no-near``.
+    """
+    import json
+    import shlex
+
+    parts = [to_flags(S.CurateSettings, curate, exclude=("index",) if filters else ("index", *CURATE_JUDGE_KEYS))]
+    near = curate.get("near")
+    parts.append("--no-near" if near is None else "--near " + to_flags(S.NearDupSettings, near))
+    if filters:
+        words: list[str] = []
+        for name, values in sorted((curate.get("filters") or {}).items()):
+            words += ["--filter", name]
+            for k, v in sorted((values or {}).items()):
+                words += ["--filter-setting", f"{name}.{k}={json.dumps(v)}"]
+        parts.append(shlex.join(words))
+    return join(*parts)

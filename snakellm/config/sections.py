@@ -30,10 +30,138 @@ SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "medi
 TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LORA_INITS = ("xavier", "normal", "kaiming", "zero")
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp32", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")
 DECAY_STYLES = ("cosine", "linear", "constant")
 
 # ---------------------------------------------------------------- data: sources, download
+
+
+# ---------------------------------------------------------------- data: curation (docs/data.md#curation)
+
+CURATE_FILTERS = ("gopher_repetition", "gopher_quality", "c4", "fineweb")  # the order they are applied in
+LANGUAGE_MODELS = ("pycld2", "py3langid")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NearDupSettings:
+    """``sources.<name>.curate.near``: MinHash near-duplicate removal (LSH over ``bands`` x ``rows`` values)."""
+
+    threshold: float = setting(
+        0.8,
+        "a candidate pair (one equal band) is a duplicate when its MinHash-estimated Jaccard similarity is at least "
+        "this (0: every candidate pair is, as datatrove does)",
+    )
+    ngram: int = setting(5, "words per shingle (after datatrove's normalisation)")
+    bands: int = setting(14, "LSH bands (datatrove: 14; NeMo Curator: 20)")
+    rows: int = setting(8, "MinHash values per band (datatrove: 8; NeMo Curator: 13)")
+    seed: int = setting(1, "seed of the MinHash permutations")
+    index_jobs: int = setting(
+        1,
+        "bucket jobs; past bands + 1 each band is split into hash slices (a job holds ~32 B x documents / slices)",
+        cli=False,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GopherQualitySettings:
+    """``...filters.gopher_quality``: datatrove's GopherQualityFilter (Gopher, Rae et al. 2021, A.1.1)."""
+
+    min_doc_words: int | None = setting(50, "fewer words: gopher_short_doc")
+    max_doc_words: int | None = setting(100000, "more words: gopher_long_doc")
+    min_avg_word_length: float | None = setting(3, "shorter mean word length: gopher_below_avg_threshold")
+    max_avg_word_length: float | None = setting(10, "longer mean word length: gopher_above_avg_threshold")
+    max_symbol_word_ratio: float | None = setting(0.1, "more # and ... per word: gopher_too_many_hashes/ellipsis")
+    max_bullet_lines_ratio: float | None = setting(0.9, "more lines starting with a bullet: gopher_too_many_bullets")
+    max_ellipsis_lines_ratio: float | None = setting(
+        0.3, "more lines ending in an ellipsis: gopher_too_many_end_ellipsis"
+    )
+    max_non_alpha_words_ratio: float | None = setting(
+        0.8, "the least share of words with a letter: gopher_below_alpha_threshold"
+    )
+    min_stop_words: int | None = setting(2, "fewer stop words: gopher_enough_stop_words")
+    stop_words: list[str] | None = setting(
+        None, "the stop words (default: Gopher's the, be, to, of, and, that, have, with)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GopherRepetitionSettings:
+    """``...filters.gopher_repetition``: datatrove's GopherRepetitionFilter (Gopher's repetition removal)."""
+
+    dup_line_frac: float | None = setting(0.3, "share of duplicated lines: dup_line_frac")
+    dup_para_frac: float | None = setting(0.3, "share of duplicated paragraphs: dup_para_frac")
+    dup_line_char_frac: float | None = setting(0.2, "share of characters in duplicated lines: dup_line_char_frac")
+    dup_para_char_frac: float | None = setting(0.2, "share of characters in duplicated paragraphs: dup_para_char_frac")
+    top_n_grams: list[list[float]] = setting(
+        [[2, 0.2], [3, 0.18], [4, 0.16]], "[n, share]: characters in the most frequent n-gram: top_n_gram"
+    )
+    dup_n_grams: list[list[float]] = setting(
+        [[5, 0.15], [6, 0.14], [7, 0.13], [8, 0.12], [9, 0.11], [10, 0.10]],
+        "[n, share]: characters in duplicated n-grams: duplicated_n_grams",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class C4Settings:
+    """``...filters.c4``: datatrove's C4QualityFilter, as a verdict only (a kept document's text is never changed)."""
+
+    split_paragraph: bool = setting(True, "lines are the text's lines (false: sentences)")
+    remove_citations: bool = setting(True, "drop [1]-style citations before the line rules")
+    filter_no_terminal_punct: bool = setting(True, "a line without terminal punctuation does not count")
+    min_num_sentences: int = setting(5, "fewer sentences in counted lines: too_few_sentences (-1: off)")
+    min_words_per_line: int = setting(3, "a shorter line does not count (-1: off)")
+    max_word_length: int = setting(1000, "a line with a longer word does not count (-1: off)")
+    filter_lorem_ipsum: bool = setting(True, "'lorem ipsum': lorem_ipsum")
+    filter_javascript: bool = setting(True, "a line naming javascript does not count")
+    filter_curly_bracket: bool = setting(True, "a '{' in a counted line: curly_bracket")
+    filter_policy: bool = setting(True, "a line with a policy phrase (cookie, terms of use ...) does not count")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FineWebSettings:
+    """``...filters.fineweb``: datatrove's FineWebQualityFilter (the FineWeb paper's three rules)."""
+
+    line_punct_thr: float = setting(0.12, "least share of lines ending in punctuation: line_punct_ratio")
+    line_punct_exclude_zero: bool = setting(False, "a document with no such line passes that rule")
+    stop_chars: list[str] | None = setting(None, "what counts as ending punctuation (default: datatrove's set)")
+    short_line_thr: float = setting(0.67, "most share of short lines: short_line_ratio")
+    short_line_length: int = setting(30, "a line shorter than this many characters is short")
+    char_duplicates_ratio: float = setting(0.01, "most share of characters in duplicated lines: char_dup_ratio")
+    new_line_ratio: float = setting(0.3, "most newlines per word: list_ratio")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurateFiltersSettings:
+    """``sources.<name>.curate.filters``: quality filters by name; a filter is on when its key is there (``{}``: its
+    defaults). They run in the order gopher_repetition, gopher_quality, c4, fineweb; the first rule a document fails
+    is its reason."""
+
+    gopher_repetition: dict[str, Any] | None = setting(
+        None, "Gopher repetition rules", section=GopherRepetitionSettings
+    )
+    gopher_quality: dict[str, Any] | None = setting(None, "Gopher quality rules", section=GopherQualitySettings)
+    c4: dict[str, Any] | None = setting(None, "C4's document rules", section=C4Settings)
+    fineweb: dict[str, Any] | None = setting(None, "FineWeb's rules", section=FineWebSettings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurateSettings:
+    """``sources.<name>.curate``: what is removed before tokenization (data/curated/{source}/{chunk}.jsonl)."""
+
+    exact: bool = setting(True, "remove exact duplicates (same text after NFC and whitespace normalisation)")
+    near: dict[str, Any] | None = setting(None, "MinHash near-duplicate removal (absent: off)", section=NearDupSettings)
+    filters: dict[str, Any] = setting({}, "quality filters by name", section=CurateFiltersSettings)
+    languages: list[str] | None = setting(
+        None, "keep only documents identified as one of these ISO 639-1 languages (absent: no language ID)"
+    )
+    language_threshold: float = setting(0.5, "a lower language-ID confidence is rejected too (language_id)")
+    language_model: str = setting(
+        "pycld2", "the language identifier (its model ships inside the package)", choices=LANGUAGE_MODELS
+    )
+    index: str | None = setting(
+        None, "the duplicate index: sources naming the same index are deduplicated together (default: the source's own)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +188,7 @@ class SourceSettings:
     max_rejected_fraction: float = setting(
         0.5, "a shard of at least 10 lines with a larger share rejected fails its chunk job (1: off)", cli=False
     )
+    curate: dict[str, Any] | None = setting(None, "deduplication, filters, language ID", section=CurateSettings)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,12 +322,25 @@ class TrainSettings(ResumeSettings):
     )
     precision: str = setting(
         "auto",
-        "auto: bf16 with fp32 master weights on GPU, fp32 on CPU",
+        "auto: bf16 with fp32 master weights on GPU, fp32 on CPU; fp8: bf16 weights with the transformer "
+        "blocks' matmuls in float8 (GPUs of compute capability 8.9+: Ada, Hopper)",
         trajectory=True,
-        choices=("auto", "bf16", "fp32"),
+        choices=PRECISIONS,
+    )
+    fp8_recipe: str = setting(
+        "tensorwise",
+        "precision fp8: one scale per tensor (tensorwise) or per row (rowwise) for the float8 casts (enters the "
+        "trajectory only with fp8)",
+        trajectory=True,
+        choices=FP8_RECIPES,
     )
     save_interval: int = setting(1000, "checkpoint every N steps (and at the end)")
     keep_last: int = setting(2, "keep the newest K checkpoints, plus the best by validation loss")
+    async_save: bool = setting(
+        False,
+        "write checkpoints in the background (megatron-core's asynchronous torch_dist save: the states are "
+        "copied to host memory, a forked process writes them while training goes on; published when complete)",
+    )
     eval_interval: int = setting(1000, "validation loss every N steps (and at every checkpoint)")
     eval_iters: int = setting(10, "validation batches per evaluation (0: none)")
     log_interval: int = setting(10, "metrics are fetched from the device and written every N steps")
@@ -223,13 +365,38 @@ class ParallelSettings:
     """``runs.<name>.parallel``: how the ranks split the model and the work."""
 
     tp: int = setting(1, "tensor-parallel size (on the CPU only for models without dropout)")
-    pp: int = setting(1, "pipeline-parallel size (must be 1)")
+    pp: int = setting(
+        1,
+        "pipeline-parallel size: the layers split into pp stages, run by megatron-core's 1F1B schedule "
+        "(num_layers divisible by pp x virtual_pp)",
+    )
+    virtual_pp: int = setting(
+        1,
+        "virtual pipeline stages (model chunks) per pipeline rank: megatron-core's interleaved 1F1B schedule, a "
+        "smaller pipeline bubble for more point-to-point traffic (> 1 needs pp > 1 and micro batches per step "
+        "divisible by pp)",
+    )
+    recompute: str = setting(
+        "none",
+        "megatron-core activation recomputation: selective (core attention, recomputed in the backward pass) or "
+        "full (whole transformer layers: only each layer's input is kept)",
+        choices=("none", "selective", "full"),
+    )
+    recompute_method: str = setting(
+        "uniform",
+        "recompute full: uniform (the layers in groups of recompute_num_layers, each group's input kept) or block "
+        "(the first recompute_num_layers layers of each pipeline stage or chunk, the rest kept whole)",
+        choices=("uniform", "block"),
+    )
+    recompute_num_layers: int = setting(
+        1, "recompute full: layers per group (uniform) or recomputed layers per stage or chunk (block)"
+    )
     threads: int = setting(2, "CPU threads of the job (torch intra-op threads on CPU)")
     num_workers: int | None = setting(None, "data-loader workers per rank (null: 2 on GPU, 0 on CPU)")
     loss: str = setting(
         "auto",
-        "cross-entropy: compiled (fused; GPU default), eager, or megatron-core's "
-        "vocab-parallel one (needed for tp > 1)",
+        "cross-entropy: compiled (fused, vocabulary-parallel at tp > 1; GPU default), eager (the same "
+        "uncompiled; CPU default), or megatron-core's vocab-parallel one",
         choices=("auto", "compiled", "eager", "megatron"),
     )
     compile: bool = setting(False, "torch.compile each transformer layer (GPU)")
@@ -242,6 +409,18 @@ class ParallelSettings:
         False,
         "shard the fp32 Adam states and master weights over the data-parallel ranks (megatron-core's "
         "distributed-optimizer gradient buffers: reduce-scatter, then all-gather of the updated weights)",
+    )
+    overlap_param_gather: bool = setting(
+        False,
+        "with distributed_optimizer: the updated weights are all-gathered bucket by bucket just before the next "
+        "forward pass uses them, overlapped with its compute (megatron-core DDP's forward pre-hooks), instead of "
+        "all at once after the optimizer step",
+    )
+    fsdp: bool = setting(
+        False,
+        "shard the parameters and gradients as well as the optimizer states over the data-parallel ranks "
+        "(PyTorch FSDP2, ZeRO-3: each layer's weights gathered just before it runs; 16 bytes a parameter "
+        "become 16 / dp); checkpoints keep their layout",
     )
 
 
@@ -416,7 +595,19 @@ class FinetuneTrainSettings(ResumeSettings):
     adam_beta2: float = setting(0.98, "AdamW beta2", trajectory=True)
     clip_grad: float = setting(1.0, "gradient-norm clip (0: off)", trajectory=True)
     seed: int = setting(1234, "seeds the adapters, the data order and dropout", trajectory=True)
-    precision: str = setting("auto", "auto: bf16 on GPU, fp32 on CPU", trajectory=True, choices=PRECISIONS)
+    precision: str = setting(
+        "auto",
+        "auto: bf16 on GPU, fp32 on CPU; fp8: bf16 weights with the transformer blocks' matmuls (frozen base "
+        "and trained) in float8 (GPUs of compute capability 8.9+)",
+        trajectory=True,
+        choices=PRECISIONS,
+    )
+    fp8_recipe: str = setting(
+        "tensorwise",
+        "precision fp8: one scale per tensor (tensorwise) or per row (rowwise) (enters the trajectory only with fp8)",
+        trajectory=True,
+        choices=FP8_RECIPES,
+    )
     eval_interval: int = setting(50, "validation loss (and a checkpoint) every N steps")
     eval_examples: int = setting(0, "validation examples per evaluation (0: all)")
     patience: int = setting(0, "early stopping: evaluations without improvement (0: off)")
@@ -426,9 +617,15 @@ class FinetuneTrainSettings(ResumeSettings):
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneParallelSettings:
-    """``finetune.<name>.parallel``: tensor parallelism and the job's threads."""
+    """``finetune.<name>.parallel``: tensor parallelism, activation recomputation and the job's threads."""
 
     tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
+    recompute: str = setting(
+        "none",
+        "megatron-core activation recomputation: selective (core attention) or full (every transformer layer, "
+        "only its input kept): less activation memory for a longer step",
+        choices=("none", "selective", "full"),
+    )
     threads: int = setting(2, "CPU threads of the job", cli=False)
 
 
@@ -502,11 +699,28 @@ class ExportHfSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RandomHfSettings:
+    """``import_hf.<name>.random``: the workflow writes hf_dir first, a preset's shape with random weights."""
+
+    preset: str = setting(REQUIRED, "the shape: a preset (llama3-8b, llama2-7b, tiny-llama, ...)")
+    seed: int = setting(0, "seed of the weights")
+    tokenizer_dir: str = setting(
+        "resources/tokenizers/gpt2", "GPT-2's vocab.json and merges.txt (the model's tokenizer, copied in)"
+    )
+    max_shard_size: str = setting("5GB", "largest safetensors shard")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ImportHfSettings:
     """``import_hf.<name>``: a Hugging Face GPT-2 / Llama directory turned into a run."""
 
     hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False)
     make_vocab_size_divisible_by: int = setting(128, "embedding padding (Megatron-LM's)")
+    random: dict[str, Any] | None = setting(
+        None,
+        "write hf_dir (models/random/<name>) with random weights of a preset's shape first: no download",
+        section=RandomHfSettings,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -519,11 +733,18 @@ class GenerateSettings:
     )
     max_new_tokens: int = setting(48, "tokens generated per prompt at most")
     min_new_tokens: int = setting(0, "EOD is not allowed before this many tokens")
-    greedy: bool = setting(False, "argmax decoding (the sampling settings are then ignored)")
+    greedy: bool = setting(
+        False,
+        "argmax of the model's logits (temperature, top-k and top-p are then ignored; a repetition penalty "
+        "applies only when given)",
+    )
     temperature: float = setting(0.8, "softmax temperature")
     top_k: int = setting(40, "sample from the k most likely tokens (0: off)")
     top_p: float = setting(0.95, "nucleus sampling (1: off)")
-    repetition_penalty: float = setting(1.1, "divides the logits of tokens already present (1: off)")
+    repetition_penalty: float | None = setting(
+        None,
+        "divides the logits of tokens already present (1: off; unset: 1.1 when sampling, off with greedy)",
+    )
     end_strings: list[str] = setting([], "stop a continuation at this text", flag="end_string")
     seed: int = setting(1234, "sampling seed")
     threads: int = setting(1, "torch CPU threads of the job", cli=False)
@@ -577,6 +798,13 @@ class LmEvalSettings:
 # Schema location -> settings class: what tests/test_settings.py compares (a ``*`` is any name).
 SECTIONS: dict[str, type] = {
     "sources.*": SourceSettings,
+    "sources.*.curate": CurateSettings,
+    "sources.*.curate.near": NearDupSettings,
+    "sources.*.curate.filters": CurateFiltersSettings,
+    "sources.*.curate.filters.gopher_repetition": GopherRepetitionSettings,
+    "sources.*.curate.filters.gopher_quality": GopherQualitySettings,
+    "sources.*.curate.filters.c4": C4Settings,
+    "sources.*.curate.filters.fineweb": FineWebSettings,
     "download": DownloadSettings,
     "tokenizers.*": TokenizerSettings,
     "tokenizers.*.train": TokenizerTrainSettings,
@@ -597,6 +825,7 @@ SECTIONS: dict[str, type] = {
     "export_nemo": ExportNemoSettings,
     "export_hf": ExportHfSettings,
     "import_hf.*": ImportHfSettings,
+    "import_hf.*.random": RandomHfSettings,
     "generate": GenerateSettings,
     "lm_eval": LmEvalSettings,
     "lm_eval.suites.*": LmEvalSuiteSettings,
