@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -86,15 +87,17 @@ SLOW = {
 
 
 def run_smoke(script: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The script's smoke, run from a temp directory that is also its $OUT: nothing lands in the checkout."""
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / f"{script}.py"), "--smoke"],
-        cwd=REPO,
-        env=env_with_venv(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    with tempfile.TemporaryDirectory(prefix=f"snakellm-{script}-") as tmp:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / f"{script}.py"), "--smoke"],
+            cwd=tmp,
+            env={**env_with_venv(), "OUT": tmp},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     return proc, time.monotonic() - t0
 
 
