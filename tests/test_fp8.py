@@ -214,6 +214,27 @@ def test_shapes_float8_kernels_refuse_are_named_before_anything_starts():
         fp8.check_shapes(resolve(preset, {}), tp=1)
 
 
+def test_a_run_config_with_shapes_float8_refuses_names_the_key():
+    from snakellm.config import checks, resolve
+    from snakellm.errors import ConfigError
+
+    run = {
+        "tokenizer": "gpt2",
+        "model": {"preset": "tiny-llama"},
+        "parallel": {"tp": 2},
+        "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 4, "precision": "fp8"},
+    }
+    cfg = {"sources": {}, "tokenizers": {"gpt2": {"kind": "gpt2-bpe"}}, "tokenize": {}, "runs": {"r": run}}
+    with pytest.raises(
+        ConfigError, match=r"config key runs.r.train.precision: precision: fp8: linear_fc2 has a 64 x 88"
+    ):
+        checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["parallel"]["tp"] = 1
+    checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["parallel"]["tp"], run["train"]["precision"] = 2, "bf16"
+    checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+
+
 @pytest.mark.slow
 def test_shapes_checked_are_the_shapes_megatron_builds(parallel, any_device):
     from snakellm.models.build import build_model

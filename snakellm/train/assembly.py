@@ -64,6 +64,7 @@ class Optim:
     clip_grad: float = 1.0
     distributed: bool = False  # Adam states sharded over the data-parallel ranks
     fsdp: bool = False  # parameters, gradients and Adam states sharded (FSDP2; snakellm.train.fsdp)
+    overlap_param_gather: bool = False  # distributed: all-gather each bucket before the next forward uses it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +238,8 @@ def run(job: Job, recipe: Recipe) -> int:
         status = trainer.fit()
         if s.watchdog is not None:
             s.watchdog.beat(trainer.step)
+        if hasattr(opt, "sync_params"):
+            opt.sync_params()
         digests = [model.digest()] * s.dp if job.optim.fsdp else replica_digests(parts.module)
         if len(set(digests)) != 1:
             raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
@@ -382,6 +385,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
         use_distributed_optimizer=o.distributed,
+        overlap_param_gather=o.distributed and o.overlap_param_gather and s.dp > 1,
     )
     if parts.chunks is None:
         model = DDP(parts.config, ddp_cfg, parts.module)
@@ -416,6 +420,8 @@ def _manager(
     from snakellm.train.rng import rng_states
 
     def sharded_state(is_loading: bool) -> dict[str, Any]:
+        if hasattr(opt, "sync_params"):
+            opt.sync_params()  # overlap_param_gather: the weights of the last step, not those before it
         msd = parts.state()
         out = {
             "model": msd,
