@@ -63,6 +63,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -154,10 +155,17 @@ def train(
         env["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
     t0 = time.time()
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=args.timeout, cwd=REPO)
-    res: dict = {"name": name, "precision": precision, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1)}
+        try:
+            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=_timeout(args), cwd=REPO)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    res: dict = {"name": name, "precision": precision, "rc": rc, "wall_s": round(time.time() - t0, 1)}
+    if rc == 124:
+        res["error"] = f"timed out (--budget-s/--timeout); {log}:\n" + log.read_text()[-1500:]
+        return res
     metrics = run_dir / "metrics.jsonl"
-    if proc.returncode != 0 or not metrics.exists():
+    if rc != 0 or not metrics.exists():
         res["error"] = log.read_text()[-3000:]
         return res
     recs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
@@ -322,14 +330,17 @@ def reference(args, name: str, out: Path, fp8: bool) -> dict:
     if args.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
     with open(log, "w") as fh:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--reference-worker", json.dumps(spec)],
-            stdout=subprocess.PIPE,
-            stderr=fh,
-            text=True,
-            env=env,
-            timeout=args.timeout,
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--reference-worker", json.dumps(spec)],
+                stdout=subprocess.PIPE,
+                stderr=fh,
+                text=True,
+                env=env,
+                timeout=_timeout(args),
+            )
+        except subprocess.TimeoutExpired:
+            return {"name": name, "rc": 124, "wall_s": round(time.time() - t0, 1), "error": f"timed out; {log}"}
     res = {"name": name, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1)}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -519,6 +530,13 @@ def _resume_run(args, blend: Path, out: Path, fp8: dict, kw: dict, at: int) -> d
     return train(args, "numerics-fp8-resumed", blend, out, "fp8", **kw, extra=extra)
 
 
+def _timeout(args) -> float:
+    """A run's time limit: --timeout, and what is left of --budget-s (so the tables still print)."""
+    if args.deadline is None:
+        return args.timeout
+    return max(1.0, min(args.timeout, args.deadline - time.time()))
+
+
 def _device_name() -> str:
     import torch
 
@@ -557,10 +575,18 @@ def main(argv=None) -> int:
     )
     p.add_argument("--peak-tflops", type=float, default=PEAK, help="bf16 dense peak per GPU for MFU (also for FP8)")
     p.add_argument("--workdir", default="/tmp/snakellm-bench-fp8")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    p.add_argument("--timeout", type=float, default=580)
+    p.add_argument("--out", default=None, help="logs and bench-fp8.json (default: $OUT, else bench-out)")
+    p.add_argument("--timeout", type=float, default=580, help="seconds a run may take")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop every run this long after the start, so that the tables of what finished print before an outer "
+        "time limit",
+    )
     p.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.deadline = time.time() + args.budget_s if args.budget_s else None
     import warnings
 
     warnings.filterwarnings("ignore", module=r"megatron\..*")  # "Transformer Engine and Apex are not installed"
@@ -573,14 +599,18 @@ def main(argv=None) -> int:
         args.log_interval, args.lr_warmup, args.lr = 1, 2, 3e-3
         args.numerics_steps, args.numerics_micro_batch_size, args.numerics_global_batch_size = 8, 2, 4
         args.resume_at, args.timeout = 4, 300
-        args.workdir = args.workdir + "-smoke"
-    out = Path(args.out)
+        args.workdir = tempfile.mkdtemp(prefix="snakellm-bench-fp8-smoke-")  # removed at the end
+    out = Path(args.out or os.environ.get("OUT") or (Path(args.workdir) / "out" if args.smoke else "bench-out"))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    results = run_parts(args, out)
-    results["args"] = vars(args)
-    (out / "bench-fp8.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"\ntotal {time.time() - t0:.0f}s; results in {out / 'bench-fp8.json'}")
+    try:
+        results = run_parts(args, out)
+        results["args"] = vars(args)
+        (out / "bench-fp8.json").write_text(json.dumps(results, indent=1, default=str))
+        print(f"\ntotal {time.time() - t0:.0f}s; results in {out / 'bench-fp8.json'}")
+    finally:
+        if args.smoke:
+            shutil.rmtree(args.workdir, ignore_errors=True)
     parts = [results[k].get("verdict", {}) for k in ("speed", "numerics") if k in results]
     ran = all(parts)  # every part produced its figures
     if args.smoke:  # the CPU is deterministic: the resumed run must repeat the uninterrupted one exactly

@@ -22,9 +22,13 @@ random GPT-2 token ids written as Megatron .bin/.idx:
    its Adam states and learning rate restart).
 
 ``--cpu``: what runs without a GPU: the checkpoints on CPU (tiny models, fp32),
-then Megatron-LM's argument parser, ``load_args_from_checkpoint`` (its
-``--use-checkpoint-args``) and ``check_checkpoint_args`` against them, printing
-what it took from our args and which of its flags have no counterpart there.
+then Megatron-LM's argument parser and ``validate_args`` on the GPU run's command
+line, ``check_checkpoint_args`` against our checkpoint's args (what its
+``load_checkpoint`` does), ``load_args_from_checkpoint`` (its ``--use-checkpoint-args``:
+which model arguments it would take from ours), and its own model
+(``gpt_builders.gpt_builder``, the local spec, as ``pretrain_gpt.py`` builds it)
+loaded strictly from our checkpoint, with its logits on random tokens beside those
+of our model loaded from the same checkpoint (measured: 2e-7 and 3e-7, fp32).
 
     python scripts/check_megatron_lm_gpu.py --megatron-lm .bench/megatron-lm          # GPU, ~2-3 min
     python scripts/check_megatron_lm_gpu.py --megatron-lm .bench/megatron-lm --cpu    # here, ~1 min
@@ -126,7 +130,7 @@ def megatron_flags(name: str, args, summary: dict, prefix: str, load: Path) -> l
     if a["group_query_attention"]:
         f += ["--group-query-attention", "--num-query-groups", a["num_query_groups"]]
     if a["position_embedding_type"] == "rope":
-        f += ["--rotary-base", a["rotary_base"]]
+        f += ["--rotary-base", a["rotary_base"], "--no-position-embedding"]
     if a["use_rope_scaling"]:
         f += ["--use-rope-scaling", "--rope-scaling-factor", a["rope_scaling_factor"]]
     if a["swiglu"]:
@@ -165,20 +169,25 @@ runpy.run_path("pretrain_gpt.py", run_name="__main__")
 
 # --cpu: Megatron-LM's parser and its checkpoint-args reader against our checkpoint
 ARGS_PROBE = """
-import sys, warnings, json
+import copy, sys, warnings, json
 warnings.filterwarnings("ignore")
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training import checkpointing as c
 import megatron.training.global_vars as gv
 sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
 args = parse_args()
-args.use_checkpoint_args = True
-before = dict(vars(args))
-args, ckpt_args = c.load_args_from_checkpoint(args)
 validate_args(args)
 gv.set_args(args)
-c.set_checkpoint_version(3.0)
+# what load_checkpoint does with the GPU run's command line: read our common state, check its args against it
+state, _, _, _ = c._load_base_checkpoint(args.load, args, rank0=True)
+ckpt_args = state["args"]
+c.set_checkpoint_version(state.get("checkpoint_version", 0))
 c.check_checkpoint_args(ckpt_args)
+# and --use-checkpoint-args: which model arguments it takes from ours
+probe = copy.deepcopy(args)
+probe.use_checkpoint_args = True
+before = dict(vars(probe))
+c.load_args_from_checkpoint(probe)
 ours = vars(ckpt_args)
 theirs_model = ["num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
     "num_query_groups", "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type",
@@ -187,22 +196,54 @@ theirs_model = ["num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "n
     "apply_layernorm_1p", "normalization", "apply_query_key_layer_scaling", "attention_dropout", "hidden_dropout",
     "padded_vocab_size", "ckpt_format", "tensor_model_parallel_size", "pipeline_model_parallel_size"]
 missing = [k for k in theirs_model if k not in ours]
-differ = {k: (ours[k], before.get(k)) for k in theirs_model if k in ours and before.get(k) is not None
+differ = {k: [str(ours[k]), str(before.get(k))] for k in theirs_model if k in ours and before.get(k) is not None
           and ours[k] != before.get(k) and k not in ("padded_vocab_size", "ckpt_format")}
-flags_without = sorted(k for k, v in before.items() if k not in ours)
-print(json.dumps({"iteration": args.iteration, "consumed_train_samples": ours.get("consumed_train_samples"),
-                  "missing_model_args": missing, "differ_from_command_line": {k: list(map(str, v)) for k, v in differ.items()},
-                  "their_args_without_counterpart": len(flags_without)}))
+# their model (gpt_builder: the local spec as pretrain_gpt.py builds it, on the CPU), loaded from our checkpoint
+# strictly, against ours loaded by snakellm: the same logits on the same tokens
+import torch
+from megatron.core import dist_checkpointing
+from megatron.training.arguments import core_transformer_config_from_args
+from gpt_builders import gpt_builder
+from snakellm.launch import runtime
+from snakellm.models.build import build_model
+runtime.ensure_single_process("cpu", seed=args.seed)
+args.use_cpu_initialization = True
+args.padded_vocab_size = ckpt_args.padded_vocab_size
+config = core_transformer_config_from_args(args)
+config.use_cpu_initialization = True
+theirs = gpt_builder(args, True, True, config=config)
+path = f"{args.load}/iter_{state['iteration']:07d}"
+theirs.load_state_dict(dist_checkpointing.load({"model": theirs.sharded_state_dict()}, path)["model"], strict=True)
+import json as _j, pathlib
+summary = _j.loads(pathlib.Path(SUMMARY).read_text())
+mine, _ = build_model(summary["model"], summary["padded_vocab_size"])
+mine.load_state_dict(dist_checkpointing.load({"model": mine.sharded_state_dict()}, path)["model"], strict=True)
+tokens = torch.randint(0, 50000, (2, args.seq_length))
+pos = torch.arange(args.seq_length).unsqueeze(0).expand(2, -1)
+mask = torch.ones(1, 1, args.seq_length, args.seq_length, dtype=torch.bool).tril().logical_not()
+theirs.eval(); mine.eval()
+with torch.no_grad():
+    a = theirs(tokens, pos, mask)
+    b = mine(tokens, pos, None)
+logits_diff = float((a - b).abs().max())
+print(json.dumps({"iteration": state["iteration"], "their_model_loaded_strict": True,
+                  "max_logit_difference": logits_diff, "consumed_train_samples": ours.get("consumed_train_samples"),
+                  "check_checkpoint_args": "passed", "missing_model_args": missing,
+                  "differ_from_command_line": differ, "padded_vocab": [ours["padded_vocab_size"], args.padded_vocab_size]}))
 """
 
 
 def megatron_run(name: str, args, flags: list[str], out: Path) -> tuple[int, dict[int, float], str]:
     mlm = Path(args.megatron_lm).resolve()
-    env = {**os.environ, "PYTHONPATH": f"{mlm}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{mlm}{os.pathsep}{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.update(CUDA_DEVICE_MAX_CONNECTIONS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + len(name)))
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     log = out / f"megatron-lm-{name}{'-args' if args.cpu else ''}.log"
-    code = ARGS_PROBE if args.cpu else WRAPPER
+    code = (
+        ARGS_PROBE.replace("SUMMARY", repr(str(Path(args.work) / "runs" / name / "train_summary.json")))
+        if args.cpu
+        else WRAPPER
+    )
     rc = run([sys.executable, "-c", code, *flags], log, env=env, cwd=mlm, timeout=args.timeout)
     text = log.read_text(errors="replace")
     losses = {

@@ -48,6 +48,12 @@ FIGURES: dict[str, list[str]] = {
         rf"engine, 4 streaming clients: concurrent {NUM} req/s vs sequential {NUM} req/s",
         rf"evaluation-shaped, 8 prompts .*: engine {NUM} examples/s",
     ],
+    "bench_fp8_gpu": [
+        rf"^snakellm train fp8 \(tensorwise\)\s+{NUM}",
+        rf"^hand-written Llama torchao fp8 \(tensorwise\)\s+{NUM}",
+        rf"final loss \(mean of the last 10 steps\): bf16 {NUM}, fp8 {NUM}",
+        r"first resumed step's loss identical .*; every step identical",
+    ],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
     "bench_finetune_gpu": [rf'"method": "{m}", "tp": 1, "tokens_per_s": {NUM},' for m in ("lora", "full")],
     "bench_parallel_gpu": [rf"\| tiny \| 1 GPU \| 1 \| {NUM} \|", rf"\| tiny \| DP=2 \| 2 \| {NUM} \| {NUM} \| {NUM}%"],
@@ -57,7 +63,14 @@ FIGURES: dict[str, list[str]] = {
     ],
 }
 # smokes of more than ~10 s on 2 cores (measured): 3 to 5 processes that import torch and megatron-core
-SLOW = {"bench_convert", "bench_generate_gpu", "bench_train_gpu", "bench_finetune_gpu", "bench_parallel_gpu"}
+SLOW = {
+    "bench_fp8_gpu",
+    "bench_convert",
+    "bench_generate_gpu",
+    "bench_train_gpu",
+    "bench_finetune_gpu",
+    "bench_parallel_gpu",
+}
 
 
 def run_smoke(script: str) -> tuple[subprocess.CompletedProcess, float]:

@@ -6,6 +6,9 @@ linears around it) runs here too, under :mod:`snakellm.models.fp8`'s test-only
 override of the hardware check (``SNAKELLM_FP8_ANY_DEVICE=1``). The numerics
 are checked against torchao's own ``Float8Linear`` (bit for bit: the same casts
 and kernel) and against bf16 (close, and not equal: float8 is really used).
+
+The fast tier holds the torch-free checks; everything that imports megatron-core and torchao (about
+7 s of imports on 2 cores before the first assertion) is marked slow and runs in CI's whole suite.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def test_settings_schema_and_fingerprint():
         fp8.float8_config("delayed")
 
 
+@pytest.mark.slow
 def test_fp8_runs_record_their_recipe_and_leave_other_fingerprints_alone(tmp_path, monkeypatch):
     from snakellm.steps.train import build_parser
     from snakellm.train.request import make_request, run_config
@@ -102,31 +106,35 @@ def test_compute_capability_below_8_9_is_refused_naming_the_setting(capability, 
     assert "precision: fp8" in msg and f"{capability[0]}.{capability[1]}" in msg and name in msg and "8.9" in msg
 
 
-def test_fp8_on_the_cpu_is_refused(monkeypatch, capsys, tmp_path, parallel):
+def test_fp8_on_the_cpu_is_refused_before_anything_starts(monkeypatch, capsys, tmp_path):
     from snakellm.steps.train import main
 
     monkeypatch.delenv(fp8.ANY_DEVICE_ENV, raising=False)
-    # the command: exit status 2 before anything starts
-    make_blend(tmp_path, docs=20)
     monkeypatch.chdir(tmp_path)
-    args = ["--blend", "data/tokens/synth/blend.json", "--run-dir", "runs/never", *BASE, "--steps", "10"]
+    args = ["--blend", "blend.json", "--run-dir", "runs/never", *BASE, "--steps", "10"]
     assert main([*args, "--precision", "fp8", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "precision: fp8 (--precision fp8) needs an NVIDIA GPU" in err and "runs on the CPU" in err
     assert not (tmp_path / "runs/never").exists()
-    # the model build (fine-tuning's load, --device auto on a machine without a GPU)
+
+
+@pytest.mark.slow
+def test_fp8_model_build_is_refused_on_the_cpu_and_without_bf16(monkeypatch, parallel):
+    """The model build (fine-tuning's load, --device auto on a machine without a GPU) refuses too."""
+    from snakellm.models.build import build_model
+
+    monkeypatch.delenv(fp8.ANY_DEVICE_ENV, raising=False)
     with pytest.raises(fp8.FP8Error, match="precision: fp8"):
         _tiny("tensorwise")
+    monkeypatch.setenv(fp8.ANY_DEVICE_ENV, "1")
     with pytest.raises(ModelConfigError, match="bf16"):
-        monkeypatch.setenv(fp8.ANY_DEVICE_ENV, "1")
-        from snakellm.models.build import build_model
-
         build_model(resolve("tiny-llama", {}), 256, fused_loss="eager", use_te=False, fp8="tensorwise")
 
 
 # ----------------------------------------------------------------------------- numerics on the CPU
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
 def test_megatron_linears_match_torchao_float8_linear_bit_for_bit(parallel, any_device, recipe):
     """Column- and row-parallel linears (TP 1) with the float8 matmul give torchao's Float8Linear's output and
@@ -160,6 +168,7 @@ def test_megatron_linears_match_torchao_float8_linear_bit_for_bit(parallel, any_
             assert 1e-3 < rel(a, b) < 0.1
 
 
+@pytest.mark.slow
 def test_frozen_weight_takes_the_input_gradient_only(parallel, any_device):
     """LoRA's frozen base: the same output and input gradient as a trained weight, and no weight gradient."""
     model = _tiny("tensorwise")
@@ -178,6 +187,7 @@ def test_frozen_weight_takes_the_input_gradient_only(parallel, any_device):
     assert res[0][2] is not None and res[1][2] is None
 
 
+@pytest.mark.slow
 def test_model_converts_only_the_block_linears_and_keeps_its_state_dict(parallel, any_device):
     m16, m8 = _tiny(None), _tiny("tensorwise")
     converted = [n for n, lin in fp8.block_linears(m8) if fp8.is_converted(lin)]
@@ -194,25 +204,50 @@ def test_model_converts_only_the_block_linears_and_keeps_its_state_dict(parallel
     assert l16.item() != l8.item() and abs(l8.item() / l16.item() - 1) < 1e-3
 
 
-def test_shapes_float8_kernels_refuse_are_named(parallel, any_device):
-    from snakellm.models.build import build_model
-
-    arch = resolve("tiny-llama", {"ffn_hidden_size": 100})
-    with pytest.raises(fp8.FP8Error, match=r"decoder.layers.0.mlp.linear_fc1 has a 200 x 64 weight"):
-        build_model(arch, 256, bf16=True, fused_loss="eager", use_te=False, fp8="tensorwise")
-    # before anything starts (the request), on each tensor-parallel rank's shard: tiny-llama's ffn 176 / 2 = 88
+def test_shapes_float8_kernels_refuse_are_named_before_anything_starts():
+    # each tensor-parallel rank's shard: tiny-llama's ffn 176 / 2 = 88
     with pytest.raises(fp8.FP8Error, match=r"linear_fc2 has a 64 x 88 weight on each of the 2 tensor-parallel"):
         fp8.check_request("fp8", "auto", resolve("tiny-llama", {}), tp=2)
     fp8.check_request("fp8", "auto", resolve("tiny-llama", {}), tp=1)
     fp8.check_request("bf16", "cpu", resolve("tiny-llama", {"ffn_hidden_size": 100}), tp=2)
     for preset in ("llama-1b", "llama3-8b", "gpt2-124m"):  # the shapes we benchmark
         fp8.check_shapes(resolve(preset, {}), tp=1)
-    # the torch-free shapes are those megatron-core builds
+
+
+def test_a_run_config_with_shapes_float8_refuses_names_the_key():
+    from snakellm.config import checks, resolve
+    from snakellm.errors import ConfigError
+
+    run = {
+        "tokenizer": "gpt2",
+        "model": {"preset": "tiny-llama"},
+        "parallel": {"tp": 2},
+        "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 4, "precision": "fp8"},
+    }
+    cfg = {"sources": {}, "tokenizers": {"gpt2": {"kind": "gpt2-bpe"}}, "tokenize": {}, "runs": {"r": run}}
+    with pytest.raises(
+        ConfigError, match=r"config key runs.r.train.precision: precision: fp8: linear_fc2 has a 64 x 88"
+    ):
+        checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["parallel"]["tp"] = 1
+    checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["parallel"]["tp"], run["train"]["precision"] = 2, "bf16"
+    checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+
+
+@pytest.mark.slow
+def test_shapes_checked_are_the_shapes_megatron_builds(parallel, any_device):
+    from snakellm.models.build import build_model
+
     model = _tiny("tensorwise")
     built = {n.rsplit(".", 1)[-1]: tuple(lin.weight.shape) for n, lin in fp8.block_linears(model)}
     assert built == fp8.weight_shapes(resolve("tiny-llama", {}))
+    arch = resolve("tiny-llama", {"ffn_hidden_size": 100})  # and the build refuses what the request would
+    with pytest.raises(fp8.FP8Error, match=r"decoder.layers.0.mlp.linear_fc1 has a 200 x 64 weight"):
+        build_model(arch, 256, bf16=True, fused_loss="eager", use_te=False, fp8="tensorwise")
 
 
+@pytest.mark.slow
 def test_lora_on_an_fp8_base_trains_the_adapters_only(parallel, any_device):
     from snakellm.finetune.lora import LoRAAdapters, LoRAConfig
 

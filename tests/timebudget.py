@@ -32,7 +32,7 @@ import pytest
 
 COUNTS = pytest.StashKey[dict]()
 PER_TEST_S = 120.0
-SHARED_FIXTURE_S = 120.0
+SHARED_FIXTURE_S = 600.0  # the default workflow (every stage of the shipped config) is built once, in a few minutes
 FAST_TIER_S = 90.0
 FAST_TIER = "not slow and not slurm"
 

@@ -410,6 +410,12 @@ class ParallelSettings:
         "shard the fp32 Adam states and master weights over the data-parallel ranks (megatron-core's "
         "distributed-optimizer gradient buffers: reduce-scatter, then all-gather of the updated weights)",
     )
+    overlap_param_gather: bool = setting(
+        False,
+        "with distributed_optimizer: the updated weights are all-gathered bucket by bucket just before the next "
+        "forward pass uses them, overlapped with its compute (megatron-core DDP's forward pre-hooks), instead of "
+        "all at once after the optimizer step",
+    )
     fsdp: bool = setting(
         False,
         "shard the parameters and gradients as well as the optimizer states over the data-parallel ranks "

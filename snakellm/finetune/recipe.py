@@ -187,7 +187,7 @@ class FinetuneRecipe:
         loaded = models.load(
             self.a.base,
             device=s.device,
-            bf16=s.precision in ("bf16", "fp8"),
+            bf16=s.bf16,
             tp=tp,
             seq_length=self.a.max_seq_length,
             train=True,

@@ -334,6 +334,7 @@ def run_plan(
             recompute_method=recompute[1],
             recompute_num_layers=int(recompute[2]),
             virtual_pp=vpp,
+            fsdp=bool(par.get("fsdp", False)),
         )
     ]
     return out

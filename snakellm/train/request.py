@@ -118,6 +118,11 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         raise RequestError(
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
         )
+    if par.overlap_param_gather and not par.distributed_optimizer:
+        raise RequestError(
+            "--overlap-param-gather overlaps the distributed optimizer's all-gather of the updated weights: "
+            "it needs --distributed-optimizer"
+        )
     if par.fsdp and par.distributed_optimizer:
         raise RequestError(
             "--fsdp already shards the optimizer states (and the parameters and gradients): drop --distributed-optimizer"
@@ -237,6 +242,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
                 recompute_method=par.recompute_method,
                 recompute_num_layers=par.recompute_num_layers,
                 virtual_pp=par.virtual_pp,
+                fsdp=par.fsdp,
             )
         ),
     ]
