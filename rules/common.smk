@@ -232,13 +232,20 @@ def get_index_chunk_args(wildcards):
     )
 
 
+# computed once: a source of 10^6 shards has a signature job per chunk
+CURATE_FLAGS = {s: flagmod.curate_flags(cur) for s, cur in CURATED.items()}
+BUCKET_FLAGS = {
+    i: flagmod.curate_flags(index_settings(i), filters=False) for i in CURATE_INDEXES
+}
+
+
 def get_curate_flags(wildcards):
     """The source's curate settings (config: sources.NAME.curate): a change reruns its signature jobs."""
-    return flagmod.curate_flags(CURATED[wildcards.source])
+    return CURATE_FLAGS[wildcards.source]
 
 
 def get_bucket_flags(wildcards):
-    return flagmod.curate_flags(index_settings(wildcards.index), filters=False)
+    return BUCKET_FLAGS[wildcards.index]
 
 
 def get_removal_list(wildcards):
@@ -257,6 +264,11 @@ def text_chunk(source, chunk):
 
 def get_text_chunk(wildcards):
     return text_chunk(wildcards.source, wildcards.chunk)
+
+
+def get_tokenize_empty_flag(wildcards):
+    """A curated chunk may be empty (every document removed): a dataset of no documents, left out of the blend."""
+    return "--allow-empty" if wildcards.source in CURATED else ""
 
 
 def curated_outputs(source, chunk):

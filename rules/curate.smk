@@ -84,3 +84,29 @@ rule curate:
     """Every curated chunk: `snakemake curate` stops after curation."""
     input:
         get_all_curate_targets(),
+
+
+# the report: Data / {source}: the curated chunks' counts, and each duplicate index's summary
+for _source in CURATED:
+    register_report_table(
+        "curation",
+        _source,
+        [curated_outputs(_source, c)[1] for c in sorted(PLAN[_source])],
+        f"{_source}: curated chunks",
+        note="documents in and kept, removed by reason (data/curated/{source}/{chunk}.stats.json; each removed "
+        "document is in {chunk}.removed.jsonl with its reason)",
+        category="Data",
+        subcategory=_source,
+        figure="curated chunks",
+    )
+for _index, _members in CURATE_INDEXES.items():
+    register_report_table(
+        "curation",
+        f"index-{_index}",
+        index_summary_path(_index),
+        f"duplicate index {_index} (sources {', '.join(_members)})",
+        note="pairs, clusters and removed documents by reason across the index (data/curated-index/{index}/index.json)",
+        category="Data",
+        subcategory=_members[0],
+        figure=f"duplicate index {_index}",
+    )

@@ -49,8 +49,9 @@ rule tokenize:
         prefix=subpath(output[0], strip_suffix=".bin"),
         tokenizer=get_tokenizer_flags,
         key=get_source_key,
+        empty=get_tokenize_empty_flag,
     shell:
-        "snakellm tokenize {input.jsonl} {params.prefix} --key {params.key:q} --threads {threads} "
+        "snakellm tokenize {input.jsonl} {params.prefix} --key {params.key:q} --threads {threads} {params.empty} "
         "--source {wildcards.source} --chunk {wildcards.chunk} --name {wildcards.tokenizer} {params.tokenizer} 2> {log}"
 
 

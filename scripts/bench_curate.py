@@ -274,8 +274,9 @@ t = {}
 if a["mode"] == "minhash":
     t["signatures"] = run([reader(), MinhashDedupSignature(f"{work}/sigs", config=cfg, language=tok)], files, "s1")
     t["buckets"] = run([MinhashDedupBuckets(f"{work}/sigs", f"{work}/buckets", config=cfg)], cfg.num_buckets, "s2")
-    t["cluster"] = run([MinhashDedupCluster(f"{work}/buckets", f"{work}/remove", config=cfg)], 1, "s3")
-    t["filter"] = run([reader(), MinhashDedupFilter(f"{work}/remove",
+    t["cluster"] = run([MinhashDedupCluster(f"{work}/buckets", f"{work}/remove", config=cfg, save_cluster_id=True)],
+                       1, "s3")
+    t["filter"] = run([reader(), MinhashDedupFilter(f"{work}/remove", load_cluster_ids=True,
                        exclusion_writer=JsonlWriter(f"{work}/removed", compression=None)),
                        JsonlWriter(f"{work}/kept", compression=None)], files, "s4")
 else:
@@ -294,10 +295,25 @@ def run_datatrove(inp: Path, work: Path, cores: int, files: int, mode: str = "mi
         sys.exit(f"datatrove failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     t = json.loads(p.stdout.split("@@", 1)[1])
     removed: set[int] = set()
-    for f in sorted((work / "removed").glob("*.jsonl")) if mode == "minhash" else []:
-        for line in open(f):
-            removed.add(int(json.loads(line)["id"][1:]))
+    clusters: dict[int, list[int]] = {}
+    if mode == "minhash":
+        for sub in ("removed", "kept"):
+            for f in sorted((work / sub).glob("*.jsonl")):
+                for line in open(f):
+                    d = json.loads(line)
+                    i = int(d["id"][1:])
+                    if sub == "removed":
+                        removed.add(i)
+                    c = d.get("metadata", {}).get("minhash_cluster_id", -1)
+                    if c != -1:
+                        clusters.setdefault(c, []).append(i)
+    t["_clusters"] = clusters
     return removed, t
+
+
+def first_kept(clusters: dict[int, list[int]]) -> set[int]:
+    """The removed set of these clusters when each keeps its first document in corpus order (ours' choice)."""
+    return {i for members in clusters.values() for i in sorted(members)[1:]}
 
 
 # ---------------------------------------------------------------- pieces
@@ -328,17 +344,22 @@ def bench_langid() -> list[str]:
     if not sample.exists():
         return ["  (resources/langid/postgres-messages.jsonl not present)"]
     rows = [json.loads(line) for line in sample.read_text().splitlines()]
+    paras = [
+        {"lang": rows[i]["lang"], "text": " ".join(r["text"] for r in rows[i : i + 4])} for i in range(0, len(rows), 4)
+    ]
+    langs = len({r["lang"] for r in rows})
     lines = []
     for model in ("pycld2", "py3langid"):
         ident = filters.language_identifier(model)
-        t0 = time.perf_counter()
-        got = [ident(r["text"])[0] for r in rows]
-        dt = time.perf_counter() - t0
-        acc = sum(g == r["lang"] for g, r in zip(got, rows)) / len(rows)
-        langs = len({r["lang"] for r in rows})
-        lines.append(
-            f"  {model:<10} accuracy {acc:6.1%} on {len(rows)} texts in {langs} languages, {len(rows) / dt:8,.0f} texts/s"
-        )
+        for what, items in (("messages", rows), ("paragraphs of 4", paras)):
+            t0 = time.perf_counter()
+            got = [ident(r["text"])[0] for r in items]
+            dt = time.perf_counter() - t0
+            acc = sum(g == r["lang"] for g, r in zip(got, items)) / len(items)
+            lines.append(
+                f"  {model:<10} {what:<16} accuracy {acc:6.1%} on {len(items)} texts in {langs} languages, "
+                f"{len(items) / dt:8,.0f} texts/s"
+            )
     return lines
 
 
@@ -389,13 +410,20 @@ def main() -> int:
         dt_params = {**near, "threshold": 0.0}
         ours_dt, t_ours = run_ours(paths, work / "ours-dt", {"exact": False, "near": dt_params}, a.cores)
         dt_removed, t_dt = run_datatrove(work / "chunks", work / "datatrove", a.cores, a.chunks)
+        dt_first = first_kept(t_dt.pop("_clusters"))
         agree = len(ours_dt & dt_removed) / max(1, len(ours_dt | dt_removed))
+        agree_first = len(ours_dt & dt_first) / max(1, len(ours_dt | dt_first))
         qd, qo = quality(sim, dt_removed, n), quality(sim, ours_dt, n)
-        fig.update(agreement=agree, datatrove=qd, ours_dt_params=qo, t_ours=t_ours, t_datatrove=t_dt)
+        fig.update(agreement=agree, agreement_first_kept=agree_first, datatrove=qd, ours_dt_params=qo)
+        fig.update(t_ours=t_ours, t_datatrove=t_dt)
         print("\nwith datatrove's parameters (5-grams, 14 x 8, no threshold):")
         print(
             f"  removed: ours {len(ours_dt)}, datatrove {len(dt_removed)}, both {len(ours_dt & dt_removed)}: "
             f"agreement (Jaccard of the sets) {agree:.1%}   (bar >= 95%)"
+        )
+        print(
+            f"  datatrove's clusters, each keeping its first document as ours do (datatrove keeps its union-find "
+            f"root): {len(dt_first)} removed, agreement {agree_first:.1%}"
         )
         print(
             f"  recall at >= 0.85: ours {qo['recall_085']:.1%}, datatrove {qd['recall_085']:.1%}; removed far (< 0.7): "

@@ -300,11 +300,12 @@ def main(argv=None) -> int:
     if a.smoke:
         a.preset, a.seq_length, a.steps, a.warmup_steps = "tiny", 128, 3, 1
         a.micro_batch_size, a.global_batch_size, a.device, a.timeout = 2, 4, "cpu", 300
-        a.methods = "lora"
         if a.workdir == p.get_default("workdir"):
             import tempfile
 
             a.workdir = tempfile.mkdtemp(prefix="bench-ft-smoke-")
+        if a.out == p.get_default("out"):
+            a.out = str(Path(a.workdir) / "out")
     root, out = Path(a.workdir), Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,9 +37,15 @@ with structure to learn (each token followed by one of 4 successors with
 probabilities 0.55/0.25/0.12/0.08: the loss falls from ln 50257 = 10.8 toward
 its entropy, 1.16).
 
-    python scripts/bench_fp8_gpu.py --part speed            # ~4 min on one H100
-    python scripts/bench_fp8_gpu.py --part numerics         # ~4-5 min
-    python scripts/bench_fp8_gpu.py --smoke                 # CPU, tiny-llama, seconds: the same code paths
+    python scripts/bench_fp8_gpu.py --gpus 0,1,2,3          # both parts, four lanes side by side: ~3.5 min
+    python scripts/bench_fp8_gpu.py --gpus 0,1,2            # three lanes: ~4 min
+    python scripts/bench_fp8_gpu.py --part speed            # one GPU, one run after another: ~4 min
+    python scripts/bench_fp8_gpu.py --part numerics         # one GPU: ~6 min
+    python scripts/bench_fp8_gpu.py --smoke                 # CPU, tiny-llama: the same code paths
+
+With ``--gpus`` the runs go to lanes, one per GPU (see :func:`run_parts`): ours bf16 and FP8 share a
+GPU, as do the FP8 numerics run and its resume; the hand-written runs and bf16's numerics run may be
+on others (identical GPUs of one host: the table names each run's GPU).
 
 ``--smoke`` runs both parts on the CPU with tiny-llama (FP8 through torch's CPU
 ``_scaled_mm`` under snakellm.models.fp8's test-only override of the GPU
@@ -57,6 +63,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,7 +125,9 @@ def chain_entropy() -> float:
 # ----------------------------------------------------------------------------- snakellm train
 
 
-def train(args, name: str, blend: Path, out: Path, precision: str, *, mbs: int, gbs: int, steps: int, extra=()):
+def train(
+    args, name: str, blend: Path, out: Path, precision: str, *, mbs: int, gbs: int, steps: int, warmup: int, extra=()
+):
     """One `snakellm train` run; returns its metrics records, summary and wall time (or the error)."""
     run_dir = Path(args.workdir) / "runs" / name
     if run_dir.exists() and not any(a == "--keep-run-dir" for a in extra):
@@ -128,7 +137,7 @@ def train(args, name: str, blend: Path, out: Path, precision: str, *, mbs: int, 
     cmd += ["--preset", args.preset, "--seq-length", str(args.seq_length), "--device", args.device]
     cmd += ["--steps", str(steps), "--decay-steps", str(steps), "--micro-batch-size", str(mbs)]
     cmd += ["--global-batch-size", str(gbs), "--precision", precision, "--fp8-recipe", args.recipe]
-    cmd += ["--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--warmup-steps", str(args.lr_warmup)]
+    cmd += ["--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--warmup-steps", str(warmup)]
     cmd += ["--log-interval", str(args.log_interval), "--eval-iters", "0", "--split", "100,0,0"]
     cmd += ["--no-tensorboard", "--no-progress", "--seed", "1234"]
     cmd += ["--loss", "compiled" if args.device != "cpu" else "eager"]
@@ -142,12 +151,21 @@ def train(args, name: str, blend: Path, out: Path, precision: str, *, mbs: int, 
     }
     if args.smoke:
         env[ANY_DEVICE_ENV] = "1"
+    if args.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
     t0 = time.time()
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=args.timeout, cwd=REPO)
-    res: dict = {"name": name, "precision": precision, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1)}
+        try:
+            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=_timeout(args), cwd=REPO)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    res: dict = {"name": name, "precision": precision, "rc": rc, "wall_s": round(time.time() - t0, 1)}
+    if rc == 124:
+        res["error"] = f"timed out (--budget-s/--timeout); {log}:\n" + log.read_text()[-1500:]
+        return res
     metrics = run_dir / "metrics.jsonl"
-    if proc.returncode != 0 or not metrics.exists():
+    if rc != 0 or not metrics.exists():
         res["error"] = log.read_text()[-3000:]
         return res
     recs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
@@ -309,15 +327,20 @@ def reference(args, name: str, out: Path, fp8: bool) -> dict:
     log = out / f"{name}.log"
     t0 = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
     with open(log, "w") as fh:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--reference-worker", json.dumps(spec)],
-            stdout=subprocess.PIPE,
-            stderr=fh,
-            text=True,
-            env=env,
-            timeout=args.timeout,
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--reference-worker", json.dumps(spec)],
+                stdout=subprocess.PIPE,
+                stderr=fh,
+                text=True,
+                env=env,
+                timeout=_timeout(args),
+            )
+        except subprocess.TimeoutExpired:
+            return {"name": name, "rc": 124, "wall_s": round(time.time() - t0, 1), "error": f"timed out; {log}"}
     res = {"name": name, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1)}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -334,114 +357,130 @@ def mfu(r: dict, peak: float) -> float | None:
     return r["tokens_per_s"] * r["flops_per_token"] / (peak * 1e12) if r.get("tokens_per_s") else None
 
 
-def part_speed(args, out: Path) -> dict:
+def speed_data(args) -> Path:
     from bench_train_gpu import make_data
 
-    blend = make_data(
+    return make_data(
         Path(args.workdir) / f"data-random-{args.vocab}",
         int(args.steps * args.global_batch_size * (args.seq_length + 1) * 1.05),
         vocab=args.vocab,
     )
-    kw = dict(mbs=args.micro_batch_size, gbs=args.global_batch_size, steps=args.steps, extra=["--no-checkpoints"])
-    rows = []
-    for name, run in (
-        ("snakellm train bf16", lambda: train(args, "speed-bf16", blend, out, "bf16", **kw)),
-        (f"snakellm train fp8 ({args.recipe})", lambda: train(args, "speed-fp8", blend, out, "fp8", **kw)),
-        ("hand-written Llama bf16", lambda: reference(args, "reference-bf16", out, fp8=False)),
-        (f"hand-written Llama torchao fp8 ({args.recipe})", lambda: reference(args, "reference-fp8", out, fp8=True)),
-    ):
-        r = run()
-        r["label"] = name
-        rows.append(r)
-        print(
-            f"  {name}: "
-            + (
-                f"{r['tokens_per_s']:,.0f} tokens/s [{r['wall_s']}s]"
-                if r.get("tokens_per_s")
-                else f"FAILED rc={r['rc']}\n{r.get('error', '')}"
-            ),
-            flush=True,
-        )
-    ours16, ours8, ref16, ref8 = rows
+
+
+def numerics_data(args) -> Path:
+    if args.blend:
+        return Path(args.blend)
+    steps, gbs = args.numerics_steps, args.numerics_global_batch_size
+    root = Path(args.workdir) / f"data-chain-{args.vocab}"
+    return make_chain_data(root, int(steps * gbs * (args.seq_length + 1) * 1.05), vocab=args.vocab)
+
+
+SPEED_LABELS = {
+    "speed-bf16": "snakellm train bf16",
+    "speed-fp8": "snakellm train fp8",
+    "reference-bf16": "hand-written Llama bf16",
+    "reference-fp8": "hand-written Llama torchao fp8",
+}
+
+
+def speed_run(args, out: Path, blend: Path, name: str) -> dict:
+    kw = dict(mbs=args.micro_batch_size, gbs=args.global_batch_size, steps=args.steps, warmup=min(2, args.steps))
+    if name.startswith("speed-"):
+        r = train(args, name, blend, out, name.split("-")[1], **kw, extra=["--no-checkpoints"])
+    else:
+        r = reference(args, name, out, fp8=name.endswith("fp8"))
+    r["label"] = SPEED_LABELS[name] + (f" ({args.recipe})" if name.endswith("fp8") else "")
+    r["gpu"] = args.gpu
+    ok = f"{r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else f"FAILED rc={r['rc']}\n{r.get('error', '')}"
+    print(f"  {r['label']} (GPU {args.gpu or '-'}): {ok} [{r['wall_s']}s]", flush=True)
+    return r
+
+
+def report_speed(args, rows: dict[str, dict]) -> dict:
+    gpus = sorted({str(r.get("gpu")) for r in rows.values()})
     print(
         f"\n{args.preset}, seq {args.seq_length}, micro batch {args.micro_batch_size}, global batch "
         f"{args.global_batch_size}, {args.steps} steps (median of windows after step {args.warmup_steps}), "
-        f"{'compiled' if args.compile else 'eager'}, {_device_name()}; MFU against the bf16 peak {args.peak_tflops} TFLOP/s"
+        f"{'compiled' if args.compile else 'eager'}, {_device_name()} (GPU {', '.join(gpus)}); MFU against the "
+        f"bf16 peak {args.peak_tflops} TFLOP/s"
     )
-    print(f"{'':60s} {'tokens/s':>10s} {'MFU':>7s} {'peak GiB':>9s}")
+    print(f"{'':60s} {'tokens/s':>10s} {'MFU':>7s} {'peak GiB':>9s} {'GPU':>4s}")
     for label, (tps, m) in ANCHORS.items():
         print(f"{'[anchor] ' + label:60s} {tps:>10,} {f'{m:.1%}' if m else '':>7s} {'':>9s}")
-    for r in rows:
+    for r in rows.values():
         m = mfu(r, args.peak_tflops)
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "failed"
         peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
-        print(f"{r['label']:60s} {tps:>10s} {f'{m:.1%}' if m else '-':>7s} {peak:>9s}")
-    verdict = {}
-    if all(r.get("tokens_per_s") for r in rows):
-        a = ours8["tokens_per_s"] / ref8["tokens_per_s"]
-        b = ours8["tokens_per_s"] / ours16["tokens_per_s"]
-        c = ref8["tokens_per_s"] / ref16["tokens_per_s"]
-        verdict = {
-            "fp8_vs_reference_fp8": a,
-            "fp8_vs_bf16": b,
-            "reference_fp8_vs_bf16": c,
-            "pass": a >= BARS["fp8_vs_reference_fp8"] and b >= BARS["fp8_vs_bf16"],
-        }
-        print(
-            f"ours fp8 / hand-written fp8: {a:.3f}x (bar >= {BARS['fp8_vs_reference_fp8']}): {'PASS' if a >= BARS['fp8_vs_reference_fp8'] else 'FAIL'}"
-        )
-        print(
-            f"ours fp8 / ours bf16:        {b:.3f}x (bar >= {BARS['fp8_vs_bf16']}): {'PASS' if b >= BARS['fp8_vs_bf16'] else 'FAIL'}"
-        )
-        print(f"hand-written fp8 / bf16:     {c:.3f}x (the issue's H200 anchor: 1.173x)")
-    return {"rows": rows, "verdict": verdict}
+        print(f"{r['label']:60s} {tps:>10s} {f'{m:.1%}' if m else '-':>7s} {peak:>9s} {str(r.get('gpu')):>4s}")
+    if not all(r.get("tokens_per_s") for r in rows.values()):
+        return {}
+    t = {k: r["tokens_per_s"] for k, r in rows.items()}
+    a, b = t["speed-fp8"] / t["reference-fp8"], t["speed-fp8"] / t["speed-bf16"]
+    c, d = t["reference-fp8"] / t["reference-bf16"], t["speed-bf16"] / t["reference-bf16"]
+    bar_a, bar_b = BARS["fp8_vs_reference_fp8"], BARS["fp8_vs_bf16"]
+    print(f"ours fp8 / hand-written fp8:   {a:.3f}x (bar >= {bar_a}): {'PASS' if a >= bar_a else 'FAIL'}")
+    print(f"ours fp8 / ours bf16:          {b:.3f}x (bar >= {bar_b}): {'PASS' if b >= bar_b else 'FAIL'}")
+    print(f"hand-written fp8 / bf16:       {c:.3f}x (the issue's H200 anchor: 1.173x)")
+    print(f"ours bf16 / hand-written bf16: {d:.3f}x")
+    return {
+        "fp8_vs_reference_fp8": a,
+        "fp8_vs_bf16": b,
+        "reference_fp8_vs_bf16": c,
+        "bf16_vs_reference_bf16": d,
+        "pass": a >= bar_a and b >= bar_b,
+    }
 
 
-def part_numerics(args, out: Path) -> dict:
-    steps, mbs, gbs, at = (
-        args.numerics_steps,
-        args.numerics_micro_batch_size,
-        args.numerics_global_batch_size,
-        args.resume_at,
+def numerics_kw(args) -> dict:
+    return dict(
+        mbs=args.numerics_micro_batch_size,
+        gbs=args.numerics_global_batch_size,
+        steps=args.numerics_steps,
+        warmup=args.lr_warmup,
     )
-    if args.blend:
-        blend = Path(args.blend)
-    else:
-        blend = make_chain_data(
-            Path(args.workdir) / f"data-chain-{args.vocab}",
-            int(steps * gbs * (args.seq_length + 1) * 1.05),
-            vocab=args.vocab,
-        )
-    kw = dict(mbs=mbs, gbs=gbs, steps=steps)
-    bf16 = train(args, "numerics-bf16", blend, out, "bf16", **kw, extra=["--no-checkpoints"])
-    print(f"  bf16 {steps} steps: rc {bf16['rc']} [{bf16['wall_s']}s]", flush=True)
-    fp8 = train(args, "numerics-fp8", blend, out, "fp8", **kw, extra=["--save-interval", str(at), "--keep-last", "2"])
-    print(f"  fp8 {steps} steps: rc {fp8['rc']} [{fp8['wall_s']}s]", flush=True)
-    res: dict = {"bf16": bf16, "fp8": fp8}
-    for r in (bf16, fp8):
+
+
+def numerics_bf16(args, out: Path, blend: Path) -> dict:
+    r = train(args, "numerics-bf16", blend, out, "bf16", **numerics_kw(args), extra=["--no-checkpoints"])
+    print(f"  numerics bf16 {args.numerics_steps} steps (GPU {args.gpu}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
+    return r
+
+
+def numerics_fp8(args, out: Path, blend: Path) -> tuple[dict, dict]:
+    """The uninterrupted FP8 run (a checkpoint at --resume-at), then the resumed one on the same GPU."""
+    at = args.resume_at
+    extra = ["--save-interval", str(at), "--keep-last", "2"]
+    fp8 = train(args, "numerics-fp8", blend, out, "fp8", **numerics_kw(args), extra=extra)
+    print(f"  numerics fp8 {args.numerics_steps} steps (GPU {args.gpu}): rc {fp8['rc']} [{fp8['wall_s']}s]", flush=True)
+    if fp8["rc"]:
+        return fp8, {"name": "numerics-fp8-resumed", "rc": -1, "wall_s": 0, "error": "the FP8 run failed"}
+    resumed = _resume_run(args, blend, out, fp8, numerics_kw(args), at)
+    print(f"  numerics fp8 resumed at {at} (GPU {args.gpu}): rc {resumed['rc']} [{resumed['wall_s']}s]", flush=True)
+    return fp8, resumed
+
+
+def report_numerics(args, blend: Path, bf16: dict, fp8: dict, resumed: dict) -> dict:
+    steps, at = args.numerics_steps, args.resume_at
+    mbs, gbs = args.numerics_micro_batch_size, args.numerics_global_batch_size
+    for r in (bf16, fp8, resumed):
         if r["rc"]:
             print(f"FAILED {r['name']}:\n{r.get('error', '')}")
-            return res
-    resumed = _resume_run(args, blend, out, fp8, kw, at)
-    print(f"  fp8 resumed at {at}: rc {resumed['rc']} [{resumed['wall_s']}s]", flush=True)
-    res["resumed"] = resumed
+    if bf16["rc"] or fp8["rc"]:
+        return {}
     a, b = bf16["losses"], fp8["losses"]
+    rl = resumed.get("losses", {})
     every = max(1, steps // 30)
     print(
         f"\nloss curve ({args.preset}, seq {args.seq_length}, micro {mbs} / global batch {gbs}, lr {args.lr}, "
-        f"{f'chain data: entropy {chain_entropy():.3f}' if not args.blend else blend}, {_device_name()})"
+        f"{f'chain data: entropy {chain_entropy():.3f}' if not args.blend else blend}, {_device_name()}; "
+        f"bf16 on GPU {bf16.get('gpu')}, fp8 and resumed on GPU {fp8.get('gpu')})"
     )
-    print(
-        f"{'step':>5s} {'bf16':>9s} {'fp8':>9s} {'fp8/bf16-1':>11s}"
-        + (f" {'resumed':>9s}" if resumed.get("losses") else "")
-    )
+    print(f"{'step':>5s} {'bf16':>9s} {'fp8':>9s} {'fp8/bf16-1':>11s}" + (f" {'resumed':>9s}" if rl else ""))
     for s in sorted(a):
         if s == 1 or s % every == 0 or s == steps or s == at + 1:
-            rr = resumed.get("losses", {}).get(s)
-            print(
-                f"{s:>5d} {a[s]:>9.4f} {b[s]:>9.4f} {b[s] / a[s] - 1:>+11.2%}"
-                + (f" {rr:>9.4f}" if rr is not None else "")
-            )
+            rr = rl.get(s)
+            line = f"{s:>5d} {a[s]:>9.4f} {b[s]:>9.4f} {b[s] / a[s] - 1:>+11.2%}"
+            print(line + (f" {rr:>9.4f}" if rr is not None else ""))
     rel = fp8["final_loss"] / bf16["final_loss"] - 1
     finite = all(math.isfinite(v) for v in b.values())
     worst = max(abs(b[s] / a[s] - 1) for s in a if s > steps // 10)
@@ -451,22 +490,27 @@ def part_numerics(args, out: Path) -> dict:
         f"{rel:+.3%} (bar within {BARS['final_loss_rel']:.0%}): {'PASS' if ok else 'FAIL'}; all finite: {finite}; "
         f"largest step difference after step {steps // 10}: {worst:.2%}"
     )
-    res["verdict"] = {"final_rel": rel, "finite": finite, "worst_step_rel": worst, "pass": ok}
-    if resumed.get("losses"):
-        rl = resumed["losses"]
+    peaks = f"peak GiB: bf16 {bf16.get('peak_gib')}, fp8 {fp8.get('peak_gib')}"
+    tps = f"tokens/s: bf16 {bf16.get('tokens_per_s') or 0:,.0f}, fp8 {fp8.get('tokens_per_s') or 0:,.0f}"
+    print(f"{tps}; {peaks} (micro batch {mbs})")
+    verdict: dict = {"final_rel": rel, "finite": finite, "worst_step_rel": worst, "pass": ok}
+    if rl:
         first = rl.get(at + 1) == b.get(at + 1)
         diffs = [abs(rl[s] - b[s]) for s in rl if s in b]
         same = all(d == 0 for d in diffs)
+        after = "every step identical" if same else f"largest difference afterwards {max(diffs):.2e}"
         print(
             f"resume from step {at}: steps {min(rl)}-{max(rl)}; first resumed step's loss "
-            f"{'identical' if first else 'DIFFERENT'} ({rl.get(at + 1)!r} vs {b.get(at + 1)!r}); "
-            f"{'every step identical' if same else f'largest difference afterwards {max(diffs):.2e} (non-deterministic GPU kernels)'}"
-            f"; final loss {resumed['final_loss']:.6f} vs {fp8['final_loss']:.6f}: {'PASS' if first else 'FAIL'}"
+            f"{'identical' if first else 'DIFFERENT'} ({rl.get(at + 1)!r} vs {b.get(at + 1)!r}); {after}; "
+            f"last step's loss {rl[max(rl)]:.6f} vs {b[max(rl)]:.6f}: {'PASS' if first else 'FAIL'}"
         )
-        res["verdict"]["resume_first_step_identical"] = first
-        res["verdict"]["resume_all_identical"] = same
-        res["verdict"]["resume_max_abs_diff"] = max(diffs) if diffs else None
-    return res
+        verdict.update(
+            resume_first_step_identical=first,
+            resume_all_identical=same,
+            resume_max_abs_diff=max(diffs) if diffs else None,
+        )
+        verdict["pass"] = ok and first
+    return verdict
 
 
 def _resume_run(args, blend: Path, out: Path, fp8: dict, kw: dict, at: int) -> dict:
@@ -482,15 +526,15 @@ def _resume_run(args, blend: Path, out: Path, fp8: dict, kw: dict, at: int) -> d
     os.rename(src / it, dst_run / "checkpoints" / it)  # a move: no copy of ~15 GB
     shutil.copy(src / "run_config.json", dst_run / "checkpoints" / "run_config.json")
     (dst_run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(at))
-    return train(
-        args,
-        "numerics-fp8-resumed",
-        blend,
-        out,
-        "fp8",
-        **kw,
-        extra=["--keep-run-dir", "--resume", "require", "--no-checkpoints"],
-    )
+    extra = ["--keep-run-dir", "--resume", "require", "--no-checkpoints"]
+    return train(args, "numerics-fp8-resumed", blend, out, "fp8", **kw, extra=extra)
+
+
+def _timeout(args) -> float:
+    """A run's time limit: --timeout, and what is left of --budget-s (so the tables still print)."""
+    if args.deadline is None:
+        return args.timeout
+    return max(1.0, min(args.timeout, args.deadline - time.time()))
 
 
 def _device_name() -> str:
@@ -523,12 +567,29 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", dest="compile", action="store_false", help="leave out torch.compile")
     p.add_argument("--vocab", type=int, default=VOCAB, help="ids of the data (GPT-2's vocabulary)")
     p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="comma-separated GPU ids to run lanes side by side (4: ours | hand-written | fp8 numerics + resume | "
+        "bf16 numerics); default: everything on the visible GPU, one run after another",
+    )
     p.add_argument("--peak-tflops", type=float, default=PEAK, help="bf16 dense peak per GPU for MFU (also for FP8)")
     p.add_argument("--workdir", default="/tmp/snakellm-bench-fp8")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    p.add_argument("--timeout", type=float, default=580)
+    p.add_argument("--out", default=None, help="logs and bench-fp8.json (default: $OUT, else bench-out)")
+    p.add_argument("--timeout", type=float, default=580, help="seconds a run may take")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop every run this long after the start, so that the tables of what finished print before an outer "
+        "time limit",
+    )
     p.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.deadline = time.time() + args.budget_s if args.budget_s else None
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\..*")  # "Transformer Engine and Apex are not installed"
     if args.reference_worker:
         print(json.dumps(reference_worker(json.loads(args.reference_worker))), flush=True)
         return 0
@@ -538,28 +599,82 @@ def main(argv=None) -> int:
         args.log_interval, args.lr_warmup, args.lr = 1, 2, 3e-3
         args.numerics_steps, args.numerics_micro_batch_size, args.numerics_global_batch_size = 8, 2, 4
         args.resume_at, args.timeout = 4, 300
-        args.workdir = args.workdir + "-smoke"
-    out = Path(args.out)
+        args.workdir = tempfile.mkdtemp(prefix="snakellm-bench-fp8-smoke-")  # removed at the end
+    out = Path(args.out or os.environ.get("OUT") or (Path(args.workdir) / "out" if args.smoke else "bench-out"))
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"args": vars(args)}
     t0 = time.time()
-    if args.part in ("speed", "all"):
-        print(f"== speed: {args.preset}, bf16 vs fp8, ours vs hand-written", flush=True)
-        results["speed"] = part_speed(args, out)
+    try:
+        results = run_parts(args, out)
+        results["args"] = vars(args)
         (out / "bench-fp8.json").write_text(json.dumps(results, indent=1, default=str))
-    if args.part in ("numerics", "all"):
-        print(
-            f"\n== numerics: {args.preset}, {args.numerics_steps} steps bf16 vs fp8, resume at {args.resume_at}",
-            flush=True,
-        )
-        results["numerics"] = part_numerics(args, out)
-        (out / "bench-fp8.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"\ntotal {time.time() - t0:.0f}s; results in {out / 'bench-fp8.json'}")
+        print(f"\ntotal {time.time() - t0:.0f}s; results in {out / 'bench-fp8.json'}")
+    finally:
+        if args.smoke:
+            shutil.rmtree(args.workdir, ignore_errors=True)
     parts = [results[k].get("verdict", {}) for k in ("speed", "numerics") if k in results]
     ran = all(parts)  # every part produced its figures
-    if args.smoke:
-        return 0 if ran else 1
+    if args.smoke:  # the CPU is deterministic: the resumed run must repeat the uninterrupted one exactly
+        return 0 if ran and results.get("numerics", {}).get("verdict", {}).get("resume_all_identical", True) else 1
     return 0 if ran and all(v.get("pass") for v in parts) else 1
+
+
+def run_parts(args, out: Path) -> dict:
+    """The runs of the parts asked for, in lanes: one lane per GPU of ``--gpus`` (or all in one lane).
+
+    With four GPUs: ours bf16 and fp8 on the first (their ratio on one device), the two hand-written
+    runs on the second, the FP8 numerics run and its resumed run on the third (the resume is compared
+    on the device of the uninterrupted run), bf16's numerics run on the fourth; with three, bf16's
+    numerics run follows the hand-written runs; with two, lanes share further.
+    """
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    speed, numerics = args.part in ("speed", "all"), args.part in ("numerics", "all")
+    sblend = speed_data(args) if speed else None
+    nblend = numerics_data(args) if numerics else None
+    jobs: list[tuple[str, object]] = []  # (lane key, thunk taking the lane's args)
+    if speed:
+        for name in ("speed-bf16", "speed-fp8"):
+            jobs.append(("ours", lambda a, n=name: ("speed", n, speed_run(a, out, sblend, n))))
+        for name in ("reference-bf16", "reference-fp8"):
+            jobs.append(("reference", lambda a, n=name: ("speed", n, speed_run(a, out, sblend, n))))
+    if numerics:
+        jobs.append(("numerics-fp8", lambda a: ("numerics", "fp8", numerics_fp8(a, out, nblend))))
+        jobs.append(("numerics-bf16", lambda a: ("numerics", "bf16", numerics_bf16(a, out, nblend))))
+    gpus = [g for g in (args.gpus or "").split(",") if g][:4] or [None]
+    keys = list(dict.fromkeys(k for k, _ in jobs))
+    # the longest lanes apart: fp8 numerics + resume ~200 s, hand-written ~95 s + bf16 numerics ~135 s, ours ~130 s
+    plan = {1: (0, 0, 0, 0), 2: (0, 1, 1, 0), 3: (0, 1, 2, 1), 4: (0, 1, 2, 3)}[len(gpus)]
+    lane_of = {k: plan[("ours", "reference", "numerics-fp8", "numerics-bf16").index(k)] for k in keys}
+    lanes: dict[int, list] = {}
+    for k, job in jobs:
+        lanes.setdefault(lane_of[k], []).append(job)
+    print(
+        f"== {args.part}: {args.preset}; lanes: "
+        + "; ".join(f"GPU {gpus[i]}: {', '.join(k for k in keys if lane_of[k] == i)}" for i in sorted(lanes)),
+        flush=True,
+    )
+
+    def run_lane(i: int) -> list:
+        a = copy.copy(args)
+        a.gpu = gpus[i]  # None: the visible device(s), not restricted
+        return [job(a) for job in lanes[i]]
+
+    with ThreadPoolExecutor(len(lanes)) as pool:
+        done = [r for rs in pool.map(run_lane, sorted(lanes)) for r in rs]
+    results: dict = {}
+    if speed:
+        rows = {n: r for part, n, r in done if part == "speed"}
+        rows = {n: rows[n] for n in SPEED_LABELS}
+        results["speed"] = {"rows": list(rows.values()), "verdict": report_speed(args, rows)}
+    if numerics:
+        got = {n: r for part, n, r in done if part == "numerics"}
+        (fp8, resumed), bf16 = got["fp8"], got["bf16"]
+        for r, lane in ((fp8, "numerics-fp8"), (resumed, "numerics-fp8"), (bf16, "numerics-bf16")):
+            r["gpu"] = gpus[lane_of[lane]]
+        verdict = report_numerics(args, nblend, bf16, fp8, resumed)
+        results["numerics"] = {"bf16": bf16, "fp8": fp8, "resumed": resumed, "verdict": verdict}
+    return results
 
 
 if __name__ == "__main__":

@@ -15,10 +15,14 @@ Shard lists reach the jobs through data/plan/{source}/{chunk}.list files (no com
 ceiling): `--per-chunk 5000` checks the 60,000-shard / 12-chunk case. CPU seconds are printed
 next to wall time: on a loaded machine they are the figure to compare.
 
-`--smoke` (seconds, tests/test_bench_smoke.py): 20 shards in 2 chunks, and the real build and
-no-op rerun of the `data` target only (the chunk jobs), not of the whole default target.
+`--curate` gives the source a `curate:` section (exact + MinHash near dedup, the four quality filters,
+language ID, `--index-jobs` bucket jobs), so the plan holds the curation stages too; `--http-only` skips
+the local case. RedPajama-v2's order, 10^6 shards, with curation (bar: < 60 s and < 4 GB):
+  .venv/bin/python scripts/bench_plan.py --shards 1000000 --per-chunk 1000 --curate --http-only
+`--smoke`: 100 shards, 20 a chunk, curation on, http and local, dry runs only (seconds; the same code path).
 
-usage: .venv/bin/python scripts/bench_plan.py [--shards 60000] [--per-chunk 800] [--naive] [--keep DIR] [--smoke]
+usage: .venv/bin/python scripts/bench_plan.py [--shards 60000] [--per-chunk 800] [--curate] [--http-only]
+       [--naive] [--keep DIR] [--smoke]
 """
 
 from __future__ import annotations
@@ -39,6 +43,13 @@ import zstandard
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 BAR_S = 20.0
+BAR_MB = 4096.0
+CURATE = {
+    "exact": True,
+    "near": {"threshold": 0.8},
+    "filters": {"gopher_repetition": {}, "gopher_quality": {}, "c4": {}, "fineweb": {}},
+    "languages": ["en"],
+}
 
 
 CPU: dict[str, float] = {}  # CPU seconds (user + sys) of the last snakemake call: robust on a loaded machine
@@ -79,12 +90,12 @@ def job_counts(out: str) -> dict[str, int]:
     return counts
 
 
-def bench_config(source: dict) -> str:
+def bench_config(source: dict, curate: dict | None = None) -> str:
     """One source plus the GPT-2 tokenizer: the whole data graph (download/chunk/tokenize/blend)."""
     tok = REPO / "resources" / "tokenizers" / "gpt2"
     return yaml.safe_dump(
         {
-            "sources": {"sp": source},
+            "sources": {"sp": {**source, **({"curate": curate} if curate else {})}},
             "tokenizers": {
                 "gpt2": {
                     "kind": "gpt2-bpe",
@@ -107,11 +118,12 @@ def make_local_shards(root: Path, n: int) -> None:
         (d / f"example_train_{i % per_dir}.jsonl.zst").write_bytes(blob)
 
 
-def line(name: str, seconds: float, mb: float, ref: str) -> None:
-    verdict = "OK " if seconds < BAR_S else "SLOW"
+def line(name: str, seconds: float, mb: float, ref: str, bar_s: float = BAR_S) -> None:
+    verdict = "OK " if seconds < bar_s and mb < BAR_MB else "SLOW"
     cpu = CPU.get("last", 0.0)
     print(
-        f"  {verdict} {name:<34} {seconds:6.1f} s ({cpu:5.1f} s CPU)  {mb:7.0f} MB peak   (bar < {BAR_S:.0f} s; {ref})"
+        f"  {verdict} {name:<34} {seconds:6.1f} s ({cpu:5.1f} s CPU)  {mb:7.0f} MB peak   "
+        f"(bar < {bar_s:.0f} s, < {BAR_MB:.0f} MB; {ref})"
     )
 
 
@@ -121,11 +133,15 @@ def main() -> None:
     ap.add_argument("--per-chunk", type=int, default=800)
     ap.add_argument("--naive", action="store_true", help="also time a one-job-per-shard Snakefile (slow)")
     ap.add_argument("--keep", type=Path, help="work here and keep it (default: a temp dir, removed)")
-    ap.add_argument("--smoke", action="store_true", help="seconds: 20 shards, 10 a chunk, build only `data`")
+    ap.add_argument("--curate", action="store_true", help="curate the source (dedup, filters, language ID)")
+    ap.add_argument("--index-jobs", type=int, default=90, help="bucket jobs of the curated source's index")
+    ap.add_argument("--http-only", action="store_true", help="only the http case (no local files written)")
+    ap.add_argument("--smoke", action="store_true", help="100 shards, 20 a chunk, curated, dry runs: seconds")
     a = ap.parse_args()
     if a.smoke:
-        a.shards, a.per_chunk, a.naive = 20, 10, False
-    build = ["data"] if a.smoke else []
+        a.shards, a.per_chunk, a.curate, a.index_jobs = 100, 20, True, 4
+    curate = {**CURATE, "near": {**CURATE["near"], "index_jobs": a.index_jobs}} if a.curate else None
+    bar_s = 60.0 if a.shards >= 1_000_000 else BAR_S
     base = a.keep or Path(tempfile.mkdtemp(prefix="snakellm-bench-plan-"))
     base.mkdir(parents=True, exist_ok=True)
     n_dirs = 10
@@ -137,11 +153,25 @@ def main() -> None:
         http.mkdir(exist_ok=True)
         url = f"http://127.0.0.1:9/chunk{{1..{n_dirs}}}/example_train_{{0..{per_dir - 1}}}.jsonl.zst"
         (http / "config.yaml").write_text(
-            bench_config({"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": a.per_chunk})
+            bench_config({"kind": "http", "url": url, "format": "jsonl.zst", "shards_per_chunk": a.per_chunk}, curate)
         )
         s, mb, out = snakemake(http, "-n")
         print(f"http source  jobs: {job_counts(out)}")
-        line("http: snakemake -n", s, mb, "per-shard reference 86 s / 1.7 GB")
+        line("http: snakemake -n", s, mb, "per-shard reference 86 s / 1.7 GB", bar_s)
+        if a.curate:
+            t = time.perf_counter()
+            p = subprocess.run(
+                [str(BIN / "snakellm"), "plan", "--config", str(http / "config.yaml")],
+                capture_output=True,
+                text=True,
+                cwd=http,
+            )
+            print(f"  snakellm plan ({time.perf_counter() - t:.1f} s):")
+            lines = p.stdout.splitlines()
+            at = next((i for i, x in enumerate(lines) if x.startswith("index")), len(lines))
+            print("\n".join("    " + x for x in lines[at : at + 5]))
+        if a.http_only:
+            return
 
         # local: 60,000 real files
         local = base / "local"
@@ -155,17 +185,21 @@ def main() -> None:
                     "path": "shards/chunk*/example_train_*.jsonl.zst",
                     "format": "jsonl.zst",
                     "shards_per_chunk": a.per_chunk,
-                }
+                },
+                curate,
             )
         )
         s, mb, out = snakemake(local, "-n")
         print(f"local source jobs: {job_counts(out)}")
         line("local: snakemake -n", s, mb, "per-chunk prototype 16.6 s")
-        s, mb, out = snakemake(local, *build)
-        print(f"  (real build of {job_counts(out)}: {s:.1f} s)")
-        s, mb, out = snakemake(local, *build)
-        assert "Nothing to be done" in out, out[-2000:]
-        line("local: no-op rerun", s, mb, "per-chunk prototype 15.9 s")
+        if a.curate:  # every tiny shard holds the same one-line document: curation would remove them all
+            print("  (curated: no real build; the shards are copies of one short document)")
+        else:
+            s, mb, out = snakemake(local)
+            print(f"  (real build of {job_counts(out)}: {s:.1f} s)")
+            s, mb, out = snakemake(local)
+            assert "Nothing to be done" in out, out[-2000:]
+            line("local: no-op rerun", s, mb, "per-chunk prototype 15.9 s")
 
         if a.naive:
             naive = base / "naive"

@@ -13,12 +13,17 @@
 #   bash scripts/gpu_8b.sh                       # from the repository root; logs and JSON to $OUT
 #   PRESET=llama2-7b bash scripts/gpu_8b.sh      # Llama-2 7B's shape instead
 #   SMOKE=1 bash scripts/gpu_8b.sh               # CPU, tiny model: the same stages in a minute or two
+#   STAGES=CD ONE=13414 STEPS=6 bash scripts/gpu_8b.sh   # only the 4-GPU stages (<= 4.5 min), the one-GPU LoRA
+#                                                # figure from an earlier run (same card) for the scaling
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu8b-out}
 W=${W:-/tmp/gpu8b-work}
 PRESET=${PRESET:-llama3-8b}
 SMOKE=${SMOKE:-0}
+STAGES=${STAGES:-ABCD}
+STEPS=${STEPS:-8}
+ONE=${ONE:-}
 mkdir -p "$OUT" "$W"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 T0=$(date +%s)
@@ -49,24 +54,31 @@ else
   python -c "import torch, megatron.core, transformers; print('torch', torch.__version__, 'megatron-core', \
 megatron.core.__version__, 'transformers', transformers.__version__, 'GPUs', torch.cuda.device_count())"
   FT=(python scripts/bench_finetune_gpu.py --preset "$PRESET" --seq-length 4096 --micro-batch-size 1
-    --global-batch-size 8 --steps 8 --warmup-steps 3 --workdir "$W" --timeout 240)
+    --global-batch-size 8 --steps "$STEPS" --warmup-steps $((STEPS > 6 ? 3 : 2)) --workdir "$W" --timeout 240)
   GEN=(python scripts/bench_generate_gpu.py --preset "$PRESET" --batch-sizes 1,32 --repeats 2 --clients 0
     --eval-prompts 256 --no-eager)
   TP=4
 fi
 
 # A and B side by side (GPU 0: the base checkpoint, then LoRA on one GPU; GPU 1: generation)
-CUDA_VISIBLE_DEVICES=1 stage B-generate 280 "${GEN[@]}" --json "$OUT/generate.json" &
-GEN_PID=$!
-CUDA_VISIBLE_DEVICES=0 stage A-lora-1gpu 280 "${FT[@]}" --methods lora-all --out "$OUT/A"
-wait $GEN_PID
-ONE=$(python -c "import json; r=json.load(open('$OUT/A/bench_finetune.json'))[0]; print(r.get('tokens_per_s', 0))" \
-  2>/dev/null || echo 0)
+GEN_PID=""
+if [[ $STAGES == *B* ]]; then
+  CUDA_VISIBLE_DEVICES=1 stage B-generate 280 "${GEN[@]}" --json "$OUT/generate.json" &
+  GEN_PID=$!
+fi
+if [[ $STAGES == *A* ]]; then
+  CUDA_VISIBLE_DEVICES=0 stage A-lora-1gpu 280 "${FT[@]}" --methods lora-all --out "$OUT/A"
+  ONE=$(python -c "import json; r=json.load(open('$OUT/A/bench_finetune.json'))[0]; print(r.get('tokens_per_s', 0))" \
+    2>/dev/null || echo 0)
+fi
+[ -n "$GEN_PID" ] && wait $GEN_PID
 if [ "$SMOKE" != 1 ]; then
-  # worst case 280 + 2 x 150 s: under the 10-minute call with the start and the summary
-  stage C-lora-tp4 150 "${FT[@]}" --timeout 135 --methods lora-all --tp $TP --tp-only --one-gpu-tokens-per-s "$ONE" \
-    --out "$OUT/C"
-  stage D-full-tp4 150 "${FT[@]}" --timeout 135 --methods full --tp $TP --tp-only --out "$OUT/D"
+  # worst case 280 + 2 x 150 s: under the 10-minute call with the start and the summary (C makes the base
+  # checkpoint, ~55 s, when A did not run)
+  [[ $STAGES == *C* ]] && stage C-lora-tp4 $([[ $STAGES == *A* ]] && echo 150 || echo 145) "${FT[@]}" --timeout 135 \
+    --methods lora-all --tp $TP --tp-only --one-gpu-tokens-per-s "${ONE:-0}" --out "$OUT/C"
+  [[ $STAGES == *D* ]] && stage D-full-tp4 $([[ $STAGES == *A* ]] && echo 150 || echo 125) "${FT[@]}" --timeout 115 \
+    --methods full --tp $TP --tp-only --out "$OUT/D"
   kill "$SMI" 2>/dev/null
   echo "=== peak GPU memory over the run (MiB, nvidia-smi every second):"
   awk -F', ' '{ if ($2 > m[$1]) m[$1] = $2 } END { for (g in m) print "GPU " g ": " m[g] " MiB" }' "$OUT/gpu-memory.csv" | sort

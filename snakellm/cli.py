@@ -128,9 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     from snakellm import quiet
 
     quiet.install(verbose)
-    _install_flag_suggestions(argv)
-    module = importlib.import_module(STEPS[step][0])
-    return run_step(f"snakellm {step}", module.main, argv)
+    _step_argv[:] = argv
+    argparse.ArgumentParser.error = _error_with_suggestion  # type: ignore[method-assign]
+    try:  # every step's parser says which flag was meant: one hook here, not one per step
+        module = importlib.import_module(STEPS[step][0])
+        return run_step(f"snakellm {step}", module.main, argv)
+    finally:
+        argparse.ArgumentParser.error = _argparse_error  # type: ignore[method-assign]
 
 
 def suggest(unknown: list[str], known: list[str]) -> str:
@@ -189,12 +193,6 @@ def _error_with_suggestion(self: argparse.ArgumentParser, message: str) -> NoRet
 
 
 _argparse_error = argparse.ArgumentParser.error
-
-
-def _install_flag_suggestions(argv: list[str]) -> None:
-    """Every step's parser (argparse.ArgumentParser) says which flag was meant: one hook, not one per step."""
-    _step_argv[:] = argv
-    argparse.ArgumentParser.error = _error_with_suggestion  # type: ignore[method-assign]
 
 
 def run_step(prog: str, step_main: Callable[[list[str]], int | None], argv: list[str]) -> int:

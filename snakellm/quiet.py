@@ -41,8 +41,20 @@ NOISE: tuple[tuple[str, str, str], ...] = (
     ),
 )
 
-# messages logged by libraries (python logging) that are the same kind of noise as NOISE
-LOG_NOISE: tuple[str, ...] = (r".*(Transformer Engine|TransformerEngine|Apex|apex).*",)
+# messages logged by libraries (python logging) that are the same kind of noise as NOISE: the
+# fallbacks, deprecations inside libraries (torch's pytree on torchao's enums), torchao's CUDA
+# kernels that a CPU machine cannot load
+LOG_NOISE: tuple[str, ...] = (
+    r".*(Transformer Engine|TransformerEngine|Apex|apex).*",
+    r".*deprecat.*",
+    r"Failed to load .*torchao.*\.so.*",
+)
+# messages a library logs once per document: the first is shown, the rest say nothing new
+# (lm-eval truncating a context longer than the model's sequence length)
+LOG_ONCE: tuple[str, ...] = (r"Combined length of context .* exceeds model's maximum length .*",)
+# loggers with handlers of their own (torch's) or whose records the filters must see wherever they go:
+# a filter on the logger itself applies before any handler
+LOGGERS: tuple[str, ...] = ("torch.utils._pytree", "torchao", "lm_eval.models.huggingface", "lm_eval.api.task")
 
 
 # libraries whose INFO records are bookkeeping ("Detected Megatron Core, using Megatron-FSDP with
@@ -55,18 +67,34 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 
+def _any(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(f"(?:{p})" for p in patterns), re.S)
+
+
 class _DropNoise(logging.Filter):
-    def __init__(self, patterns: tuple[str, ...]):
+    def __init__(self) -> None:
         super().__init__()
-        self._re = re.compile("|".join(f"(?:{p})" for p in patterns), re.S)
+        self._noise, self._once = _any(LOG_NOISE), [re.compile(p, re.S) for p in LOG_ONCE]
+        self._seen: set[int] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR or record.name.startswith("snakellm"):
+        # a record passes a logger's filter, then a handler's: judged once
+        if record.levelno >= logging.ERROR or record.name.startswith("snakellm") or hasattr(record, "snakellm_kept"):
             return True
         try:
-            return not self._re.fullmatch(record.getMessage())
+            message = record.getMessage()
         except Exception:  # a library's bad format args: let logging report it as usual
             return True
+        if self._noise.fullmatch(message):
+            return False
+        for i, once in enumerate(self._once):
+            if once.fullmatch(message):
+                if i in self._seen:
+                    return False
+                self._seen.add(i)
+                record.msg, record.args = f"{message} (once; later ones like it not shown)", None
+        record.snakellm_kept = True
+        return True
 
 
 def install(verbose_flag: bool = False) -> None:
@@ -78,13 +106,16 @@ def install(verbose_flag: bool = False) -> None:
         os.environ[VERBOSE_ENV] = "1"
     if verbose():
         return
+    # datasets draws a progress bar for each split it reads from a local jsonl (lm-eval's tasks): a blink
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     for message, module, _why in NOISE:
         warnings.filterwarnings("ignore", message=message, module=module)
     # library loggers without handlers of their own end at logging.lastResort (stderr, WARNING)
-    handlers = [logging.lastResort, *logging.getLogger().handlers]
-    for h in handlers:
-        if h is not None and not any(isinstance(f, _DropNoise) for f in h.filters):
-            h.addFilter(_DropNoise(LOG_NOISE))
+    drop = _DropNoise()
+    filterers = [logging.lastResort, *logging.getLogger().handlers, *map(logging.getLogger, LOGGERS)]
+    for f in filterers:
+        if f is not None and not any(isinstance(x, _DropNoise) for x in f.filters):
+            f.addFilter(drop)
     for name in INFO_CHATTER:
         lib = logging.getLogger(name)
         if lib.level == logging.NOTSET:

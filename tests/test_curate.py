@@ -26,6 +26,7 @@ def test_simplify_is_datatrove_simplify_text():
     from datatrove.utils.text import simplify_text
 
     odd = ["Ça  va? Très   bien—merci!\n\t123,45 €", "naïve café ΑΘΗΝΑ 12.5%", "a \u0301 b", "", "  ...  "]
+    odd += ["x\x1cy\x1fz 1.2.3 ,5 5, a\x0bb\x0cc", "A1,000.50 and 3.14, 2,5"]
     for t in TEXTS + odd:
         assert minhash.simplify(t) == simplify_text(t)
 
@@ -163,7 +164,12 @@ def test_index_keeps_the_first_of_each_cluster_and_rewrites_only_changed_lists(t
 
     s = run(1)
     assert s["removed_by_reason"] == {"exact_duplicate": 1, "near_duplicate": 1} and s["clusters"] == 2
-    assert index.read_list(lists[1]) == {0: ("near_duplicate", 0, "s/c0:0"), 2: ("exact_duplicate", 1, "s/c0:1")}
+    got = index.read_list(lists[1])
+    assert {i: (r, k) for i, (r, _, k) in got.items()} == {
+        0: ("near_duplicate", "s/c0:0"),
+        2: ("exact_duplicate", "s/c0:1"),
+    }
+    assert got[0][1] != got[2][1] and all(len(c) == 16 for _, c, _ in got.values())  # one id per cluster
     assert index.read_list(lists[0]) == {} and index.read_list(lists[2]) == {}
     # sharding the bands over 5 jobs (15 cells: 14 bands + exact) finds the same
     mtimes = [os.stat(p).st_mtime_ns for p in lists]
@@ -240,3 +246,22 @@ def test_sources_sharing_an_index_must_hash_alike():
     cfg["sources"]["a"]["curate"]["index"] = "c"
     with pytest.raises(ConfigError, match="'c' is the name of another source"):
         checks.check_curate(cfg)
+
+
+def test_an_empty_curated_chunk_is_an_empty_dataset_the_blend_leaves_out(tmp_path):
+    from conftest import REPO
+
+    from snakellm.steps import tokenize as tokstep
+    from snakellm.tokenize.blend import BlendError, build_blend
+
+    tok = ["--kind", "gpt2-bpe", "--vocab-file", str(REPO / "resources/tokenizers/gpt2/vocab.json")]
+    tok += ["--merges-file", str(REPO / "resources/tokenizers/gpt2/merges.txt"), "--no-progress", "--threads", "1"]
+    (tmp_path / "e.jsonl").write_text("")
+    (tmp_path / "f.jsonl").write_text(json.dumps({"text": "Hello world"}) + "\n")
+    assert tokstep.main([str(tmp_path / "e.jsonl"), str(tmp_path / "e"), "--source", "s", *tok]) == 1  # an error...
+    assert tokstep.main([str(tmp_path / "e.jsonl"), str(tmp_path / "e"), "--source", "s", "--allow-empty", *tok]) == 0
+    assert tokstep.main([str(tmp_path / "f.jsonl"), str(tmp_path / "f"), "--source", "s", *tok]) == 0
+    blend = build_blend([str(tmp_path / "e.stats.json"), str(tmp_path / "f.stats.json")], {"s": 1.0})
+    assert blend["data_prefix"] == [1.0, str(tmp_path / "f")] and blend["documents"] == 1
+    with pytest.raises(BlendError, match="no documents in any"):
+        build_blend([str(tmp_path / "e.stats.json")], {"s": 1.0})

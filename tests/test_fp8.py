@@ -6,6 +6,9 @@ linears around it) runs here too, under :mod:`snakellm.models.fp8`'s test-only
 override of the hardware check (``SNAKELLM_FP8_ANY_DEVICE=1``). The numerics
 are checked against torchao's own ``Float8Linear`` (bit for bit: the same casts
 and kernel) and against bf16 (close, and not equal: float8 is really used).
+
+The fast tier holds the torch-free checks; everything that imports megatron-core and torchao (about
+7 s of imports on 2 cores before the first assertion) is marked slow and runs in CI's whole suite.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ def _tiny(recipe: str | None, seed: int = 0, **kw):
     from snakellm.models.build import build_model
 
     torch.manual_seed(seed)
-    model, _ = build_model(resolve("tiny-llama", {}), 256, bf16=True, fused_loss="eager", use_te=False, fp8=recipe, **kw)
+    model, _ = build_model(
+        resolve("tiny-llama", {}), 256, bf16=True, fused_loss="eager", use_te=False, fp8=recipe, **kw
+    )
     return model
 
 
@@ -70,6 +75,7 @@ def test_settings_schema_and_fingerprint():
         fp8.float8_config("delayed")
 
 
+@pytest.mark.slow
 def test_fp8_runs_record_their_recipe_and_leave_other_fingerprints_alone(tmp_path, monkeypatch):
     from snakellm.steps.train import build_parser
     from snakellm.train.request import make_request, run_config
@@ -100,31 +106,35 @@ def test_compute_capability_below_8_9_is_refused_naming_the_setting(capability, 
     assert "precision: fp8" in msg and f"{capability[0]}.{capability[1]}" in msg and name in msg and "8.9" in msg
 
 
-def test_fp8_on_the_cpu_is_refused(monkeypatch, capsys, tmp_path, parallel):
+def test_fp8_on_the_cpu_is_refused_before_anything_starts(monkeypatch, capsys, tmp_path):
     from snakellm.steps.train import main
 
     monkeypatch.delenv(fp8.ANY_DEVICE_ENV, raising=False)
-    # the command: exit status 2 before anything starts
-    make_blend(tmp_path, docs=20)
     monkeypatch.chdir(tmp_path)
-    args = ["--blend", "data/tokens/synth/blend.json", "--run-dir", "runs/never", *BASE, "--steps", "10"]
+    args = ["--blend", "blend.json", "--run-dir", "runs/never", *BASE, "--steps", "10"]
     assert main([*args, "--precision", "fp8", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "precision: fp8 (--precision fp8) needs an NVIDIA GPU" in err and "runs on the CPU" in err
     assert not (tmp_path / "runs/never").exists()
-    # the model build (fine-tuning's load, --device auto on a machine without a GPU)
+
+
+@pytest.mark.slow
+def test_fp8_model_build_is_refused_on_the_cpu_and_without_bf16(monkeypatch, parallel):
+    """The model build (fine-tuning's load, --device auto on a machine without a GPU) refuses too."""
+    from snakellm.models.build import build_model
+
+    monkeypatch.delenv(fp8.ANY_DEVICE_ENV, raising=False)
     with pytest.raises(fp8.FP8Error, match="precision: fp8"):
         _tiny("tensorwise")
+    monkeypatch.setenv(fp8.ANY_DEVICE_ENV, "1")
     with pytest.raises(ModelConfigError, match="bf16"):
-        monkeypatch.setenv(fp8.ANY_DEVICE_ENV, "1")
-        from snakellm.models.build import build_model
-
         build_model(resolve("tiny-llama", {}), 256, fused_loss="eager", use_te=False, fp8="tensorwise")
 
 
 # ----------------------------------------------------------------------------- numerics on the CPU
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
 def test_megatron_linears_match_torchao_float8_linear_bit_for_bit(parallel, any_device, recipe):
     """Column- and row-parallel linears (TP 1) with the float8 matmul give torchao's Float8Linear's output and
@@ -143,12 +153,13 @@ def test_megatron_linears_match_torchao_float8_linear_bit_for_bit(parallel, any_
         x = torch.randn(32, 2, in_f, dtype=torch.bfloat16)  # [s, b, h]: megatron's layout
         g = torch.randn(32, 2, out_f, dtype=torch.bfloat16)
         outs = []
-        for f in (lambda t: lin(t)[0], ref8, ref):
+        for module in (lin, ref8, ref):
             xi = x.clone().requires_grad_()
             lin.weight.grad = ref.weight.grad = None
-            y = f(xi)
+            y = module(xi)
+            y = y[0] if module is lin else y  # megatron's linears return (output, bias)
             y.backward(g)
-            w = lin.weight if f is not ref and f is not ref8 else ref.weight
+            w = lin.weight if module is lin else ref.weight
             outs.append((y.detach(), xi.grad, w.grad.clone()))
         (y, gx, gw), (y8, gx8, gw8), (y16, gx16, gw16) = outs
         assert y.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
@@ -157,6 +168,7 @@ def test_megatron_linears_match_torchao_float8_linear_bit_for_bit(parallel, any_
             assert 1e-3 < rel(a, b) < 0.1
 
 
+@pytest.mark.slow
 def test_frozen_weight_takes_the_input_gradient_only(parallel, any_device):
     """LoRA's frozen base: the same output and input gradient as a trained weight, and no weight gradient."""
     model = _tiny("tensorwise")
@@ -175,6 +187,7 @@ def test_frozen_weight_takes_the_input_gradient_only(parallel, any_device):
     assert res[0][2] is not None and res[1][2] is None
 
 
+@pytest.mark.slow
 def test_model_converts_only_the_block_linears_and_keeps_its_state_dict(parallel, any_device):
     m16, m8 = _tiny(None), _tiny("tensorwise")
     converted = [n for n, lin in fp8.block_linears(m8) if fp8.is_converted(lin)]
@@ -191,14 +204,50 @@ def test_model_converts_only_the_block_linears_and_keeps_its_state_dict(parallel
     assert l16.item() != l8.item() and abs(l8.item() / l16.item() - 1) < 1e-3
 
 
-def test_shapes_float8_kernels_refuse_are_named(parallel, any_device):
+def test_shapes_float8_kernels_refuse_are_named_before_anything_starts():
+    # each tensor-parallel rank's shard: tiny-llama's ffn 176 / 2 = 88
+    with pytest.raises(fp8.FP8Error, match=r"linear_fc2 has a 64 x 88 weight on each of the 2 tensor-parallel"):
+        fp8.check_request("fp8", "auto", resolve("tiny-llama", {}), tp=2)
+    fp8.check_request("fp8", "auto", resolve("tiny-llama", {}), tp=1)
+    fp8.check_request("bf16", "cpu", resolve("tiny-llama", {"ffn_hidden_size": 100}), tp=2)
+    for preset in ("llama-1b", "llama3-8b", "gpt2-124m"):  # the shapes we benchmark
+        fp8.check_shapes(resolve(preset, {}), tp=1)
+
+
+def test_a_run_config_with_shapes_float8_refuses_names_the_key():
+    from snakellm.config import checks, resolve
+    from snakellm.errors import ConfigError
+
+    run = {
+        "tokenizer": "gpt2",
+        "model": {"preset": "tiny-llama"},
+        "parallel": {"tp": 2},
+        "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 4, "precision": "fp8"},
+    }
+    cfg = {"sources": {}, "tokenizers": {"gpt2": {"kind": "gpt2-bpe"}}, "tokenize": {}, "runs": {"r": run}}
+    with pytest.raises(
+        ConfigError, match=r"config key runs.r.train.precision: precision: fp8: linear_fc2 has a 64 x 88"
+    ):
+        checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["parallel"]["tp"] = 1
+    checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["parallel"]["tp"], run["train"]["precision"] = 2, "bf16"
+    checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+
+
+@pytest.mark.slow
+def test_shapes_checked_are_the_shapes_megatron_builds(parallel, any_device):
     from snakellm.models.build import build_model
 
-    arch = resolve("tiny-llama", {"ffn_hidden_size": 100})
+    model = _tiny("tensorwise")
+    built = {n.rsplit(".", 1)[-1]: tuple(lin.weight.shape) for n, lin in fp8.block_linears(model)}
+    assert built == fp8.weight_shapes(resolve("tiny-llama", {}))
+    arch = resolve("tiny-llama", {"ffn_hidden_size": 100})  # and the build refuses what the request would
     with pytest.raises(fp8.FP8Error, match=r"decoder.layers.0.mlp.linear_fc1 has a 200 x 64 weight"):
         build_model(arch, 256, bf16=True, fused_loss="eager", use_te=False, fp8="tensorwise")
 
 
+@pytest.mark.slow
 def test_lora_on_an_fp8_base_trains_the_adapters_only(parallel, any_device):
     from snakellm.finetune.lora import LoRAAdapters, LoRAConfig
 
@@ -218,29 +267,90 @@ def test_lora_on_an_fp8_base_trains_the_adapters_only(parallel, any_device):
 
 
 @pytest.mark.slow
-def test_tensor_and_sequence_parallel_fp8_training_follows_one_process(tmp_path):
-    """`snakellm train --precision fp8` on 2 ranks (TP 2, sequence parallel; gloo) against one process: the
-    communication around the float8 matmuls (all-gather / reduce-scatter of the sequence) is right when the
-    losses agree; they differ by float8's per-shard weight scales only."""
+def test_parallel_fp8_training_follows_one_process(tmp_path):
+    """`snakellm train --precision fp8` on 2 ranks (gloo) against one process: TP 2 with sequence parallelism
+    (the all-gather / reduce-scatter around the float8 matmuls; float8's scales then come from each rank's
+    weight shard, so the losses differ slightly) and DP 2 with the distributed optimizer (the same micro-batches
+    and casts: the losses of one process to float rounding)."""
     make_blend(tmp_path)
     env = env_with_venv() | {fp8.ANY_DEVICE_ENV: "1"}
-    common = [*BASE, "--preset", "tiny-llama", "--steps", "6", "--precision", "fp8", "--device", "cpu"]
-    common += ["--no-checkpoints", "--eval-iters", "0"]
+    common = [*BASE, "--preset", "tiny-llama", "--ffn-hidden-size", "160", "--steps", "6", "--precision", "fp8"]
+    common += ["--device", "cpu", "--no-checkpoints", "--eval-iters", "0"]
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--no-python"]
     runs = {}
     for name, launch, extra in (
         ("one", [], []),
-        ("tp2sp", [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--no-python"], ["--tp", "2"]),
+        ("tp2sp", torchrun, ["--tp", "2", "--sequence-parallel", "--loss", "megatron"]),
+        ("dp2distopt", torchrun, ["--distributed-optimizer"]),
     ):
         cmd = [*launch, str(BIN / "snakellm"), "train", "--blend", "data/tokens/synth/blend.json"]
         cmd += ["--run-dir", f"runs/{name}", *common, *extra]
-        if name == "tp2sp":
-            cmd += ["--sequence-parallel", "--loss", "megatron"]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         recs = [json.loads(ln) for ln in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         runs[name] = {r["step"]: r["loss"] for r in recs if "loss" in r}
         summary = json.loads((tmp_path / "runs" / name / "train_summary.json").read_text())
         assert summary["precision"] == "fp8"
-    assert runs["one"].keys() == runs["tp2sp"].keys() == set(range(1, 7))
-    for s, loss in runs["one"].items():
-        assert abs(runs["tp2sp"][s] / loss - 1) < 5e-3, (s, loss, runs["tp2sp"][s])
+    for name, rtol in (("tp2sp", 5e-3), ("dp2distopt", 1e-4)):
+        assert runs[name].keys() == set(range(1, 7))
+        worst = max(abs(runs[name][s] / loss - 1) for s, loss in runs["one"].items())
+        assert worst < rtol, (name, worst, runs["one"], runs[name])
+
+
+# ----------------------------------------------------------------------------- snakellm finetune, LoRA on an fp8 base
+
+GPT2 = {
+    "kind": "gpt2-bpe",
+    "name": "gpt2",
+    "vocab_size": 50257,
+    "eod_id": 50256,
+    "eod_token": "<|endoftext|>",
+    "files": {
+        "vocab_file": "resources/tokenizers/gpt2/vocab.json",
+        "merges_file": "resources/tokenizers/gpt2/merges.txt",
+    },
+}
+
+
+@pytest.mark.slow
+def test_lora_finetune_on_an_fp8_base_follows_bf16(tmp_path, parallel, any_device):
+    """`snakellm finetune --method lora --precision fp8` (the frozen base's matmuls in float8, the adapters bf16)
+    trains as the bf16 fine-tune does, records fp8 (and its recipe) in its fingerprint, and writes the adapter."""
+    import shutil
+
+    from conftest import REPO
+
+    from snakellm import models
+    from snakellm.finetune.artifacts import save_model
+    from snakellm.models.build import build_model
+
+    shutil.copytree(REPO / "resources/tokenizers", tmp_path / "resources/tokenizers")
+    arch = resolve("tiny-llama", {})
+    vocab = models.padded_vocab_size(50257, arch)
+    torch.manual_seed(0)
+    gpt, _ = build_model(arch, vocab, fused_loss="eager", use_te=False)
+    tok = GPT2 | {"files": {k: str(tmp_path / v) for k, v in GPT2["files"].items()}}
+    save_model(gpt, tmp_path / "base", arch, vocab, tok)
+    book = [json.loads(ln)["text"] for ln in (REPO / "resources/corpus/botchan/botchan.jsonl").read_text().splitlines()]
+    (tmp_path / "sft").mkdir()
+    recs = [{"input": book[i][:300], "output": f" the answer is {i}"} for i in range(16)]
+    for split in ("train", "validation"):
+        (tmp_path / "sft" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = {}
+    for precision in ("bf16", "fp8"):
+        cmd = [str(BIN / "snakellm"), "finetune", "--base", "base", "--data-dir", "sft", "--out-dir", precision]
+        cmd += ["--method", "lora", "--lora-targets", "linear_qkv,linear_fc1", "--steps", "6", "--lr", "1e-2"]
+        cmd += ["--micro-batch-size", "4", "--global-batch-size", "8", "--max-seq-length", "128"]
+        cmd += ["--eval-interval", "6", "--precision", precision, "--device", "cpu", "--no-progress"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        recs = [json.loads(ln) for ln in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
+        out[precision] = [r["loss"] for r in recs if "loss" in r]
+        assert (tmp_path / precision / "adapter").is_dir()
+        cfg = json.loads((tmp_path / precision / "checkpoints" / "run_config.json").read_text())["config"]["train"]
+        assert cfg["precision"] == precision and ("fp8_recipe" in cfg) == (precision == "fp8")
+    assert len(out["bf16"]) == len(out["fp8"]) == 6
+    assert out["fp8"] != out["bf16"]  # float8 is really used
+    for a, b in zip(out["bf16"], out["fp8"]):
+        assert abs(b / a - 1) < 0.01, (out["bf16"], out["fp8"])
+    assert out["fp8"][-1] < out["fp8"][0]

@@ -36,6 +36,14 @@ def test_fsdp_matches_one_process_and_resumes_across_data_parallel_sizes(root): 
     assert_close(records(root, "fsdp"), ref, loss_rtol=1e-6, norm_rtol=1e-5)
     summary = json.loads((root / "runs/fsdp/train_summary.json").read_text())
     assert len(set(summary["replica_weight_digests"])) == 1
+    # megatron-core's own recomputation (a reentrant checkpoint around FSDP's units) changes no loss
+    train(root, "fsdp-recompute", 2, *STEPS, "--fsdp", "--recompute", "full", "--recompute-method", "block")
+    assert_close(records(root, "fsdp-recompute"), ref, loss_rtol=1e-6, norm_rtol=1e-5)
+    # the checkpoint carries Megatron-LM's args (its pretrain_gpt.py resumes the data position from them)
+    from snakellm.io.checkpoint import load_common
+
+    lm = load_common(root / "runs/fsdp/checkpoints", 8)["args"]
+    assert (lm.num_layers, lm.consumed_train_samples, lm.swiglu, lm.add_position_embedding) == (2, 64, True, False)
     for src, dst, nproc, flag in (("fsdp", "fsdp-to-one", 1, ()), ("fsdp-one", "one-to-fsdp", 2, ("--fsdp",))):
         shutil.copytree(root / "runs" / src, root / "runs" / dst)
         (root / "runs" / dst / "checkpoints/latest_checkpointed_iteration.txt").write_text("8\n")
@@ -54,3 +62,26 @@ def test_fsdp_refuses_the_distributed_optimizer(tmp_path):
     )
     with pytest.raises(RequestError, match="drop --distributed-optimizer"):
         make_request(args, env={})
+
+
+def test_fsdp_memory_is_16_bytes_a_parameter_over_dp_plus_the_gathered_units():
+    from snakellm import models
+    from snakellm.models import memory
+
+    cfg = models.resolve("llama3-8b", {})
+    n = models.param_count(cfg, 128256)
+    e = memory.estimate(cfg, 128256, dp=4, micro_batch_size=1, seq_length=8192, fsdp=True)
+    assert e.optimizer == n * 8 / 4
+    gathered = e.weights - n * 4 / 4  # two layers and the output layer in bf16
+    assert 1.5e9 < gathered < 3.5e9
+    assert 30 * 2**30 < e.model_states < 37 * 2**30  # against 67 GiB with the distributed optimizer
+    lines = memory.report(
+        cfg, 128256, tp=1, pp=1, dp=4, micro_batch_size=1, num_micro_batches=2, sequence_parallel=False,
+        distributed_optimizer=True, gpu_gib=80,
+    )  # fmt: skip
+    assert any("parallel.fsdp: true would make it" in ln for ln in lines)
+    fs = memory.report(
+        cfg, 128256, tp=1, pp=1, dp=4, micro_batch_size=1, num_micro_batches=2, sequence_parallel=False,
+        distributed_optimizer=False, fsdp=True,
+    )  # fmt: skip
+    assert "FSDP" in fs[0]

@@ -277,6 +277,7 @@ def test_any_tokenizer_json_exports_with_the_same_ids(tmp_path, spm_model):
         assert at(t)["input_ids"] == ours.encode(t)
 
 
+@pytest.mark.slow
 def test_random_hf_writes_a_directory_transformers_and_import_hf_read(tmp_path):
     """`snakellm random-hf`: a preset's shape with random weights, as transformers loads it; import-hf of it
     gives transformers' logits (what the 8B chain example starts from, here at tiny-llama's shape)."""

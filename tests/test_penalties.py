@@ -181,6 +181,7 @@ def test_logit_bias_outside_the_vocabulary_is_refused(gen):
         gen.generate(PROMPTS[:1], params)
 
 
+@pytest.mark.slow
 def test_generate_greedy_is_transformers_greedy(tmp_path, capsys):
     """`snakellm generate --greedy` = transformers' greedy generate on the exported model (no default
     repetition penalty); a penalty given with it is applied (a random model's repeats need a large one)."""
@@ -228,3 +229,17 @@ def test_generate_flags_greedy_means_no_default_penalty():
     assert params().repetition_penalty == 1.1  # sampling keeps its default
     assert params("--greedy", "--repetition-penalty", "1.3").repetition_penalty == 1.3
     assert "a repetition penalty applies only when given" in " ".join(build_parser().format_help().split())
+
+
+def test_the_engine_refuses_a_model_larger_than_its_one_gpu():
+    """No tensor parallelism in the engine: weights over the GPU are refused before loading, naming why."""
+    from snakellm.models.architecture import padded_vocab_size, resolve
+    from snakellm.serve.generate import GenerationError, check_fits_one_gpu
+
+    arch = resolve("llama3-8b", {})
+    vocab = padded_vocab_size(128256, arch)
+    check_fits_one_gpu(arch, vocab, 2, 80 * 2**30)  # 16 GB of bf16 weights on an 80 GB H100: served
+    check_fits_one_gpu(arch, vocab, 2, None)  # the CPU: no check
+    with pytest.raises(GenerationError, match="no tensor parallelism") as e:
+        check_fits_one_gpu(arch, vocab, 2, 12 * 2**30)
+    assert "15.0 GiB" in str(e.value) and e.value.field == "tensor_parallel"

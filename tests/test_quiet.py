@@ -114,8 +114,8 @@ def _tiny_blend(root: Path) -> Path:
     gpt2 = REPO / "resources" / "tokenizers" / "gpt2"
     prefix = root / "tokens" / "botchan_text_document"
     tok = ("--kind", "gpt2-bpe", "--vocab-file", str(gpt2 / "vocab.json"), "--merges-file", str(gpt2 / "merges.txt"))
-    snakellm("tokenize", str(jsonl), str(prefix), *tok, "--no-progress", cwd=root)
-    snakellm("blend", f"{prefix}.stats.json", "--output", str(root / "blend.json"), cwd=root)
+    snakellm("tokenize", str(jsonl), str(prefix), *tok, "--source", "botchan", "--no-progress", cwd=root)
+    snakellm("blend", f"{prefix}.stats.json", "--output", str(root / "blend.json"), "--weight", "botchan=1", cwd=root)
     return root / "blend.json"
 
 
@@ -154,3 +154,37 @@ def test_verbose_environment_keeps_every_warning(monkeypatch: pytest.MonkeyPatch
             {"__name__": "megatron.core.x"},
         )
     assert [str(w.message) for w in got] == ["Apex is not installed"]
+
+
+def test_library_log_noise_is_dropped_and_a_per_document_notice_shown_once(caplog: pytest.LogCaptureFixture):
+    """torchao's CUDA kernels a CPU cannot load and deprecations go; lm-eval's truncation notice (one per
+    document) is shown once; any other library warning and every record of ours stay."""
+    import logging
+
+    from snakellm import quiet
+
+    quiet.install()
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            kept.append(record.getMessage())
+
+    handler = Keep()
+    handler.addFilter(quiet._DropNoise())  # a handler's filter after the logger's: one verdict per record
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        logging.getLogger("torchao").warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
+        logging.getLogger("torch.utils._pytree").warning("register_constant() on Enum subclasses is deprecated")
+        hf = logging.getLogger("lm_eval.models.huggingface")
+        for n in (222, 190, 188):
+            hf.warning("Combined length of context (%d) and continuation (5) exceeds model's maximum length (128).", n)
+        logging.getLogger("some.library").warning("disk almost full")
+        logging.getLogger("snakellm.serve").warning("Transformer Engine and Apex are not installed (ours: kept)")
+    finally:
+        root.removeHandler(handler)
+    assert kept[0].startswith("Combined length of context (222)") and kept[0].endswith(
+        "(once; later ones like it not shown)"
+    )
+    assert kept[1:] == ["disk almost full", "Transformer Engine and Apex are not installed (ours: kept)"]

@@ -72,3 +72,19 @@ def test_vocab_parallel_loss_equals_the_whole_vocabulary_loss(world):
         torch.testing.assert_close(grad, ref_in.grad[..., r * vp : (r + 1) * vp], rtol=1e-6, atol=1e-6)
     # the targets fall on both ranks' slices
     assert (labels < V // 2).any() and (labels >= V // 2).any()
+
+
+@pytest.mark.slow
+def test_compiled_layers_and_loss_under_tp2_and_sequence_parallelism(tmp_path):
+    """`--compile --loss compiled` at TP 2 + sequence parallelism (2 gloo ranks) gives the uncompiled run's losses
+    and gradient norms. About 90 s on 2 cores, most of it inductor compiling the layers and the loss kernels for
+    the CPU: the one check that torch.compile runs megatron-core's tensor-parallel layers and our loss."""
+    from test_parallel_cpu import assert_close, records, train
+    from test_train import make_blend
+
+    make_blend(tmp_path)
+    steps = ["--preset", "tiny-llama", "--steps", "6", "--eval-iters", "0", "--no-checkpoints", "--tp", "2"]
+    steps += ["--sequence-parallel"]
+    train(tmp_path, "eager", 2, *steps, "--loss", "eager")
+    train(tmp_path, "compiled", 2, *steps, "--loss", "compiled", "--compile")
+    assert_close(records(tmp_path, "compiled"), records(tmp_path, "eager"), loss_rtol=1e-5, norm_rtol=1e-4)

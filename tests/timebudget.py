@@ -5,15 +5,16 @@ process plus the subprocesses it waited for (``getrusage``). Wall time says what
 CPU time says what a test costs on a shared machine, where wall times are inflated by whatever else
 runs (a test whose CPU time is far below its wall time is waiting: sleeps, servers, Slurm's timers).
 
-- ``--times-report N`` (or ``SNAKELLM_TIMES_REPORT=N``) prints the N slowest setups (the fixtures
-  they built: the default workflow, the NeMo environment, the Slurm cluster) and the N slowest
-  tests with their CPU time, after the run.
+- ``--times-report N`` (or ``SNAKELLM_TIMES_REPORT=N``) prints, after the run, the N slowest shared
+  fixture setups (module/session scope: the default workflow, the Slurm cluster, a module's model;
+  the first test that needs one builds it) and the N slowest test setups and calls.
 - ``SNAKELLM_TIMES_JSON=path`` writes every phase's times there (one record per test).
 - ``SNAKELLM_TIME_BUDGET=1`` (set by ``.ci/run``: the budget is for the CI machine, 2 cores) makes
-  the session fail when a test that is not a Slurm test takes more than ``PER_TEST_S`` seconds
-  (setup + call + teardown, so a new expensive fixture counts too), or when a run of the fast tier
-  (``-m "not slow and not slurm"``) takes more than ``FAST_TIER_S`` seconds from start to end
-  (collection included). The next slow test is then noticed by the change that adds it.
+  the session fail when, outside the Slurm tests, a test's own time (its function-scoped setup, call
+  and teardown) passes ``PER_TEST_S`` seconds or a shared fixture's setup passes ``SHARED_FIXTURE_S``,
+  or when a run of the fast tier (``-m "not slow and not slurm"``) takes more than ``FAST_TIER_S``
+  seconds from start to end (collection included). The next slow test or fixture is then noticed by
+  the change that adds it.
 
 Works under pytest-xdist: the workers attach the CPU times to their reports; the controller checks.
 """
@@ -31,6 +32,7 @@ import pytest
 
 COUNTS = pytest.StashKey[dict]()
 PER_TEST_S = 120.0
+SHARED_FIXTURE_S = 600.0  # the default workflow (every stage of the shipped config) is built once, in a few minutes
 FAST_TIER_S = 90.0
 FAST_TIER = "not slow and not slurm"
 
@@ -86,7 +88,21 @@ class TimeBudget:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
         item._snakellm_cpu0 = _cpu()  # type: ignore[attr-defined]
+        item._snakellm_shared = []  # type: ignore[attr-defined]
+        self.item = item
         yield
+        self.item = None
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+        """Time the shared (module, class, package, session scoped) fixtures apart: the first test that
+        needs one pays for its setup, which is not that test's own time."""
+        t0, c0 = time.monotonic(), _cpu()
+        yield
+        item = getattr(self, "item", None)
+        if item is not None and fixturedef.scope != "function":
+            wall, cpu = time.monotonic() - t0, _cpu() - c0
+            item._snakellm_shared.append((fixturedef.argname, fixturedef.scope, round(wall, 3), round(cpu, 3)))
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
@@ -105,6 +121,8 @@ class TimeBudget:
         t0 = getattr(item, "_snakellm_cpu0", None)
         if t0 is not None:
             report.cpu_s = round(_cpu() - t0, 3)  # travels with the report to xdist's controller
+        if call.when == "setup":
+            report.shared_fixtures = list(getattr(item, "_snakellm_shared", []))
 
     # ------------------------------------------------------------------ collecting (controller or plain run)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -116,6 +134,11 @@ class TimeBudget:
         )
         rec[report.when] = round(report.duration, 3)
         rec[f"{report.when}_cpu"] = getattr(report, "cpu_s", None)
+        if report.when == "setup":
+            shared = [tuple(f) for f in getattr(report, "shared_fixtures", [])]
+            rec["shared_fixtures"] = shared
+            # the test's own setup: its function-scoped fixtures, without the shared ones it happened to build
+            rec["own_setup"] = round(max(0.0, report.duration - sum(f[2] for f in shared)), 3)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if hasattr(self.config, "workerinput"):
@@ -128,12 +151,18 @@ class TimeBudget:
         if not self.enforce:
             return
         for rec in self.records.values():
-            total = sum(rec.get(k, 0.0) for k in ("setup", "call", "teardown"))
-            if not rec["slurm"] and total > PER_TEST_S:
+            own = rec.get("own_setup", rec.get("setup", 0.0)) + rec.get("call", 0.0) + rec.get("teardown", 0.0)
+            if not rec["slurm"] and own > PER_TEST_S:
                 self.failures.append(
-                    f"{rec['nodeid']} took {total:.0f} s (setup {rec.get('setup', 0):.0f} s, call {rec.get('call', 0):.0f} s);"
-                    f" the budget is {PER_TEST_S:.0f} s per test outside the Slurm tests"
+                    f"{rec['nodeid']} took {own:.0f} s (its own setup {rec.get('own_setup', 0):.0f} s, call"
+                    f" {rec.get('call', 0):.0f} s); the budget is {PER_TEST_S:.0f} s per test outside the Slurm tests"
                 )
+            for name, scope, wall, _cpu_s in rec.get("shared_fixtures", []):
+                if not rec["slurm"] and wall > SHARED_FIXTURE_S:
+                    self.failures.append(
+                        f"the {scope} fixture {name} (first needed by {rec['nodeid']}) took {wall:.0f} s to set up;"
+                        f" the budget is {SHARED_FIXTURE_S:.0f} s per shared fixture outside the Slurm tests"
+                    )
         markexpr = (self.config.getoption("markexpr", "") or "").strip()
         if markexpr == FAST_TIER and self.records and wall > FAST_TIER_S:
             self.failures.append(
@@ -158,7 +187,18 @@ class TimeBudget:
                         f"{r[key]:8.1f} s wall {cpu if cpu is not None else float('nan'):8.1f} s cpu  {r['nodeid']}"
                     )
 
-            table(f"snakellm: {n} slowest setups (fixtures)", "setup")
+            fixtures = sorted(
+                (
+                    (f[2], f[3], f"{f[0]} ({f[1]}; first needed by {r['nodeid']})")
+                    for r in recs
+                    for f in r.get("shared_fixtures", [])
+                ),
+                reverse=True,
+            )[:n]
+            tr.write_sep("=", f"snakellm: {n} slowest shared fixture setups")
+            for wall, cpu, what in fixtures:
+                tr.write_line(f"{wall:8.1f} s wall {cpu:8.1f} s cpu  {what}")
+            table(f"snakellm: {n} slowest test setups (function-scoped fixtures and shared ones built there)", "setup")
             table(f"snakellm: {n} slowest test calls", "call")
         if self.failures:
             terminalreporter.write_sep("=", "snakellm: time budget exceeded", red=True)

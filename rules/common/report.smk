@@ -4,9 +4,15 @@
 import hashlib
 import json
 
+from snakellm.report import landing as landingmod
+
 # ---------------------------------------------------------------- lookups of the report rules
 
 REPORT = "results/report"
+
+# `snakemake --report`'s landing page: each rule once in its rule graph (snakellm.report.landing)
+landingmod.install()
+
 HTTP_SOURCES = [s for s, spec in SOURCES.items() if spec["kind"] == "http"]
 
 # Later stages add their metrics and samples to the report here, at parse time, from
@@ -166,7 +172,7 @@ def _graph_jobs():
     Walked from the default target with the workflow's own rules and input functions (what
     `snakemake --dag --forceall` does), so any stage's lookups count, with nothing to keep in step here.
     """
-    rules = list(workflow.rules)
+    all_rules = list(workflow.rules)
     root = workflow.get_rule(workflow.default_target)
     jobs = {(root.name, ()): sorted(map(str, root.expand_input({})[0]))}
     todo, seen = list(jobs[(root.name, ())]), set()
@@ -175,18 +181,17 @@ def _graph_jobs():
         if f in seen:
             continue
         seen.add(f)
-        for rule in rules:
-            if rule.name == root.name or not rule.is_producer(f):
+        for r in all_rules:
+            if r.name == root.name or not r.is_producer(f):
                 continue
-            wc = dict(rule.get_wildcards(f))
-            key = (rule.name, tuple(sorted(wc.items())))
+            wc = dict(r.get_wildcards(f))
+            key = (r.name, tuple(sorted(wc.items())))
             if key in jobs:
                 continue
+            # a rule whose output pattern matches but whose lookups refuse these wildcards: not its job
             try:
-                inputs = sorted(map(str, rule.expand_input(wc)[0]))
-            except (
-                Exception
-            ):  # a rule that matches the name but cannot make this file (not its job)
+                inputs = sorted(map(str, r.expand_input(wc)[0]))
+            except Exception:
                 continue
             jobs[key] = inputs
             todo += inputs

@@ -224,6 +224,18 @@ def check_curate(config: dict[str, Any]) -> None:
                     )
 
 
+def check_fp8(config: dict[str, Any], run_models: dict[str, dict[str, Any]]) -> None:
+    """A run with ``precision: fp8`` has block weights float8 kernels take (each TP shard a multiple of 16)."""
+    from snakellm.models import fp8
+
+    for name, run in config.get("runs", {}).items():
+        if run["train"].get("precision") == "fp8":
+            try:
+                fp8.check_shapes(run_models[name], run.get("parallel", {}).get("tp", 1))
+            except fp8.FP8Error as e:
+                raise ConfigError(f"config key runs.{name}.train.precision: {e}") from None
+
+
 def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Every cross-field check, in the order a reader meets the sections; returns each run's architecture.
 
@@ -235,6 +247,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
     check_sft_data(config)
     check_finetunes(config)
     check_resources(config, env)
+    check_fp8(config, run_models)
     check_export_nemo(config)
     check_imports(config)
     check_hf_exports(config, run_models)

@@ -336,6 +336,11 @@ class TrainSettings(ResumeSettings):
     )
     save_interval: int = setting(1000, "checkpoint every N steps (and at the end)")
     keep_last: int = setting(2, "keep the newest K checkpoints, plus the best by validation loss")
+    async_save: bool = setting(
+        False,
+        "write checkpoints in the background (megatron-core's asynchronous torch_dist save: the states are "
+        "copied to host memory, a forked process writes them while training goes on; published when complete)",
+    )
     eval_interval: int = setting(1000, "validation loss every N steps (and at every checkpoint)")
     eval_iters: int = setting(10, "validation batches per evaluation (0: none)")
     log_interval: int = setting(10, "metrics are fetched from the device and written every N steps")
@@ -404,6 +409,12 @@ class ParallelSettings:
         False,
         "shard the fp32 Adam states and master weights over the data-parallel ranks (megatron-core's "
         "distributed-optimizer gradient buffers: reduce-scatter, then all-gather of the updated weights)",
+    )
+    overlap_param_gather: bool = setting(
+        False,
+        "with distributed_optimizer: the updated weights are all-gathered bucket by bucket just before the next "
+        "forward pass uses them, overlapped with its compute (megatron-core DDP's forward pre-hooks), instead of "
+        "all at once after the optimizer step",
     )
     fsdp: bool = setting(
         False,
@@ -606,9 +617,15 @@ class FinetuneTrainSettings(ResumeSettings):
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneParallelSettings:
-    """``finetune.<name>.parallel``: tensor parallelism and the job's threads."""
+    """``finetune.<name>.parallel``: tensor parallelism, activation recomputation and the job's threads."""
 
     tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
+    recompute: str = setting(
+        "none",
+        "megatron-core activation recomputation: selective (core attention) or full (every transformer layer, "
+        "only its input kept): less activation memory for a longer step",
+        choices=("none", "selective", "full"),
+    )
     threads: int = setting(2, "CPU threads of the job", cli=False)
 
 

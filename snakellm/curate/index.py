@@ -14,7 +14,8 @@ time): sharding a band into slices is what bounds it.
 (scipy). Each component keeps its first document in corpus order (sources in config order,
 then chunks, then lines): deterministic, and the same choice as datatrove for pairs. Every
 other member is removed, as ``exact_duplicate`` when its exact hash equals the kept one's,
-else ``near_duplicate``, with its cluster and the kept document's id. Each chunk's removals
+else ``near_duplicate``, with its cluster (an id derived from the kept document's signature:
+stable when other clusters come and go) and the kept document's id. Each chunk's removals
 go to its own list file, rewritten only when its content changes: the curated chunk job
 reads that list, so a chunk whose kept set did not change is not rebuilt (Snakemake sees
 the list's old mtime after this checkpoint job).
@@ -146,6 +147,16 @@ def estimate(sigs: Sequence[np.ndarray], a: np.ndarray, b: np.ndarray) -> np.nda
     return (_gather(sigs, a, rows) == _gather(sigs, b, rows)).mean(axis=1)
 
 
+def cluster_hashes(sigs: Sequence[np.ndarray], kept: np.ndarray) -> np.ndarray:
+    """Each kept document's cluster id (printed as 16 hex digits): a hash of its signature column (exact hash and
+    MinHash values), so that an id depends on the kept document's text alone and a change elsewhere renumbers
+    nothing."""
+    import xxhash
+
+    cols = _gather(sigs, kept, slice(1, None))
+    return np.fromiter((xxhash.xxh3_64_intdigest(c.tobytes()) for c in cols), dtype=np.uint64, count=len(kept))
+
+
 def doc_id(names: Sequence[tuple[str, str]], ref: int) -> str:
     source, chunk = names[ref >> 32]
     return f"{source}/{chunk}:{ref & 0xFFFFFFFF}"
@@ -164,38 +175,48 @@ def cluster(
 
     pairs = [np.load(f) for f in pair_files]
     allp = np.concatenate(pairs) if pairs else np.zeros((0, 3), dtype=np.uint64)
-    per_file: list[list[list[Any]]] = [[] for _ in sig_files]
+    del pairs
+    n_pairs = len(allp)
     clusters = 0
-    by_reason = {"exact_duplicate": 0, "near_duplicate": 0}
+    rem_nodes = rem_kept = np.zeros(0, dtype=np.uint64)
+    is_exact = np.zeros(0, dtype=bool)
+    cluster_of = np.zeros(0, dtype=np.uint64)
     if len(allp):
         nodes, inv = np.unique(allp[:, :2], return_inverse=True)
         inv = inv.reshape(-1, 2)
+        del allp
         graph = coo_matrix((np.ones(len(inv), dtype=np.int8), (inv[:, 0], inv[:, 1])), shape=(len(nodes),) * 2)
-        n_comp, labels = connected_components(graph, directed=False)
-        kept = np.full(n_comp, np.iinfo(np.uint64).max, dtype=np.uint64)
+        del inv
+        clusters, labels = connected_components(graph, directed=False)
+        del graph
+        kept = np.full(clusters, np.iinfo(np.uint64).max, dtype=np.uint64)
         np.minimum.at(kept, labels, nodes)  # the first document in corpus order
-        # clusters numbered by their kept document (stable under unrelated changes elsewhere)
-        cluster_no = np.argsort(np.argsort(kept))
         removed = nodes != kept[labels]
-        rem_nodes, rem_kept, rem_cluster = nodes[removed], kept[labels[removed]], cluster_no[labels[removed]]
+        rem_nodes, rem_kept = nodes[removed], kept[labels[removed]]  # sorted by node: grouped by file
+        del nodes, labels, kept, removed
         sigs = [load(f) for f in sig_files]
-        same = (_gather(sigs, rem_nodes, slice(1, 3)) == _gather(sigs, rem_kept, slice(1, 3))).all(axis=1)
-        exact_any = (_gather(sigs, rem_nodes, slice(1, 3)) != 0).any(axis=1)
-        is_exact = same & exact_any
-        clusters = n_comp
-        for node, k, c, ex in zip(rem_nodes.tolist(), rem_kept.tolist(), rem_cluster.tolist(), is_exact.tolist()):
-            reason = "exact_duplicate" if ex else "near_duplicate"
-            by_reason[reason] += 1
-            per_file[node >> 32].append([node & 0xFFFFFFFF, reason, int(c), doc_id(names, k)])
+        own, theirs = _gather(sigs, rem_nodes, slice(1, 3)), _gather(sigs, rem_kept, slice(1, 3))
+        is_exact = (own == theirs).all(axis=1) & (own != 0).any(axis=1)
+        uniq, which = np.unique(rem_kept, return_inverse=True)
+        cluster_of = cluster_hashes(sigs, uniq)[which.ravel()]
+    by_reason = {"exact_duplicate": int(is_exact.sum()), "near_duplicate": int((~is_exact).sum())}
+    files = (rem_nodes >> np.uint64(32)).astype(np.int64)
+    bounds = np.searchsorted(files, np.arange(len(sig_files) + 1))
     rewritten = 0
-    for lst, rows in zip(lists, per_file):
-        rows.sort()
+    for fi, lst in enumerate(lists):
+        a, b = bounds[fi], bounds[fi + 1]
+        rows = [
+            [node & 0xFFFFFFFF, "exact_duplicate" if ex else "near_duplicate", f"{c:016x}", doc_id(names, k)]
+            for node, k, c, ex in zip(
+                rem_nodes[a:b].tolist(), rem_kept[a:b].tolist(), cluster_of[a:b].tolist(), is_exact[a:b].tolist()
+            )
+        ]
         rewritten += write_if_changed(lst, {"removed": rows})
     documents = sum(int(load(f).shape[1]) for f in sig_files)
     summary = {
         "documents": documents,
         "chunks": len(sig_files),
-        "pairs": int(len(allp)),
+        "pairs": int(n_pairs),
         "clusters": int(clusters),
         "removed": sum(by_reason.values()),
         "removed_by_reason": by_reason,
@@ -219,10 +240,10 @@ def write_if_changed(path: str, obj: Any) -> int:
     return 1
 
 
-def read_list(path: str) -> dict[int, tuple[str, int, str]]:
-    """A removal list: line -> (reason, cluster, kept id)."""
+def read_list(path: str) -> dict[int, tuple[str, str, str]]:
+    """A removal list: line -> (reason, cluster id, kept id)."""
     with open(path, encoding="utf-8") as fh:
-        return {int(r[0]): (r[1], int(r[2]), r[3]) for r in json.load(fh)["removed"]}
+        return {int(r[0]): (r[1], str(r[2]), r[3]) for r in json.load(fh)["removed"]}
 
 
 def stale_lists(lists: Sequence[str]) -> list[str]:

@@ -30,6 +30,7 @@ from snakellm.io.atomic import atomic_path, write_json
 from snakellm.io.progress import progress
 
 BATCH = 512
+POOL_MIN_BYTES = 8 << 20
 HEADER_ROWS = 3  # verdict, exact hash low, exact hash high
 
 _JUDGE: Any = None
@@ -62,7 +63,7 @@ def _batch(texts: list[str]) -> tuple[np.ndarray, list[tuple[str | None, str | N
         h = np.array([minhash.exact_hash(t) for t in texts], dtype=np.uint64)
         block[1], block[2] = (h & np.uint64(0xFFFFFFFF)).astype(np.uint32), (h >> np.uint64(32)).astype(np.uint32)
     if near:
-        grams, offsets = minhash.shingle_hashes([minhash.simplify(t) for t in texts], near["ngram"])
+        grams, offsets = minhash.shingle_hashes([minhash.simplify_bytes(t) for t in texts], near["ngram"])
         values = minhash.minhash_rensa(grams, offsets, perm, near["seed"])
         values[np.diff(offsets) == 0] = 0  # no words: no signature (all-zero values never form a band key)
         block[HEADER_ROWS:] = values.T
@@ -103,13 +104,20 @@ def compute(
     """Write the chunk's signature file and its summary; return the summary."""
     judge = filtmod.build(curate)  # fails here, not in a worker, on a bad setting
     code: dict[str, int] = {}  # full rule name -> its verdict code, in the order first met
-    blocks: list[np.ndarray] = []
     by_rule: Counter[str] = Counter()
     languages: Counter[str] = Counter()
     rejected_language: dict[str, list[Any]] = {}
     n = 0
+    near = near_settings(curate)
+    rows = HEADER_ROWS + (near["bands"] * near["rows"] if near else 0)
+    rejected = 0
+    raw_path = f"{out_npy}.raw.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(out_npy)), exist_ok=True)
+    raw = open(raw_path, "wb")
     batches = read_texts(chunk_jsonl, key)
-    pool = multiprocessing.get_context("fork").Pool(threads, _init, (curate,)) if threads > 1 else None
+    # worker processes pay for themselves on a chunk of a few batches or more, not on the shipped corpus's
+    big = os.path.getsize(chunk_jsonl) > POOL_MIN_BYTES
+    pool = multiprocessing.get_context("fork").Pool(threads, _init, (curate,)) if threads > 1 and big else None
     if pool is None:
         _init(curate)
     try:
@@ -125,34 +133,49 @@ def compute(
                     block[0, i] = code.setdefault(rule, len(code) + 1)
                     if rule == filtmod.LANGUAGE_RULE:
                         rejected_language[str(n + i)] = [lang, round(score, 4)]
-                blocks.append(block)
+                raw.write(np.ascontiguousarray(block.T).tobytes())  # document-major while streaming
+                rejected += int((block[0] != 0).sum())
                 n += block.shape[1]
                 bar.update(block.shape[1])
+    except BaseException:
+        raw.close()
+        os.unlink(raw_path)
+        raise
     finally:
         if pool is not None:
             pool.close()
             pool.join()
-    near = near_settings(curate)
-    rows = HEADER_ROWS + (near["bands"] * near["rows"] if near else 0)
-    sig = np.concatenate(blocks, axis=1) if blocks else np.zeros((rows, 0), dtype=np.uint32)
+    raw.close()
+    try:
+        _transpose(raw_path, out_npy, n, rows)
+    finally:
+        os.unlink(raw_path)
     summary = {
         "source": source,
         "chunk": chunk,
         "documents": n,
         "filters": judge.rules(),
         "rules": list(code),  # verdict code i is rules[i - 1]
-        "rejected": int((sig[0] != 0).sum()),
+        "rejected": rejected,
         "rejected_by_rule": dict(sorted(by_rule.items())),
         "languages": dict(languages.most_common()),
         "rejected_language": rejected_language,
         "exact": bool(curate.get("exact", True)),
         "near": near,
     }
-    with atomic_path(out_npy) as tmp:
-        with open(tmp, "wb") as fh:
-            np.save(fh, sig)
     write_json(out_json, summary, indent=None)
     return summary
+
+
+def _transpose(raw_path: str, out_npy: str, n: int, rows: int, step: int = 1 << 16) -> None:
+    """The streamed document-major matrix as the band-major .npy, ``step`` documents at a time (bounded memory)."""
+    src = np.memmap(raw_path, dtype=np.uint32, mode="r", shape=(n, rows)) if n else np.zeros((0, rows), np.uint32)
+    with atomic_path(out_npy) as tmp:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint32, shape=(rows, n))
+        for i in range(0, n, step):
+            out[:, i : i + step] = src[i : i + step].T
+        out.flush()
+        del out
 
 
 def load(npy: str, mmap: bool = True) -> np.ndarray:

@@ -24,6 +24,7 @@ from typing import Any
 from snakellm.errors import UsageError
 
 GPT2_FILES = ("vocab.json", "merges.txt")
+GPT2_VOCAB = 50257
 
 
 class RandomHfError(UsageError, ValueError):
@@ -38,7 +39,7 @@ def gpt2_tokenizer_block(tokenizer_dir: Path) -> dict[str, Any]:
     return {
         "kind": "gpt2-bpe",
         "name": "gpt2",
-        "vocab_size": 50257,
+        "vocab_size": GPT2_VOCAB,
         "eod_id": 50256,
         "eod_token": "<|endoftext|>",
         "files": {

@@ -151,6 +151,14 @@ class FinetuneRecipe:
         self.items = (
             [[i] for i in range(len(self.train_ex))] if not a.packing else ds.pack(self.train_ex, self.seq, a.seed)
         )
+        if not a.packing and a.method != "ptuning" and len(self.train_ex) > 1:
+            rows = len(ds.pack(self.train_ex, self.seq, a.seed))
+            if 2 * rows <= len(self.train_ex):  # padding would be at least half of every step's tokens
+                print(
+                    f"snakellm finetune: note: packing (examples.packing: true, --packing) would hold the "
+                    f"{len(self.train_ex)} training examples in {rows} sequences of {self.seq} tokens",
+                    file=sys.stderr,
+                )
 
     @property
     def base_checkpoint(self) -> Path:
@@ -179,14 +187,15 @@ class FinetuneRecipe:
         loaded = models.load(
             self.a.base,
             device=s.device,
-            bf16=s.precision in ("bf16", "fp8"),
+            bf16=s.bf16,
             tp=tp,
             seq_length=self.a.max_seq_length,
             train=True,
             fp8=self.a.fp8_recipe if s.precision == "fp8" else None,
+            recompute=self.a.recompute,
         )
         gpt = loaded.model
-        self.ft, self.extra = attach(s.torch, gpt, self.a.method, self.mcfg, self.arch)
+        self.ft, self.extra = attach(s.torch, gpt, self.a.method, self.mcfg, self.arch, self.a.recompute)
         return assembly.Parts(
             module=self.ft,
             config=loaded.config,
@@ -337,8 +346,13 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def attach(torch: Any, gpt: Any, method: str, mcfg: Any, arch: dict) -> tuple[Any, Any]:
-    """Freeze what must not train and add the method's module; returns (FTModel, extra module or None)."""
+def attach(torch: Any, gpt: Any, method: str, mcfg: Any, arch: dict, recompute: str = "none") -> tuple[Any, Any]:
+    """Freeze what must not train and add the method's module; returns (FTModel, extra module or None).
+
+    With activation recomputation and a frozen base, the embedding's output is made to require a
+    gradient: a recomputed block is an autograd function whose output needs a gradient only when an
+    input does, and the frozen embedding's output does not (the adapters inside would get none).
+    """
     from snakellm.finetune.runtime import make_ft_model
 
     ft = make_ft_model(torch, gpt)
@@ -346,6 +360,8 @@ def attach(torch: Any, gpt: Any, method: str, mcfg: Any, arch: dict) -> tuple[An
         return ft, None
     for p in gpt.parameters():
         p.requires_grad_(False)
+    if recompute != "none":
+        gpt.embedding.register_forward_hook(lambda _m, _i, out: out.requires_grad_(torch.is_grad_enabled()))
     w = gpt.embedding.word_embeddings.weight
     extra: Any
     if method == "lora":

@@ -265,8 +265,38 @@ def trajectory(precision: str, recipe: str) -> dict[str, Any]:
     return {"precision": precision} | ({"fp8_recipe": recipe} if precision == "fp8" else {})
 
 
-def check_request(precision: str, device: str) -> None:
-    """Refuse ``precision: fp8`` with ``--device cpu`` before anything starts (torch-free; the GPU's compute
-    capability is checked when the model is built)."""
-    if precision == "fp8" and device == "cpu":
+def check_request(precision: str, device: str, arch: dict[str, Any] | None = None, tp: int = 1) -> None:
+    """Refuse ``precision: fp8`` with ``--device cpu`` or with shapes float8 kernels refuse, before anything
+    starts (torch-free; the GPU's compute capability is checked when the model is built)."""
+    if precision != "fp8":
+        return
+    if device == "cpu":
         check_device(None, "cpu")
+    if arch is not None:
+        check_shapes(arch, tp)
+
+
+def weight_shapes(arch: dict[str, Any], tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(out, in) of each block linear's weight on one tensor-parallel rank."""
+    h, heads = arch["hidden_size"], arch["num_attention_heads"]
+    groups = arch.get("num_query_groups") or heads
+    kv_channels = arch.get("kv_channels") or h // heads
+    ffn = arch["ffn_hidden_size"]
+    fc1 = ffn * (2 if arch.get("activation") == "swiglu" else 1)
+    return {
+        "linear_qkv": ((heads + 2 * groups) * kv_channels // tp, h),
+        "linear_proj": (h, heads * kv_channels // tp),
+        "linear_fc1": (fc1 // tp, h),
+        "linear_fc2": (h, ffn // tp),
+    }
+
+
+def check_shapes(arch: dict[str, Any], tp: int = 1) -> None:
+    """float8 matmuls need both dimensions of every weight (one rank's shard) to be multiples of 16."""
+    for name, (out_f, in_f) in weight_shapes(arch, tp).items():
+        if out_f % 16 or in_f % 16:
+            raise FP8Error(
+                f"precision: fp8: {name} has a {out_f} x {in_f} weight on each of the {tp} tensor-parallel "
+                "rank(s); float8 matmuls need both dimensions to be multiples of 16 (choose hidden, ffn and head "
+                "sizes that are)"
+            )

@@ -81,7 +81,7 @@ def _make_function() -> Any:
 
     class VocabParallelCE(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, logits: Any, target: Any, group: Any, kernels: Any) -> Any:  # type: ignore[override]
+        def forward(ctx: Any, logits: Any, target: Any, group: Any, kernels: Any) -> Any:
             kmax, kstats, _ = kernels
             world = dist.get_world_size(group) if group is not None else 1
             vp = logits.size(-1)
@@ -102,7 +102,7 @@ def _make_function() -> Any:
             return lse - both[1]
 
         @staticmethod
-        def backward(ctx: Any, g: Any) -> Any:  # type: ignore[override]
+        def backward(ctx: Any, g: Any) -> Any:
             logits, lse, local_t, inside = ctx.saved_tensors
             return ctx.kernels[2](logits, lse, local_t, inside, g.contiguous()), None, None, None
 

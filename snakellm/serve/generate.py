@@ -603,6 +603,34 @@ class Generator:
         return lps, fulls
 
 
+def check_fits_one_gpu(arch: dict[str, Any], padded_vocab: int, bytes_per_param: int, capacity: int | None) -> None:
+    """Refuse, before loading, a model whose weights alone overflow the GPU: the engine (``generate``,
+    ``serve``, ``evaluate``) runs one model on one GPU and has no tensor parallelism. ``capacity``: the
+    GPU's bytes (None: the CPU, no check)."""
+    from snakellm.models.counts import param_count
+
+    if capacity is None:
+        return
+    need = param_count(arch, padded_vocab) * bytes_per_param
+    if need > 0.95 * capacity:
+        raise GenerationError(
+            f"the model's weights are {need / 2**30:.1f} GiB and the GPU holds {capacity / 2**30:.1f} GiB: the "
+            "generation engine (snakellm generate / serve / evaluate) runs on one GPU and has no tensor "
+            "parallelism (finetune.<name>.parallel.tp applies to training only); use a GPU with more memory",
+            "tensor_parallel",
+        )
+
+
+def gpu_capacity(device: Any) -> int | None:
+    """Total bytes of the CUDA device ``device`` (None for the CPU)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(dev.index or 0).total_memory)
+
+
 def load_generator(
     checkpoint: str,
     *,
@@ -624,6 +652,7 @@ def load_generator(
     tok = load_tokenizer(tok_block, tokenizer_base(tok_block, Path(info["run_dir"])))
     if bf16 is None:
         bf16 = device.startswith("cuda")
+    check_fits_one_gpu(info["arch"], info["padded_vocab_size"], 2 if bf16 else 4, gpu_capacity(device))
     loaded = load(info["checkpoint_dir"], info["iteration"], device=device, bf16=bf16)
     return Generator(loaded.model, loaded.arch, tok, int(tok_block.get("vocab_size") or tok.vocab_size))
 

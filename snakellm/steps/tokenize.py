@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2.0,
         help="compare every document when the chunk is at most this many MB (default: %(default)s)",
     )
+    p.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="an empty chunk (a curated one whose documents were all removed) is a dataset of no documents, "
+        "not an error",
+    )
     tokmod.add_arguments(p)
     return p
 
@@ -70,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             show_progress=not a.no_progress,
             verify=a.verify,
             verify_all_bytes=int(a.verify_all_mb * 1e6),
+            allow_empty=a.allow_empty,
         )
     except (tokmod.TokenizerError, TokenizeError, OSError) as e:
         print(f"snakellm tokenize: error: {e}", file=sys.stderr)

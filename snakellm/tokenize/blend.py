@@ -53,6 +53,8 @@ def build_blend(stats_files: list[str], weights: dict[str, float]) -> dict:
                 raise BlendError(
                     f"{path}: tokenized with a different tokenizer than {first} ({', '.join(diff) or 'dtype'} differ)"
                 )
+        if tokens <= 0 and st.get("documents") == 0:
+            continue  # an empty curated chunk (every document removed): nothing to sample
         if tokens <= 0:
             raise BlendError(f"{path}: no tokens")
         datasets.append(
@@ -64,6 +66,8 @@ def build_blend(stats_files: list[str], weights: dict[str, float]) -> dict:
                 "tokens": tokens,
             }
         )
+    if not datasets:
+        raise BlendError(f"no documents in any of the {len(stats_files)} tokenized chunks")
     raw = [d["tokens"] * weights[d["source"]] for d in datasets]
     total = sum(raw)
     for d, r in zip(datasets, raw):

@@ -238,8 +238,12 @@ def tokenize_file(
     show_progress: bool = True,
     verify: float = 0.005,
     verify_all_bytes: int = 2_000_000,
+    allow_empty: bool = False,
 ) -> dict:
     """Tokenize ``jsonl`` into ``{prefix}.bin/.idx`` and ``{prefix}.stats.json``; return the stats.
+
+    An empty chunk is an error unless ``allow_empty`` (a curated chunk whose documents were all
+    removed): then it is a valid dataset of no documents, which the blend leaves out.
 
     Where the tokenizer runs a fast path (tiktoken for a ``tokenizer.json``), the ids of a
     ``verify`` fraction of the documents (all of them when the chunk is at most
@@ -254,12 +258,16 @@ def tokenize_file(
     if tok.can_verify and verify > 0:
         check = Verify(1 if os.path.getsize(jsonl) <= verify_all_bytes else max(1, round(1 / min(1.0, verify))))
     try:
-        return _tokenize_file(jsonl, prefix, tok, key, threads, stats, source, chunk, batch_bytes, show_progress, check)
+        return _tokenize_file(
+            jsonl, prefix, tok, key, threads, stats, source, chunk, batch_bytes, show_progress, check, allow_empty
+        )
     except VerificationFailed as e:
         reason = f"fell back: tiktoken ids differ from tokenizers at {e}"
         print(f"snakellm tokenize: warning: {e}; encoding {jsonl} again with tokenizers", file=sys.stderr)
         tok.use_reference(reason)
-        return _tokenize_file(jsonl, prefix, tok, key, threads, stats, source, chunk, batch_bytes, show_progress, None)
+        return _tokenize_file(
+            jsonl, prefix, tok, key, threads, stats, source, chunk, batch_bytes, show_progress, None, allow_empty
+        )
 
 
 def _tokenize_file(
@@ -274,6 +282,7 @@ def _tokenize_file(
     batch_bytes: int,
     show_progress: bool,
     check: Verify | None,
+    allow_empty: bool = False,
 ) -> dict:
     bin_p, idx_p = prefix_paths(prefix)
     stats_p = Path(stats) if stats else Path(str(prefix) + ".stats.json")
@@ -341,7 +350,7 @@ def _tokenize_file(
                     f.cancel()
                 for f in checks:
                     f.cancel()
-            if writer.documents == 0:
+            if writer.documents == 0 and not allow_empty:
                 raise TokenizeError(f"{jsonl}: no documents to tokenize (empty chunk)")
             writer.finalize()
         _check_written(prefix, tmp_bin, tmp_idx, writer, dtype)

@@ -64,6 +64,7 @@ class Optim:
     clip_grad: float = 1.0
     distributed: bool = False  # Adam states sharded over the data-parallel ranks
     fsdp: bool = False  # parameters, gradients and Adam states sharded (FSDP2; snakellm.train.fsdp)
+    overlap_param_gather: bool = False  # distributed: all-gather each bucket before the next forward uses it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +92,7 @@ class Job:
     eval_interval: int = 1000
     log_interval: int = 10
     keep_last: int = 1
+    async_save: bool = False  # checkpoints written in the background (megatron-core's async torch_dist save)
     patience: int = 0  # early stopping after this many evaluations without improvement (0: never)
     min_delta: float = 0.0
     max_time: float | None = None
@@ -130,6 +132,11 @@ class Session:
     @property
     def rank0(self) -> bool:
         return self.dist.is_rank0
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 weights (fp8 runs too: only their block matmuls are float8)."""
+        return self.precision in ("bf16", "fp8")
 
     def barrier(self) -> None:
         self.torch.distributed.barrier(group=self.stop_group)
@@ -231,6 +238,8 @@ def run(job: Job, recipe: Recipe) -> int:
         status = trainer.fit()
         if s.watchdog is not None:
             s.watchdog.beat(trainer.step)
+        if hasattr(opt, "sync_params"):
+            opt.sync_params()
         digests = [model.digest()] * s.dp if job.optim.fsdp else replica_digests(parts.module)
         if len(set(digests)) != 1:
             raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
@@ -363,7 +372,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
     if o.fsdp:
         from snakellm.train import fsdp
 
-        sharded = fsdp.shard(parts.module, bf16=s.precision == "bf16", cuda=s.cuda)
+        sharded = fsdp.shard(parts.module, bf16=s.bf16, cuda=s.cuda)
         # checkpoints hold this rank's slices, in the layout of every other run
         parts.state, parts.load_state = sharded.sharded_state, sharded.load_state
         fopt = fsdp.FSDPAdamW(sharded, **adamw)
@@ -376,6 +385,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
         use_distributed_optimizer=o.distributed,
+        overlap_param_gather=o.distributed and o.overlap_param_gather and s.dp > 1,
     )
     if parts.chunks is None:
         model = DDP(parts.config, ddp_cfg, parts.module)
@@ -410,6 +420,8 @@ def _manager(
     from snakellm.train.rng import rng_states
 
     def sharded_state(is_loading: bool) -> dict[str, Any]:
+        if hasattr(opt, "sync_params"):
+            opt.sync_params()  # overlap_param_gather: the weights of the last step, not those before it
         msd = parts.state()
         out = {
             "model": msd,
@@ -456,6 +468,7 @@ def _manager(
         rank=s.dist.rank,
         barrier=s.barrier,
         log=s.log,
+        async_save=job.async_save,
     )
     return manager
 
@@ -478,7 +491,7 @@ def _megatron_namespace(model_args: dict[str, Any], job: Job, s: Session, step: 
         consumed_train_samples=step * job.global_batch_size,
         skipped_train_samples=0,
         consumed_valid_samples=0,
-        bf16=s.precision == "bf16",
+        bf16=s.bf16,
         fp16=False,
         seed=job.seed,
         sequence_parallel=job.sequence_parallel,
@@ -509,6 +522,7 @@ def _restore(
     from snakellm.train.rng import set_rng_states
 
     assert it is not None
+    t0 = time.time()
     saved = ckpt.load_common(job.ckpt_dir, it).get("snakellm", {}).get("layout") or {"tp": job.tp, "pp": job.pp}
     here = {"tp": job.tp, "pp": job.pp}
     holder["skip_rng"] = saved != here
@@ -537,7 +551,7 @@ def _restore(
         ckpt.mark_resumed(job.ckpt_dir, it)
     s.log(
         f"resumed from {job.ckpt_dir / ckpt.iter_name(it)} (iteration {it}, "
-        f"{it * job.global_batch_size} samples consumed)"
+        f"{it * job.global_batch_size} samples consumed; loaded in {time.time() - t0:.1f}s)"
     )
     return it
 

@@ -257,6 +257,7 @@ class FSDPAdamW(DistributedAdamW):
         fused: bool | None = None,
     ):
         self.model = model
+        self.overlap_param_gather = False  # FSDP gathers each unit's weights itself, overlapped
         self.clip_grad = clip_grad
         self.dp_group, self.dp_size = model.dp_group, model.dp_size
         named = list(model.named_parameters())

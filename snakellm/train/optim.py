@@ -253,6 +253,7 @@ class DistributedAdamW:
         if not model.ddp_config.use_distributed_optimizer:
             raise ValueError("DistributedAdamW needs megatron-core DDP with use_distributed_optimizer=True")
         self.model = model
+        self.overlap_param_gather = bool(model.ddp_config.overlap_param_gather)
         self.clip_grad = clip_grad
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
@@ -343,8 +344,16 @@ class DistributedAdamW:
             torch._foreach_copy_([m for m, _ in copies], [f for _, f in copies])
         for s in self.shards:
             s.master.grad = None
-        self.model.start_param_sync(force_sync=True)  # every rank's updated slices to every rank
+        if not self.overlap_param_gather:
+            self.model.start_param_sync(force_sync=True)  # every rank's updated slices to every rank
+        # else megatron-core DDP's forward pre-hooks gather each bucket just before the next forward uses it,
+        # the next bucket's all-gather overlapping this one's compute
         return norm
+
+    def sync_params(self) -> None:
+        """The updated weights on every rank now (before a checkpoint reads them outside a forward pass)."""
+        if self.overlap_param_gather:
+            self.model.start_param_sync(force_sync=True)
 
     # ------------------------------------------------------------------ checkpoints
 

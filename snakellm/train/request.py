@@ -110,13 +110,18 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     overrides = {k: getattr(args, k) for k in models.MODEL_KEYS if getattr(args, k, None) is not None}
     model = models.resolve(args.preset, overrides)
     _check_positive(t)
-    fp8.check_request(t.precision, args.device)
     dist = distmod.detect(env)
     models.check_parallel(model, par.tp, par.pp, par.virtual_pp)
     models.check_recompute(model, par.pp, par.virtual_pp, par.recompute, par.recompute_method, par.recompute_num_layers)
+    fp8.check_request(t.precision, args.device, model, par.tp)
     if par.sequence_parallel and par.tp == 1:
         raise RequestError(
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
+        )
+    if par.overlap_param_gather and not par.distributed_optimizer:
+        raise RequestError(
+            "--overlap-param-gather overlaps the distributed optimizer's all-gather of the updated weights: "
+            "it needs --distributed-optimizer"
         )
     if par.fsdp and par.distributed_optimizer:
         raise RequestError(
@@ -242,6 +247,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
                 recompute_method=par.recompute_method,
                 recompute_num_layers=par.recompute_num_layers,
                 virtual_pp=par.virtual_pp,
+                fsdp=par.fsdp,
             )
         ),
     ]

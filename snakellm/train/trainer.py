@@ -163,6 +163,8 @@ class Trainer:
                     self.metrics.flush()
                     self.checkpoints.save(step, val)
                     self.metrics.restart_window()
+                if self.checkpoints is not None:
+                    self.checkpoints.poll()  # an asynchronous save that has finished is published
                 if reason:
                     log(
                         f"stopped at iteration {step} ({reason}); "
@@ -176,5 +178,7 @@ class Trainer:
                     self.stopped_by = early
                     break
             self.metrics.flush()
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # the last asynchronous save is published before the job ends
         self.metrics.close()
         return status
