@@ -68,6 +68,12 @@ FIGURES: dict[str, list[str]] = {
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
     "bench_finetune_gpu": [rf'"method": "{m}", "tp": 1, "tokens_per_s": {NUM},' for m in ("lora", "full")],
     "bench_parallel_gpu": [rf"\| tiny \| 1 GPU \| 1 \| {NUM} \|", rf"\| tiny \| DP=2 \| 2 \| {NUM} \| {NUM} \| {NUM}%"],
+    "bench_pipeline_gpu": [
+        rf"^  pp1\s+1\s+\S+\s+{NUM}\s+{NUM}",
+        rf"^  pp2-interleaved-recompute-full\s+2\s+\S+\s+{NUM}\s+{NUM}",
+        r"^parity: PASS$",
+        rf"pp2-interleaved-recompute-full: estimate {NUM} GiB",
+    ],
     "bench_tokenize": [
         rf"{title}.*?: {NUM}M tokens(?:.|\n)*?snakellm tokenize, 2 threads \(step\)\s+{NUM}M"
         for title in ("GPT-2 BPE", "SentencePiece", "tokenizer.json")
@@ -83,6 +89,7 @@ SLOW = {
     "bench_train_gpu",
     "bench_finetune_gpu",
     "bench_parallel_gpu",
+    "bench_pipeline_gpu",
 }
 
 
