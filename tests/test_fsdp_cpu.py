@@ -5,51 +5,70 @@ the same losses and gradient norms at every step, half the parameters held on
 each rank, and checkpoints in the layout of every other run: one written with
 FSDP on 2 ranks resumes in one process without FSDP, and one written by one
 process resumes with FSDP on 2 ranks (a change of the data-parallel size both
-ways), each continuing with the uninterrupted run's losses.
+ways, the second with full recomputation), each continuing with the uninterrupted
+run's losses.
 
-About 2 minutes on 2 cores (four training launches of 2 processes each, each
-paying megatron-core's import): marked slow.
+The two uninterrupted runs are a module fixture (two launches); each test after it
+is one launch (the per-test budget): marked slow.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
-from test_parallel_cpu import assert_close, records, root, train  # noqa: F401  (root: the shared blend fixture)
+from test_parallel_cpu import assert_close, records, train
+from test_train import make_blend
 
 STEPS = ["--preset", "tiny-llama", "--steps", "12", "--save-interval", "4", "--keep-last", "3"]
 
 
-@pytest.mark.slow
-def test_fsdp_matches_one_process_and_resumes_across_data_parallel_sizes(root):  # noqa: F811
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, str]:
+    """One process without FSDP and 2 ranks with it, the same 12 steps: (root, the FSDP run's stderr)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    make_blend(root)
     train(root, "fsdp-one", 1, *STEPS)
-    proc = train(root, "fsdp", 2, *STEPS, "--fsdp")
-    assert "sharded over 2 ranks (FSDP2)" in proc.stderr
+    return root, train(root, "fsdp", 2, *STEPS, "--fsdp").stderr
+
+
+@pytest.mark.slow
+def test_fsdp_matches_one_process_and_holds_half_the_model(runs):
+    root, stderr = runs
+    assert "sharded over 2 ranks (FSDP2)" in stderr
     held, total = (
-        int(x.replace(",", ""))
-        for x in proc.stderr.split("FSDP: rank 0 holds ", 1)[1].split(" parameters")[0].split(" of ")
+        int(x.replace(",", "")) for x in stderr.split("FSDP: rank 0 holds ", 1)[1].split(" parameters")[0].split(" of ")
     )
     assert abs(held - total / 2) <= 64 * 20  # half, give or take the rows of odd-sized tensors
-    ref = records(root, "fsdp-one")
-    assert_close(records(root, "fsdp"), ref, loss_rtol=1e-6, norm_rtol=1e-5)
+    assert_close(records(root, "fsdp"), records(root, "fsdp-one"), loss_rtol=1e-6, norm_rtol=1e-5)
     summary = json.loads((root / "runs/fsdp/train_summary.json").read_text())
     assert len(set(summary["replica_weight_digests"])) == 1
-    # megatron-core's own recomputation (a reentrant checkpoint around FSDP's units) changes no loss
-    train(root, "fsdp-recompute", 2, *STEPS, "--fsdp", "--recompute", "full", "--recompute-method", "block")
-    assert_close(records(root, "fsdp-recompute"), ref, loss_rtol=1e-6, norm_rtol=1e-5)
     # the checkpoint carries Megatron-LM's args (its pretrain_gpt.py resumes the data position from them)
     from snakellm.io.checkpoint import load_common
 
     lm = load_common(root / "runs/fsdp/checkpoints", 8)["args"]
     assert (lm.num_layers, lm.consumed_train_samples, lm.swiglu, lm.add_position_embedding) == (2, 64, True, False)
-    for src, dst, nproc, flag in (("fsdp", "fsdp-to-one", 1, ()), ("fsdp-one", "one-to-fsdp", 2, ("--fsdp",))):
-        shutil.copytree(root / "runs" / src, root / "runs" / dst)
-        (root / "runs" / dst / "checkpoints/latest_checkpointed_iteration.txt").write_text("8\n")
-        proc = train(root, dst, nproc, *STEPS, *flag)
-        assert f"resumed from runs/{dst}/checkpoints/iter_0000008" in proc.stderr
-        assert_close(records(root, dst), ref, loss_rtol=1e-6, norm_rtol=1e-5)
+
+
+# the second also recomputes (megatron-core's own, a reentrant checkpoint around FSDP's units): no loss changes
+RECOMPUTE = ("--recompute", "full", "--recompute-method", "block")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "src, dst, nproc, flags",
+    [("fsdp", "fsdp-to-one", 1, ()), ("fsdp-one", "one-to-fsdp", 2, ("--fsdp", *RECOMPUTE))],
+    ids=["fsdp-2-ranks-to-one-process", "one-process-to-fsdp-2-ranks-recomputing"],
+)
+def test_fsdp_checkpoints_resume_across_data_parallel_sizes(runs, src, dst, nproc, flags):
+    root, _ = runs
+    shutil.copytree(root / "runs" / src, root / "runs" / dst)
+    (root / "runs" / dst / "checkpoints/latest_checkpointed_iteration.txt").write_text("8\n")
+    proc = train(root, dst, nproc, *STEPS, *flags)
+    assert f"resumed from runs/{dst}/checkpoints/iter_0000008" in proc.stderr
+    assert_close(records(root, dst), records(root, "fsdp-one"), loss_rtol=1e-6, norm_rtol=1e-5)
 
 
 def test_fsdp_refuses_the_distributed_optimizer(tmp_path):

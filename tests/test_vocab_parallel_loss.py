@@ -47,6 +47,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two spawned processes importing torch: ~10 s, too much for the fast tier
 @pytest.mark.parametrize("world", [2])
 def test_vocab_parallel_loss_equals_the_whole_vocabulary_loss(world):
     logits, labels = _data()
@@ -74,17 +75,27 @@ def test_vocab_parallel_loss_equals_the_whole_vocabulary_loss(world):
     assert (labels < V // 2).any() and (labels >= V // 2).any()
 
 
-@pytest.mark.slow
-def test_compiled_layers_and_loss_under_tp2_and_sequence_parallelism(tmp_path):
-    """`--compile --loss compiled` at TP 2 + sequence parallelism (2 gloo ranks) gives the uncompiled run's losses
-    and gradient norms. About 90 s on 2 cores, most of it inductor compiling the layers and the loss kernels for
-    the CPU: the one check that torch.compile runs megatron-core's tensor-parallel layers and our loss."""
-    from test_parallel_cpu import assert_close, records, train
+@pytest.fixture(scope="module")
+def tp2_eager(tmp_path_factory):
+    """TP 2 + sequence parallelism on 2 gloo ranks, the eager loss and layers: (root, its flags)."""
+    from test_parallel_cpu import train
     from test_train import make_blend
 
-    make_blend(tmp_path)
-    steps = ["--preset", "tiny-llama", "--steps", "6", "--eval-iters", "0", "--no-checkpoints", "--tp", "2"]
-    steps += ["--sequence-parallel"]
-    train(tmp_path, "eager", 2, *steps, "--loss", "eager")
-    train(tmp_path, "compiled", 2, *steps, "--loss", "compiled", "--compile")
-    assert_close(records(tmp_path, "compiled"), records(tmp_path, "eager"), loss_rtol=1e-5, norm_rtol=1e-4)
+    root = tmp_path_factory.mktemp("tp2-loss")
+    make_blend(root)
+    flags = ["--preset", "tiny-llama", "--steps", "6", "--eval-iters", "0", "--no-checkpoints", "--tp", "2"]
+    flags += ["--sequence-parallel"]
+    train(root, "eager", 2, *flags, "--loss", "eager")
+    return root, flags
+
+
+@pytest.mark.slow
+def test_compiled_layers_and_loss_under_tp2_and_sequence_parallelism(tp2_eager):
+    """`--compile --loss compiled` at TP 2 + sequence parallelism gives the uncompiled run's losses and gradient
+    norms: the one check that torch.compile runs megatron-core's tensor-parallel layers and our loss (most of its
+    minute is inductor compiling them for the CPU)."""
+    from test_parallel_cpu import assert_close, records, train
+
+    root, flags = tp2_eager
+    train(root, "compiled", 2, *flags, "--loss", "compiled", "--compile")
+    assert_close(records(root, "compiled"), records(root, "eager"), loss_rtol=1e-5, norm_rtol=1e-4)
