@@ -51,6 +51,27 @@ rule export_hf:
         "snakellm export-hf runs/{wildcards.run} {output} {params.flags} 2> {log}"
 
 
+# import_hf.NAME.random: the Hugging Face directory itself is made here, a preset's shape with random
+# weights written one layer at a time (the chain at 7-8B without downloading weights).
+rule random_hf:
+    output:
+        directory("models/random/{name}"),
+    log:
+        "logs/random_hf/{name}.log",
+    benchmark:
+        "benchmarks/random_hf/{name}.tsv"
+    wildcard_constraints:
+        name=_names_regex(RANDOM_IMPORTS),
+    conda:
+        "../envs/train.yaml"
+    resources:
+        **get_job_resources("convert"),
+    params:
+        flags=get_random_hf_flags,
+    shell:
+        "snakellm random-hf {output} {params.flags} 2> {log}"
+
+
 # The checkpoint directory is not an output (as for pretrain): the summary is written
 # after the checkpoint is complete.
 rule import_hf:

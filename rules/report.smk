@@ -45,11 +45,12 @@ rule dag:
     conda:
         "../envs/data.yaml"
     params:
+        graph=get_dag_graph,  # reruns when the pictures can change, not on every config edit
         config=get_dag_config,
         snakefile=get_main_snakefile,
     shell:
         "snakellm dag --rulegraph {output.rulegraph} --jobs {output.jobs} --snakefile {params.snakefile:q} "
-        "--config-json {params.config:q} 2> {log}"
+        "--config-json-file {params.config:q} 2> {log}"
 
 
 rule report_data:

@@ -8,7 +8,7 @@ repeated in shuffled order to --mb megabytes), then in the same run times
   2. `snakellm chunk SHARDS -o out.jsonl --threads 1|2` (decompress + validate every line + write + verify)
 and prints both in MB/s of decompressed input.
 
-usage: .venv/bin/python scripts/bench_chunk.py [--mb 200] [--shards 16]
+usage: .venv/bin/python scripts/bench_chunk.py [--mb 200] [--shards 16] [--smoke]
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=float, default=200, help="decompressed corpus size (default 200 MB)")
     ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--smoke", action="store_true", help="seconds: 1 MB in 2 shards (tests/test_bench_smoke.py)")
     a = ap.parse_args()
+    if a.smoke:
+        a.mb, a.shards = 1.0, 2
     tmp = Path(tempfile.mkdtemp(prefix="snakellm-bench-chunk-"))
     try:
         docs, rng = shipped_docs(), random.Random(0)
@@ -64,7 +67,7 @@ def main() -> None:
             shards.append(str(p))
             total += n
         comp = sum(Path(s).stat().st_size for s in shards)
-        print(f"corpus: {a.shards} shards, {total / 1e6:.0f} MB decompressed, {comp / 1e6:.0f} MB zstd")
+        print(f"corpus: {a.shards} shards, {total / 1e6:.1f} MB decompressed, {comp / 1e6:.1f} MB zstd")
 
         t = time.perf_counter()
         subprocess.run(["zstd", "-q", "-dc", *shards], stdout=subprocess.DEVNULL, check=True)

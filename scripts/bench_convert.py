@@ -19,6 +19,7 @@ The bar: every step's peak RSS under 1.5 x one shard + 2 GB (a 16 GB bf16 model 
     python scripts/bench_convert.py --workdir /tmp/convert          # 8B, ~16 GB of bf16 weights
     python scripts/bench_convert.py --layers 4 --hidden 512 --ffn 1536 --heads 8 --kv-heads 2 \\
         --vocab 32000 --shard-size 50MB --workdir /tmp/small
+    python scripts/bench_convert.py --smoke    # seconds: one layer, d=64, a temp workdir (tests/test_bench_smoke.py)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -202,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep every intermediate")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--make-only", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help="seconds: a 1-layer d=64 shape in 1 MB shards, temp workdir")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.vocab, a.shard_size = 1, 64, 128, 4, 2, 50304, "1MB"
+        a.workdir = tempfile.mkdtemp(prefix="snakellm-bench-convert-smoke-")
     if a.make_only:
         make(a, Path(a.make_only))
         return 0
@@ -216,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['step']:12s} {r['wall_s']:>8.1f} {r['peak_rss_gb']:>12.2f} {r['bar_gb']:>8.2f} {r['output_gb'] or 0:>10.2f}"
         )
     ok = len(results) == 4 and all(r["rc"] == 0 and r["within_bar"] for r in results)
+    if a.smoke:
+        shutil.rmtree(a.workdir, ignore_errors=True)
     return 0 if ok else 1
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU fine-tuning throughput of `snakellm finetune`: LoRA and full SFT of llama-1b at sequence 2048.
+"""GPU fine-tuning throughput of `snakellm finetune`: LoRA and full SFT (llama-1b, llama3-8b, llama2-7b).
 
 Makes a llama-1b base checkpoint with random weights (the speed does not depend on
 them) and SFT examples that fill the whole sequence (Botchan text as the prompt,
@@ -12,8 +12,14 @@ figure for the same model, which --pretrain measures in the same run.
 
     python scripts/bench_finetune_gpu.py                        # lora + full on one GPU
     python scripts/bench_finetune_gpu.py --pretrain             # and snakellm train's llama-1b beside them
-    python scripts/bench_finetune_gpu.py --preset tiny --seq-length 128 --steps 4 --device cpu   # CPU smoke test
+    python scripts/bench_finetune_gpu.py --smoke                # CPU, tiny model, seconds: the same code path
     python scripts/bench_finetune_gpu.py --tp 2 --steps 20 --lr 2e-5 --lr-warmup 5   # each method also TP over 2 GPUs
+    python scripts/bench_finetune_gpu.py --preset llama3-8b --methods lora-all --seq-length 4096 \
+        --micro-batch-size 1 --global-batch-size 8 --steps 8 --warmup-steps 3 --tp 4 --tp-only   # the seed's layout
+
+Each row prints its tokens/s (per GPU), MFU, peak GPU memory and wall time beside the anchor
+for the preset (NeMo AutoModel's Llama 3.1 8B LoRA on one H100 at sequence 4096: 12,473
+tokens/s/GPU; NVIDIA's DGX Cloud Llama 3 8B on 8 H100s: LoRA 17,809, SFT 12,412).
 
 With ``--tp N`` every method runs twice, on one GPU and tensor parallel over N
 (torchrun, NCCL; the base checkpoint, written at TP 1, is resharded on load),
@@ -83,9 +89,16 @@ if __name__ == "__main__":
     return run
 
 
-def make_data(root: Path, n: int) -> tuple[Path, Path]:
-    blend = root / "blend.json"
-    blend.write_text(json.dumps({"data_prefix": [], "tokenizer": GPT2}))
+ANCHORS = {  # tokens/s/GPU, published (bf16): (figure, source)
+    ("llama3-8b", "lora"): (12473, "NeMo AutoModel, Llama 3.1 8B LoRA, one H100, seq 4096"),
+    ("llama3-8b", "lora-all"): (12473, "NeMo AutoModel, Llama 3.1 8B LoRA, one H100, seq 4096"),
+    ("llama3-8b", "full"): (12412, "DGX Cloud NeMo 24.12, Llama 3 8B SFT, 8 H100s, seq 4096"),
+    ("llama2-7b", "lora-all"): (24824, "NeMo 24.07, Llama 2 7B LoRA FP8 packed, 8 H100s, seq 4096"),
+}
+
+
+def make_data(root: Path, n: int) -> Path:
+    """SFT examples longer than the sequence (truncated from the left): every sequence is full."""
     text = (REPO / "resources/corpus/botchan/botchan.jsonl").read_text()
     docs = [json.loads(line)["text"] for line in text.splitlines()]
     long = " ".join(docs)
@@ -97,10 +110,10 @@ def make_data(root: Path, n: int) -> tuple[Path, Path]:
         recs.append({"input": long[start : start + 16000], "output": "the answer is " + str(i)})
     for split in ("train", "validation"):
         (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return blend, d
+    return d
 
 
-def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path, tp: int = 1) -> dict:
+def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1) -> dict:
     odir = out / (name if tp == 1 else f"{name}-tp{tp}")
     launch = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     if tp > 1:
@@ -112,8 +125,6 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path, tp:
         "finetune",
         "--base",
         str(base),
-        "--blend",
-        str(blend),
         "--data-dir",
         str(data),
         "--out-dir",
@@ -144,13 +155,20 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path, tp:
         str(a.lr_warmup),
         "--tp",
         str(tp),
+        "--resume",
+        "never",
     ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return {"method": name, "tp": tp, "error": f"timed out after {a.timeout:.0f} s"}
     if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        return {"method": name, "error": proc.returncode}
+        tail = proc.stderr[-3000:]
+        print(tail, file=sys.stderr)
+        oom = "OutOfMemoryError" in proc.stderr or "CUDA out of memory" in proc.stderr
+        return {"method": name, "tp": tp, "error": "out of GPU memory" if oom else f"exit {proc.returncode}"}
     recs = [json.loads(line) for line in (odir / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in recs if r["step"] > a.warmup_steps and "tokens_per_s" in r] or recs
     tps = statistics.median(r["tokens_per_s"] for r in steady)
@@ -164,6 +182,7 @@ def run_method(name: str, a, base: Path, blend: Path, data: Path, out: Path, tp:
         "wall_s": round(time.time() - t0, 1),
         "trainable_parameters": summary["trainable_parameters"],
         "total_parameters": summary["total_parameters"],
+        "peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib"),
     }
     if steady[0].get("mfu") is not None:
         res["mfu"] = round(statistics.median(r["mfu"] for r in steady), 4)
@@ -245,6 +264,8 @@ def main(argv=None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--methods", default="lora,full", help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 3 steps: the same code path in seconds")
+    p.add_argument("--tp-only", action="store_true", help="with --tp N: skip the one-GPU run of each method")
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12)
@@ -269,29 +290,64 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1, help="also run each method tensor parallel over this many GPUs")
     p.add_argument("--rtol", type=float, default=0.02, help="TP vs one GPU: relative loss difference allowed")
     p.add_argument("--atol", type=float, default=0.02, help="TP vs one GPU: absolute loss difference allowed")
+    p.add_argument(
+        "--one-gpu-tokens-per-s",
+        type=float,
+        default=None,
+        help="with --tp-only: the one-GPU figure measured elsewhere, for the scaling efficiency",
+    )
     a = p.parse_args(argv)
+    if a.smoke:
+        a.preset, a.seq_length, a.steps, a.warmup_steps = "tiny", 128, 3, 1
+        a.micro_batch_size, a.global_batch_size, a.device, a.timeout = 2, 4, "cpu", 300
+        if a.workdir == p.get_default("workdir"):
+            import tempfile
+
+            a.workdir = tempfile.mkdtemp(prefix="bench-ft-smoke-")
+        if a.out == p.get_default("out"):
+            a.out = str(Path(a.workdir) / "out")
     root, out = Path(a.workdir), Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    base = make_base(root, a.preset, a.seq_length, a.device)
-    blend, data = make_data(root, max(64, a.global_batch_size * 2))
+    t0 = time.time()
+    base = make_base(root / a.preset / str(a.seq_length), a.preset, a.seq_length, a.device)
+    print(f"base checkpoint ({a.preset}, random weights): {time.time() - t0:.0f} s", flush=True)
+    data = make_data(root, max(64, a.global_batch_size * 2))
     results = []
     for m in a.methods.split(","):
-        one = run_method(m, a, base, blend, data, root / "runs")
-        results.append(one)
-        print(json.dumps({k: v for k, v in one.items() if k != "losses"}), flush=True)
+        one = None
+        if not (a.tp_only and a.tp > 1):
+            one = run_method(m, a, base, data, root / "runs")
+            results.append(one)
+            print(row(a.preset, one), flush=True)
         if a.tp > 1:
-            par = run_method(m, a, base, blend, data, root / "runs", tp=a.tp)
-            if "error" not in par and "error" not in one:
-                par["scaling_efficiency"] = round(par["tokens_per_s_per_gpu"] / one["tokens_per_s"], 4)
+            par = run_method(m, a, base, data, root / "runs", tp=a.tp)
+            ref = one["tokens_per_s"] if one and "error" not in one else a.one_gpu_tokens_per_s
+            if "error" not in par and ref:
+                par["scaling_efficiency"] = round(par["tokens_per_s_per_gpu"] / ref, 4)
+            if "error" not in par and one and "error" not in one:
                 par.update(compare_losses(par["losses"], one["losses"], a.rtol, a.atol))
             results.append(par)
-            print(json.dumps({k: v for k, v in par.items() if k != "losses"}), flush=True)
+            print(row(a.preset, par), flush=True)
     if a.pretrain:
         results.append(run_pretrain(a, root))
         print(json.dumps(results[-1]), flush=True)
     (out / "bench_finetune.json").write_text(json.dumps(results, indent=2) + "\n")
+    if a.smoke:  # the path ran: a loss per step, a throughput
+        ok = all("error" not in r and len(r["losses"]) == a.steps and r["tokens_per_s"] > 0 for r in results)
+        print("smoke:", "PASS" if ok else "FAIL")
+        return 0 if ok else 1
     return 0 if all("error" not in r and r.get("losses_match", True) for r in results) else 1
+
+
+def row(preset: str, r: dict) -> str:
+    """One result as a line: the figure beside its anchor (where one is published for the preset)."""
+    if "error" in r:
+        return f"{r['method']} tp {r.get('tp', 1)}: FAILED ({r['error']})"
+    anchor = ANCHORS.get((preset, r["method"]))
+    vs = f" vs {anchor[0]:,} ({anchor[1]}): {r['tokens_per_s_per_gpu'] / anchor[0]:.2f}x" if anchor else ""
+    extra = {k: v for k, v in r.items() if k not in ("losses",)}
+    return f"{r['method']} tp {r['tp']}: {r['tokens_per_s_per_gpu']:,} tokens/s/GPU{vs} | {json.dumps(extra)}"
 
 
 if __name__ == "__main__":

@@ -22,10 +22,13 @@ concurrent streaming clients vs the same requests one at a time (requests/s,
 time to first token, inter-token latency), and an evaluation-shaped batch
 (``--eval-prompts`` prompts of 64-256 tokens, 32 new tokens) through the eager
 decoder in batches of 16 (evaluate's default before the engine) and through the
-engine. Bars: batch 1 >= 1,000 tokens/s; batch 32 >= 5x transformers.
+engine. Bars: batch 1 >= 60% of the bandwidth bound (and >= 1,000 tokens/s for llama-1b);
+batch 32 >= 5x transformers. ``--preset llama3-8b`` (Llama 3.1 8B's shape with GPT-2's
+vocabulary: about 7.4 B parameters, 14.8 GB of bf16 weights read per token) is issue 31's 8B figure.
 
     python scripts/bench_generate_gpu.py                        # llama-1b on cuda
-    python scripts/bench_generate_gpu.py --toy --device cpu     # tiny-llama on the CPU: proves the script
+    python scripts/bench_generate_gpu.py --smoke                # tiny-llama on the CPU: proves the script
+    python scripts/bench_generate_gpu.py --preset llama3-8b --repeats 2 --clients 0 --eval-prompts 256 --no-eager
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--toy", action="store_true", help="tiny-llama, short runs (for the CPU)")
+    p.add_argument("--smoke", action="store_true", help="--toy on the CPU: the same code path in seconds")
     p.add_argument("--device", default="cuda")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -65,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # the HTTP client process (internal)
     a = p.parse_args()
+    if a.smoke:  # seconds: two small batches, a few clients and evaluation prompts
+        a.toy, a.device, a.batch_sizes, a.clients, a.eval_prompts = True, "cpu", "1,4", 4, 8
     if a.toy:
         a.preset, a.prompt_len, a.new_tokens, a.repeats = "tiny-llama", 16, 16, 1
         a.clients, a.eval_prompts = min(a.clients, 8), min(a.eval_prompts, 32)
@@ -271,7 +277,15 @@ def tolerance(gen: Any, outs: list) -> dict:
         gap = (lsm.max(dim=-1).values - chosen).max().item()
     engine_lp = torch.tensor([o.logprobs for o in outs], device=dec.device)
     diff = (engine_lp - chosen).abs().max().item()
-    return {"max_abs_logprob_diff": diff, "max_gap_to_eager_top": gap}
+    top = logits.abs().max().item()  # the largest logit: its bf16 spacing is the rounding at stake
+    return {"max_abs_logprob_diff": diff, "max_gap_to_eager_top": gap, "max_abs_logit": top}
+
+
+def bf16_step(x: float) -> float:
+    """The spacing of bf16 numbers at magnitude ``x`` (8 significant bits: 2^(e - 7) for x in [2^e, 2^(e+1)))."""
+    import math
+
+    return 2.0 ** (math.floor(math.log2(max(x, 1e-30))) - 7)
 
 
 def graph_check(gen: Any, a: argparse.Namespace, vocab: int) -> dict:
@@ -439,14 +453,34 @@ def main() -> int:
     bars = []
     if "1" in results["batches"]:
         v = results["batches"]["1"]["engine_tokens_per_s"]
-        bars.append((f"batch 1 >= 1,000 tokens/s ({v:,.0f}; bound {bw / wbytes:,.0f})", v >= 1000))
+        if a.preset == "llama-1b":
+            bars.append((f"batch 1 >= 1,000 tokens/s ({v:,.0f}; bound {bw / wbytes:,.0f})", v >= 1000))
+        share = v / (bw / wbytes)
+        bars.append(
+            (f"batch 1 >= 60% of the bandwidth bound ({v:,.0f} = {share:.0%} of {bw / wbytes:,.0f})", share >= 0.6)
+        )
     if "32" in results["batches"]:
         v = results["batches"]["32"]["speedup_vs_transformers"]
-        bars.append((f"batch 32 >= 5x transformers ({v:.2f}x)", v >= 5))
+        e32 = results["batches"]["32"]["engine_tokens_per_s"]
+        bars.append(
+            (
+                f"batch 32 >= 5x transformers ({v:.2f}x; the engine at {e32 / (32 * bw / wbytes):.0%} of 32 rows' "
+                f"weight-read bound {32 * bw / wbytes:,.0f} tokens/s, prefill included)",
+                v >= 5,
+            )
+        )
     worst = max(max(r["max_abs_logprob_diff"], r["max_gap_to_eager_top"]) for r in results["batches"].values())
-    # the output layer's logits are bf16 (as the eager decoder's and transformers'): at |logit| in [16, 32)
-    # one step is 0.125, so two steps is the tolerance
-    bars.append((f"engine = eager within bf16 tolerance (worst {worst:.3f} nats <= 0.25)", worst <= 0.25))
+    top = max(r["max_abs_logit"] for r in results["batches"].values())
+    allowed = 2 * bf16_step(top)
+    # the output layer's logits are bf16 (as the eager decoder's and transformers'): two steps of bf16 at the
+    # largest logit is the tolerance (llama-1b's logits are in [16, 32): 0.25; random 8B weights give larger ones)
+    bars.append(
+        (
+            f"engine = eager within bf16 tolerance (worst {worst:.3f} nats <= two bf16 steps at the largest "
+            f"logit {top:.1f}: {allowed:.3f})",
+            worst <= allowed,
+        )
+    )
     if "serve" in results:
         v = results["serve"]["speedup"]
         bars.append((f"server: {results['serve']['clients']} concurrent clients >= 8x sequential ({v:.1f}x)", v >= 8))

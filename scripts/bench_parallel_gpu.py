@@ -23,6 +23,9 @@ metrics.jsonl. On the CPU (no GPU, or --device cpu) the toy preset proves the sc
     python scripts/bench_parallel_gpu.py --blend data/tokens/gpt2/blend.json --device cpu \\
         --presets tiny --steps 12 --micro-batch-size 2 --log-interval 3
 
+`--smoke` does that in seconds on random GPT-2 ids (scripts/bench_train_gpu.py's data), one GPU's
+layout and DP=2, in a temp directory (tests/test_bench_smoke.py runs it).
+
 On 2 GPUs (the README's table):
 
     python scripts/bench_parallel_gpu.py --blend data/tokens/gpt2/blend.json --out bench.md
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--blend", required=True, help="blend.json of tokenized data (GPT-2 BPE for the presets' vocab)")
+    p.add_argument("--blend", help="blend.json of tokenized data (GPT-2 BPE for the presets' vocab); required")
     p.add_argument("--presets", default="gpt2-124m,llama-1b")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--steps", type=int, default=50)
@@ -192,7 +195,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", default=None, help="also write the markdown table (and a JSON with every loss) here")
     p.add_argument("--from-json", default=None, help="only print the table of an earlier run's --out JSON")
+    p.add_argument("--smoke", action="store_true", help="seconds on the CPU: tiny, 1 GPU and DP=2, 6 steps, no --blend")
     a = p.parse_args(argv)
+    if a.smoke:
+        import tempfile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_train_gpu import make_data
+
+        tmp = Path(tempfile.mkdtemp(prefix="snakellm-bench-parallel-smoke-"))
+        a.presets, a.layouts, a.steps, a.micro_batch_size, a.log_interval = "tiny", "1 GPU,DP=2", 6, 2, 2
+        a.device, a.workdir, a.out = "cpu", str(tmp / "runs"), None
+        a.blend = str(make_data(tmp / "data", 6 * 4 * 257 * 2))
+    elif not a.blend:
+        p.error("the following arguments are required: --blend")
     if a.from_json:
         results = json.loads(Path(a.from_json).read_text())
         table, ok, failed = render(a, results)
@@ -234,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         Path(a.out).write_text(f"{header}\n\n{table}\n")
         Path(a.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+    if a.smoke:
+        shutil.rmtree(Path(a.workdir).parent, ignore_errors=True)
     return 0 if ok and not failed else 1
 
 

@@ -32,7 +32,10 @@ reported (the least disturbed), the median next to it; ratios are taken against
 the best raw figure of either thread count. Tokens per CPU-second (raw 1 thread
 versus the whole snakellm process) show the overhead even on a busy machine.
 
-Usage: python scripts/bench_tokenize.py [--mb 50] [--threads 2] [--repeats 3] [--kinds gpt2,spm,hf]
+Usage: python scripts/bench_tokenize.py [--mb 50] [--threads 2] [--repeats 3] [--kinds gpt2,spm,hf] [--smoke]
+
+``--smoke`` (tests/test_bench_smoke.py): the same three in seconds, 0.2 MB, one repeat, vocabularies of
+1,000 (SentencePiece) and 1,000 (tokenizer.json) trained on the shipped text, in a temp directory.
 """
 
 from __future__ import annotations
@@ -153,7 +156,15 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", default=str(REPO / ".bench" / "tokenize"))
     p.add_argument("--kinds", default="gpt2,spm,hf", help="which to run, comma-separated (default gpt2,spm,hf)")
+    p.add_argument("--spm-vocab", type=int, default=32000, help="the SentencePiece BPE's vocabulary (default 32000)")
+    p.add_argument("--hf-vocab", type=int, default=128000, help="the tokenizer.json's vocabulary (default 128000)")
+    p.add_argument("--smoke", action="store_true", help="seconds: 0.2 MB, 1 repeat, 1k vocabularies, temp workdir")
     a = p.parse_args()
+    if a.smoke:
+        import tempfile
+
+        a.mb, a.repeats, a.spm_vocab, a.hf_vocab = 0.2, 1, 1000, 1000
+        a.workdir = tempfile.mkdtemp(prefix="snakellm-bench-tokenize-smoke-")
     kinds = set(a.kinds.split(","))
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -211,7 +222,7 @@ def main() -> int:
             str(model),
             str(work / "spm32k.vocab"),
             str(work / "spm32k.stats.json"),
-            vocab_size=32000,
+            vocab_size=a.spm_vocab,
             threads=n,
         )
         sp = spm.SentencePieceProcessor(model_file=str(model))
@@ -235,12 +246,12 @@ def main() -> int:
         sys.path.insert(0, str(REPO / "tests"))
         from tokenize_helpers import LLAMA3_PATTERN, enwiki_texts, train_bytelevel_bpe
 
-        tj = work / "llama3-128k" / "tokenizer.json"
+        tj = work / f"llama3-{a.hf_vocab // 1000}k" / "tokenizer.json"
         if not tj.exists():
             train_bytelevel_bpe(
                 tj,
                 documents() + enwiki_texts(),
-                128_000,
+                a.hf_vocab,
                 pattern=LLAMA3_PATTERN,
                 ignore_merges=True,
                 specials=("<|begin_of_text|>", "<|end_of_text|>"),
@@ -359,6 +370,10 @@ def main() -> int:
             "thread, as the step runs it; the bar is against encode_ordinary_batch above)"
         )
     print(f"\nload average after: {load()}")
+    if a.smoke:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -13,6 +13,7 @@ llm.c counts it), peak 989.4 TFLOP/s dense bf16 per H100/H200 SXM.
     python scripts/bench_train_gpu.py                       # the default variants on 1 GPU
     python scripts/bench_train_gpu.py --variants fused --nproc 2
     python scripts/bench_train_gpu.py --list
+    python scripts/bench_train_gpu.py --smoke    # seconds on the CPU: tiny, 6 steps (tests/test_bench_smoke.py)
 
 Reference (README): llm.c ~475K tokens/s per H100 (~38% MFU); bar >= 40% MFU.
 
@@ -238,7 +239,17 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/snakellm-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--timeout", type=float, default=400)
+    p.add_argument(
+        "--smoke", action="store_true", help="seconds on the CPU: tiny, seq 64, 6 steps of 16, megatron-loss, temp dirs"
+    )
     args = p.parse_args(argv)
+    if args.smoke:
+        import tempfile
+
+        args.preset, args.seq_length, args.steps, args.warmup_steps = "tiny", 64, 6, 2
+        args.variants, args.global_batch_size, args.nproc = "megatron-loss", 16, 1
+        args.workdir = tempfile.mkdtemp(prefix="snakellm-bench-train-smoke-")
+        args.out = f"{args.workdir}/out"
     if args.list:
         for k, v in VARIANTS.items():
             print(f"{k:28s} {' '.join(v)}")
@@ -257,6 +268,10 @@ def main(argv=None) -> int:
         (out / "bench.json").write_text(json.dumps(everything, indent=2))
         print_table(args, results)
         ok = ok and all(r.get("tokens_per_s") for r in results)
+    if args.smoke:
+        import shutil
+
+        shutil.rmtree(args.workdir, ignore_errors=True)
     return 0 if ok else 1
 
 

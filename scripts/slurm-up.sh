@@ -227,6 +227,11 @@ MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
 SchedulerType=sched/backfill
+# a test cluster of a few jobs: look at pending jobs every 1-2 s, not every 30 s (backfill) / 60 s (main
+# loop). A job becomes eligible without an event that starts the scheduler (a requeued job once its
+# cred_expire has passed, a job waiting for a node back from DOWN): with the defaults it waited up to
+# 30 s more for the next backfill pass (measured: eligible 23:17:58, started 23:18:27)
+SchedulerParameters=bf_interval=1,sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 # without a per-CPU default every job gets the whole node's memory and jobs run one at a time

@@ -6,13 +6,20 @@ implementation in its stage's package; so the same step runs from a rule, by
 hand, under ``srun`` or inside a container, and also as ``python -m
 snakellm.steps.<step>``. Modules are imported lazily: ``snakellm
 chunk`` must not pay for importing torch.
+
+Before a step is imported, :func:`snakellm.quiet.install` silences the library
+warnings that tell the user nothing (``--verbose`` keeps them), and a mistyped
+flag or step gets a did-you-mean (:func:`suggest`).
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from snakellm.errors import SnakellmError
 
@@ -60,6 +67,10 @@ STEPS: dict[str, tuple[str, str]] = {
     ),
     "launch": ("snakellm.steps.launch", "print the srun/torchrun/container command line the pretrain rule runs"),
     "export-hf": ("snakellm.steps.export_hf", "write a Hugging Face model directory (GPT-2 / Llama) from a checkpoint"),
+    "random-hf": (
+        "snakellm.steps.random_hf",
+        "write a Hugging Face model directory of a preset's shape with random weights (no download)",
+    ),
     "import-hf": (
         "snakellm.steps.import_hf",
         "turn a Hugging Face GPT-2 / Llama directory into a snakellm checkpoint",
@@ -83,7 +94,9 @@ STEPS: dict[str, tuple[str, str]] = {
 def _usage() -> str:
     width = max(map(len, STEPS))
     lines = [
-        "usage: snakellm <step> [options]   (snakellm <step> --help for a step's options)",
+        "usage: snakellm [--verbose] <step> [options]   (snakellm <step> --help for a step's options)",
+        "",
+        "  --verbose  show every library warning and log line (default: only ours and those you can act on)",
         "",
         "A Snakemake build system for LLM data and training; these are its steps:",
         "",
@@ -102,12 +115,84 @@ def main(argv: list[str] | None = None) -> int:
 
         print(__version__)
         return 0
+    verbose = False
+    while argv and argv[0] in ("--verbose", "-v"):
+        verbose = bool(argv.pop(0))
+    if not argv:
+        print(_usage())
+        return 0
     step = argv.pop(0)
     if step not in STEPS:
-        print(f"snakellm: unknown step {step!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"snakellm: unknown step {step!r}{suggest([step], list(STEPS))}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(STEPS[step][0])
-    return run_step(f"snakellm {step}", module.main, argv)
+    from snakellm import quiet
+
+    quiet.install(verbose)
+    _step_argv[:] = argv
+    argparse.ArgumentParser.error = _error_with_suggestion  # type: ignore[method-assign]
+    try:  # every step's parser says which flag was meant: one hook here, not one per step
+        module = importlib.import_module(STEPS[step][0])
+        return run_step(f"snakellm {step}", module.main, argv)
+    finally:
+        argparse.ArgumentParser.error = _argparse_error  # type: ignore[method-assign]
+
+
+def suggest(unknown: list[str], known: list[str]) -> str:
+    """``"; did you mean --steps?"`` for unknown names close to a known one (difflib), else ``""``."""
+    pairs = [(u, m[0]) for u in unknown if (m := difflib.get_close_matches(u, known, n=1, cutoff=0.6))]
+    if not pairs:
+        return ""
+    if len(unknown) == 1:
+        return f"; did you mean {pairs[0][1]}?"
+    return "; did you mean " + ", ".join(f"{m} for {u}" for u, m in pairs) + "?"
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every long option of the parser and of its subcommands' parsers."""
+    out = [s for s in parser._option_string_actions if s.startswith("--")]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _option_strings(sub)
+    return sorted(set(out))
+
+
+def unknown_flags(argv: list[str], known: list[str]) -> list[str]:
+    """The ``--flags`` of ``argv`` (up to a ``--``) that are neither a known flag nor a prefix argparse expands."""
+    out = []
+    for a in argv:
+        if a == "--":
+            break
+        name = a.split("=", 1)[0]
+        if a.startswith("--") and not any(k.startswith(name) for k in known):
+            out.append(name)
+    return out
+
+
+_step_argv: list[str] = []
+
+
+def _error_with_suggestion(self: argparse.ArgumentParser, message: str) -> NoReturn:
+    """argparse's error, with a did-you-mean for an unknown flag or subcommand (``--stepz``: ``--steps``).
+
+    argparse reports missing required flags before unknown ones, so ``snakellm train --stepz 3``
+    would only say that ``--steps`` is missing: the unknown flags of the step's command line are
+    named (with their near match) whatever argparse's own complaint was.
+    """
+    known = _option_strings(self)
+    unknown = unknown_flags(_step_argv, known)
+    if message.startswith("unrecognized arguments: "):
+        message += suggest(unknown, known)
+    elif unknown:
+        message += f"; unknown {'flag' if len(unknown) == 1 else 'flags'} {', '.join(unknown)}{suggest(unknown, known)}"
+    if "invalid choice: " in message and (bad := message.split("invalid choice: ", 1)[1].split(" ", 1)[0]):
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                message += suggest([bad.strip("'")], list(action.choices))
+    _argparse_error(self, message)
+
+
+_argparse_error = argparse.ArgumentParser.error
 
 
 def run_step(prog: str, step_main: Callable[[list[str]], int | None], argv: list[str]) -> int:

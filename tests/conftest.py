@@ -167,3 +167,17 @@ def default_workflow(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     ws = Workspace(root)
     ws.run(timeout=1800)
     return ws
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    import timebudget  # the suite's time budget and its --times-report (tests/timebudget.py)
+
+    timebudget.pytest_addoption(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import timebudget
+    import xdist_schedule  # how the tests spread over pytest-xdist workers (tests/xdist_schedule.py)
+
+    timebudget.pytest_configure(config)
+    xdist_schedule.pytest_configure(config)

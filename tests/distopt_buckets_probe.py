@@ -28,13 +28,19 @@ def main() -> None:
     out: dict[str, dict[str, list[tuple[float, float]]]] = {}
     buckets = 0
     for precision in ("fp32", "bf16"):
-        for name, cls in (("replicated", MixedPrecisionAdamW), ("distributed", DistributedAdamW)):
+        variants = (
+            ("replicated", MixedPrecisionAdamW, False),
+            ("distributed", DistributedAdamW, False),
+            ("distributed-overlap", DistributedAdamW, True),  # the all-gather in the next forward's pre-hooks
+        )
+        for name, cls, overlap in variants:
             torch.manual_seed(0)
             module, cfg = build_model(arch, 256, bf16=precision == "bf16")
             ddp_cfg = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
                 overlap_grad_reduce=True,
                 use_distributed_optimizer=cls is DistributedAdamW,
+                overlap_param_gather=overlap,
                 bucket_size=3000,  # about 10 buckets for this model
             )
             model = DistributedDataParallel(cfg, ddp_cfg, module)

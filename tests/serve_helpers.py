@@ -65,3 +65,37 @@ def call(url: str, path: str, body, method: str = "PUT", headers: dict | None = 
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def reference_greedy(gen, prompt: list[int], n: int, *, rep=1.0, presence=0.0, frequency=0.0, bias=None) -> list[int]:
+    """Greedy tokens under vLLM's penalties, computed the slow way: a full forward over the whole sequence
+    at every step, then bias, repetition (prompt + generated), frequency and presence (generated only)
+    applied token by token in plain Python (the reference the engine's tensor ops are held to)."""
+    import torch
+
+    dec = gen.decoder
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        t = torch.tensor([ids], dtype=torch.long)
+        m = t.shape[1]
+        with torch.inference_mode():
+            row = dec.forward(t, torch.arange(m)[None], dec.new_cache(1, m), 0, torch.ones(1, m, dtype=torch.bool))
+        logits = [float(x) for x in row[0, -1].tolist()]
+        for tok, b in (bias or {}).items():
+            logits[tok] += b
+        seen = set(ids)
+        counts: dict[int, int] = {}
+        for tok in out:
+            counts[tok] = counts.get(tok, 0) + 1
+        for tok in range(len(logits)):
+            x = logits[tok]
+            if rep != 1.0 and tok in seen:
+                x = x / rep if x > 0 else x * rep
+            if tok in counts:
+                x -= frequency * counts[tok] + presence
+            logits[tok] = x
+        nxt = max(range(len(logits)), key=logits.__getitem__)
+        out.append(nxt)
+        ids.append(nxt)
+    return out

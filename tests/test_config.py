@@ -54,6 +54,33 @@ def test_errors_name_the_key(mutate, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c: c.update(sourcs={}), "unknown key 'sourcs'; did you mean 'sources'?"),
+        (lambda c: c["sources"]["web"].update(shard_per_chunk=3), "did you mean 'shards_per_chunk'?"),
+        (
+            lambda c: c.update(runs={"tiny": {"tokenizer": "gpt2", "train": {"stepz": 3}}}),
+            "config key runs.tiny.train: unknown key 'stepz'; did you mean 'steps'? (allowed: ",
+        ),
+    ],
+)
+def test_unknown_keys_suggest_the_near_match(mutate, message):
+    cfg = copy.deepcopy(BASE)
+    mutate(cfg)
+    with pytest.raises(cfgmod.ConfigError) as e:
+        _validate(cfg)
+    assert message in str(e.value)
+
+
+def test_an_unknown_key_far_from_every_known_one_gets_no_guess():
+    cfg = copy.deepcopy(BASE)
+    cfg["sources"]["web"]["colour"] = "red"
+    with pytest.raises(cfgmod.ConfigError) as e:
+        _validate(cfg)
+    assert "unknown key 'colour' (allowed: " in str(e.value) and "did you mean" not in str(e.value)
+
+
 def test_http_source_needs_url_or_urls():
     cfg = {"sources": {"sp": {"kind": "http", "format": "jsonl.zst", "shards_per_chunk": 800}}}
     with pytest.raises(cfgmod.ConfigError, match="sources.sp"):

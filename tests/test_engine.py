@@ -20,13 +20,18 @@ PROMPTS = ["The quick brown fox", "A", "It was the best of times, it was the wor
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-llama"])
 def gen(request):
+    return build_gen(request.param, tokenizer_block("gpt2-bpe"))
+
+
+def build_gen(preset: str, tok: dict):
+    """A random model of ``preset`` (GPT-2 style or Llama style) with non-trivial norms and biases, over
+    the tokenizer block ``tok``, in an eager :class:`Generator`."""
     from snakellm.export.hf import build_for_import
     from snakellm.models.architecture import padded_vocab_size, resolve
     from snakellm.serve.generate import Generator, load_tokenizer
 
-    tok = tokenizer_block("gpt2-bpe")
-    over = {"rotary_base": 20000} if request.param == "tiny-llama" else {}
-    arch = resolve(request.param, over)
+    over = {"rotary_base": 20000} if preset == "tiny-llama" else {}
+    arch = resolve(preset, over)
     torch.manual_seed(5)
     model = build_for_import(arch, padded_vocab_size(tok["vocab_size"], arch))
     with torch.no_grad():  # non-trivial norms and biases, so that a wrong mapping shows

@@ -21,11 +21,22 @@ pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
 torch.set_num_threads(2)
 
-from test_engine import PROMPTS, engine, gen, greedy  # noqa: E402,F401  (gen: the models fixture)
+from hf_helpers import tokenizer_block, train_spm  # noqa: E402
+from test_engine import PROMPTS, build_gen, engine, greedy  # noqa: E402
 
 from snakellm.serve.engine import kernels as K  # noqa: E402
 
 F = torch.nn.functional
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-llama"])
+def gen(request, tmp_path_factory):
+    """test_engine.py's two models over a 600-piece SentencePiece vocabulary (trained on the shipped Botchan
+    text in about a second) instead of GPT-2's 50,257: the interpreter then runs the fused logits over one
+    1024-column block instead of 50, which took most of these tests' time (17 s of CPU a case, 4 s now).
+    What the fused step is held to does not depend on the vocabulary's size; the kernels' masks over odd
+    sizes are test_linear_matches_pytorch's (N=2100 over three blocks)."""
+    return build_gen(request.param, tokenizer_block("sentencepiece", train_spm(tmp_path_factory.mktemp("spm"))))
 
 
 def reference(x, w, bias, residual, norm, norm_w, norm_b, eps, act):
@@ -120,7 +131,7 @@ def test_attend_writes_the_cache_and_matches_sdpa(per, d, rope):
 
 
 @pytest.mark.parametrize("fused_max_batch,attend_max_len", [(K.MAX_ROWS, 1024), (1, 1024), (K.MAX_ROWS, 0)])
-def test_fused_step_equals_eager(gen, fused_max_batch, attend_max_len, monkeypatch):  # noqa: F811
+def test_fused_step_equals_eager(gen, fused_max_batch, attend_max_len, monkeypatch):
     """The engine's decode step through the fused kernels: the eager decoder's greedy tokens and
     log-probabilities, for three rows (the 16-row tile; with ``fused_max_batch`` 1, cuBLAS-style
     PyTorch products around the fused attention kernel) and for one (the one-row path); and with

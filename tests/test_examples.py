@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -217,3 +218,94 @@ def test_wikipedia_example_plans_one_chunk_per_dump_file(workspace):
         "enwiki-latest-pages-articles2.xml-p41243p151573.bz2",
         "enwiki-latest-pages-articles10.xml-p4045403p5399366.bz2",
     ]
+
+
+@pytest.mark.slow
+def test_8b_lora_chain_example_plans_the_seed_chain_on_tp4_and_tp1(workspace):
+    """config/examples/llama3-8b-lora-squad-gpu.yaml: random 8B-shaped HF model -> import -> .nemo ->
+    LoRA (tp 4 on 4 ranks, tp 1 on one; packed sequences of 4096) -> evaluation -> PEFT and merged exports."""
+    for d in ("squad", "tokenizers"):
+        shutil.copytree(REPO / "resources" / d, workspace.root / "resources" / d)
+    shutil.copy(REPO / "config" / "examples" / "llama3-8b-lora-squad-gpu.yaml", workspace.config_path)
+    out = workspace.run("-n", "-p", "finetunes").stdout
+    stats = out.split("Job stats:", 1)[1].split("\n\n", 1)[0]
+    counts = {
+        ln.split()[0]: int(ln.split()[1])
+        for ln in stats.splitlines()[3:]
+        if len(ln.split()) == 2 and ln.split()[1].isdigit()
+    }
+    assert counts == {
+        "prepare_sft": 1,
+        "random_hf": 1,
+        "import_hf": 1,
+        "evaluate_base": 1,
+        "export_nemo": 1,
+        "finetune": 2,
+        "evaluate_finetune": 2,
+        "export_peft": 2,
+        "merge_lora_hf": 2,
+        "compare_finetune": 2,
+        "finetunes": 1,
+        "total": 16,
+    }
+    assert "snakellm random-hf models/random/llama3-8b --preset llama3-8b --seed 0" in out
+    assert "snakellm import-hf models/random/llama3-8b runs/llama3-8b" in out
+    lines = [ln for ln in out.splitlines() if "snakellm finetune" in ln]
+    tp4 = next(ln for ln in lines if "lora-tp4" in ln)
+    tp1 = next(ln for ln in lines if "lora-tp1" in ln)
+    assert "torchrun --standalone --nnodes=1 --nproc-per-node=4" in tp4 and "--tp 4" in tp4
+    assert "torchrun" not in tp1 and "--tp 1" in tp1
+    assert all("--packing" in ln and "--max-seq-length 4096" in ln for ln in (tp1, tp4))
+    # the jobs scripts/gpu_8b_chain.sh replays where Snakemake is not installed are this dry run's
+    recorded = json.loads((REPO / "scripts" / "chain8b.jobs.json").read_text())
+
+    def commands(jobs: list[dict]) -> list[tuple]:  # Snakemake's print order and job ids may vary from run to run
+        return sorted((j["rule"], j["shell"] or "", tuple(j["output"])) for j in jobs)
+
+    assert commands(_dry_run_jobs().parse(out)) == commands(recorded), (
+        "scripts/chain8b.jobs.json is stale: python scripts/dry_run_jobs.py record <snakemake -n -p output> "
+        "scripts/chain8b.jobs.json"
+    )
+
+
+def _dry_run_jobs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dry_run_jobs", REPO / "scripts" / "dry_run_jobs.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_jobs_replay_in_dependency_order_with_background_jobs(tmp_path, capsys):
+    """scripts/dry_run_jobs.py: a job runs after those making its inputs; a background job's dependant waits."""
+    m = _dry_run_jobs()
+    text = """
+rule b:
+    input: a.txt
+    output: sub/b.txt
+    log: logs/b.log
+    jobid: 2
+Shell command: sleep 0.3; cat a.txt > sub/b.txt 2> logs/b.log
+rule a:
+    output: a.txt
+    jobid: 1
+Shell command: echo A > a.txt
+rule c:
+    input: sub/b.txt, a.txt
+    output: c.txt
+    jobid: 3
+Shell command: cat sub/b.txt a.txt > c.txt
+rule all:
+    input: c.txt
+    jobid: 0
+Shell command: None
+"""
+    jobs = m.parse(text)
+    assert [j["rule"] for j in jobs] == ["a", "b", "c", "all"]
+    assert m.run(jobs, tmp_path, background=("b",)) == 0
+    assert (tmp_path / "c.txt").read_text() == "A\nA\n"
+    assert "Finished jobid: 2 (Rule: b)" in capsys.readouterr().out
+    jobs[1]["shell"] = "exit 3"
+    assert m.run(jobs, tmp_path) == 1

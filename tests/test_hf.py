@@ -275,3 +275,42 @@ def test_any_tokenizer_json_exports_with_the_same_ids(tmp_path, spm_model):
     assert specials["eos_token_id"] == ours.eod_id == at.eos_token_id
     for t in [t for t in botchan_texts(40) if "<" not in t]:
         assert at(t)["input_ids"] == ours.encode(t)
+
+
+@pytest.mark.slow
+def test_random_hf_writes_a_directory_transformers_and_import_hf_read(tmp_path):
+    """`snakellm random-hf`: a preset's shape with random weights, as transformers loads it; import-hf of it
+    gives transformers' logits (what the 8B chain example starts from, here at tiny-llama's shape)."""
+    from transformers import AutoModelForCausalLM
+
+    from snakellm.export.hf import import_hf
+    from snakellm.models.loading import load
+    from snakellm.steps.random_hf import main
+
+    out = tmp_path / "models" / "random" / "x"
+    argv = [str(out), "--preset", "tiny-llama", "--seed", "3", "--tokenizer-dir", str(GPT2_DIR)]
+    assert main(argv) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (
+        "llama",
+        2,
+        64,
+        50257,
+    )
+    assert {"vocab.json", "merges.txt", "model.safetensors"} <= set(os.listdir(out))
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    w = dict(hf.named_parameters())
+    assert abs(w["model.layers.0.mlp.down_proj.weight"].std().item() - 0.02) < 0.002  # the init's scale
+    assert torch.equal(w["model.norm.weight"], torch.ones(64))
+    import_hf(out, tmp_path / "run")
+    loaded = load(tmp_path / "run")
+    loaded.model.float()
+    ids = torch.randint(0, 50257, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+    assert (_ours_logits(loaded.model, ids)[..., :50257] - theirs).abs().max().item() < 1e-4
+    assert (
+        main([str(tmp_path / "again"), "--preset", "tiny-llama", "--seed", "3", "--tokenizer-dir", str(GPT2_DIR)]) == 0
+    )
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    assert main([str(tmp_path / "bad"), "--preset", "tiny-llama", "--tokenizer-dir", str(tmp_path)]) == 2

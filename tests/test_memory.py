@@ -123,3 +123,24 @@ def test_pipeline_first_stage_holds_p_micro_batches_of_its_layers():
     assert last.activations == 3 * one + 2 * 1024 * 4 * 768 + 6 * 1024 * 4 * 50304
     with pytest.raises(ValueError, match="not divisible by pipeline"):
         M.estimate(arch, 50304, pp=5)
+
+
+def test_full_recomputation_keeps_inputs_by_its_method_and_interleaving_adds_in_flight_micro_batches():
+    """uniform: each group of n layers keeps its input, plus one group's activations while it recomputes; block:
+    the first n layers keep their input, the rest everything; interleaving keeps (1 + (p-1)/(p v)) x 1F1B's."""
+    arch = A.resolve("gpt2-124m")  # 12 layers, sequence 1024
+    whole = M.layer_activation_bytes(arch, 1)
+    inp = M.layer_activation_bytes(arch, 1, recompute="full")
+    assert inp == 2 * 1024 * 768
+    base = M.estimate(arch, 50304).activations - 12 * whole  # embedding and head, the same in every case
+    assert M.estimate(arch, 50304, recompute="full").activations == pytest.approx(base + 12 * inp + whole)
+    uni4 = M.estimate(arch, 50304, recompute="full", recompute_num_layers=4).activations
+    assert uni4 == pytest.approx(base + 3 * inp + 4 * whole)
+    block = M.estimate(arch, 50304, recompute="full", recompute_method="block", recompute_num_layers=4).activations
+    assert block == pytest.approx(base + 4 * inp + 8 * whole + whole)
+    # a small vocabulary, so that the first stage is the fullest in both
+    f1b = M.estimate(arch, 128, pp=4, micro_batch_size=4, num_micro_batches=16).activations
+    inter = M.estimate(arch, 128, pp=4, virtual_pp=3, micro_batch_size=4, num_micro_batches=16).activations
+    assert inter == pytest.approx(f1b * (1 + 3 / 12))
+    with pytest.raises(ValueError, match="virtual pipeline size 2"):
+        M.estimate(arch, 50304, pp=4, virtual_pp=2)  # 12 layers in 8 chunks

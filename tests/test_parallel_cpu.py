@@ -179,3 +179,5 @@ def test_distributed_optimizer_over_many_overlapped_buckets(tmp_path):
         for (la, na), (lb, nb) in zip(rep, dist, strict=True):
             assert abs(la - lb) <= loss_rtol * la and abs(na - nb) <= norm_rtol * na, (precision, rep, dist)
         assert min(n for _, n in rep) > 0.5  # every step clipped (clip_grad 0.5)
+        # overlap_param_gather: the same steps, bit for bit (only when the all-gather runs changes)
+        assert res["steps"][precision]["distributed-overlap"] == dist, precision

@@ -68,3 +68,40 @@ def test_plan_cli_prints_the_default_plan(capsys, monkeypatch):
     assert "wikitext: 17 shards -> 3 chunks of <= 6" in out  # 16 WikiText-2 shards and the planted one
     assert "index corpus (sources wikitext, botchan)" in out
     assert "botchan: 1 shards -> 1 chunks" in out
+
+
+def test_plan_advises_a_layout_and_micro_batch_for_8b_fine_tuning(capsys, tmp_path):
+    """`snakellm plan` on the 8B chain example: each fine-tune's memory per GPU (LoRA: no gradients or Adam
+    states for the frozen base) and the tp / micro batch that fit 80 GiB; full SFT needs tp 4 of 4 GPUs."""
+    import yaml
+    from conftest import REPO
+
+    from snakellm.steps import plan as plan_cli
+
+    example = REPO / "config" / "examples" / "llama3-8b-lora-squad-gpu.yaml"
+    assert plan_cli.main(["--config", str(example)]) == 0
+    out = capsys.readouterr().out
+    assert "finetune llama3-8b-lora-tp4 (lora rank 32 on linear_qkv, base llama3-8b): 4 ranks; tp 4 x dp 1" in out
+    assert "finetune llama3-8b-lora-tp1 (lora rank 32 on linear_qkv, base llama3-8b): 1 ranks; tp 1 x dp 1" in out
+    lora_tp1 = out.split("finetune llama3-8b-lora-tp1", 1)[1]
+    assert "gradients        0.04 GiB" in lora_tp1 and "optimizer        0.12 GiB" in lora_tp1  # adapters only
+    assert "weights         13.79 GiB  (7,402.2M parameters on this GPU)" in lora_tp1
+    assert "advice: tp 1, micro batch 2: 50.40 GiB per GPU, fits 80 GiB" in lora_tp1
+    cfg = yaml.safe_load(example.read_text())
+    full = cfg["finetune"].pop("llama3-8b-lora-tp4")
+    full["method"] = "full"
+    del full["lora"]
+    cfg["finetune"] = {"full": full}
+    (tmp_path / "full.yaml").write_text(yaml.safe_dump(cfg))
+    assert plan_cli.main(["--config", str(tmp_path / "full.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer       20.66 GiB" in out and "advice: tp 4, micro batch 4: 61.42 GiB per GPU" in out
+    full["resources"] = {"gpus_per_node": 1}
+    full["parallel"] = {"tp": 1}
+    (tmp_path / "full.yaml").write_text(yaml.safe_dump(cfg))
+    assert plan_cli.main(["--config", str(tmp_path / "full.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "does NOT fit in 80 GiB GPUs" in out
+        and "advice: no layout of 1 GPUs fits 80 GiB at sequence 4096, even with full" in out
+    )

@@ -474,6 +474,89 @@ def test_default_workflow_draws_its_dag_without_graphviz(tmp_path):
     assert re.search(r"snakellm job DAG: \d+ jobs", jobs)
 
 
+@pytest.mark.slow
+def test_dag_reruns_only_when_its_pictures_can_change(tmp_path):
+    """The dag rule's trigger is a digest of the graph it draws: a training setting or a source's weight
+    reruns nothing there, a new source does; `snakemake -n` never prints the config as the reason."""
+    from conftest import small_config
+
+    ws = Workspace(tmp_path)
+    cfg = small_config(tmp_path)
+    gpt2 = yaml.safe_load((REPO / "config" / "config.yaml").read_text())["tokenizers"]["gpt2"]
+    cfg["tokenizers"] = {"gpt2": gpt2 | {k: str(REPO / gpt2[k]) for k in ("vocab_file", "merges_file")}}
+    cfg["runs"] = {"tiny": {"tokenizer": "gpt2", "model": {"preset": "tiny"}}}
+    cfg["runs"]["tiny"]["train"] = {"steps": 10, "micro_batch_size": 2, "global_batch_size": 2}
+    ws.write_config(cfg)
+    target = "results/report/workflow/jobs.svg"
+    ws.run(target)
+    assert "botchan" in svg_text(ws.path(target))
+    for edit in (
+        lambda c: c["runs"]["tiny"]["train"].update(steps=20, lr=1e-3),
+        lambda c: c["sources"]["botchan"].update(weight=0.25),
+    ):
+        edit(cfg)
+        ws.write_config(cfg)
+        dry = ws.run("-n", target)
+        assert "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout[-3000:]
+    cfg["sources"]["botchan2"] = dict(cfg["sources"]["botchan"])
+    ws.write_config(cfg)
+    dry = ws.run("-n", target)
+    out = dry.stdout + dry.stderr
+    assert "rule dag:" in out and "Params have changed" in out, out[-3000:]
+    assert "shards_per_chunk" not in out and len(out) < 5000, out  # two digests, not the config
+    ws.run(target)
+    assert "botchan2" in svg_text(ws.path(target))
+
+
+def test_landing_rule_graph_has_each_rule_once_below_its_inputs():
+    """Two tokenizers, one trained: `tokenize` follows `chunk` and `train_tokenizer` (jobs at two depths)."""
+    from snakellm.report.landing import rule_spec
+
+    edges = [("chunk", "tokenize"), ("chunk", "train_tokenizer"), ("train_tokenizer", "tokenize")]
+    edges += [("tokenize", "blend"), ("tokenize", "blend"), ("blend", "all"), ("chunk", "all"), ("all", "all")]
+    spec, _, ymax = rule_spec(["chunk", "tokenize", "train_tokenizer", "blend", "all"], edges)
+    order = [n["rule"] for n in spec["nodes"]]
+    assert order == ["chunk", "train_tokenizer", "tokenize", "blend", "all"]
+    assert ymax == 200
+    links = {(x["sourcerule"], x["targetrule"]) for x in spec["links"] + spec["links_direct"]}
+    assert links == set(edges) - {("all", "all")}
+    assert len(spec["links"]) + len(spec["links_direct"]) == len(links)
+    assert all(x["target"] - x["source"] == 1 for x in spec["links_direct"])
+    assert all(x["target"] - x["source"] > 1 for x in spec["links"])
+
+
+@pytest.mark.slow
+def test_report_landing_page_draws_each_rule_once(tmp_path):
+    """`snakemake --report` on the data and tokenize stages of the default config (GPT-2 BPE and a trained
+    SentencePiece): its landing page's rule graph had tokenize, blend, report_tokens and report_tokenizer twice."""
+    from conftest import small_config
+
+    ws = Workspace(tmp_path)
+    cfg = small_config(tmp_path)
+    default = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    gpt2 = default["tokenizers"]["gpt2"]
+    cfg["tokenizers"] = {
+        "gpt2": gpt2 | {k: str(REPO / gpt2[k]) for k in ("vocab_file", "merges_file")},
+        "spm": default["tokenizers"]["spm2k"] | {"vocab_size": 500},
+    }
+    ws.write_config(cfg)
+    ws.run()
+    ws.run("--report", "report.html")
+    html = ws.path("report.html").read_text()
+    nodes = json.loads(re.search(r'"node-data", "values": (\[.*?\])', html).group(1))
+    links = [
+        link
+        for key in ("link-data", "link-data-direct")
+        for link in json.loads(re.search(rf'"{key}", "values": (\[.*?\])', html).group(1))
+    ]
+    rules = [n["rule"] for n in nodes]
+    assert len(rules) == len(set(rules)), rules
+    assert {"chunk", "train_tokenizer", "tokenize", "blend", "report_tokens", "report_tokenizer"} <= set(rules)
+    pairs = {(x["sourcerule"], x["targetrule"]) for x in links}
+    assert {("chunk", "tokenize"), ("train_tokenizer", "tokenize"), ("tokenize", "blend")} <= pairs, pairs
+    assert all(rules[x["source"]] == x["sourcerule"] and x["source"] < x["target"] for x in links)
+
+
 def test_layered_svg_draws_inputs_above_consumers_without_overlaps():
     from snakellm.report.dag import parse_dot
     from snakellm.report.layered_svg import to_svg

@@ -225,6 +225,41 @@ def test_openai_client_completions(server):
     assert len(set(new)) == len(new) == 10
 
 
+def test_openai_penalties_and_logit_bias_equal_the_reference(server, run_dir):
+    """presence/frequency penalties and logit_bias through the openai client = the reference computation
+    (serve_helpers.reference_greedy on the same checkpoint); chat takes them too."""
+    from serve_helpers import reference_greedy
+
+    from snakellm.serve.generate import load_generator
+    from snakellm.serve.sampling import visible
+
+    _, client = _client(server)
+    gen = load_generator(str(run_dir), device="cpu")
+    ids = gen.tok.encode("Once upon a time")
+    plain = reference_greedy(gen, ids, 8)
+    for kw in (
+        {"presence_penalty": 2.0, "frequency_penalty": 1.5},
+        {"logit_bias": {"262": 6.0, str(plain[0]): -100}, "frequency_penalty": 2.0},
+    ):
+        bias = {int(k): v for k, v in kw.get("logit_bias", {}).items()}
+        want = reference_greedy(
+            gen, ids, 8, presence=kw.get("presence_penalty", 0.0), frequency=kw["frequency_penalty"], bias=bias
+        )
+        assert want != plain and gen.tok.eod_id not in want
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, **kw)
+        assert r.choices[0].text == visible(gen, ids, want), kw
+    forced = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=1.0,
+        seed=2,
+        logit_bias={"262": 100},
+        presence_penalty=0.5,
+    )
+    assert forced.choices[0].message.content == " the" * 4
+
+
 def test_openai_logprobs_and_echo(server):
     _, client = _client(server)
     r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=0, echo=True, logprobs=3)
@@ -377,10 +412,11 @@ def test_openai_errors_then_the_next_request_on_the_same_client(server):
     cases = [
         (openai.BadRequestError, "max_tokens", {"max_tokens": -1}),
         (openai.BadRequestError, "max_tokens", {"max_tokens": 0}),  # 0 only with echo
-        (openai.BadRequestError, "logit_bias", {"logit_bias": {"50256": -100}}),
+        (openai.BadRequestError, "logit_bias", {"logit_bias": {"50256": -101}}),
+        (openai.BadRequestError, "logit_bias", {"logit_bias": {"60000": 1}}),  # outside the vocabulary
         (openai.BadRequestError, "suffix", {"suffix": "tail"}),
-        (openai.BadRequestError, "presence_penalty", {"presence_penalty": 0.5}),
-        (openai.BadRequestError, "frequency_penalty", {"frequency_penalty": 0.5}),
+        (openai.BadRequestError, "presence_penalty", {"presence_penalty": 2.5}),
+        (openai.BadRequestError, "frequency_penalty", {"frequency_penalty": -2.5}),
         (openai.BadRequestError, "best_of", {"best_of": 3}),
         (openai.BadRequestError, "logprobs", {"logprobs": 50}),
         (openai.BadRequestError, "temperature", {"temperature": 3}),

@@ -102,11 +102,39 @@ def test_resolve_runs_expands_presets_and_the_flags_parse_back():
             "config key runs.r.parallel.sequence_parallel: sequence parallelism splits the sequence over the "
             "tensor-parallel ranks: it needs tp > 1",
         ),
+        ({"parallel": {"pp": 3}}, "config key runs.r.parallel: num_layers 2 is not divisible by pp 3 x virtual_pp 1"),
+        (
+            {"parallel": {"pp": 1, "virtual_pp": 2}},
+            "config key runs.r.parallel: virtual_pp 2: virtual pipeline stages need pp > 1",
+        ),
+        (
+            {"parallel": {"pp": 2, "virtual_pp": 2}},
+            "config key runs.r.parallel: num_layers 2 is not divisible by pp 2 x virtual_pp 2",
+        ),
+        (
+            {"parallel": {"pp": 2, "recompute": "full", "recompute_num_layers": 2}},
+            r"config key runs.r.parallel: recompute_num_layers 2 \(recompute full, uniform\) must be between 1 and "
+            r"the layers of one pipeline stage or chunk \(2 / \(pp 2 x virtual_pp 1\) = 1\)",
+        ),
     ],
 )
 def test_cross_field_errors_name_the_key(change, message):
     with pytest.raises(ConfigError, match=message):
         resolve.resolve_runs(_config(**change))
+
+
+def test_interleaved_schedule_needs_micro_batches_in_groups_of_pp():
+    from snakellm.config import jobs
+    from snakellm.models import check_pipeline_batches
+
+    assert check_pipeline_batches(2, 1, 3) is None  # 1F1B takes any number
+    assert check_pipeline_batches(4, 2, 8) is None
+    why = check_pipeline_batches(4, 2, 6)
+    assert why and "virtual_pp 2 (interleaved schedule)" in why and "(6 = global_batch_size" in why
+    a = jobs.Allocation("pretrain", "runs.r.resources", 1, 8, None, None, None, 0, None, None, None, None, None, None)
+    with pytest.raises(ConfigError, match="config key runs.r.resources: global_batch_size 12: virtual_pp 2"):
+        jobs.check_allocation(a, 1, 4, (12, 1), virtual_pp=2)  # dp 2: 6 micro-batches per rank
+    jobs.check_allocation(a, 1, 4, (16, 1), virtual_pp=2)
 
 
 def test_tokenizer_checks_name_the_key():

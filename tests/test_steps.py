@@ -101,3 +101,37 @@ def test_every_error_class_has_a_base_and_a_status():
     from snakellm.launch import distributed, runtime
 
     assert runtime.LaunchError is distributed.LaunchError  # one LaunchError
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["train", "--stepz", "3"], "unknown flag --stepz; did you mean --steps?"),  # argparse names --steps missing
+        (
+            ["chunk", "x.jsonl", "-o", "y.jsonl", "--treads", "2"],
+            "unrecognized arguments: --treads 2; did you mean --threads?",
+        ),
+        (["report", "tokens", "--blnd", "b.json"], "unknown flag --blnd; did you mean --blend?"),
+        (["report", "tokns"], "invalid choice: 'tokns'"),
+    ],
+)
+def test_a_mistyped_flag_gets_the_near_match(argv, hint, capsys):
+    import argparse
+
+    from snakellm import cli
+
+    error = argparse.ArgumentParser.error
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and hint in err, err
+    if argv[1] == "tokns":
+        assert err.rstrip().endswith("did you mean tokens?"), err
+    assert argparse.ArgumentParser.error is error  # the hook is the step's only, not the process's
+
+
+def test_a_mistyped_step_gets_the_near_match(capsys):
+    from snakellm import cli
+
+    assert cli.main(["trian", "--steps", "3"]) == 2
+    assert "unknown step 'trian'; did you mean train?" in capsys.readouterr().err

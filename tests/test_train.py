@@ -344,7 +344,20 @@ def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkey
             "size = world size 4 / (tp 2 x pp 1))",
         ),
         ({}, ["--tp", "3"], "num_attention_heads 4 is not divisible by tensor parallel size 3"),
-        ({}, ["--pp", "2"], "pipeline parallel size 2: pipeline parallelism is not supported"),
+        ({}, ["--pp", "3"], "num_layers 2 is not divisible by pp 3 x virtual_pp 1"),
+        ({}, ["--virtual-pp", "2"], "virtual_pp 2: virtual pipeline stages need pp > 1"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2"},
+            ["--pp", "2", "--virtual-pp", "2", "--num-layers", "4", "--global-batch-size", "12"],
+            "--global-batch-size 12: virtual_pp 2 (interleaved schedule) needs the micro batches per step and "
+            "data-parallel rank (3 = global_batch_size / (micro_batch_size x data-parallel size)) to be a multiple "
+            "of pp 2",
+        ),
+        (
+            {},
+            ["--recompute", "full", "--recompute-num-layers", "3"],
+            "recompute_num_layers 3 (recompute full, uniform) must be between 1 and the layers of one pipeline stage",
+        ),
         ({}, ["--hidden-size", "66"], "hidden_size 66 is not divisible by num_attention_heads 4"),
         ({}, ["--split", "100,0,0"], "leave none for validation with split '100,0,0'"),
         (

@@ -5,16 +5,24 @@
 # ---------------------------------------------------------------- export, import, generation (rules/export.smk, evaluate.smk)
 
 EXPORT_NEMO = config["export_nemo"]
-IMPORTS = config.get("import_hf", {})  # {name: {hf_dir, make_vocab_size_divisible_by}}
+# {name: {hf_dir, make_vocab_size_divisible_by, random}}
+IMPORTS = config.get("import_hf", {})
+# imports whose hf_dir the workflow writes (rule random_hf: models/random/{name}, random weights)
+RANDOM_IMPORTS = [name for name, spec in IMPORTS.items() if spec.get("random")]
 
 
 def _import_files():
-    """The files of each HF directory, listed once at parse time: an edited weight file reruns the import."""
+    """The files of each HF directory, listed once at parse time: an edited weight file reruns the import.
+    A random import's input is the directory that rule random_hf writes."""
     return {
-        name: sorted(
-            os.path.join(spec["hf_dir"], f)
-            for f in os.listdir(spec["hf_dir"])
-            if os.path.isfile(os.path.join(spec["hf_dir"], f))
+        name: (
+            [spec["hf_dir"]]
+            if spec.get("random")
+            else sorted(
+                os.path.join(spec["hf_dir"], f)
+                for f in os.listdir(spec["hf_dir"])
+                if os.path.isfile(os.path.join(spec["hf_dir"], f))
+            )
         )
         for name, spec in IMPORTS.items()
     }
@@ -37,6 +45,10 @@ def get_import_hf_dir(wildcards):
 
 def get_import_hf_flags(wildcards):
     return flags(S.ImportHfSettings, IMPORTS[wildcards.run])
+
+
+def get_random_hf_flags(wildcards):
+    return flags(S.RandomHfSettings, IMPORTS[wildcards.name]["random"])
 
 
 def get_run_done(wildcards):
@@ -67,7 +79,8 @@ def get_import_nemo_targets(names):
     out = []
     for n in names:
         if (
-            checkmod.import_tokenizer_kind(IMPORTS[n]["hf_dir"])
+            IMPORTS[n].get("random")  # GPT-2's BPE files
+            or checkmod.import_tokenizer_kind(IMPORTS[n]["hf_dir"])
             in checkmod.NEMO_TOKENIZER_KINDS
         ):
             out.append(f"runs/{n}/{n}.nemo")

@@ -1,11 +1,18 @@
 # Lookups of the report rules (rules/report.smk) and the report-table registry that later
 # stages call at parse time (register_report_table).
 
+import hashlib
 import json
+
+from snakellm.report import landing as landingmod
 
 # ---------------------------------------------------------------- lookups of the report rules
 
 REPORT = "results/report"
+
+# `snakemake --report`'s landing page: each rule once in its rule graph (snakellm.report.landing)
+landingmod.install()
+
 HTTP_SOURCES = [s for s, spec in SOURCES.items() if spec["kind"] == "http"]
 
 # Later stages add their metrics and samples to the report here, at parse time, from
@@ -159,9 +166,66 @@ def get_main_snakefile(wildcards):
     return workflow.main_snakefile
 
 
-def get_dag_config(wildcards):
-    """The workflow's whole config: the pictures are redrawn when it changes (the DAG depends on all of it)."""
-    return json.dumps(config, sort_keys=True, default=str)
+def _graph_jobs():
+    """Every job the dag pictures show, as Snakemake resolves them: (rule, wildcards) -> the files it reads.
+
+    Walked from the default target with the workflow's own rules and input functions (what
+    `snakemake --dag --forceall` does), so any stage's lookups count, with nothing to keep in step here.
+    """
+    all_rules = list(workflow.rules)
+    root = workflow.get_rule(workflow.default_target)
+    jobs = {(root.name, ()): sorted(map(str, root.expand_input({})[0]))}
+    todo, seen = list(jobs[(root.name, ())]), set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for r in all_rules:
+            if r.name == root.name or not r.is_producer(f):
+                continue
+            wc = dict(r.get_wildcards(f))
+            key = (r.name, tuple(sorted(wc.items())))
+            if key in jobs:
+                continue
+            # a rule whose output pattern matches but whose lookups refuse these wildcards: not its job
+            try:
+                inputs = sorted(map(str, r.expand_input(wc)[0]))
+            except Exception:
+                continue
+            jobs[key] = inputs
+            todo += inputs
+    return jobs
+
+
+def get_dag_graph(wildcards):
+    """A short digest of what the dag pictures draw: the rules in order, every job and the files it reads.
+
+    The dag rule's only rerun trigger besides its code: editing a training setting changes no picture,
+    adding a source, run or fine-tune does (and `snakemake -n` then prints two digests, not the config).
+    """
+    shape = {
+        "rules": [r.name for r in workflow.rules],
+        "jobs": sorted(map(list, _graph_jobs().items())),
+    }
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def get_dag_config(wildcards, resources):
+    """The workflow's whole config in a file for `snakellm dag` (--config-json-file), named by its digest.
+
+    Taking `resources` keeps it out of Snakemake's params rerun trigger (get_dag_graph is the trigger);
+    a file, not the command line, keeps the printed command short.
+    """
+    text = json.dumps(config, sort_keys=True, default=str)
+    path = f".snakemake/snakellm/dag-config-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    return path
 
 
 def get_report_targets():

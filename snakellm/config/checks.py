@@ -120,6 +120,7 @@ def check_resources(config: dict[str, Any], env: Mapping[str, str] | None = None
             par.get("pp", 1),
             (t["global_batch_size"], t["micro_batch_size"]),
             slurm=env is not None,
+            virtual_pp=par.get("virtual_pp", 1),
         )
     for name, ft in config.get("finetune", {}).items():
         t = ft["train"]
@@ -155,6 +156,13 @@ def check_imports(config: dict[str, Any]) -> None:
     for name, spec in config.get("import_hf", {}).items():
         if name in runs:
             raise ConfigError(f"config key import_hf.{name}: a run of that name exists under runs")
+        if spec.get("random"):
+            if os.path.normpath(spec["hf_dir"]) != f"models/random/{name}":
+                raise ConfigError(
+                    f"config key import_hf.{name}.hf_dir: with `random` it is the directory the workflow writes, "
+                    f"models/random/{name}; got {spec['hf_dir']!r}"
+                )
+            continue
         if not os.path.isfile(os.path.join(spec["hf_dir"], "config.json")):
             raise ConfigError(
                 f"config key import_hf.{name}.hf_dir: {spec['hf_dir']!r} has no config.json "
@@ -216,6 +224,18 @@ def check_curate(config: dict[str, Any]) -> None:
                     )
 
 
+def check_fp8(config: dict[str, Any], run_models: dict[str, dict[str, Any]]) -> None:
+    """A run with ``precision: fp8`` has block weights float8 kernels take (each TP shard a multiple of 16)."""
+    from snakellm.models import fp8
+
+    for name, run in config.get("runs", {}).items():
+        if run["train"].get("precision") == "fp8":
+            try:
+                fp8.check_shapes(run_models[name], run.get("parallel", {}).get("tp", 1))
+            except fp8.FP8Error as e:
+                raise ConfigError(f"config key runs.{name}.train.precision: {e}") from None
+
+
 def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Every cross-field check, in the order a reader meets the sections; returns each run's architecture.
 
@@ -227,6 +247,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
     check_sft_data(config)
     check_finetunes(config)
     check_resources(config, env)
+    check_fp8(config, run_models)
     check_export_nemo(config)
     check_imports(config)
     check_hf_exports(config, run_models)

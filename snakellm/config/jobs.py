@@ -25,6 +25,7 @@ from typing import Any
 
 from snakellm.config.sections import JobResourceSettings
 from snakellm.errors import ConfigError
+from snakellm.models.architecture import check_pipeline_batches
 
 # stage -> (config section of its entries, the rule's wildcard naming one), or None: stage-wide only
 STAGES: dict[str, tuple[str, str] | None] = {
@@ -199,7 +200,13 @@ def snakemake_resources(a: Allocation, threads: int) -> dict[str, Any]:
 
 
 def check_allocation(
-    a: Allocation, tp: int = 1, pp: int = 1, batch: tuple[int, int] | None = None, *, slurm: bool = False
+    a: Allocation,
+    tp: int = 1,
+    pp: int = 1,
+    batch: tuple[int, int] | None = None,
+    *,
+    slurm: bool = False,
+    virtual_pp: int = 1,
 ) -> None:
     """The job's ranks fit its parallelism: ``tp x pp`` divides them, and the global batch splits over
     the data-parallel ranks (``batch``: global, micro batch size). One-GPU stages take one rank.
@@ -233,3 +240,6 @@ def check_allocation(
                 f"config key {a.where}: global_batch_size {gbs} is not divisible by micro_batch_size {mbs} x "
                 f"data-parallel size {dp} ({a.size} / (tp {tp} x pp {pp})): choose a multiple of {mbs * dp}"
             )
+        why = check_pipeline_batches(pp, virtual_pp, gbs // (mbs * dp))
+        if why:
+            raise ConfigError(f"config key {a.where}: global_batch_size {gbs}: {why}")

@@ -55,9 +55,22 @@ def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> d
     par = run.get("parallel", {})
     try:
         arch = models.resolve(model.pop("preset", None), model)
-        models.check_parallel(arch, par.get("tp", 1), par.get("pp", 1))
+        models.check_parallel(arch, par.get("tp", 1), 1)
     except models.ModelConfigError as e:
         raise ConfigError(f"config key runs.{name}.model: {e}") from None
+    pp, vpp = par.get("pp", 1), par.get("virtual_pp", 1)
+    try:
+        models.check_pipeline(arch, pp, vpp)
+        models.check_recompute(
+            arch,
+            pp,
+            vpp,
+            par.get("recompute", "none"),
+            par.get("recompute_method", "uniform"),
+            par.get("recompute_num_layers", 1),
+        )
+    except models.ModelConfigError as e:
+        raise ConfigError(f"config key runs.{name}.parallel: {e}") from None
     if par.get("sequence_parallel") and par.get("tp", 1) == 1:
         raise ConfigError(
             f"config key runs.{name}.parallel.sequence_parallel: sequence parallelism splits the sequence over "

@@ -30,7 +30,8 @@ SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "medi
 TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LORA_INITS = ("xavier", "normal", "kaiming", "zero")
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "fp32", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")
 DECAY_STYLES = ("cosine", "linear", "constant")
 
 # ---------------------------------------------------------------- data: sources, download
@@ -321,12 +322,25 @@ class TrainSettings(ResumeSettings):
     )
     precision: str = setting(
         "auto",
-        "auto: bf16 with fp32 master weights on GPU, fp32 on CPU",
+        "auto: bf16 with fp32 master weights on GPU, fp32 on CPU; fp8: bf16 weights with the transformer "
+        "blocks' matmuls in float8 (GPUs of compute capability 8.9+: Ada, Hopper)",
         trajectory=True,
-        choices=("auto", "bf16", "fp32"),
+        choices=PRECISIONS,
+    )
+    fp8_recipe: str = setting(
+        "tensorwise",
+        "precision fp8: one scale per tensor (tensorwise) or per row (rowwise) for the float8 casts (enters the "
+        "trajectory only with fp8)",
+        trajectory=True,
+        choices=FP8_RECIPES,
     )
     save_interval: int = setting(1000, "checkpoint every N steps (and at the end)")
     keep_last: int = setting(2, "keep the newest K checkpoints, plus the best by validation loss")
+    async_save: bool = setting(
+        False,
+        "write checkpoints in the background (megatron-core's asynchronous torch_dist save: the states are "
+        "copied to host memory, a forked process writes them while training goes on; published when complete)",
+    )
     eval_interval: int = setting(1000, "validation loss every N steps (and at every checkpoint)")
     eval_iters: int = setting(10, "validation batches per evaluation (0: none)")
     log_interval: int = setting(10, "metrics are fetched from the device and written every N steps")
@@ -351,13 +365,38 @@ class ParallelSettings:
     """``runs.<name>.parallel``: how the ranks split the model and the work."""
 
     tp: int = setting(1, "tensor-parallel size (on the CPU only for models without dropout)")
-    pp: int = setting(1, "pipeline-parallel size (must be 1)")
+    pp: int = setting(
+        1,
+        "pipeline-parallel size: the layers split into pp stages, run by megatron-core's 1F1B schedule "
+        "(num_layers divisible by pp x virtual_pp)",
+    )
+    virtual_pp: int = setting(
+        1,
+        "virtual pipeline stages (model chunks) per pipeline rank: megatron-core's interleaved 1F1B schedule, a "
+        "smaller pipeline bubble for more point-to-point traffic (> 1 needs pp > 1 and micro batches per step "
+        "divisible by pp)",
+    )
+    recompute: str = setting(
+        "none",
+        "megatron-core activation recomputation: selective (core attention, recomputed in the backward pass) or "
+        "full (whole transformer layers: only each layer's input is kept)",
+        choices=("none", "selective", "full"),
+    )
+    recompute_method: str = setting(
+        "uniform",
+        "recompute full: uniform (the layers in groups of recompute_num_layers, each group's input kept) or block "
+        "(the first recompute_num_layers layers of each pipeline stage or chunk, the rest kept whole)",
+        choices=("uniform", "block"),
+    )
+    recompute_num_layers: int = setting(
+        1, "recompute full: layers per group (uniform) or recomputed layers per stage or chunk (block)"
+    )
     threads: int = setting(2, "CPU threads of the job (torch intra-op threads on CPU)")
     num_workers: int | None = setting(None, "data-loader workers per rank (null: 2 on GPU, 0 on CPU)")
     loss: str = setting(
         "auto",
-        "cross-entropy: compiled (fused; GPU default), eager, or megatron-core's "
-        "vocab-parallel one (needed for tp > 1)",
+        "cross-entropy: compiled (fused, vocabulary-parallel at tp > 1; GPU default), eager (the same "
+        "uncompiled; CPU default), or megatron-core's vocab-parallel one",
         choices=("auto", "compiled", "eager", "megatron"),
     )
     compile: bool = setting(False, "torch.compile each transformer layer (GPU)")
@@ -370,6 +409,18 @@ class ParallelSettings:
         False,
         "shard the fp32 Adam states and master weights over the data-parallel ranks (megatron-core's "
         "distributed-optimizer gradient buffers: reduce-scatter, then all-gather of the updated weights)",
+    )
+    overlap_param_gather: bool = setting(
+        False,
+        "with distributed_optimizer: the updated weights are all-gathered bucket by bucket just before the next "
+        "forward pass uses them, overlapped with its compute (megatron-core DDP's forward pre-hooks), instead of "
+        "all at once after the optimizer step",
+    )
+    fsdp: bool = setting(
+        False,
+        "shard the parameters and gradients as well as the optimizer states over the data-parallel ranks "
+        "(PyTorch FSDP2, ZeRO-3: each layer's weights gathered just before it runs; 16 bytes a parameter "
+        "become 16 / dp); checkpoints keep their layout",
     )
 
 
@@ -544,7 +595,19 @@ class FinetuneTrainSettings(ResumeSettings):
     adam_beta2: float = setting(0.98, "AdamW beta2", trajectory=True)
     clip_grad: float = setting(1.0, "gradient-norm clip (0: off)", trajectory=True)
     seed: int = setting(1234, "seeds the adapters, the data order and dropout", trajectory=True)
-    precision: str = setting("auto", "auto: bf16 on GPU, fp32 on CPU", trajectory=True, choices=PRECISIONS)
+    precision: str = setting(
+        "auto",
+        "auto: bf16 on GPU, fp32 on CPU; fp8: bf16 weights with the transformer blocks' matmuls (frozen base "
+        "and trained) in float8 (GPUs of compute capability 8.9+)",
+        trajectory=True,
+        choices=PRECISIONS,
+    )
+    fp8_recipe: str = setting(
+        "tensorwise",
+        "precision fp8: one scale per tensor (tensorwise) or per row (rowwise) (enters the trajectory only with fp8)",
+        trajectory=True,
+        choices=FP8_RECIPES,
+    )
     eval_interval: int = setting(50, "validation loss (and a checkpoint) every N steps")
     eval_examples: int = setting(0, "validation examples per evaluation (0: all)")
     patience: int = setting(0, "early stopping: evaluations without improvement (0: off)")
@@ -554,9 +617,15 @@ class FinetuneTrainSettings(ResumeSettings):
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneParallelSettings:
-    """``finetune.<name>.parallel``: tensor parallelism and the job's threads."""
+    """``finetune.<name>.parallel``: tensor parallelism, activation recomputation and the job's threads."""
 
     tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
+    recompute: str = setting(
+        "none",
+        "megatron-core activation recomputation: selective (core attention) or full (every transformer layer, "
+        "only its input kept): less activation memory for a longer step",
+        choices=("none", "selective", "full"),
+    )
     threads: int = setting(2, "CPU threads of the job", cli=False)
 
 
@@ -630,11 +699,28 @@ class ExportHfSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RandomHfSettings:
+    """``import_hf.<name>.random``: the workflow writes hf_dir first, a preset's shape with random weights."""
+
+    preset: str = setting(REQUIRED, "the shape: a preset (llama3-8b, llama2-7b, tiny-llama, ...)")
+    seed: int = setting(0, "seed of the weights")
+    tokenizer_dir: str = setting(
+        "resources/tokenizers/gpt2", "GPT-2's vocab.json and merges.txt (the model's tokenizer, copied in)"
+    )
+    max_shard_size: str = setting("5GB", "largest safetensors shard")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ImportHfSettings:
     """``import_hf.<name>``: a Hugging Face GPT-2 / Llama directory turned into a run."""
 
     hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False)
     make_vocab_size_divisible_by: int = setting(128, "embedding padding (Megatron-LM's)")
+    random: dict[str, Any] | None = setting(
+        None,
+        "write hf_dir (models/random/<name>) with random weights of a preset's shape first: no download",
+        section=RandomHfSettings,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -647,11 +733,18 @@ class GenerateSettings:
     )
     max_new_tokens: int = setting(48, "tokens generated per prompt at most")
     min_new_tokens: int = setting(0, "EOD is not allowed before this many tokens")
-    greedy: bool = setting(False, "argmax decoding (the sampling settings are then ignored)")
+    greedy: bool = setting(
+        False,
+        "argmax of the model's logits (temperature, top-k and top-p are then ignored; a repetition penalty "
+        "applies only when given)",
+    )
     temperature: float = setting(0.8, "softmax temperature")
     top_k: int = setting(40, "sample from the k most likely tokens (0: off)")
     top_p: float = setting(0.95, "nucleus sampling (1: off)")
-    repetition_penalty: float = setting(1.1, "divides the logits of tokens already present (1: off)")
+    repetition_penalty: float | None = setting(
+        None,
+        "divides the logits of tokens already present (1: off; unset: 1.1 when sampling, off with greedy)",
+    )
     end_strings: list[str] = setting([], "stop a continuation at this text", flag="end_string")
     seed: int = setting(1234, "sampling seed")
     threads: int = setting(1, "torch CPU threads of the job", cli=False)
@@ -732,6 +825,7 @@ SECTIONS: dict[str, type] = {
     "export_nemo": ExportNemoSettings,
     "export_hf": ExportHfSettings,
     "import_hf.*": ImportHfSettings,
+    "import_hf.*.random": RandomHfSettings,
     "generate": GenerateSettings,
     "lm_eval": LmEvalSettings,
     "lm_eval.suites.*": LmEvalSuiteSettings,

@@ -9,6 +9,7 @@ a dotted key path, and then checks that the files the config names exist.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from pathlib import Path
 from typing import Any
@@ -47,13 +48,23 @@ def _key(path) -> str:
     return ".".join(str(p) for p in path) or "<top level>"
 
 
+def did_you_mean(unknown: list[str], known: list[str]) -> str:
+    """``"; did you mean 'steps'?"`` for the unknown names that are a near miss of a known one (difflib), else ``""``."""
+    pairs = [(u, m[0]) for u in unknown if (m := difflib.get_close_matches(u, known, n=1, cutoff=0.6))]
+    if not pairs:
+        return ""
+    if len(pairs) == 1 and len(unknown) == 1:
+        return f"; did you mean {pairs[0][1]!r}?"
+    return "; did you mean " + ", ".join(f"{m!r} for {u!r}" for u, m in pairs) + "?"
+
+
 def _describe(err: jsonschema.ValidationError) -> str:
     where = _key(err.absolute_path)
     if err.validator == "additionalProperties" and isinstance(err.instance, dict):
         allowed = sorted(err.schema.get("properties", {}))
         extra = sorted(set(err.instance) - set(allowed))
         hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
-        return f"config key {where}: unknown key {', '.join(map(repr, extra))}{hint}"
+        return f"config key {where}: unknown key {', '.join(map(repr, extra))}{did_you_mean(extra, allowed)}{hint}"
     if err.validator == "required":
         return f"config key {where}: {err.message}"
     if err.validator == "enum":

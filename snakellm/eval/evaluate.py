@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,11 @@ def evaluate(a: argparse.Namespace) -> dict:
     rt = runtime.start(a.device, 1, a.threads)
     try:
         bf16 = (a.precision == "bf16") or (a.precision == "auto" and rt.cuda)
+        from snakellm.models.loading import describe_run
+        from snakellm.serve.generate import check_fits_one_gpu, gpu_capacity
+
+        info = describe_run(a.base)
+        check_fits_one_gpu(info["arch"], info["padded_vocab_size"], 2 if bf16 else 4, gpu_capacity(rt.device))
         base = models.load(a.base, device=rt.device, bf16=bf16, seq_length=a.max_seq_length)
         gpt, arch = base.model, base.arch
         seq = a.max_seq_length or arch["seq_length"]
@@ -171,7 +177,9 @@ def evaluate(a: argparse.Namespace) -> dict:
         labels = [tok.decode(e.answer[: len(e.answer) - 1] if eos and e.answer[-1:] == eos else e.answer) for e in exs]
         golds = [r.get("answers") or [r["output"]] for r in records]
         loss = answer_loss(rt, gpt, exs, tok.eod_id, a.batch_size)
+        t0 = time.perf_counter()
         gen = generate_answers(gpt, arch, tok, [e.context for e in exs], a, seq, extra)
+        gen_s = time.perf_counter() - t0
         preds = [cut_at_end_strings(tok.decode(g), a.end_string or []) for g in gen]
         metrics = {
             "model": a.label or ("lora" if a.adapter else "ptuning" if a.prompt else "base"),
@@ -185,6 +193,12 @@ def evaluate(a: argparse.Namespace) -> dict:
             "test_loss": loss,
             "decoding": decoding(a),
             "encode": enc.stats.as_dict(),
+            "generation": {  # the engine's speed on this split (not a result: it varies with the machine)
+                "seconds": round(gen_s, 3),
+                "examples_per_s": round(len(exs) / max(gen_s, 1e-9), 2),
+                "new_tokens": sum(map(len, gen)),
+                "peak_gpu_memory_gib": (round(rt.torch.cuda.max_memory_allocated() / 2**30, 2) if rt.cuda else None),
+            },
         }
         if rt.rank == 0:
             write_outputs(Path(a.out_dir), metrics, records, preds, labels, golds)

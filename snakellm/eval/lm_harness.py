@@ -104,6 +104,18 @@ def _task_manager(cls: Any, req: HarnessRequest) -> Any:
     return tm
 
 
+def _git_hash() -> str | None:
+    """The working directory's commit, which lm-eval records: its own ``git describe`` prints
+    "fatal: not a git repository" on stderr outside one; this one keeps git's stderr."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return proc.stdout.strip() or None
+
+
 def run_harness(req: HarnessRequest) -> dict[str, Any]:
     """Evaluate; lm-eval's own result dict (with samples) plus the ``snakellm`` block."""
     env = go_offline()
@@ -111,8 +123,10 @@ def run_harness(req: HarnessRequest) -> dict[str, Any]:
         os.environ.setdefault("OPENAI_API_KEY", "unused")  # lm-eval's API models want one; the server takes none
     t0 = time.time()
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.tasks import TaskManager
 
+    lm_eval.evaluator.get_git_commit_hash = _git_hash
     for p in req.include_path:
         if not Path(p).is_dir():
             raise UsageError(f"{p}: include_path is not a directory of lm-eval task YAMLs")

@@ -53,10 +53,16 @@ test_split: test
 output_type: loglikelihood_rolling
 doc_to_text: ""
 doc_to_target: "{{{{page}}}}"
-metric_list:
+metric_list:  # lm-eval's own defaults, spelled out (it warns about each one left out)
   - metric: word_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: byte_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
 metadata:
   version: 1.0
   source: "{wikipedia} (held out), the leading paragraphs of each article"

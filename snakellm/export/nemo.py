@@ -552,7 +552,7 @@ def export_nemo(
         tok_cfg = pack_tokenizer(tok, folder)
         # bf16 weights are written upcast to fp32 (lossless): NeMo without megatron_amp_O2 keeps fp32
         # parameters and runs bf16 under autocast, which is what `precision: bf16` asks for
-        precision = "bf16" if info["precision"] == "bf16" else 32
+        precision = "bf16" if info["precision"] in ("bf16", "fp8") else 32  # fp8 runs keep bf16 weights
         cfg = model_config(arch, vocab, tok_cfg, precision=precision, transformer_engine=te)
         (folder / CONFIG_FILE).write_text(yaml.safe_dump(cfg, sort_keys=False))
         # one layer in memory at a time (snakellm.export.stream)

@@ -34,18 +34,20 @@ from snakellm.config.settings import trajectory_keys
 from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
 from snakellm.io.atomic import write_json, write_text
+from snakellm.models import fp8
 from snakellm.train import assembly
 from snakellm.train.resume import check_required
 from snakellm.train.trainer import Batch
 
 METHODS = ("lora", "full", "ptuning")
 # the fingerprinted settings: the fields marked trajectory (precision enters resolved, by the session)
-TRAJECTORY = tuple(k for k in trajectory_keys(FinetuneTrainSettings) if k != "precision")
+TRAJECTORY = tuple(k for k in trajectory_keys(FinetuneTrainSettings) if k not in ("precision", "fp8_recipe"))
 EXAMPLE_KEYS = trajectory_keys(ExamplesSettings)
 
 
 def finetune(a: argparse.Namespace, mcfg: Any) -> int:
     """Run one fine-tune to its last step (0) or a clean stop (75); ``mcfg``: the method's config (or None)."""
+    fp8.check_request(a.precision, a.device)
     job = job_of(a)
     check_required(job.ckpt_dir, job)  # before the base and the data are read
     return assembly.run(job, FinetuneRecipe(a, mcfg))
@@ -149,6 +151,14 @@ class FinetuneRecipe:
         self.items = (
             [[i] for i in range(len(self.train_ex))] if not a.packing else ds.pack(self.train_ex, self.seq, a.seed)
         )
+        if not a.packing and a.method != "ptuning" and len(self.train_ex) > 1:
+            rows = len(ds.pack(self.train_ex, self.seq, a.seed))
+            if 2 * rows <= len(self.train_ex):  # padding would be at least half of every step's tokens
+                print(
+                    f"snakellm finetune: note: packing (examples.packing: true, --packing) would hold the "
+                    f"{len(self.train_ex)} training examples in {rows} sequences of {self.seq} tokens",
+                    file=sys.stderr,
+                )
 
     @property
     def base_checkpoint(self) -> Path:
@@ -164,7 +174,7 @@ class FinetuneRecipe:
             "padded_vocab": self.vocab,
             "data": {"train": _sha256(self.train_path), "validation": _sha256(self.valid_path)},
             "examples": {k: getattr(a, k) for k in EXAMPLE_KEYS} | {"seq": self.seq},
-            "train": {k: getattr(a, k) for k in TRAJECTORY} | {"precision": s.precision},
+            "train": {k: getattr(a, k) for k in TRAJECTORY} | fp8.trajectory(s.precision, a.fp8_recipe),
         }
 
     def record(self) -> dict[str, Any]:
@@ -177,13 +187,15 @@ class FinetuneRecipe:
         loaded = models.load(
             self.a.base,
             device=s.device,
-            bf16=s.precision == "bf16",
+            bf16=s.bf16,
             tp=tp,
             seq_length=self.a.max_seq_length,
             train=True,
+            fp8=self.a.fp8_recipe if s.precision == "fp8" else None,
+            recompute=self.a.recompute,
         )
         gpt = loaded.model
-        self.ft, self.extra = attach(s.torch, gpt, self.a.method, self.mcfg, self.arch)
+        self.ft, self.extra = attach(s.torch, gpt, self.a.method, self.mcfg, self.arch, self.a.recompute)
         return assembly.Parts(
             module=self.ft,
             config=loaded.config,
@@ -317,17 +329,30 @@ class FinetuneRecipe:
             "encode_validation": self.valid_stats,
             "median_tokens_per_s": tps[len(tps) // 2] if tps else None,
             "flops_per_token": done.parts.flops_per_token,
+            "peak_gpu_memory_gib": _peak_gib(done.session),
             "fingerprint": done.fingerprint,
         }
         write_json(out / "finetune_summary.json", summary)
+
+
+def _peak_gib(s: assembly.Session) -> float | None:
+    """Rank 0's peak allocated GPU memory (GiB) over the job; None on the CPU."""
+    if not s.cuda:
+        return None
+    return round(s.torch.cuda.max_memory_allocated(s.device) / 2**30, 2)
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def attach(torch: Any, gpt: Any, method: str, mcfg: Any, arch: dict) -> tuple[Any, Any]:
-    """Freeze what must not train and add the method's module; returns (FTModel, extra module or None)."""
+def attach(torch: Any, gpt: Any, method: str, mcfg: Any, arch: dict, recompute: str = "none") -> tuple[Any, Any]:
+    """Freeze what must not train and add the method's module; returns (FTModel, extra module or None).
+
+    With activation recomputation and a frozen base, the embedding's output is made to require a
+    gradient: a recomputed block is an autograd function whose output needs a gradient only when an
+    input does, and the frozen embedding's output does not (the adapters inside would get none).
+    """
     from snakellm.finetune.runtime import make_ft_model
 
     ft = make_ft_model(torch, gpt)
@@ -335,6 +360,8 @@ def attach(torch: Any, gpt: Any, method: str, mcfg: Any, arch: dict) -> tuple[An
         return ft, None
     for p in gpt.parameters():
         p.requires_grad_(False)
+    if recompute != "none":
+        gpt.embedding.register_forward_hook(lambda _m, _i, out: out.requires_grad_(torch.is_grad_enabled()))
     w = gpt.embedding.word_embeddings.weight
     extra: Any
     if method == "lora":

@@ -193,6 +193,17 @@ def _in_process_results_queue() -> None:
         fa._results_queue = queue.Queue()
 
 
+def _fork_results_queue() -> None:
+    """Asynchronous saves: the writer runs in a forked process, whose results come back through a queue
+    it inherits (a fork-context queue: no Manager server process, see :func:`_in_process_results_queue`)."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if not isinstance(fa._results_queue, type(mp.get_context("fork").Queue())):
+        fa._results_queue = mp.get_context("fork").Queue()
+
+
 def save(
     ckpt_dir: str | os.PathLike,
     iteration: int,
@@ -201,17 +212,25 @@ def save(
     rank: int,
     barrier,
     sharded_strategy: Any = None,
+    async_queue: Any = None,
+    on_done: Callable[[], None] | None = None,
 ) -> Path:
     """Collective: write ``iter_{N:07d}`` through a ``.partial`` directory and point the tracker at it.
 
     ``sharded_strategy``: megatron-core's default torch_dist writer unless given (streaming import's).
+    ``async_queue`` (megatron-core's ``AsyncCallsQueue``): the tensors are copied to host memory here,
+    written by a forked process while training goes on, and the directory is published (renamed,
+    tracker replaced, then ``on_done``) when the queue finalizes the save on every rank; until then
+    the previous checkpoint stays the latest, so a job killed mid-save resumes from it.
     """
     from megatron.core import dist_checkpointing
 
-    _in_process_results_queue()
+    if async_queue is None:
+        _in_process_results_queue()
+    else:
+        _fork_results_queue()
 
     d = Path(ckpt_dir)
-    final = d / iter_name(iteration)
     partial = d / f".{iter_name(iteration)}.partial"
     if rank == 0:
         d.mkdir(parents=True, exist_ok=True)
@@ -219,26 +238,55 @@ def save(
             shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     barrier()
+    if async_queue is not None:
+        if sharded_strategy is None:
+            from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+            sharded_strategy = get_default_save_sharded_strategy()
+        request = dist_checkpointing.save(
+            sharded_state_dict, str(partial), sharded_strategy=sharded_strategy, async_sharded_save=True
+        )
+
+        def finalize() -> None:
+            barrier()
+            publish(d, iteration, rank)
+            barrier()
+            if on_done is not None:
+                on_done()
+
+        request.add_finalize_fn(finalize)
+        async_queue.schedule_async_request(request)
+        return d / iter_name(iteration)
     dist_checkpointing.save(sharded_state_dict, str(partial), sharded_strategy=sharded_strategy)
     barrier()
-    if rank == 0:
-        # an existing directory of this iteration (saved once, then resumed from an earlier one)
-        # is moved aside, never deleted in place: a kill mid-delete must not leave a
-        # half-deleted directory under the final name
-        old = d / f".{iter_name(iteration)}.old"
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(partial, final)
-        write_text(d / TRACKER, f"{iteration}\n")
-        shutil.rmtree(old, ignore_errors=True)
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    publish(d, iteration, rank)
     barrier()
-    return final
+    if on_done is not None:
+        on_done()
+    return d / iter_name(iteration)
+
+
+def publish(d: Path, iteration: int, rank: int) -> None:
+    """Rank 0: the complete ``.partial`` directory becomes ``iter_{N}`` and the tracker names it."""
+    if rank != 0:
+        return
+    final = d / iter_name(iteration)
+    partial = d / f".{iter_name(iteration)}.partial"
+    # an existing directory of this iteration (saved once, then resumed from an earlier one)
+    # is moved aside, never deleted in place: a kill mid-delete must not leave a
+    # half-deleted directory under the final name
+    old = d / f".{iter_name(iteration)}.old"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(partial, final)
+    write_text(d / TRACKER, f"{iteration}\n")
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load(ckpt_dir: str | os.PathLike, iteration: int, sharded_state_dict: dict) -> dict:
@@ -278,6 +326,7 @@ class CheckpointManager:
         barrier: Callable[[], None],
         log: Callable[[str], None] = lambda _msg: None,
         best: dict[str, Any] | None = None,
+        async_save: bool = False,
     ):
         self.dir = Path(ckpt_dir)
         self.keep_last = keep_last
@@ -287,22 +336,51 @@ class CheckpointManager:
         self.barrier = barrier
         self.log = log
         self.best = best
+        self._queue: Any = None
+        if async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue()
 
     def save(self, step: int, val_loss: float | None) -> Path:
-        """Collective. ``val_loss`` (if any) may make this the best checkpoint, which pruning keeps."""
+        """Collective. ``val_loss`` (if any) may make this the best checkpoint, which pruning keeps.
+
+        Asynchronous saves: one at a time (the previous one is finished first); the time printed
+        first is what training waited for (the copy to host memory), the second the whole save.
+        """
+        self.wait()
         if val_loss is not None and (self.best is None or val_loss < self.best["val_loss"]):
             self.best = {"iteration": step, "val_loss": val_loss}
+        t0 = time.time()
         sd = self.sharded_state(False)
         sd.update(self.common_state(step))
-        t0 = time.time()
-        path = save(self.dir, step, sd, rank=self.rank, barrier=self.barrier)
-        if self.rank == 0:
-            if self.best is not None:
-                write_json(self.dir / BEST, self.best)
-            gone = prune(self.dir, self.keep_last, {self.best["iteration"]} if self.best else set())
-            self.log(f"saved {path} in {time.time() - t0:.1f}s" + (f"; removed {len(gone)} older" if gone else ""))
+        best = dict(self.best) if self.best else None
+
+        def done() -> None:
+            if self.rank == 0:
+                if best is not None:
+                    write_json(self.dir / BEST, best)
+                gone = prune(self.dir, self.keep_last, {best["iteration"]} if best else set())
+                self.log(
+                    f"saved {self.dir / iter_name(step)} in {time.time() - t0:.1f}s"
+                    + (f"; removed {len(gone)} older" if gone else "")
+                )
+
+        path = save(self.dir, step, sd, rank=self.rank, barrier=self.barrier, async_queue=self._queue, on_done=done)
+        if self._queue is not None:
+            self.log(f"saving {path} in the background (training waited {time.time() - t0:.1f}s)")
         self.barrier()
         return path
+
+    def poll(self) -> None:
+        """Collective (every rank, every step): publish a finished asynchronous save."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Collective: finish and publish the asynchronous save in flight, if any."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=True)
 
     def restore(self, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """(loaded sharded state, common state) of ``iter_{step}``; the caller puts them into its objects."""

@@ -9,7 +9,9 @@ current device in places that also work on the CPU).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+from collections.abc import Iterator
 from typing import Any
 
 from snakellm.launch.distributed import DistEnv, LaunchError
@@ -21,6 +23,57 @@ def install_cpu_shims(torch: Any) -> None:
     """megatron-core asks torch.cuda for the current device in places that also work on the CPU."""
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
+
+
+class _CpuTorch:
+    """``torch`` as megatron-core's pipeline schedules see it on the CPU: ``torch.zeros(..., device="cuda")``
+    (their token counter, the one place the schedules allocate on a named device) lands on the CPU."""
+
+    def __init__(self, torch: Any):
+        self._torch = torch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def zeros(self, *args: Any, device: Any = None, **kw: Any) -> Any:
+        return self._torch.zeros(*args, device="cpu" if device == "cuda" else device, **kw)
+
+
+def install_cpu_megatron_shims() -> None:
+    """The two places megatron-core's schedules and activation recomputation need CUDA, for gloo on the CPU.
+
+    * the pipeline schedules (``get_forward_backward_func``: 1F1B, interleaved, no pipelining) count
+      tokens in ``torch.zeros([], device="cuda")``: their module sees :class:`_CpuTorch`;
+    * activation recomputation (``tensor_parallel.checkpoint``) saves and restores the CUDA generator's
+      state beside the CPU one: on the CPU there is none, so that part is a no-op (the CPU generator
+      and megatron's (inference) RNG tracker are still saved and restored).
+    The same schedules and recomputation run unchanged on GPUs.
+    """
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not isinstance(schedules.torch, _CpuTorch):
+        schedules.torch = _CpuTorch(torch)
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
+@contextlib.contextmanager
+def cpu_tensor_cuda(cuda: bool) -> Iterator[None]:
+    """While a model is built on the CPU: ``Tensor.cuda()`` returns the tensor (megatron-core moves the
+    last pipeline stage's copy of tied embeddings to the GPU before it all-reduces it from the first)."""
+    import torch
+
+    if cuda:
+        yield
+        return
+    saved = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = saved  # type: ignore[method-assign]
 
 
 def prepare(
@@ -39,10 +92,10 @@ def prepare(
     tests run TP=2 on gloo against one process) and only without ``dropout`` (megatron-core
     draws the tensor-parallel ranks' dropout masks from its CUDA RNG tracker; the CPU gets its
     inference tracker, one stream for all ranks), ``threads`` sets torch's intra-op threads on
-    the CPU. It also silences megatron-core's once-per-module warnings about the apex/Transformer
-    Engine fallbacks it uses without them.
+    the CPU. It also silences the library warnings of :mod:`snakellm.quiet` (which ``snakellm <step>``
+    has done already; this is for a job started another way).
     """
-    import warnings
+    from snakellm import quiet
 
     if requested == "cuda" and not torch.cuda.is_available():
         raise LaunchError("--device cuda: no CUDA device is available")
@@ -57,7 +110,7 @@ def prepare(
         )
     if not cuda and threads:
         torch.set_num_threads(threads)
-    warnings.filterwarnings("ignore", message=r".*(Apex|apex|Transformer Engine|TransformerEngine).*")
+    quiet.install()
     return cuda
 
 
@@ -89,17 +142,22 @@ def init_process_group(torch: Any, dist: DistEnv, device: Any, timeout_s: float 
     )
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int | None = None, cuda: bool = False) -> None:
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int | None = None, cuda: bool = False, vpp: int = 1) -> None:
     """megatron-core's parallel groups and its RNG tracker.
 
     On a GPU the tracker is seeded by ``model_parallel_cuda_manual_seed`` (here if
     ``seed`` is given, else by the caller after seeding the other generators); the
-    CPU gets megatron's plain (inference) tracker, since the CUDA one needs a GPU.
+    CPU gets megatron's plain (inference) tracker, since the CUDA one needs a GPU,
+    and the shims of :func:`install_cpu_megatron_shims`. ``vpp``: virtual pipeline
+    stages (model chunks) per pipeline rank, for the interleaved schedule.
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(tp, pp)
-    if not cuda:
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    import torch
+
+    if not cuda and not torch.cuda.is_available():  # (a CPU job on a GPU machine needs none)
+        install_cpu_megatron_shims()
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     elif seed is not None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

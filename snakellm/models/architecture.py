@@ -117,18 +117,52 @@ def padded_vocab_size(vocab_size: int, cfg: dict[str, Any], tp: int = 1) -> int:
     return int(math.ceil(vocab_size / m) * m)
 
 
-def check_parallel(cfg: dict[str, Any], tp: int, pp: int) -> None:
-    """The model must split evenly over tensor and pipeline ranks."""
-    if tp < 1 or pp < 1:
-        raise ModelConfigError(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
-    if pp != 1:
-        raise ModelConfigError(
-            f"pipeline parallel size {pp}: pipeline parallelism is not supported by snakellm train yet; use pp: 1 "
-            "(tensor and data parallelism are)"
-        )
+def check_parallel(cfg: dict[str, Any], tp: int, pp: int, virtual_pp: int = 1) -> None:
+    """The model must split evenly over tensor and pipeline ranks (and virtual pipeline stages)."""
+    if tp < 1:
+        raise ModelConfigError(f"tensor parallel size must be >= 1, got {tp}")
+    check_pipeline(cfg, pp, virtual_pp)
     for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         if cfg[key] % tp:
             raise ModelConfigError(f"model {key} {cfg[key]} is not divisible by tensor parallel size {tp}")
+
+
+def check_pipeline(cfg: dict[str, Any], pp: int, virtual_pp: int = 1) -> None:
+    """The layers split evenly over ``pp x virtual_pp`` pipeline chunks."""
+    if pp < 1 or virtual_pp < 1:
+        raise ModelConfigError(f"pp ({pp}) and virtual_pp ({virtual_pp}) must be >= 1")
+    if virtual_pp > 1 and pp == 1:
+        raise ModelConfigError(f"virtual_pp {virtual_pp}: virtual pipeline stages need pp > 1 (got pp 1)")
+    if cfg["num_layers"] % (pp * virtual_pp):
+        raise ModelConfigError(
+            f"num_layers {cfg['num_layers']} is not divisible by pp {pp} x virtual_pp {virtual_pp} "
+            f"(= {pp * virtual_pp} pipeline chunks of equal size)"
+        )
+
+
+def check_recompute(
+    cfg: dict[str, Any], pp: int, virtual_pp: int, recompute: str, method: str, num_layers: int
+) -> None:
+    """megatron-core's rule for full recomputation: 1 <= recompute_num_layers <= the layers of one chunk."""
+    per_chunk = cfg["num_layers"] // (pp * virtual_pp)
+    if recompute == "full" and not 1 <= num_layers <= per_chunk:
+        raise ModelConfigError(
+            f"recompute_num_layers {num_layers} (recompute full, {method}) must be between 1 and the layers of one "
+            f"pipeline stage or chunk ({cfg['num_layers']} / (pp {pp} x virtual_pp {virtual_pp}) = {per_chunk})"
+        )
+
+
+def check_pipeline_batches(pp: int, virtual_pp: int, num_micro: int) -> str | None:
+    """Why the interleaved schedule cannot run ``num_micro`` micro batches per step and rank (None: it can).
+
+    megatron-core's interleaved 1F1B schedule runs the micro batches in groups of pp per chunk.
+    """
+    if virtual_pp > 1 and num_micro % pp:
+        return (
+            f"virtual_pp {virtual_pp} (interleaved schedule) needs the micro batches per step and data-parallel rank "
+            f"({num_micro} = global_batch_size / (micro_batch_size x data-parallel size)) to be a multiple of pp {pp}"
+        )
+    return None
 
 
 def describe(cfg: dict[str, Any], vocab: int) -> str:

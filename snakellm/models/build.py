@@ -22,7 +22,7 @@ from typing import Any
 from snakellm.models import families
 from snakellm.models.architecture import ModelConfigError
 from snakellm.models.attention import sdpa_attention_class
-from snakellm.models.loss import cross_entropy
+from snakellm.models.loss import cross_entropy, vocab_parallel_cross_entropy
 
 
 def have_transformer_engine() -> bool:
@@ -46,25 +46,65 @@ def build_model(
     use_te: bool | None = None,
     attention_backend: str = "auto",
     sequence_parallel: bool = False,
+    vp_stage: int | None = None,
+    recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    seed: int | None = None,
+    fp8: str | None = None,
 ):
     """Build a megatron-core GPTModel (model-parallel state must be initialised).
 
-    ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (compiled
-    loss on CUDA with TP=1), "compiled", "eager" (the same math uncompiled) or
-    "megatron" (megatron-core's own vocab-parallel cross-entropy; the only one
-    that supports TP > 1). ``sequence_parallel`` needs ``tp > 1``.
+    Under pipeline parallelism (megatron-core's parallel state says its size) this is the
+    rank's stage, or with virtual stages its chunk ``vp_stage``: the embedding on the first,
+    the final norm and output layer on the last, the layers in between; their checkpoint keys
+    are the global layer numbers, so a checkpoint loads at any other layout. ``recompute``:
+    megatron-core's activation recomputation, ``selective`` (core attention) or ``full``
+    (whole layers, ``recompute_method`` uniform|block over ``recompute_num_layers``).
+    ``seed``: initialise the weights by :func:`init_weights` (the same whatever the layout).
+
+    ``vocab`` is the padded vocabulary size. ``fused_loss``: "auto" (the compiled
+    loss on CUDA, eager on the CPU), "compiled", "eager" (the same math uncompiled;
+    both vocabulary-parallel at TP > 1) or "megatron" (megatron-core's own
+    vocab-parallel cross-entropy). ``sequence_parallel`` needs ``tp > 1``. ``fp8``: a
+    recipe of :mod:`snakellm.models.fp8` ("tensorwise" | "rowwise"): the block
+    linears' matmuls in float8 (needs ``bf16``; Transformer Engine's FP8 with its spec).
     """
     import torch
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
+
+    from snakellm.launch.runtime import cpu_tensor_cuda
 
     if sequence_parallel and tp == 1:
         raise ModelConfigError("sequence parallelism needs tensor parallel size > 1")
     cuda = device.startswith("cuda")
     if use_te is None:
         use_te = cuda and have_transformer_engine()
+    if fp8:
+        from snakellm.models import fp8 as fp8mod
+
+        fp8mod.check_device(torch, device)
+        if not bf16:
+            raise ModelConfigError("precision: fp8 keeps bf16 weights: build with bf16=True")
     family = families.get(cfg["style"])
-    tcfg = _transformer_config(cfg, family, tp=tp, cuda=cuda, bf16=bf16, sequence_parallel=sequence_parallel)
-    layers = _layer_spec(cfg, use_te=use_te, attention_backend=attention_backend, sequence_parallel=sequence_parallel)
+    recompute_args: dict[str, Any] = {}
+    if recompute != "none":
+        recompute_args["recompute_granularity"] = recompute
+        if recompute == "full":
+            recompute_args.update(recompute_method=recompute_method, recompute_num_layers=recompute_num_layers)
+    tcfg = _transformer_config(
+        cfg,
+        family,
+        tp=tp,
+        cuda=cuda,
+        bf16=bf16,
+        sequence_parallel=sequence_parallel,
+        extra={**recompute_args, **(fp8mod.te_config(fp8) if fp8 and use_te else {})},
+    )
+    layers = _layer_spec(
+        cfg, tcfg, vp_stage, use_te=use_te, attention_backend=attention_backend, sequence_parallel=sequence_parallel
+    )
     loss_fn = _loss_function(fused_loss, cuda=cuda, tp=tp)
 
     class SnakeGPTModel(GPTModel):
@@ -78,15 +118,19 @@ def build_model(
         transformer_layer_spec=layers,
         vocab_size=vocab,
         max_sequence_length=cfg["seq_length"],
-        pre_process=True,
-        post_process=True,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
         parallel_output=True,
         share_embeddings_and_output_weights=cfg["tie_embeddings"],
         position_embedding_type="learned_absolute" if cfg["position_embedding"] == "learned" else "rope",
         rotary_base=cfg["rotary_base"],
     )
     model_args.update(family.megatron_model(cfg))  # e.g. rope scaling
-    model = SnakeGPTModel(**model_args)
+    with cpu_tensor_cuda(cuda):  # tied embeddings under pipeline parallelism: the last stage's copy
+        model = SnakeGPTModel(**model_args)
+    if seed is not None:
+        init_weights(model, tcfg, seed)
     rot = getattr(model, "rotary_pos_emb", None)
     if rot is not None:
         # the family's frequencies (Llama 3.x's scaling with any of its values; megatron-core's own
@@ -98,6 +142,8 @@ def build_model(
         model.bfloat16()
     if cuda:
         model.cuda(torch.cuda.current_device())
+    if fp8 and not use_te:
+        fp8mod.convert(model, fp8)  # the block linears' matmuls in float8 (torchao), before compilation
     if compile_layers:
         for layer in model.decoder.layers:
             layer.compile(dynamic=False)
@@ -105,11 +151,19 @@ def build_model(
 
 
 def _transformer_config(
-    cfg: dict[str, Any], family: families.Family, *, tp: int, cuda: bool, bf16: bool, sequence_parallel: bool
+    cfg: dict[str, Any],
+    family: families.Family,
+    *,
+    tp: int,
+    cuda: bool,
+    bf16: bool,
+    sequence_parallel: bool,
+    extra: dict[str, Any] | None = None,
 ) -> Any:
-    """megatron-core's TransformerConfig for the architecture (plus the family's extra arguments)."""
+    """megatron-core's TransformerConfig for the architecture (plus the family's and the caller's arguments)."""
     import torch
     import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
     swiglu = cfg["activation"] == "swiglu"
@@ -120,6 +174,8 @@ def _transformer_config(
         num_query_groups=cfg["num_query_groups"],
         ffn_hidden_size=cfg["ffn_hidden_size"],
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         sequence_parallel=sequence_parallel,
         normalization=cfg["normalization"],
         layernorm_epsilon=cfg["layernorm_epsilon"],
@@ -145,16 +201,25 @@ def _transformer_config(
         cross_entropy_loss_fusion=False,
     )
     args.update(family.megatron_config(cfg))  # the family's own (and overriding) arguments, e.g. add_qkv_bias
+    args.update(extra or {})  # activation recomputation, Transformer Engine's FP8 recipe
     return TransformerConfig(**args)
 
 
-def _layer_spec(cfg: dict[str, Any], *, use_te: bool, attention_backend: str, sequence_parallel: bool) -> Any:
+def _layer_spec(
+    cfg: dict[str, Any],
+    tcfg: Any,
+    vp_stage: int | None,
+    *,
+    use_te: bool,
+    attention_backend: str,
+    sequence_parallel: bool,
+) -> Any:
     """Transformer Engine's layer spec, or the local one with SDPA core attention (and SP-ready norms)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(normalization=cfg["normalization"])
@@ -165,24 +230,31 @@ def _layer_spec(cfg: dict[str, Any], *, use_te: bool, attention_backend: str, se
     norm = _norm_class()
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
-    return TransformerBlockSubmodules(layer_specs=[spec] * cfg["num_layers"], layer_norm=norm)
+    # this stage's (or chunk's) layers: a block spec lists exactly the layers it builds
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage), layer_norm=norm)
 
 
 def _loss_function(fused_loss: str, *, cuda: bool, tp: int) -> Any:
-    """The cross-entropy the model's loss uses; None: megatron-core's own (vocab-parallel)."""
+    """The cross-entropy the model's loss uses; None: megatron-core's own (vocab-parallel).
+
+    At tp > 1 "compiled" and "eager" are :func:`snakellm.models.loss.vocab_parallel_cross_entropy`
+    (the logits are split over the vocabulary), compiled or not.
+    """
+    import functools
+
     import torch
 
     if fused_loss == "auto":
-        fused_loss = "compiled" if (cuda and tp == 1) else ("eager" if tp == 1 else "megatron")
-    if fused_loss != "megatron" and tp != 1:
-        raise ModelConfigError(f"loss {fused_loss!r} needs tensor parallel size 1 (got {tp}); use 'megatron'")
+        fused_loss = "compiled" if cuda else "eager"
+    if fused_loss not in ("compiled", "eager", "megatron"):
+        raise ModelConfigError(f"unknown loss implementation {fused_loss!r}")
+    if fused_loss == "megatron":
+        return None
+    if tp > 1:
+        return functools.partial(vocab_parallel_cross_entropy, compiled=fused_loss == "compiled")
     if fused_loss == "compiled":
         return torch.compile(cross_entropy, dynamic=False)
-    if fused_loss == "eager":
-        return cross_entropy
-    if fused_loss != "megatron":
-        raise ModelConfigError(f"unknown loss implementation {fused_loss!r}")
-    return None
+    return cross_entropy
 
 
 def _norm_class() -> Any:
@@ -207,3 +279,51 @@ def _norm_class() -> Any:
             return norm
 
     return SequenceParallelTorchNorm
+
+
+def init_weights(model: Any, tcfg: Any, seed: int) -> None:
+    """Initialise every weight matrix the same way whatever the tensor/pipeline layout (megatron-core's
+    distributions: normal(0, init_method_std), the output projections' std / sqrt(2 num_layers)).
+
+    megatron-core draws each rank's weights from that rank's generator, so a model split in two pipeline
+    stages starts from other weights than the whole one (and on GPUs a tensor-parallel one too). Here
+    each weight of each layer is drawn whole from a generator seeded by ``seed``, its checkpoint key and
+    its global layer number, and the rank keeps its slice (the checkpoint's sharding says which): the
+    same model at any tp x pp x virtual_pp, so that the layouts give the same losses. Biases and norms
+    keep their constant initial values.
+    """
+    import hashlib
+    import math
+
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    tensors, _ = extract_sharded_tensors_and_factories(model.sharded_state_dict())
+    shards: list[Any] = []
+    for t in nested_values(tensors):
+        if isinstance(t, ShardedTensorFactory):
+            built = t.build()
+            shards += (
+                [x for x in nested_values(built) if isinstance(x, ShardedTensor)]
+                if isinstance(built, (dict, list))
+                else [built]
+            )
+        else:
+            shards.append(t)
+    std = tcfg.init_method_std
+    scaled = std / math.sqrt(2.0 * tcfg.num_layers)
+    with torch.no_grad():
+        for t in shards:
+            if t.data.dim() < 2 or not t.key.endswith("weight"):
+                continue
+            lead = t.prepend_axis_num
+            layer = t.global_offset[:lead]
+            shape = t.global_shape[lead:]
+            sd = scaled if t.key.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
+            digest = hashlib.sha256(f"{seed}/{t.key}/{layer}".encode()).hexdigest()
+            gen = torch.Generator(device=t.data.device).manual_seed(int(digest[:15], 16))
+            full = torch.empty(shape, dtype=torch.float32, device=t.data.device).normal_(0.0, sd, generator=gen)
+            index = tuple(slice(o, o + n) for o, n in zip(t.global_offset[lead:], t.local_shape))
+            t.data.copy_(full[index])

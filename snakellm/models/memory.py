@@ -56,6 +56,8 @@ class MemoryEstimate:
     distributed_optimizer: bool
     sequence_parallel: bool
     recompute: str
+    virtual_pp: int = 1
+    fsdp: bool = False
 
     @property
     def model_states(self) -> float:
@@ -67,10 +69,16 @@ class MemoryEstimate:
 
     def lines(self, gpu_gib: float | None = None) -> list[str]:
         """The human-readable table ``snakellm plan`` prints."""
-        opt = "distributed optimizer" if self.distributed_optimizer else "optimizer replicated"
+        opt = (
+            "FSDP: parameters, gradients and optimizer sharded"
+            if self.fsdp
+            else ("distributed optimizer" if self.distributed_optimizer else "optimizer replicated")
+        )
         out = [
             f"memory per GPU (tp {self.tp} x pp {self.pp} x dp {self.dp}, micro batch {self.micro_batch_size}, "
-            f"{opt}, sequence parallel {'on' if self.sequence_parallel else 'off'}, recompute {self.recompute}):",
+            f"{opt}, sequence parallel {'on' if self.sequence_parallel else 'off'}, recompute {self.recompute}"
+            + (f", {self.virtual_pp} virtual stages" if self.virtual_pp > 1 else "")
+            + "):",
             f"  weights      {self.weights / GiB:8.2f} GiB  ({self.params / 1e6:,.1f}M parameters on this GPU)",
             f"  gradients    {self.grads / GiB:8.2f} GiB",
             f"  optimizer    {self.optimizer / GiB:8.2f} GiB",
@@ -152,18 +160,33 @@ def estimate(
     distributed_optimizer: bool = False,
     flash_attention: bool = True,
     recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    virtual_pp: int = 1,
     bf16: bool = True,
     grad_reduce_in_fp32: bool = True,
+    fsdp: bool = False,
 ) -> MemoryEstimate:
     """Memory per GPU of the fullest pipeline stage (see the module docstring for what is counted).
 
     ``sequence_parallel`` defaults to ``tp > 1`` (megatron-core's recommendation);
     ``num_micro_batches`` (per step and data-parallel rank) bounds the micro-batches
-    in flight on the first pipeline stage.
+    in flight on the first pipeline stage. ``recompute``: megatron-core's selective
+    (core attention) or full recomputation, the latter ``uniform`` (groups of
+    ``recompute_num_layers`` layers keep only their input) or ``block`` (the first
+    ``recompute_num_layers`` layers of each chunk keep only their input, the others
+    everything). ``virtual_pp``: chunks per pipeline rank (interleaved 1F1B keeps
+    ``1 + (pp - 1) / (pp x virtual_pp)`` times the micro-batches of 1F1B in flight).
+    ``fsdp`` (snakellm.train.fsdp): every rank keeps ``1 / dp`` of the fp32 parameters (the masters), their
+    fp32 gradients and Adam moments (16 bytes a parameter over dp), plus the 16-bit copies of the units
+    gathered at a time: two layers (the one running and the next, prefetched) and the output layer,
+    and one unit's 16-bit gradients with their fp32 copy for the reduce-scatter.
     """
     L, h = arch["num_layers"], arch["hidden_size"]
-    if L % pp:
-        raise ValueError(f"num_layers {L} is not divisible by pipeline parallel size {pp}")
+    if L % (pp * virtual_pp):
+        raise ValueError(
+            f"num_layers {L} is not divisible by pipeline parallel size {pp} x virtual pipeline size {virtual_pp}"
+        )
     s = seq_length or arch["seq_length"]
     b = micro_batch_size
     sp = (tp > 1) if sequence_parallel is None else (bool(sequence_parallel) and tp > 1)
@@ -188,8 +211,25 @@ def estimate(
             bytes_per_element=e,
         )
 
-    in_flight = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
-    recompute_one = act("none") if recompute == "full" else 0.0  # one layer's activations while it is recomputed
+    in_flight: float = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
+    if virtual_pp > 1:
+        in_flight *= 1 + (pp - 1) / (pp * virtual_pp)
+    chunk_layers = stage_layers // virtual_pp
+
+    def stage_act() -> float:
+        """One micro-batch's activations over this stage's layers (its chunks together)."""
+        if recompute != "full":
+            return stage_layers * act()
+        n = min(recompute_num_layers, chunk_layers)
+        if recompute_method == "uniform":  # each group of n layers keeps its input
+            per_chunk = -(-chunk_layers // n) * act("full")
+        else:  # block: the first n layers keep their input, the rest everything
+            per_chunk = n * act("full") + (chunk_layers - n) * act("none")
+        return virtual_pp * per_chunk
+
+    # while a recomputed unit runs its backward pass, its activations exist once (a group of n layers, uniform)
+    unit = min(recompute_num_layers, chunk_layers) if recompute_method == "uniform" else 1
+    recompute_one = unit * act("none") if recompute == "full" else 0.0
     sbh = s * b * h
     emb_act = (e * sbh + (sbh if (arch.get("hidden_dropout") or 0) > 0 else 0)) / (tp if sp else 1)
     # the final norm's input and the logits: 16-bit, plus the float32 copy the loss makes
@@ -197,9 +237,9 @@ def estimate(
     # (parameters, activations) of the first and the last pipeline stage: one GPU when pp == 1
     first = (
         layers + embedding + (head if pp == 1 else 0),
-        in_flight * (stage_layers * act() + emb_act) + recompute_one + (head_act if pp == 1 else 0),
+        in_flight * (stage_act() + emb_act) + recompute_one + (head_act if pp == 1 else 0),
     )
-    last = (layers + head, stage_layers * act() + recompute_one + head_act)
+    last = (layers + head, stage_act() + recompute_one + head_act)
     stage = first if pp == 1 else max(first, last, key=lambda st: st[0] * (18 if bf16 else 16) + st[1])
     params, activations = stage
 
@@ -207,8 +247,27 @@ def estimate(
     grads = params * (4 if grad_reduce_in_fp32 or not bf16 else 2)
     opt_states = params * (12 if bf16 else 8)  # fp32 master + exp_avg + exp_avg_sq (no master in fp32)
     optimizer = opt_states / dp if distributed_optimizer else opt_states
+    if fsdp:
+        unit = max(sharded + replicated, head)  # the largest unit gathered at a time
+        gathered = (2 * (sharded + replicated) + head) * e if bf16 else 0.0
+        weights = params * 4 / dp + gathered
+        grads = params * 4 / dp + unit * (e + 4)
+        optimizer = params * 8 / dp
     return MemoryEstimate(
-        int(round(params)), weights, grads, optimizer, activations, tp, pp, dp, b, distributed_optimizer, sp, recompute
+        int(round(params)),
+        weights,
+        grads,
+        optimizer,
+        activations,
+        tp,
+        pp,
+        dp,
+        b,
+        distributed_optimizer,
+        sp,
+        recompute,
+        virtual_pp,
+        fsdp,
     )
 
 
@@ -225,13 +284,18 @@ def report(
     distributed_optimizer: bool,
     bf16: bool = True,
     gpu_gib: float | None = None,
+    recompute: str = "none",
+    recompute_method: str = "uniform",
+    recompute_num_layers: int = 1,
+    virtual_pp: int = 1,
+    fsdp: bool = False,
 ) -> list[str]:
     """The memory table of a run as configured, and what the options it leaves off would save.
 
     ``snakellm plan`` and ``snakellm train --dry-run`` both print this: one estimate, one wording.
     """
 
-    def est(sp: bool, dist_opt: bool) -> MemoryEstimate:
+    def est(sp: bool, dist_opt: bool, rc: str = recompute) -> MemoryEstimate:
         return estimate(
             arch,
             padded_vocab,
@@ -243,11 +307,45 @@ def report(
             sequence_parallel=sp,
             distributed_optimizer=dist_opt,
             bf16=bf16,
+            recompute=rc,
+            recompute_method=recompute_method,
+            recompute_num_layers=recompute_num_layers,
+            virtual_pp=virtual_pp,
+            fsdp=fsdp,
         )
 
     out = est(sequence_parallel, distributed_optimizer).lines(gpu_gib)
+    # activations under each recomputation setting the run does not use (the others as configured)
+    other = [
+        f"{rc}{f' ({recompute_method}, {recompute_num_layers} layers)' if rc == 'full' else ''} "
+        f"{est(sequence_parallel, distributed_optimizer, rc).activations / GiB:.2f} GiB"
+        for rc in RECOMPUTE
+        if rc != recompute
+    ]
+    out.append(f"  (activations with parallel.recompute {', '.join(other)})")
     more_sp = tp > 1 and not sequence_parallel
-    more_do = dp > 1 and not distributed_optimizer
+    more_do = dp > 1 and not distributed_optimizer and not fsdp
+    if dp > 1 and not fsdp:
+        sharded = estimate(
+            arch,
+            padded_vocab,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            micro_batch_size=micro_batch_size,
+            num_micro_batches=num_micro_batches,
+            sequence_parallel=sequence_parallel,
+            bf16=bf16,
+            recompute=recompute,
+            recompute_method=recompute_method,
+            recompute_num_layers=recompute_num_layers,
+            virtual_pp=virtual_pp,
+            fsdp=True,
+        )
+        out.append(
+            f"  (parallel.fsdp: true would make it {sharded.total / GiB:.2f} GiB: weights, gradients and optimizer "
+            f"{sharded.model_states / GiB:.2f} GiB)"
+        )
     if more_sp or more_do:
         alt = est(sequence_parallel or more_sp, distributed_optimizer or more_do)
         keys = [k for k, off in (("sequence_parallel", more_sp), ("distributed_optimizer", more_do)) if off]
@@ -256,3 +354,114 @@ def report(
             f"optimizer {alt.optimizer / GiB:.2f} GiB, activations {alt.activations / GiB:.2f} GiB)"
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------- fine-tuning
+
+LORA_TARGET_DIMS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def lora_params(arch: dict[str, Any], rank: int, targets: tuple[str, ...] | list[str], tp: int = 1) -> float:
+    """LoRA adapter parameters on one tensor-parallel rank: ``rank x (in + out)`` per targeted linear and layer."""
+    h, f = arch["hidden_size"], arch["ffn_hidden_size"]
+    d = h // arch["num_attention_heads"]
+    qkv = d * (arch["num_attention_heads"] + 2 * arch["num_query_groups"])
+    up = 2 * f if arch["activation"] == "swiglu" else f
+    dims = {"linear_qkv": (h, qkv), "linear_proj": (h, h), "linear_fc1": (h, up), "linear_fc2": (f, h)}
+    per_layer = sum(rank * sum(dims[t]) for t in targets if t in dims)
+    return arch["num_layers"] * per_layer / tp
+
+
+def finetune_estimate(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    method: str,
+    *,
+    tp: int,
+    dp: int,
+    micro_batch_size: int,
+    seq_length: int,
+    lora_rank: int = 32,
+    lora_targets: tuple[str, ...] | list[str] = ("linear_qkv",),
+    bf16: bool = True,
+    recompute: str = "none",
+) -> MemoryEstimate:
+    """Memory per GPU of `snakellm finetune` (no pipeline parallelism, no distributed optimizer).
+
+    ``full`` is pretraining's accounting; ``lora`` and ``ptuning`` freeze the base: its weights are held
+    (16-bit) but have no gradient buffer, master weights or Adam states (tests/test_lora.py checks that
+    of the real optimizer); those exist for the adapters only. Activations are counted as for full
+    training (an upper bound: a frozen linear need not keep its input, but the adapters and the
+    backward pass through the base keep most of them).
+    """
+    import dataclasses
+
+    est = estimate(
+        arch,
+        padded_vocab,
+        tp=tp,
+        dp=dp,
+        micro_batch_size=micro_batch_size,
+        seq_length=seq_length,
+        sequence_parallel=False,
+        bf16=bf16,
+        recompute=recompute,
+    )
+    if method == "full":
+        return est
+    trainable = lora_params(arch, lora_rank, lora_targets, tp) if method == "lora" else 0.0
+    e = 2 if bf16 else 4
+    return dataclasses.replace(
+        est,
+        params=int(est.params + trainable),
+        weights=est.params * e + trainable * e,
+        grads=trainable * 4,
+        optimizer=trainable * (12 if bf16 else 8),
+    )
+
+
+def fits(est: MemoryEstimate, gpu_gib: float) -> bool:
+    """The verdict of :meth:`MemoryEstimate.lines`: within 90% of the GPU, less 2 GiB for the context."""
+    return est.total / GiB <= 0.9 * gpu_gib - 2
+
+
+def advise_finetune(
+    arch: dict[str, Any],
+    padded_vocab: int,
+    method: str,
+    *,
+    ranks: int,
+    global_batch_size: int,
+    seq_length: int,
+    gpu_gib: float,
+    lora_rank: int = 32,
+    lora_targets: tuple[str, ...] | list[str] = ("linear_qkv",),
+) -> tuple[int, int, str, MemoryEstimate] | None:
+    """(tp, micro batch, recompute, estimate) that fits ``gpu_gib`` on ``ranks`` GPUs: no recomputation before
+    selective before full (the least extra compute), then the smallest tensor-parallel size (the least
+    communication), then the largest micro batch up to 8 that divides the batch; None if none fits."""
+    heads, groups = arch["num_attention_heads"], arch["num_query_groups"]
+    for recompute in RECOMPUTE:
+        for tp in (t for t in (1, 2, 4, 8) if ranks % t == 0 and heads % t == 0 and groups % t == 0):
+            dp = ranks // tp
+            best = None
+            for mbs in (1, 2, 4, 8):
+                if global_batch_size % (mbs * dp):
+                    continue
+                est = finetune_estimate(
+                    arch,
+                    padded_vocab,
+                    method,
+                    tp=tp,
+                    dp=dp,
+                    micro_batch_size=mbs,
+                    seq_length=seq_length,
+                    lora_rank=lora_rank,
+                    lora_targets=lora_targets,
+                    recompute=recompute,
+                )
+                if fits(est, gpu_gib):
+                    best = (tp, mbs, recompute, est)
+            if best:
+                return best
+    return None

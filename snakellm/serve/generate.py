@@ -16,9 +16,12 @@ Batches of prompts of different lengths are left-padded: every row writes its
 keys at the same cache slot each step, positions are counted per row from its
 first real token, and padding is masked out of attention.
 
-Sampling (per step, on fp32 logits of the real vocabulary, in this order):
-repetition penalty (HF/CTRL style: divide positive logits of tokens already in
-the row, multiply negative ones), EOD forbidden until ``min_new_tokens``, then
+Sampling (per step, on fp32 logits of the real vocabulary, in vLLM's order):
+``logit_bias`` added, repetition penalty (HF/CTRL style: divide positive logits
+of tokens already in the row, prompt included, multiply negative ones),
+frequency and presence penalties (OpenAI's: subtract ``frequency_penalty``
+times the count of each token generated so far, and ``presence_penalty`` once
+for each token generated at least once), EOD forbidden until ``min_new_tokens``, then
 greedy argmax, or temperature -> top-k -> top-p (nucleus, at least one token
 kept) -> a draw from a ``torch.Generator`` seeded with ``seed``. A row stops at
 EOD, at any of ``end_strings`` appearing in its generated text, or after
@@ -53,6 +56,9 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from the logit of each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits of these token ids
     end_strings: Sequence[str] = ()
     stop_at_eod: bool = True
     seed: int | None = None
@@ -77,6 +83,33 @@ class SamplingParams:
             bad("repetition_penalty", f"must be >= 1.0, got {self.repetition_penalty!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("random_seed", f"must be an integer >= 0, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                bad(name, f"must be a number in [-2, 2], got {v!r}")
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                bad("logit_bias", f"keys must be token ids (integers >= 0), got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                bad("logit_bias", f"values must be numbers in [-100, 100], got {b!r} for token {t}")
+
+    def check_vocab(self, vocab: int) -> None:
+        """Every ``logit_bias`` token id inside the vocabulary (a GenerationError naming the field if not)."""
+        out = sorted(t for t in self.logit_bias if not 0 <= t < vocab)
+        if out:
+            raise GenerationError(
+                f"logit_bias: token id {out[0]} is outside the vocabulary (0..{vocab - 1})", "logit_bias"
+            )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the per-token pass: a repetition, presence or frequency penalty, or a bias."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or any(b != 0 for b in self.logit_bias.values())
+        )
 
 
 @dataclass
@@ -303,6 +336,8 @@ class _Run:
     cache: Any
     gen: Any  # torch.Generator (seeded)
     seen: Any  # [b, vocab] tokens in the row (repetition penalty)
+    counts: Any  # [b, vocab] fp32: how often each token was generated (presence/frequency penalties), or None
+    bias: Any  # [vocab] fp32: logit_bias, or None
     done: Any
     gen_ids: Any
     lengths: Any
@@ -335,6 +370,15 @@ class _Run:
         if params.repetition_penalty != 1.0:
             for i, ids in enumerate(batch):
                 seen[i, torch.tensor(ids, device=dev)] = True
+        counts = None
+        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            counts = torch.zeros(b, vocab, device=dev)
+        bias = None
+        if params.logit_bias:
+            bias = torch.zeros(vocab, device=dev)
+            bias[torch.tensor(list(params.logit_bias), device=dev)] = torch.tensor(
+                [float(v) for v in params.logit_bias.values()], device=dev
+            )
         n_new = params.max_new_tokens
         want_lp = params.logprobs or params.all_probs
         return cls(
@@ -348,6 +392,8 @@ class _Run:
             cache=decoder.new_cache(b, total),
             gen=gen,
             seen=seen,
+            counts=counts,
+            bias=bias,
             done=torch.zeros(b, dtype=torch.bool, device=dev),
             gen_ids=torch.full((b, max(n_new, 1)), eod, dtype=torch.long, device=dev),
             lengths=torch.full((b,), n_new, dtype=torch.long, device=dev),
@@ -399,6 +445,7 @@ class Generator:
 
     def _check_batch(self, batch: list[list[int]], params: SamplingParams) -> None:
         """Every prompt has tokens, inside the vocabulary, and leaves room for the new ones."""
+        params.check_vocab(self.vocab_size)
         for i, ids in enumerate(batch):
             if not ids:
                 raise GenerationError(f"prompt {i} is empty (no tokens); set add_BOS or give some text", "sentences")
@@ -432,13 +479,21 @@ class Generator:
         run.last = logits[:, -1]
 
     def _next_tokens(self, run: _Run, params: SamplingParams, step: int) -> Any:
-        """One sampling step over the last logits: penalties, EOD ban, greedy or filtered draw."""
+        """One sampling step over the last logits: bias and penalties, EOD ban, greedy or filtered draw."""
         import torch
 
-        scores = run.last
-        if params.repetition_penalty != 1.0:
-            rp = params.repetition_penalty
-            scores = torch.where(run.seen, torch.where(scores > 0, scores / rp, scores * rp), scores)
+        from snakellm.serve.engine.sampling import penalize
+
+        rp = params.repetition_penalty
+        scores = penalize(
+            run.last,
+            run.bias,
+            run.seen if rp != 1.0 else None,
+            rp,
+            run.counts,
+            params.frequency_penalty,
+            params.presence_penalty,
+        )
         if step < params.min_new_tokens:
             scores = scores.clone()
             scores[:, run.eod] = float("-inf")
@@ -484,6 +539,8 @@ class Generator:
                         run.lengths[i], run.reason[i], run.done[i] = step + 1, 2, True
             if params.repetition_penalty != 1.0:
                 run.seen[rows, nxt] = True
+            if run.counts is not None:
+                run.counts[rows, nxt] += 1.0
             if on_step is not None:
                 on_step(step, nxt, run.done)
             if step == n_new - 1 or ((ends or step % 8 == 7) and bool(run.done.all())):
@@ -546,6 +603,34 @@ class Generator:
         return lps, fulls
 
 
+def check_fits_one_gpu(arch: dict[str, Any], padded_vocab: int, bytes_per_param: int, capacity: int | None) -> None:
+    """Refuse, before loading, a model whose weights alone overflow the GPU: the engine (``generate``,
+    ``serve``, ``evaluate``) runs one model on one GPU and has no tensor parallelism. ``capacity``: the
+    GPU's bytes (None: the CPU, no check)."""
+    from snakellm.models.counts import param_count
+
+    if capacity is None:
+        return
+    need = param_count(arch, padded_vocab) * bytes_per_param
+    if need > 0.95 * capacity:
+        raise GenerationError(
+            f"the model's weights are {need / 2**30:.1f} GiB and the GPU holds {capacity / 2**30:.1f} GiB: the "
+            "generation engine (snakellm generate / serve / evaluate) runs on one GPU and has no tensor "
+            "parallelism (finetune.<name>.parallel.tp applies to training only); use a GPU with more memory",
+            "tensor_parallel",
+        )
+
+
+def gpu_capacity(device: Any) -> int | None:
+    """Total bytes of the CUDA device ``device`` (None for the CPU)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(dev.index or 0).total_memory)
+
+
 def load_generator(
     checkpoint: str,
     *,
@@ -567,6 +652,7 @@ def load_generator(
     tok = load_tokenizer(tok_block, tokenizer_base(tok_block, Path(info["run_dir"])))
     if bf16 is None:
         bf16 = device.startswith("cuda")
+    check_fits_one_gpu(info["arch"], info["padded_vocab_size"], 2 if bf16 else 4, gpu_capacity(device))
     loaded = load(info["checkpoint_dir"], info["iteration"], device=device, bf16=bf16)
     return Generator(loaded.model, loaded.arch, tok, int(tok_block.get("vocab_size") or tok.vocab_size))
 
@@ -595,4 +681,7 @@ def params_summary(p: SamplingParams) -> str:
         how = "greedy"
     else:
         how = f"temperature {p.temperature}, top-k {p.top_k}, top-p {p.top_p}, seed {p.seed}"
-    return f"{how}, repetition penalty {p.repetition_penalty}, {p.min_new_tokens}-{p.max_new_tokens} new tokens"
+    pen = f"repetition penalty {p.repetition_penalty}"
+    if p.presence_penalty or p.frequency_penalty:
+        pen += f", presence penalty {p.presence_penalty}, frequency penalty {p.frequency_penalty}"
+    return f"{how}, {pen}, {p.min_new_tokens}-{p.max_new_tokens} new tokens"

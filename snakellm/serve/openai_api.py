@@ -11,10 +11,12 @@ list of token ids or a list of lists of ids), ``max_tokens`` (16; 0 only with
 ``echo``), ``temperature`` (1; 0 is greedy), ``top_p``, ``n``, ``stop`` (up to
 16 strings, cut from the text as OpenAI does), ``seed``, ``logprobs`` (0-20
 alternatives), ``echo``, ``stream``, ``stream_options.include_usage``,
-``user`` (recorded nowhere: it does not change the output), and vLLM's extras
-``top_k``, ``min_tokens``, ``repetition_penalty``. Accepted only with their
-no-op values: ``logit_bias`` ({}), ``presence_penalty`` and
-``frequency_penalty`` (0), ``best_of`` (1 or n). ``suffix`` and every other
+``user`` (recorded nowhere: it does not change the output), ``presence_penalty``
+and ``frequency_penalty`` (in [-2, 2]: vLLM's semantics, over the tokens generated
+so far), ``logit_bias`` (token id -> bias in [-100, 100], added to the logits;
+an id outside the vocabulary is a 400), and vLLM's extras ``top_k``,
+``min_tokens``, ``repetition_penalty``. Accepted only with its no-op value:
+``best_of`` (1 or n). ``suffix`` and every other
 field: 400. Chat adds ``messages``, ``max_completion_tokens``, ``logprobs``
 (a boolean) with ``top_logprobs``.
 
@@ -26,6 +28,7 @@ counts characters into prompt + completion.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -115,6 +118,22 @@ def _prompts(v: Any) -> list[str | list[int]]:
     return out
 
 
+def _logit_bias(v: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` ({"token id": bias in [-100, 100]}) as {id: bias}; a 400 naming it if not."""
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        try:
+            t = int(k)
+        except ValueError:
+            t = -1
+        if t < 0 or str(t) != str(k).strip():
+            raise bad("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {json.dumps(k)}")
+        if not is_num(b) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {json.dumps(b)} for {k}")
+        out[t] = float(b)
+    return out
+
+
 def _sampling(f: Fields, max_tokens: int) -> SamplingParams:
     """The sampling fields both APIs share, read from ``f``."""
     temp = f.take("temperature", 1.0, lambda v: is_num(v) and 0 <= v <= 2, "must be a number in [0, 2]")
@@ -131,9 +150,9 @@ def _sampling(f: Fields, max_tokens: int) -> SamplingParams:
         lambda v: isinstance(v, str) or (is_str_list(v) and len(v) <= MAX_STOP),
         f"must be a string or a list of up to {MAX_STOP} strings",
     )
-    f.only("logit_bias", lambda v: v == {}, "no token biases")
-    f.only("presence_penalty", lambda v: v == 0, "only 0")
-    f.only("frequency_penalty", lambda v: v == 0, "only 0")
+    presence = f.take("presence_penalty", 0.0, lambda v: is_num(v) and -2 <= v <= 2, "must be a number in [-2, 2]")
+    frequency = f.take("frequency_penalty", 0.0, lambda v: is_num(v) and -2 <= v <= 2, "must be a number in [-2, 2]")
+    bias = _logit_bias(f.take("logit_bias", {}, lambda v: isinstance(v, dict), "must be an object"))
     return SamplingParams(
         max_new_tokens=max_tokens,
         min_new_tokens=min_tokens,
@@ -142,6 +161,9 @@ def _sampling(f: Fields, max_tokens: int) -> SamplingParams:
         top_k=max(int(top_k), 0),
         top_p=float(top_p),
         repetition_penalty=float(rp),
+        presence_penalty=float(presence),
+        frequency_penalty=float(frequency),
+        logit_bias=bias,
         end_strings=[stop] if isinstance(stop, str) else [s for s in stop if s],
         seed=None if seed is None else seed % (2**63),
     )

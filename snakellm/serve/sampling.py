@@ -49,7 +49,7 @@ class Fields:
         return v
 
     def only(self, key: str, allowed: Callable[[Any], bool], why: str) -> None:
-        """A field accepted only with values that change nothing (e.g. ``presence_penalty: 0``)."""
+        """A field accepted only with values that change nothing (e.g. ``suffix: ""``)."""
         v = self.rest.pop(key, None)
         if v is not None and not allowed(v):
             raise bad(key, f"{key} is not supported by this server ({why}), got {json.dumps(v)[:200]}")

@@ -34,8 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tail", type=int, default=1, help="chunks kept at the end (default 1)")
     p.add_argument("--snakefile", help="the Snakefile (default: snakemake's own lookup)")
     p.add_argument("--directory", help="the working directory (default: the current one)")
+    p.add_argument("--config-json", help="the complete workflow config as JSON (replaces the workflow's)")
     p.add_argument(
-        "--config-json", help="the complete workflow config as JSON (replaces the workflow's; what the dag rule passes)"
+        "--config-json-file",
+        metavar="JSON",
+        help="the same, read from this file (what the dag rule passes: a command line stays short)",
     )
     p.add_argument("snakemake_args", nargs=argparse.REMAINDER, help="-- then arguments for snakemake")
     return p
@@ -47,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     extra = a.snakemake_args[1:] if a.snakemake_args[:1] == ["--"] else a.snakemake_args
     if not a.rulegraph and not a.jobs:
         p.error("nothing to do: give --rulegraph and/or --jobs")
+    if a.config_json_file:
+        try:
+            a.config_json = Path(a.config_json_file).read_text()
+        except OSError as e:
+            p.error(f"--config-json-file: {e}")
     try:
         if a.rulegraph:
             text = snakemake_dot("rulegraph", a.snakefile, a.directory, a.config_json, extra)

@@ -10,6 +10,7 @@ from typing import Any
 from snakellm.config.sections import ExportNemoSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.export.nemo import NemoError, check_tokenizer, export_nemo, read_checkpoint_info
+from snakellm.io.log import log
 
 
 def _read_blend_tokenizer(path: str) -> dict[str, Any]:
@@ -59,10 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except NemoError as e:
         print(f"snakellm export-nemo: error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"export-nemo: {res['output']}: iteration {res['iteration']}, {res['parameters']:,} parameters, "
-        f"transformer_engine {str(res['transformer_engine']).lower()}, {res['bytes']:,} bytes",
-        file=sys.stderr,
+    log(
+        f"wrote {res['output']}: iteration {res['iteration']}, {res['parameters']:,} parameters, "
+        f"transformer_engine {str(res['transformer_engine']).lower()}, {res['bytes']:,} bytes"
     )
     return 0
 

@@ -21,7 +21,14 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p.add_argument_group("prompts and sampling (config: generate)"), GenerateSettings)
 
 
+SAMPLING_REPETITION_PENALTY = 1.1  # repetition_penalty when sampling and none is given (greedy: off)
+
+
 def params_from_args(a: argparse.Namespace) -> SamplingParams:
+    """The sampling parameters; ``--greedy`` is the argmax of the logits unless a penalty is given."""
+    rp = a.repetition_penalty
+    if rp is None:
+        rp = 1.0 if a.greedy else SAMPLING_REPETITION_PENALTY
     return SamplingParams(
         max_new_tokens=a.max_new_tokens,
         min_new_tokens=a.min_new_tokens,
@@ -29,7 +36,7 @@ def params_from_args(a: argparse.Namespace) -> SamplingParams:
         temperature=a.temperature,
         top_k=a.top_k,
         top_p=a.top_p,
-        repetition_penalty=a.repetition_penalty,
+        repetition_penalty=rp,
         end_strings=a.end_string or [],
         seed=a.seed,
     )

@@ -7,6 +7,9 @@ batch against the parallel layout of the job it would get (the run's allocation 
 config, :mod:`snakellm.config.jobs`, with the Slurm profile's ``SNAKELLM_TRAIN_*`` site
 defaults; or ``--nodes``/``--gpus-per-node``) exactly as ``snakellm train`` will, and prints
 the memory per GPU (``snakellm.models.memory``): whether it fits is known before submitting.
+For each fine-tune it prints the same for its job (LoRA and p-tuning hold no gradients or Adam
+states for the frozen base) and the layout and micro batch that fit the GPUs
+(``--gpu-memory-gib``): the smallest tensor-parallel size, then the largest micro batch.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory of one GPU, for the fits/does-not-fit line (default: %(default)s)",
     )
     p.add_argument("--run", action="append", help="only these runs")
+    p.add_argument("--finetune", action="append", help="only these fine-tunes")
     p.add_argument(
         "--docs-per-shard",
         type=float,
@@ -115,7 +119,113 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"run {name}: error: {e}")
             status = 2
+    for name, ft in (cfg.get("finetune") or {}).items():
+        if (a.finetune and name not in a.finetune) or (a.run and not a.finetune):
+            continue
+        print()
+        job = jobs.allocation(cfg, "finetune", name, os.environ)
+        nodes, per_node = a.nodes or job.nodes, a.gpus_per_node or job.gpus_per_node or 1
+        try:
+            print("\n".join(finetune_plan(name, ft, cfg, nodes * per_node, a.gpu_memory_gib)))
+        except ValueError as e:
+            print(f"finetune {name}: error: {e}")
+            status = 2
     return status
+
+
+def finetune_base(cfg: dict[str, Any], base: str) -> tuple[dict[str, Any], int | None]:
+    """(architecture, tokenizer vocabulary or None) of a fine-tune's base: a run, an import, a random import."""
+
+    from snakellm import models as arch_mod
+
+    if base in (cfg.get("runs") or {}):
+        run = cfg["runs"][base]
+        model = dict(run.get("model") or {})
+        tok = (cfg.get("tokenizers") or {}).get(run.get("tokenizer"), {})
+        return arch_mod.resolve(model.pop("preset", None), model), tok.get("vocab_size")
+    spec = (cfg.get("import_hf") or {})[base]
+    if spec.get("random"):
+        from snakellm.export.random_hf import GPT2_VOCAB
+
+        arch = arch_mod.resolve(spec["random"]["preset"], {})
+        return {**arch, "make_vocab_size_divisible_by": spec.get("make_vocab_size_divisible_by", 128)}, GPT2_VOCAB
+    from snakellm.export.hf import arch_from_hf
+
+    hf = json.loads((Path(spec["hf_dir"]) / "config.json").read_text())
+    arch = arch_from_hf(hf, str(Path(spec["hf_dir"]) / "config.json"))
+    return {**arch, "make_vocab_size_divisible_by": spec.get("make_vocab_size_divisible_by", 128)}, hf["vocab_size"]
+
+
+def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int, gpu_gib: float) -> list[str]:
+    """A fine-tune's layout, batch check, memory per GPU and the layout / micro batch that fit (torch-free)."""
+    from snakellm import models as arch_mod
+    from snakellm.models import memory
+
+    arch, vocab = finetune_base(cfg, ft["run"])
+    tp = int((ft.get("parallel") or {}).get("tp", 1))
+    recompute = str((ft.get("parallel") or {}).get("recompute", "none"))
+    train, ex, lora = ft["train"], ft.get("examples") or {}, ft.get("lora") or {}
+    arch_mod.check_parallel(arch, tp, 1)
+    if ranks % tp:
+        raise ValueError(f"{ranks} ranks are not divisible by tp {tp}")
+    dp = ranks // tp
+    gbs, mbs = int(train["global_batch_size"]), int(train.get("micro_batch_size", 4))
+    if gbs % (mbs * dp):
+        raise ValueError(f"global batch size {gbs} is not divisible by micro batch size {mbs} x dp {dp}")
+    seq = int(ex.get("max_seq_length") or arch["seq_length"])
+    method = ft["method"]
+    rank, targets = int(lora.get("rank", 32)), tuple(lora.get("targets") or ("linear_qkv",))
+    what = f"lora rank {rank} on {', '.join(targets)}" if method == "lora" else method
+    out = [
+        f"finetune {name} ({what}, base {ft['run']}): {ranks} ranks; tp {tp} x dp {dp}; global batch {gbs} = micro "
+        f"batch {mbs} x dp {dp} x {gbs // (mbs * dp)} accumulation steps; sequence {seq}"
+        + (" (packed)" if ex.get("packing") else "")
+    ]
+    if not vocab:
+        return out + ["  memory: the base's tokenizer names no vocab_size; not estimated"]
+    padded = arch_mod.padded_vocab_size(int(vocab), arch, tp)
+    out.append(f"  model: {arch_mod.describe(arch, padded)}")
+    est = memory.finetune_estimate(
+        arch,
+        padded,
+        method,
+        tp=tp,
+        dp=dp,
+        micro_batch_size=mbs,
+        seq_length=seq,
+        lora_rank=rank,
+        lora_targets=targets,
+        recompute=recompute,
+    )
+    out += ["  " + line for line in est.lines(gpu_gib)]
+    best = memory.advise_finetune(
+        arch,
+        padded,
+        method,
+        ranks=ranks,
+        global_batch_size=gbs,
+        seq_length=seq,
+        gpu_gib=gpu_gib,
+        lora_rank=rank,
+        lora_targets=targets,
+    )
+    if best is None:
+        out.append(
+            f"  advice: no layout of {ranks} GPUs fits {gpu_gib:g} GiB at sequence {seq}, even with full "
+            "recomputation: more GPUs (resources), a shorter max_seq_length, or LoRA instead of full"
+        )
+    else:
+        t, m, rc, e = best
+        same = (t, m, rc) == (tp, mbs, recompute)
+        keys = f"parallel.tp: {t}, train.micro_batch_size: {m}" + (
+            f", parallel.recompute: {rc}" if rc != "none" else ""
+        )
+        out.append(
+            f"  advice: tp {t}, micro batch {m}{'' if rc == 'none' else f', recompute {rc}'}: "
+            f"{e.total / memory.GiB:.2f} GiB per GPU, fits {gpu_gib:g} GiB"
+            + (" (as configured)" if same else f" ({keys})")
+        )
+    return out
 
 
 def _documents(source: str, chunks: dict[str, list[str]], per_shard: float) -> tuple[int, bool]:
@@ -176,9 +286,15 @@ def run_plan(
     model = dict(run.get("model") or {})
     arch = arch_mod.resolve(model.pop("preset", None), model)
     par, train = run.get("parallel") or {}, run.get("train") or {}
-    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
+    tp, pp, vpp = int(par.get("tp", 1)), int(par.get("pp", 1)), int(par.get("virtual_pp", 1))
+    recompute = (
+        par.get("recompute", "none"),
+        par.get("recompute_method", "uniform"),
+        par.get("recompute_num_layers", 1),
+    )
     world = nodes * per_node
-    arch_mod.check_parallel(arch, tp, pp)
+    arch_mod.check_parallel(arch, tp, pp, vpp)
+    arch_mod.check_recompute(arch, pp, vpp, *recompute)
     if world % (tp * pp):
         raise ValueError(f"world size {world} ({nodes} nodes x {per_node}) is not divisible by tp {tp} x pp {pp}")
     dp = world // (tp * pp)
@@ -189,6 +305,9 @@ def run_plan(
             f"{dp} (= {mbs * dp}; {nodes} nodes x {per_node} GPUs / (tp {tp} x pp {pp})): choose a "
             f"multiple of {mbs * dp}"
         )
+    why = arch_mod.check_pipeline_batches(pp, vpp, gbs // (mbs * dp))
+    if why:
+        raise ValueError(f"global batch size {gbs}: {why}")
     tok = (cfg.get("tokenizers") or {}).get(run.get("tokenizer"), {})
     out = [
         f"run {name}: {world} ranks = {nodes} nodes x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "
@@ -211,6 +330,11 @@ def run_plan(
             sequence_parallel=bool(par.get("sequence_parallel", False)),
             distributed_optimizer=bool(par.get("distributed_optimizer", False)),
             gpu_gib=gpu_gib,
+            recompute=recompute[0],
+            recompute_method=recompute[1],
+            recompute_num_layers=int(recompute[2]),
+            virtual_pp=vpp,
+            fsdp=bool(par.get("fsdp", False)),
         )
     ]
     return out

@@ -63,6 +63,8 @@ class Optim:
     eps: float = 1e-8
     clip_grad: float = 1.0
     distributed: bool = False  # Adam states sharded over the data-parallel ranks
+    fsdp: bool = False  # parameters, gradients and Adam states sharded (FSDP2; snakellm.train.fsdp)
+    overlap_param_gather: bool = False  # distributed: all-gather each bucket before the next forward uses it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +82,7 @@ class Job:
     optim: Optim
     tp: int = 1
     pp: int = 1
+    virtual_pp: int = 1  # model chunks per pipeline rank (the interleaved schedule)
     threads: int | None = None
     seed: int = 1234
     precision: str = "auto"
@@ -89,6 +92,7 @@ class Job:
     eval_interval: int = 1000
     log_interval: int = 10
     keep_last: int = 1
+    async_save: bool = False  # checkpoints written in the background (megatron-core's async torch_dist save)
     patience: int = 0  # early stopping after this many evaluations without improvement (0: never)
     min_delta: float = 0.0
     max_time: float | None = None
@@ -117,7 +121,7 @@ class Session:
     device: Any
     cuda: bool
     dist: distmod.DistEnv
-    precision: str  # bf16 | fp32
+    precision: str  # bf16 | fp32 | fp8 (bf16 weights, float8 matmuls: snakellm.models.fp8)
     dp: int
     num_micro: int
     stop: StopPolicy
@@ -128,6 +132,11 @@ class Session:
     @property
     def rank0(self) -> bool:
         return self.dist.is_rank0
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 weights (fp8 runs too: only their block matmuls are float8)."""
+        return self.precision in ("bf16", "fp8")
 
     def barrier(self) -> None:
         self.torch.distributed.barrier(group=self.stop_group)
@@ -150,6 +159,11 @@ class Parts:
     flops_per_token: float
     state: Callable[[], dict[str, Any]]  # sharded state dict of what checkpoints hold (what trains)
     load_state: Callable[[dict[str, Any]], None]
+    # pipeline parallelism: this rank's stage as model chunks (one, or virtual_pp), each wrapped in its own
+    # DDP and run by megatron-core's schedule with these two (snakellm.train.pipeline); ``module`` holds them all
+    chunks: list[Any] | None = None
+    forward: Callable[[Any, Batch], Any] | None = None  # a chunk on a micro-batch
+    reduce: Callable[[Any, Batch], Any] | None = None  # the last chunk's output -> the micro-batch's loss
 
 
 @dataclass
@@ -217,14 +231,16 @@ def run(job: Job, recipe: Recipe) -> int:
         holder: dict[str, Any] = {}
         manager = _manager(job, s, parts, opt, sched, fp, recipe, holder)
         early = _early_stopping(job)
-        start = _restore(job, s, manager, resume_it, parts, opt, fp, early) if action == "resume" else 0
+        start = _restore(job, s, manager, resume_it, parts, opt, fp, early, holder) if action == "resume" else 0
         s.barrier()
         trainer = _trainer(job, s, recipe, parts, model, opt, sched, manager, early, start)
         holder["trainer"], holder["early"] = trainer, early
         status = trainer.fit()
         if s.watchdog is not None:
             s.watchdog.beat(trainer.step)
-        digests = replica_digests(parts.module)
+        if hasattr(opt, "sync_params"):
+            opt.sync_params()
+        digests = [model.digest()] * s.dp if job.optim.fsdp else replica_digests(parts.module)
         if len(set(digests)) != 1:
             raise RuntimeError(f"data-parallel replicas hold different weights: {digests}")
         if status == EXIT_OK:
@@ -264,7 +280,7 @@ def open_session(job: Job) -> Session:
     precision = job.precision if job.precision != "auto" else ("bf16" if cuda else "fp32")
     s = Session(torch, device, cuda, d, precision, dp, num_micro, stop, wd, stop_group)
     try:
-        runtime.init_model_parallel(job.tp, job.pp, cuda=cuda)
+        runtime.init_model_parallel(job.tp, job.pp, cuda=cuda, vpp=job.virtual_pp)
         s.lock = _lock_run_dir(job.run_dir, rank0)
         s.barrier()
     except BaseException:
@@ -351,14 +367,37 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
     from snakellm.train.schedule import CosineSchedule
 
     o = job.optim
+    adamw: dict[str, Any] = dict(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, clip_grad=o.clip_grad)
+    sched = CosineSchedule(o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.decay_style)
+    if o.fsdp:
+        from snakellm.train import fsdp
+
+        sharded = fsdp.shard(parts.module, bf16=s.bf16, cuda=s.cuda)
+        # checkpoints hold this rank's slices, in the layout of every other run
+        parts.state, parts.load_state = sharded.sharded_state, sharded.load_state
+        fopt = fsdp.FSDPAdamW(sharded, **adamw)
+        s.log(
+            f"FSDP: rank {s.dist.rank} holds {fopt.numel:,} of {sum(p.numel() for p in fopt.params):,} parameters "
+            f"(fp32), their gradients and Adam states"
+        )
+        return sharded, fopt, sched
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
         use_distributed_optimizer=o.distributed,
+        overlap_param_gather=o.distributed and o.overlap_param_gather and s.dp > 1,
     )
-    model = DDP(parts.config, ddp_cfg, parts.module)
-    model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
-    adamw: dict[str, Any] = dict(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, clip_grad=o.clip_grad)
+    if parts.chunks is None:
+        model = DDP(parts.config, ddp_cfg, parts.module)
+        model.broadcast_params()  # identical weights on every data-parallel rank, whatever happened at init
+    else:
+        # one DDP per pipeline chunk, as Megatron-LM wraps them (one bucket for the chunks after the first)
+        ddps = [DDP(parts.config, ddp_cfg, c, disable_bucketing=i > 0) for i, c in enumerate(parts.chunks)]
+        for d in ddps:
+            d.broadcast_params()
+        model = ddps[0] if len(ddps) == 1 else s.torch.nn.ModuleList(ddps)
+        if o.distributed and len(ddps) > 1:
+            raise JobError("distributed_optimizer with virtual_pp > 1 is not supported yet: use virtual_pp 1")
     opt: Any
     if o.distributed:
         opt = DistributedAdamW(model, **adamw)
@@ -368,7 +407,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         )
     else:
         opt = MixedPrecisionAdamW(model, **adamw)
-    return model, opt, CosineSchedule(o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.decay_style)
+    return model, opt, sched
 
 
 def _manager(
@@ -381,22 +420,30 @@ def _manager(
     from snakellm.train.rng import rng_states
 
     def sharded_state(is_loading: bool) -> dict[str, Any]:
+        if hasattr(opt, "sync_params"):
+            opt.sync_params()  # overlap_param_gather: the weights of the last step, not those before it
         msd = parts.state()
-        return {
+        out = {
             "model": msd,
             "optimizer": opt.sharded_state_dict(msd, is_loading=is_loading),
-            "rng_state": ShardedObject(
+        }
+        # the RNG states are per (pp, tp) rank: a checkpoint of another model-parallel layout has none for
+        # this rank (Megatron-LM skips them too); the model and optimizer reshard by their global keys
+        if not (is_loading and holder.get("skip_rng")):
+            out["rng_state"] = ShardedObject(
                 "rng_state",
                 [rng_states(s.cuda)],
                 (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()),
                 (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
                 replica_id=ps.get_data_parallel_rank(),
-            ),
-        }
+            )
+        return out
 
     def common_state(step: int) -> dict[str, Any]:
         gbs, early = job.global_batch_size, holder.get("early")
+        lm_args = getattr(recipe, "megatron_args", None)
         return {
+            **({"args": _megatron_namespace(lm_args(), job, s, step)} if lm_args else {}),
             "iteration": step,
             "checkpoint_version": 3.0,
             "opt_param_scheduler": sched.state_dict(step),
@@ -408,6 +455,7 @@ def _manager(
                 "best": manager.best,
                 "run": job.run_name,
                 "early_stopping": {"best": early.best, "bad_evals": early.bad_evals} if early else None,
+                "layout": {"tp": job.tp, "pp": job.pp},  # model-parallel layout (whose RNG states it holds)
                 **recipe.meta(),
             },
         }
@@ -420,8 +468,37 @@ def _manager(
         rank=s.dist.rank,
         barrier=s.barrier,
         log=s.log,
+        async_save=job.async_save,
     )
     return manager
+
+
+def _megatron_namespace(model_args: dict[str, Any], job: Job, s: Session, step: int) -> Any:
+    """Megatron-LM's ``args`` (an argparse.Namespace, as it pickles them) for this run at ``step``."""
+    import argparse
+
+    return argparse.Namespace(
+        **model_args,
+        tensor_model_parallel_size=job.tp,
+        pipeline_model_parallel_size=job.pp,
+        virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1,
+        world_size=s.dist.world_size,
+        data_parallel_size=s.dp,
+        micro_batch_size=job.micro_batch_size,
+        global_batch_size=job.global_batch_size,
+        iteration=step,
+        consumed_train_samples=step * job.global_batch_size,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
+        bf16=s.bf16,
+        fp16=False,
+        seed=job.seed,
+        sequence_parallel=job.sequence_parallel,
+        use_distributed_optimizer=job.optim.distributed,
+        no_save_optim=None,
+        no_save_rng=None,
+    )
 
 
 def _early_stopping(job: Job) -> Any:
@@ -431,12 +508,29 @@ def _early_stopping(job: Job) -> Any:
 
 
 def _restore(
-    job: Job, s: Session, manager: ckpt.CheckpointManager, it: int | None, parts: Parts, opt: Any, fp: str, early: Any
+    job: Job,
+    s: Session,
+    manager: ckpt.CheckpointManager,
+    it: int | None,
+    parts: Parts,
+    opt: Any,
+    fp: str,
+    early: Any,
+    holder: dict[str, Any],
 ) -> int:
     """Model part, optimizer, RNG states and stopping state of ``iter_{it}``; returns the step to continue from."""
     from snakellm.train.rng import set_rng_states
 
     assert it is not None
+    t0 = time.time()
+    saved = ckpt.load_common(job.ckpt_dir, it).get("snakellm", {}).get("layout") or {"tp": job.tp, "pp": job.pp}
+    here = {"tp": job.tp, "pp": job.pp}
+    holder["skip_rng"] = saved != here
+    if saved != here:
+        s.log(
+            f"{ckpt.iter_name(it)} was written at tp {saved['tp']} x pp {saved['pp']}, this job runs tp {job.tp} x "
+            f"pp {job.pp}: weights and optimizer states reshard; the RNG states start from the seed"
+        )
     loaded, common = manager.restore(it)
     meta = common.get("snakellm", {})
     if meta.get("fingerprint") not in (None, fp):
@@ -446,8 +540,9 @@ def _restore(
         )
     parts.load_state(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
-    rng = loaded["rng_state"]
-    set_rng_states(rng[0] if isinstance(rng, list) else rng, s.cuda)
+    if "rng_state" in loaded:
+        rng = loaded["rng_state"]
+        set_rng_states(rng[0] if isinstance(rng, list) else rng, s.cuda)
     manager.best = meta.get("best") or ckpt.read_best(job.ckpt_dir)
     es = meta.get("early_stopping") or {}
     early.best, early.bad_evals = es.get("best"), int(es.get("bad_evals", 0))
@@ -456,7 +551,7 @@ def _restore(
         ckpt.mark_resumed(job.ckpt_dir, it)
     s.log(
         f"resumed from {job.ckpt_dir / ckpt.iter_name(it)} (iteration {it}, "
-        f"{it * job.global_batch_size} samples consumed)"
+        f"{it * job.global_batch_size} samples consumed; loaded in {time.time() - t0:.1f}s)"
     )
     return it
 
@@ -486,6 +581,21 @@ def _trainer(
     if peak is None and s.cuda:
         peak = peak_tflops_of(s.torch.cuda.get_device_name(s.device))
     valid = recipe.valid_batches(s)
+    pipeline, val_model = None, model
+    if parts.chunks is not None:
+        from snakellm.train.pipeline import Pipeline
+
+        assert parts.forward is not None and parts.reduce is not None
+        pipeline = Pipeline(
+            list(model) if isinstance(model, s.torch.nn.ModuleList) else [model],
+            parts.config,
+            forward=parts.forward,
+            reduce=parts.reduce,
+            to_device=s.to_device,
+            seq_length=parts.seq_length,
+            micro_batch_size=job.micro_batch_size,
+        )
+        val_model = pipeline
     metrics = MetricsLogger(
         job.ckpt_dir / ckpt.LIVE_METRICS,
         rank0=s.rank0,
@@ -500,7 +610,7 @@ def _trainer(
         start_step=start,
     )
     return Trainer(
-        model=model,
+        model=pipeline or model,
         optimizer=opt,
         lr_schedule=sched,
         num_micro=s.num_micro,
@@ -510,19 +620,30 @@ def _trainer(
         metrics=metrics,
         stop=s.stop,
         checkpoints=manager,
-        validator=Validator(model, valid, recipe.loss, to_device=s.to_device, dp_group=dp_group, dp_size=s.dp)
+        validator=Validator(
+            val_model,
+            valid,
+            recipe.loss,
+            to_device=s.to_device,
+            dp_group=dp_group,
+            dp_size=s.dp,
+            evaluate=pipeline.evaluate if pipeline is not None else None,
+        )
         if valid is not None
         else None,
         early_stop=early if job.patience else None,
         to_device=s.to_device,
         start_step=start,
-        overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
+        overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1 and not job.optim.fsdp,
         rank0=s.rank0,
         profiler=StepProfiler(parse_range(job.profile_steps), job.run_dir / "profile.txt", s.cuda, s.rank0),
         desc=job.desc,
         show_progress=job.progress,
         heartbeat=s.watchdog.beat if s.watchdog else None,
-        finalize_grads=(lambda: finalize_model_grads([model])) if job.sequence_parallel else None,
+        finalize_grads=(lambda: finalize_model_grads([model]))
+        if job.sequence_parallel and not job.optim.fsdp
+        else None,
+        forward_backward=pipeline.step if pipeline is not None else None,
     )
 
 

@@ -23,12 +23,25 @@ import torch
 
 
 def _is_tp_duplicate(p) -> bool:
-    """True for a replicated parameter on a tensor-parallel rank other than 0 (counted once in the norm)."""
+    """True for a parameter the gradient norm counts elsewhere: a replicated one on a tensor-parallel rank
+    other than 0, or the last pipeline stage's copy of tied embeddings (megatron-core marks it ``shared``)."""
     from megatron.core import parallel_state
 
+    if getattr(p, "shared", False):
+        return True
     if getattr(p, "tensor_model_parallel", False):
         return False
     return parallel_state.get_tensor_model_parallel_rank() != 0
+
+
+def _sum_over_model_parallel(sq: torch.Tensor) -> None:
+    """The squared norm summed over the tensor- and pipeline-parallel ranks (each holds part of the model)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(sq, group=ps.get_model_parallel_group())
+    elif ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(sq, group=ps.get_tensor_model_parallel_group())
 
 
 class MixedPrecisionAdamW:
@@ -77,8 +90,6 @@ class MixedPrecisionAdamW:
 
     def step(self, lr: float) -> torch.Tensor:
         """Clip and apply the accumulated ``main_grad``s; return the gradient norm (on the device)."""
-        from megatron.core import parallel_state
-
         grads = []
         for p, m in self._pairs:
             g = p.main_grad  # type: ignore[attr-defined]  # set by megatron-core DDP
@@ -86,8 +97,7 @@ class MixedPrecisionAdamW:
             grads.append(m.grad)
         norm_grads = [g for g, keep in zip(grads, self._norm_mask) if keep]
         sq = torch.stack(torch._foreach_norm(norm_grads)).square().sum() if norm_grads else grads[0].new_zeros(())
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        _sum_over_model_parallel(sq)
         norm = sq.sqrt()
         if self.clip_grad > 0:
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
@@ -202,6 +212,7 @@ class _Shard:
         self.model = param.detach().view(-1)[lo:hi]  # a view into DDP's parameter buffer
         self.grad = param.main_grad.view(-1)[lo:hi]  # type: ignore[attr-defined]  # DDP's reduce-scattered slice
         self.master = self.model if param.dtype == torch.float32 else self.model.clone().float()
+        self.tp_duplicate = _is_tp_duplicate(param)
 
 
 class DistributedAdamW:
@@ -242,6 +253,7 @@ class DistributedAdamW:
         if not model.ddp_config.use_distributed_optimizer:
             raise ValueError("DistributedAdamW needs megatron-core DDP with use_distributed_optimizer=True")
         self.model = model
+        self.overlap_param_gather = bool(model.ddp_config.overlap_param_gather)
         self.clip_grad = clip_grad
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
@@ -269,7 +281,13 @@ class DistributedAdamW:
                     lo, hi = max(start, s_lo), min(end, s_hi)
                     if lo < hi:
                         owned[index[id(p)]] = (lo - start, hi - start)
-        self.shards = [_Shard(i, self.params[i], *owned[i]) for i in sorted(owned)]
+        self._setup([_Shard(i, self.params[i], *owned[i]) for i in sorted(owned)], wds, lr, betas, eps, fused)
+
+    def _setup(
+        self, shards: list[Any], wds: list[float], lr: float, betas: Any, eps: float, fused: bool | None
+    ) -> None:
+        """The torch AdamW over this rank's shards (``model_groups`` and ``params`` set)."""
+        self.shards = shards
         self.has_masters = any(s.master is not s.model for s in self.shards) or any(
             p.dtype != torch.float32 for p in self.params
         )
@@ -292,7 +310,7 @@ class DistributedAdamW:
             fused=fused or None,
             foreach=None if fused else True,
         )
-        self._norm_mask = [not _is_tp_duplicate(s.param) for s in self.shards]
+        self._norm_mask = [not s.tp_duplicate for s in self.shards]
         self._wds = wds
         self.numel = sum(s.hi - s.lo for s in self.shards)  # parameters whose Adam states this rank holds
 
@@ -300,8 +318,6 @@ class DistributedAdamW:
 
     def step(self, lr: float) -> torch.Tensor:
         """Clip and apply this rank's reduce-scattered gradients, then all-gather the weights; return the norm."""
-        from megatron.core import parallel_state
-
         grads = []
         for s in self.shards:
             s.master.grad = s.grad if s.grad.dtype == torch.float32 else s.grad.float()
@@ -314,8 +330,7 @@ class DistributedAdamW:
         )
         if self.dp_size > 1:
             torch.distributed.all_reduce(sq, group=self.dp_group)
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(sq, group=parallel_state.get_tensor_model_parallel_group())
+        _sum_over_model_parallel(sq)
         norm = sq.sqrt()
         if self.clip_grad > 0 and grads:
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
@@ -329,8 +344,16 @@ class DistributedAdamW:
             torch._foreach_copy_([m for m, _ in copies], [f for _, f in copies])
         for s in self.shards:
             s.master.grad = None
-        self.model.start_param_sync(force_sync=True)  # every rank's updated slices to every rank
+        if not self.overlap_param_gather:
+            self.model.start_param_sync(force_sync=True)  # every rank's updated slices to every rank
+        # else megatron-core DDP's forward pre-hooks gather each bucket just before the next forward uses it,
+        # the next bucket's all-gather overlapping this one's compute
         return norm
+
+    def sync_params(self) -> None:
+        """The updated weights on every rank now (before a checkpoint reads them outside a forward pass)."""
+        if self.overlap_param_gather:
+            self.model.start_param_sync(force_sync=True)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -343,42 +366,16 @@ class DistributedAdamW:
                 st["exp_avg"] = torch.zeros_like(s.master)
                 st["exp_avg_sq"] = torch.zeros_like(s.master)
 
-    def _blocks(self, model_sharded_state_dict: dict) -> dict[int, list[tuple[Any, int, int]]]:
-        """Per shard: (ShardedTensor template, start, end) of each rectangular block, start/end in the shard.
-
-        A parameter's model entry is a ShardedTensor, or a ShardedTensorFactory (the
-        SwiGLU fc1 weight, saved as two halves at different global offsets): the
-        factory is built on a tensor of flat indices to learn which part of the
-        parameter each of its ShardedTensors holds.
-        """
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    def _id_map(self, model_sharded_state_dict: dict) -> dict[int, Any]:
+        """Parameter index -> its ShardedTensor (or ShardedTensorFactory) in the model's sharded state dict."""
         from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
 
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
-        out: dict[int, list[tuple[Any, int, int]]] = {}
-        for s in self.shards:
-            sh = id_map[s.index]
-            parts: list[tuple[Any, int]] = []  # (ShardedTensor of a contiguous part of the parameter, its flat start)
-            if isinstance(sh, ShardedTensorFactory):
-                n = s.param.numel()
-                idx = torch.arange(n, dtype=torch.int64 if n >= 2**31 else torch.int32).view(s.param.shape)
-                for part in nested_values(sh.build_fn(sh.key, idx, sh.replica_id, None)):
-                    flat = part.data.reshape(-1)
-                    start = int(flat[0])
-                    if not torch.equal(flat, torch.arange(start, start + flat.numel(), dtype=flat.dtype)):
-                        raise NotImplementedError(f"{sh.key}: a checkpoint factory whose parts are not contiguous")
-                    parts.append((part, start))
-            else:
-                parts.append((sh, 0))
-            blocks = []
-            for part, start in parts:
-                lo, hi = max(s.lo, start), min(s.hi, start + part.data.numel())
-                for off, shape, flat in flat_range_blocks(tuple(part.local_shape), lo - start, hi - start):
-                    a = flat + start - s.lo
-                    blocks.append((_block_of(part, off, shape), a, a + _numel(shape)))
-            out[s.index] = blocks
-        return out
+        return get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
+
+    def _blocks(self, model_sharded_state_dict: dict) -> dict[int, list[tuple[Any, int, int]]]:
+        """Per shard: (ShardedTensor template, start, end) of each rectangular block, start/end in the shard."""
+        id_map = self._id_map(model_sharded_state_dict)
+        return {s.index: range_blocks(id_map[s.index], s.param, s.lo, s.hi) for s in self.shards}
 
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         if is_loading:
@@ -448,6 +445,38 @@ class DistributedAdamW:
                         s.model.copy_(s.master)
 
 
+def range_blocks(sh: Any, param: Any, lo: int, hi: int) -> list[tuple[Any, int, int]]:
+    """The flat range ``[lo, hi)`` of ``param`` as (ShardedTensor template, start, end) blocks, start/end in the range.
+
+    ``sh`` is the parameter's entry in the model's sharded state dict: a
+    ShardedTensor, or a ShardedTensorFactory (the SwiGLU fc1 weight, saved as
+    two halves at different global offsets): the factory is built on a tensor of
+    flat indices to learn which part of the parameter each of its ShardedTensors holds.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    parts: list[tuple[Any, int]] = []  # (ShardedTensor of a contiguous part of the parameter, its flat start)
+    if isinstance(sh, ShardedTensorFactory):
+        n = param.numel()
+        idx = torch.arange(n, dtype=torch.int64 if n >= 2**31 else torch.int32).view(tuple(param.shape))
+        for part in nested_values(sh.build_fn(sh.key, idx, sh.replica_id, None)):
+            flat = part.data.reshape(-1)
+            start = int(flat[0])
+            if not torch.equal(flat, torch.arange(start, start + flat.numel(), dtype=flat.dtype)):
+                raise NotImplementedError(f"{sh.key}: a checkpoint factory whose parts are not contiguous")
+            parts.append((part, start))
+    else:
+        parts.append((sh, 0))
+    blocks = []
+    for part, start in parts:
+        a_lo, a_hi = max(lo, start), min(hi, start + part.data.numel())
+        for off, shape, flat in flat_range_blocks(tuple(part.local_shape), a_lo - start, a_hi - start):
+            a = flat + start - lo
+            blocks.append((_block_of(part, off, shape), a, a + _numel(shape)))
+    return blocks
+
+
 def _block_of(part: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> Any:
     """The ShardedTensor of a block at ``offset`` (within ``part``'s local tensor) of ``shape`` (no data yet)."""
     from dataclasses import replace
@@ -474,7 +503,9 @@ def _block_of(part: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> Any
 def _with_data(block: Any, prefix: str, flat: torch.Tensor) -> Any:
     from dataclasses import replace
 
-    t = replace(block, key=f"{prefix}.{block.key}", data=flat.view(block.local_shape), dtype=flat.dtype)
+    t = replace(
+        block, key=f"{prefix}.{block.key}" if prefix else block.key, data=flat.view(block.local_shape), dtype=flat.dtype
+    )
     t.validate_metadata_integrity()
     return t
 

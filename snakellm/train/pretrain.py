@@ -24,11 +24,21 @@ from snakellm.train.request import TrainRequest, run_config
 from snakellm.train.trainer import Batch
 
 
-def lm_loss(model: Any, b: Batch) -> Any:
+def lm_forward(model: Any, b: Batch) -> Any:
+    """The model (or a pipeline stage of it) on a micro-batch: per-token losses [b, s] from the last stage,
+    hidden states from the others (which take their input from the previous stage, not the tokens)."""
+    return model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+
+
+def lm_reduce(per_tok: Any, b: Batch) -> Any:
     """Mean next-token loss over the tokens the loss mask keeps (megatron-core computes it per token)."""
-    per_tok = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
     mask = b["loss_mask"].to(per_tok.dtype)
     return (per_tok.float() * mask).sum() / mask.sum().clamp(min=1)
+
+
+def lm_loss(model: Any, b: Batch) -> Any:
+    """Mean next-token loss of a micro-batch."""
+    return lm_reduce(lm_forward(model, b), b)
 
 
 def pretrain(req: TrainRequest) -> int:
@@ -59,9 +69,12 @@ def job_of(req: TrainRequest) -> assembly.Job:
             eps=t.adam_eps,
             clip_grad=t.clip_grad,
             distributed=par.distributed_optimizer,
+            fsdp=par.fsdp,
+            overlap_param_gather=par.overlap_param_gather,
         ),
         tp=par.tp,
         pp=par.pp,
+        virtual_pp=par.virtual_pp,
         threads=par.threads,
         seed=t.seed,
         precision=t.precision,
@@ -71,6 +84,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
         eval_interval=t.eval_interval,
         log_interval=t.log_interval,
         keep_last=t.keep_last,
+        async_save=t.async_save,
         max_time=req.max_time,
         max_time_text=str(t.max_time),
         collective_timeout=t.collective_timeout,
@@ -106,17 +120,33 @@ class PretrainRecipe:
         from snakellm.models.build import build_model
 
         req, par, t = self.req, self.req.parallel, self.req.train
-        module, tcfg = build_model(
-            req.model,
-            req.vocab,
-            tp=par.tp,
-            device=str(s.device),
-            bf16=s.precision == "bf16",
-            fused_loss=par.loss,
-            compile_layers=par.compile,
-            attention_backend=req.args.attention_backend,
-            sequence_parallel=par.sequence_parallel,
-        )
+
+        def chunk(vp_stage: int | None) -> tuple[Any, Any]:
+            return build_model(
+                req.model,
+                req.vocab,
+                tp=par.tp,
+                device=str(s.device),
+                bf16=s.bf16,
+                fused_loss=par.loss,
+                compile_layers=par.compile,
+                attention_backend=req.args.attention_backend,
+                sequence_parallel=par.sequence_parallel,
+                vp_stage=vp_stage,
+                recompute=par.recompute,
+                recompute_method=par.recompute_method,
+                recompute_num_layers=par.recompute_num_layers,
+                seed=t.seed,  # the same initial weights at any tp x pp layout
+                fp8=t.fp8_recipe if s.precision == "fp8" else None,
+            )
+
+        chunks: list[Any] | None = None
+        if par.pp == 1:
+            module, tcfg = chunk(None)
+        else:  # this rank's pipeline stage: one chunk, or virtual_pp of them (interleaved schedule)
+            built = [chunk(v if par.virtual_pp > 1 else None) for v in range(par.virtual_pp)]
+            chunks, tcfg = [m for m, _ in built], built[0][1]
+            module = s.torch.nn.ModuleList(chunks)
         seq, gbs = req.model["seq_length"], t.global_batch_size
         self.train_ds, self.valid_ds = datamod.build_datasets(
             req.blend,
@@ -129,21 +159,41 @@ class PretrainRecipe:
         )
         self.nparams = _count(req, module, s.rank0)
 
-        def load_state(sd: dict[str, Any]) -> None:
-            module.load_state_dict(sd, strict=True)
-
         flops = models.flops_per_token(req.model, req.vocab)
-        return assembly.Parts(module, tcfg, module, seq, flops, module.sharded_state_dict, load_state)
+        if chunks is None:
+
+            def load_state(sd: dict[str, Any]) -> None:
+                module.load_state_dict(sd, strict=True)
+
+            return assembly.Parts(module, tcfg, module, seq, flops, module.sharded_state_dict, load_state)
+        # the checkpoint keys are global (layer numbers, the tied embedding's one key): any layout loads them
+        parts_chunks = chunks
+
+        def state() -> dict[str, Any]:
+            return {f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(parts_chunks)}
+
+        def load_chunks(sd: dict[str, Any]) -> None:
+            for i, c in enumerate(parts_chunks):
+                c.load_state_dict(sd[f"chunk{i}"], strict=True)
+
+        return assembly.Parts(
+            module, tcfg, chunks[0], seq, flops, state, load_chunks, chunks=chunks, forward=lm_forward, reduce=lm_reduce
+        )
 
     def describe(self, s: assembly.Session, parts: assembly.Parts) -> str:
         req, t, par = self.req, self.req.train, self.req.parallel
         return (
-            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {s.precision} on "
+            f"run {req.run_name}: {models.describe(req.model, req.vocab)}; {s.precision}"
+            + (f" ({t.fp8_recipe})" if s.precision == "fp8" else "")
+            + " on "
             f"{'GPU' if s.cuda else 'CPU'}; world {s.dist.world_size} ({s.dist.launcher}) = dp {s.dp} x tp "
             f"{par.tp} x pp {par.pp}; global batch {t.global_batch_size} = micro {t.micro_batch_size} x dp {s.dp} x "
             f"{s.num_micro} accumulation steps; {t.steps} steps"
+            + (f"; interleaved schedule over {par.virtual_pp} virtual stages" if par.virtual_pp > 1 else "")
             + ("; sequence parallel" if par.sequence_parallel else "")
+            + (f"; recompute {par.recompute}" if par.recompute != "none" else "")
             + (f"; optimizer sharded over {s.dp} data-parallel ranks" if par.distributed_optimizer else "")
+            + (f"; parameters, gradients and optimizer sharded over {s.dp} ranks (FSDP2)" if par.fsdp else "")
         )
 
     def _micro_batches(self, s: assembly.Session, ds: Any, start: int, end: int, **kw: Any) -> Iterator[Batch]:
@@ -177,10 +227,20 @@ class PretrainRecipe:
     def meta(self) -> dict[str, Any]:
         return {}
 
+    def megatron_args(self) -> dict[str, Any]:
+        """The model's Megatron-LM arguments, saved as the checkpoint's ``args`` (Megatron-LM resumes from them)."""
+        from snakellm.models.megatron_args import megatron_lm_args
+
+        return megatron_lm_args(self.req.model, self.req.vocab)
+
     def finish(self, done: assembly.Done) -> None:
         s = done.session
+        peak = s.torch.cuda.max_memory_allocated(s.device) if s.cuda else None
+        peaks = [peak]
+        if s.cuda and s.dist.world_size > 1:  # every rank's (pipeline stages differ)
+            peaks = [None] * s.dist.world_size
+            s.torch.distributed.all_gather_object(peaks, peak, group=s.stop_group)
         if s.rank0:
-            peak = s.torch.cuda.max_memory_allocated(s.device) if s.cuda else None
             write_summary(
                 self.req,
                 done.fingerprint,
@@ -191,13 +251,14 @@ class PretrainRecipe:
                 s.precision,
                 done.digests,
                 peak,
+                peaks,
             )
 
 
 def _count(req: TrainRequest, module: Any, rank0: bool) -> int:
     """Parameters from the shapes; the formula behind MFU is checked against the model."""
     nparams = models.param_count(req.model, req.vocab)
-    if req.parallel.tp == 1:
+    if req.parallel.tp == 1 and req.parallel.pp == 1:
         built = sum(p.numel() for p in module.parameters())
         req.extra["model_parameters"] = built
         if built != nparams:
@@ -215,6 +276,7 @@ def write_summary(
     precision: str,
     digests: list[str],
     peak_memory: int | None = None,
+    peaks: list[int | None] | None = None,
 ) -> None:
     """``metrics.jsonl`` (one record per step) and ``train_summary.json``: the rule's declared outputs."""
     import json
@@ -254,5 +316,6 @@ def write_summary(
         "replica_weight_digests": digests,
         # torch's allocator peak on rank 0's GPU (what snakellm.models.memory estimates, minus the CUDA context)
         "peak_gpu_memory_gib": round(peak_memory / 2**30, 3) if peak_memory is not None else None,
+        "peak_gpu_memory_gib_ranks": [round(p / 2**30, 3) for p in peaks if p is not None] if peaks else None,
     }
     write_json(req.run_dir / "train_summary.json", summary)

@@ -25,6 +25,7 @@ from snakellm.config.settings import from_namespace
 from snakellm.errors import UsageError
 from snakellm.io import checkpoint as ckpt
 from snakellm.launch import distributed as distmod
+from snakellm.models import fp8
 from snakellm.train.dataset import Blend, check_splits, read_blend
 from snakellm.train.resume import check_required, decide_resume, fingerprint
 from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
@@ -110,12 +111,30 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     model = models.resolve(args.preset, overrides)
     _check_positive(t)
     dist = distmod.detect(env)
-    models.check_parallel(model, par.tp, par.pp)
+    models.check_parallel(model, par.tp, par.pp, par.virtual_pp)
+    models.check_recompute(model, par.pp, par.virtual_pp, par.recompute, par.recompute_method, par.recompute_num_layers)
+    fp8.check_request(t.precision, args.device, model, par.tp)
     if par.sequence_parallel and par.tp == 1:
         raise RequestError(
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
         )
+    if par.overlap_param_gather and not par.distributed_optimizer:
+        raise RequestError(
+            "--overlap-param-gather overlaps the distributed optimizer's all-gather of the updated weights: "
+            "it needs --distributed-optimizer"
+        )
+    if par.fsdp and par.distributed_optimizer:
+        raise RequestError(
+            "--fsdp already shards the optimizer states (and the parameters and gradients): drop --distributed-optimizer"
+        )
+    if par.fsdp and par.pp > 1:
+        raise RequestError(
+            f"--fsdp shards over the data-parallel ranks of one pipeline stage: it needs --pp 1 (got {par.pp})"
+        )
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
+    why = models.check_pipeline_batches(par.pp, par.virtual_pp, num_micro)
+    if why:
+        raise RequestError(f"--global-batch-size {t.global_batch_size}: {why}")
     decay = t.decay_steps if t.decay_steps is not None else t.steps
     if not 0 <= t.warmup_steps <= decay:
         raise RequestError(f"--warmup-steps {t.warmup_steps} must be between 0 and the decay steps {decay}")
@@ -150,10 +169,11 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
 def run_config(req: TrainRequest, precision: str) -> dict[str, Any]:
     """The settings that define the training trajectory: fingerprinted and stored with the checkpoints."""
     t = req.train
-    cfg: dict[str, Any] = {k: getattr(t, k) for k in TRAJECTORY_KEYS if k not in ("decay_steps", "precision")}
+    skip = ("decay_steps", "precision", "fp8_recipe")
+    cfg: dict[str, Any] = {k: getattr(t, k) for k in TRAJECTORY_KEYS if k not in skip}
+    cfg.update(fp8.trajectory(precision, t.fp8_recipe))
     cfg.update(
         decay_steps=req.decay_steps,
-        precision=precision,
         model=req.model,
         padded_vocab=req.vocab,
         data=req.blend.fingerprint_items(),
@@ -188,6 +208,9 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
         for o, on in (
             ("sequence parallel", par.sequence_parallel),
             ("distributed optimizer", par.distributed_optimizer),
+            (f"{par.virtual_pp} virtual pipeline stages", par.virtual_pp > 1),
+            (f"recompute {par.recompute}", par.recompute != "none"),
+            ("FSDP", par.fsdp),
         )
         if on
     ]
@@ -213,8 +236,13 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
                 num_micro_batches=req.num_micro,
                 sequence_parallel=par.sequence_parallel,
                 distributed_optimizer=par.distributed_optimizer,
-                bf16=precision == "bf16",
+                bf16=precision in ("bf16", "fp8"),
                 gpu_gib=gpu_gib,
+                recompute=par.recompute,
+                recompute_method=par.recompute_method,
+                recompute_num_layers=par.recompute_num_layers,
+                virtual_pp=par.virtual_pp,
+                fsdp=par.fsdp,
             )
         ),
     ]

@@ -79,6 +79,7 @@ class Trainer:
         show_progress: bool = True,
         heartbeat: Callable[[int], None] | None = None,
         finalize_grads: Callable[[], None] | None = None,
+        forward_backward: Callable[[list[Batch]], Any] | None = None,
     ):
         self.model, self.optimizer, self.lr_schedule = model, optimizer, lr_schedule
         self.batches, self.loss_fn, self.num_micro = batches, loss_fn, num_micro
@@ -91,6 +92,9 @@ class Trainer:
         # needs (sequence parallelism: megatron-core's finalize_model_grads also sums the norms' gradients
         # over the tensor-parallel ranks)
         self.finalize_grads = finalize_grads or model.finish_grad_sync
+        # pipeline parallelism: a step's micro-batches go to megatron-core's schedule in one call, which
+        # returns their mean loss with the gradients finalised (snakellm.train.pipeline.Pipeline.step)
+        self.forward_backward = forward_backward
         self.last_val: float | None = None
         self.stopped_by: str | None = None
 
@@ -100,6 +104,11 @@ class Trainer:
 
         lr = self.lr_schedule.lr(step)
         self.model.zero_grad_buffer()
+        if self.forward_backward is not None:
+            mean = self.forward_backward([next(self.batches) for _ in range(self.num_micro)])
+            norm = self.optimizer.step(lr)
+            self.metrics.record(step, lr, mean, norm)
+            return
         total = None
         for m in range(self.num_micro):
             batch = self.to_device(next(self.batches))
@@ -154,6 +163,8 @@ class Trainer:
                     self.metrics.flush()
                     self.checkpoints.save(step, val)
                     self.metrics.restart_window()
+                if self.checkpoints is not None:
+                    self.checkpoints.poll()  # an asynchronous save that has finished is published
                 if reason:
                     log(
                         f"stopped at iteration {step} ({reason}); "
@@ -167,5 +178,7 @@ class Trainer:
                     self.stopped_by = early
                     break
             self.metrics.flush()
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # the last asynchronous save is published before the job ends
         self.metrics.close()
         return status

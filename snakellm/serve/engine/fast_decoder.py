@@ -451,7 +451,8 @@ class FastDecoder:
         """Warm up and capture the step for ``key`` without disturbing the rows in flight."""
 
         s = self.sampler
-        state = [self.tokens, self.pos, self.active, self.out_tokens, self.out_logprobs, s.n_gen, s.seen, self.logits]
+        state = [self.tokens, self.pos, self.active, self.out_tokens, self.out_logprobs]
+        state += [s.n_gen, s.seen, s.counts, self.logits]
         saved = [t.clone() for t in state]
         self.pos.fill_(self.max_len)  # writes land on the spare slot while warming up
         self.active.zero_()

@@ -81,9 +81,9 @@ class Request:
 
 
 def sampler_variant(requests: Sequence[Request]) -> tuple[bool, bool]:
-    """(every request greedy, some request with a repetition penalty): which sampler path their rows need."""
+    """(every request greedy, some request with a penalty or logit bias): which sampler path their rows need."""
     greedy = all(r.params.greedy for r in requests)
-    return greedy, any(r.params.repetition_penalty != 1.0 for r in requests)
+    return greedy, any(r.params.penalized for r in requests)
 
 
 class Engine:
@@ -133,6 +133,7 @@ class Engine:
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """Raise what a request that cannot be served raises: GenerationError (400) or RequestTooLarge (413)."""
         params.check()
+        params.check_vocab(self.fast.vocab)
         if not prompt:
             raise GenerationError("a prompt is empty (no tokens); set add_BOS or give some text", "sentences")
         V = self.fast.vocab

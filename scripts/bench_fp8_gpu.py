@@ -1,0 +1,681 @@
+#!/usr/bin/env python3
+"""FP8 training on one GPU: `snakellm train --precision fp8` beside bf16 and a hand-written torchao Llama.
+
+Two parts, each a few minutes on one H100 (run them as two calls, or ``--part all``):
+
+**speed** (``--part speed``): llama-1b (TinyLlama 1.1B's shape), sequence 2048,
+micro batch 16, on random ids of GPT-2's vocabulary, four runs in one session:
+
+* ``snakellm train --precision bf16`` and ``--precision fp8`` (the real command:
+  megatron-core's GPTModel, its DDP, AdamW with fp32 master weights, the fused
+  compiled loss, ``--compile``; fp8 = torchao float8 matmuls inside the block
+  linears, :mod:`snakellm.models.fp8`);
+* the reference: a hand-written plain-PyTorch Llama of the same shape (fused
+  q/k/v and gate/up linears, RoPE, SDPA with grouped-query attention, RMSNorm,
+  SwiGLU; fp32 weights under bf16 autocast, fused AdamW, gradient clipping,
+  each block ``torch.compile``'d, compiled cross-entropy), bf16 and with
+  ``torchao.float8.convert_to_float8_training`` on its block linears (output
+  layer bf16) -- what torchtitan does.
+
+It prints tokens/s (median of the logging windows after the warm-up, which
+holds compilation), MFU against the **bf16** dense peak (989.4 TFLOP/s, so
+bf16 and FP8 figures compare; 6 N + 12 L h s FLOPs per token), and peak
+memory, beside the anchors measured on one H200 (issue 30). Bars: ours FP8 >=
+0.95x the hand-written FP8 Llama, >= 1.15x ours bf16.
+
+**numerics** (``--part numerics``): llama-1b, 300 steps, bf16 vs FP8 with the
+same data, seed and schedule: the loss curve side by side, the final loss
+(mean of the last 10 steps) within 1% of bf16's, no divergence; then a resume:
+the FP8 run's checkpoint at step 200 moved into a run directory of its own
+and trained on to step 300 must continue as the uninterrupted FP8 run did (the
+first resumed step's loss bit for bit: weights, optimizer state and data
+position restored exactly; the later steps differ only by the GPU's
+non-deterministic backward kernels, whose size is printed). Micro and global
+batch 8 by default (16K tokens a step) so that the part fits ~4-5 minutes. Its
+data: ``--blend`` (a tokenized blend of GPT-2 ids), else a synthetic corpus
+with structure to learn (each token followed by one of 4 successors with
+probabilities 0.55/0.25/0.12/0.08: the loss falls from ln 50257 = 10.8 toward
+its entropy, 1.16).
+
+    python scripts/bench_fp8_gpu.py --gpus 0,1,2,3          # both parts, four lanes side by side: ~3.5 min
+    python scripts/bench_fp8_gpu.py --gpus 0,1,2            # three lanes: ~4 min
+    python scripts/bench_fp8_gpu.py --part speed            # one GPU, one run after another: ~4 min
+    python scripts/bench_fp8_gpu.py --part numerics         # one GPU: ~6 min
+    python scripts/bench_fp8_gpu.py --smoke                 # CPU, tiny-llama: the same code paths
+
+With ``--gpus`` the runs go to lanes, one per GPU (see :func:`run_parts`): ours bf16 and FP8 share a
+GPU, as do the FP8 numerics run and its resume; the hand-written runs and bf16's numerics run may be
+on others (identical GPUs of one host: the table names each run's GPU).
+
+``--smoke`` runs both parts on the CPU with tiny-llama (FP8 through torch's CPU
+``_scaled_mm`` under snakellm.models.fp8's test-only override of the GPU
+check). Output: the tables on stdout, ``bench-fp8.json`` and each run's log in
+``--out`` ($OUT if set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+VOCAB = 50257
+PEAK = 989.4  # TFLOP/s, dense bf16, H100/H200 SXM
+# issue 30, one H200, same session: (tokens/s, MFU)
+ANCHORS = {
+    "hand-written compiled Llama, bf16 (H200)": (73_483, 0.606),
+    "hand-written compiled Llama, torchao float8 (H200)": (86_187, 0.711),
+    "snakellm train bf16 (H200)": (73_170, None),
+}
+BARS = {"fp8_vs_reference_fp8": 0.95, "fp8_vs_bf16": 1.15, "final_loss_rel": 0.01}
+SUCCESSOR_P = (0.55, 0.25, 0.12, 0.08)
+ANY_DEVICE_ENV = "SNAKELLM_FP8_ANY_DEVICE"  # snakellm.models.fp8's test-only override (the smoke run on CPU)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_chain_data(root: Path, tokens: int, vocab: int = VOCAB, seed: int = 0) -> Path:
+    """A blend over documents of 2048 tokens from a first-order chain: id t is followed by one of 4 fixed
+    successors (probabilities SUCCESSOR_P), so there is something to learn and a known entropy."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    blend = root / "blend.json"
+    if blend.exists() and json.loads(blend.read_text()).get("tokens", 0) >= tokens:
+        return blend
+    root.mkdir(parents=True, exist_ok=True)
+    prefix = root / "chain_text_document"
+    rng = np.random.default_rng(seed)
+    succ = rng.integers(0, vocab - 1, size=(vocab, len(SUCCESSOR_P)))
+    cum = np.cumsum(SUCCESSOR_P)
+    doc, ndocs = 2048, tokens // 2048 + 1
+    ids = np.empty((ndocs, doc), dtype=np.int64)
+    ids[:, 0] = rng.integers(0, vocab - 1, size=ndocs)
+    for j in range(1, doc - 1):  # vectorised over the documents
+        pick = np.searchsorted(cum, rng.random(ndocs))
+        ids[:, j] = succ[ids[:, j - 1], pick]
+    ids[:, -1] = vocab - 1  # end of document
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16 if vocab < 65500 else np.int32)
+    for row in ids:
+        builder.add_document(torch.from_numpy(row), [doc])
+    builder.finalize(f"{prefix}.idx")
+    tok = {"name": "gpt2", "kind": "gpt2-bpe", "vocab_size": vocab, "eod_id": vocab - 1}
+    blend.write_text(json.dumps({"data_prefix": [1.0, str(prefix)], "tokenizer": tok, "tokens": tokens}))
+    return blend
+
+
+def chain_entropy() -> float:
+    return -sum(p * math.log(p) for p in SUCCESSOR_P)
+
+
+# ----------------------------------------------------------------------------- snakellm train
+
+
+def train(
+    args, name: str, blend: Path, out: Path, precision: str, *, mbs: int, gbs: int, steps: int, warmup: int, extra=()
+):
+    """One `snakellm train` run; returns its metrics records, summary and wall time (or the error)."""
+    run_dir = Path(args.workdir) / "runs" / name
+    if run_dir.exists() and not any(a == "--keep-run-dir" for a in extra):
+        shutil.rmtree(run_dir)
+    extra = [a for a in extra if a != "--keep-run-dir"]
+    cmd = [sys.executable, "-m", "snakellm.cli", "train", "--blend", str(blend), "--run-dir", str(run_dir)]
+    cmd += ["--preset", args.preset, "--seq-length", str(args.seq_length), "--device", args.device]
+    cmd += ["--steps", str(steps), "--decay-steps", str(steps), "--micro-batch-size", str(mbs)]
+    cmd += ["--global-batch-size", str(gbs), "--precision", precision, "--fp8-recipe", args.recipe]
+    cmd += ["--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--warmup-steps", str(warmup)]
+    cmd += ["--log-interval", str(args.log_interval), "--eval-iters", "0", "--split", "100,0,0"]
+    cmd += ["--no-tensorboard", "--no-progress", "--seed", "1234"]
+    cmd += ["--loss", "compiled" if args.device != "cpu" else "eager"]
+    cmd += ["--compile"] if args.compile else []
+    cmd += list(extra)
+    log = out / f"{name}.log"
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    if args.smoke:
+        env[ANY_DEVICE_ENV] = "1"
+    if args.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
+    t0 = time.time()
+    with open(log, "w") as fh:
+        try:
+            proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=_timeout(args), cwd=REPO)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    res: dict = {"name": name, "precision": precision, "rc": rc, "wall_s": round(time.time() - t0, 1)}
+    if rc == 124:
+        res["error"] = f"timed out (--budget-s/--timeout); {log}:\n" + log.read_text()[-1500:]
+        return res
+    metrics = run_dir / "metrics.jsonl"
+    if rc != 0 or not metrics.exists():
+        res["error"] = log.read_text()[-3000:]
+        return res
+    recs = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    res.update(
+        run_dir=str(run_dir),
+        losses={r["step"]: r["loss"] for r in recs if "loss" in r},
+        tokens_per_s=_steady(recs, args.warmup_steps),
+        flops_per_token=summary["flops_per_token"],
+        peak_gib=summary.get("peak_gpu_memory_gib"),
+        final_loss=summary["final_loss"],
+    )
+    return res
+
+
+def _steady(recs: list[dict], warmup: int) -> float | None:
+    """Median tokens/s of the logging windows that start after ``warmup`` (every record of a window carries it)."""
+    windows: dict[float, int] = {}
+    for r in recs:
+        if r.get("tokens_per_s"):
+            windows.setdefault(r["tokens_per_s"], r["step"])
+    steady = [tps for tps, first in windows.items() if first > warmup]
+    return statistics.median(steady) if steady else None
+
+
+# ----------------------------------------------------------------------------- the hand-written reference
+
+
+def reference_worker(spec: dict) -> dict:
+    """Train the hand-written Llama for ``spec['steps']`` steps; tokens/s after the warm-up, peak memory."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from snakellm import models
+
+    dev = torch.device(spec["device"] if spec["device"] != "cuda" else "cuda:0")
+    cuda = dev.type == "cuda"
+    arch = models.resolve(spec["preset"], {"seq_length": spec["seq_length"]})
+    vocab = models.padded_vocab_size(spec["vocab"], arch, 1)
+    h, heads, groups, ffn = (
+        arch["hidden_size"],
+        arch["num_attention_heads"],
+        arch["num_query_groups"],
+        arch["ffn_hidden_size"],
+    )
+    hd, eps, seq = h // heads, arch["layernorm_epsilon"], arch["seq_length"]
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn_norm, self.mlp_norm = nn.RMSNorm(h, eps=eps), nn.RMSNorm(h, eps=eps)
+            self.qkv = nn.Linear(h, (heads + 2 * groups) * hd, bias=False)
+            self.proj = nn.Linear(h, h, bias=False)
+            self.fc1 = nn.Linear(h, 2 * ffn, bias=False)  # [gate; up]
+            self.fc2 = nn.Linear(ffn, h, bias=False)
+
+        def forward(self, x, cos, sin):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.attn_norm(x)).split([heads * hd, groups * hd, groups * hd], dim=-1)
+            q, k, v = (y.view(b, t, -1, hd).transpose(1, 2) for y in (q, k, v))
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups < heads)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+            gate, up = self.fc1(self.mlp_norm(x)).chunk(2, dim=-1)
+            return x + self.fc2(F.silu(gate) * up)
+
+    def rope(x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    class Llama(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, h)
+            self.layers = nn.ModuleList(Block() for _ in range(arch["num_layers"]))
+            self.norm = nn.RMSNorm(h, eps=eps)
+            self.output = nn.Linear(h, vocab, bias=False)
+            inv = 1.0 / (arch["rotary_base"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+            ang = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
+            ang = torch.cat((ang, ang), dim=-1)
+            self.register_buffer("cos", ang.cos(), persistent=False)
+            self.register_buffer("sin", ang.sin(), persistent=False)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            cos, sin = self.cos.to(torch.bfloat16), self.sin.to(torch.bfloat16)
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            return self.output(self.norm(x))
+
+    torch.manual_seed(0)
+    model = Llama().to(dev)
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, std=arch["init_method_std"])
+    if spec["fp8"]:
+        import logging
+
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model,
+            module_filter_fn=lambda m, fqn: fqn != "output",
+            config=Float8LinearConfig.from_recipe_name(spec["recipe"]),
+        )
+    if spec["compile"]:
+        for layer in model.layers:
+            layer.compile(dynamic=False)
+    loss_fn = lambda logits, y: F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # noqa: E731
+    if spec["compile"]:
+        loss_fn = torch.compile(loss_fn, dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+    mbs, accum = spec["micro_batch_size"], spec["global_batch_size"] // spec["micro_batch_size"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    losses, t_start = [], None
+    for step in range(1, spec["steps"] + 1):
+        if step == spec["warmup_steps"] + 1:
+            sync()
+            t_start = time.perf_counter()
+        for _ in range(accum):
+            ids = torch.randint(0, spec["vocab"], (mbs, seq + 1), device=dev, generator=gen)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logits = model(ids[:, :-1])
+            loss = loss_fn(logits, ids[:, 1:]) / accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach() * accum)
+    sync()
+    timed = spec["steps"] - spec["warmup_steps"]
+    tps = timed * spec["global_batch_size"] * seq / (time.perf_counter() - t_start) if t_start and timed else None
+    return {
+        "tokens_per_s": tps,
+        "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 3) if cuda else None,
+        "last_loss": float(losses[-1]),
+        "flops_per_token": models.flops_per_token(arch, vocab),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def reference(args, name: str, out: Path, fp8: bool) -> dict:
+    spec = {
+        "device": args.device,
+        "preset": args.preset,
+        "seq_length": args.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": args.global_batch_size,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "compile": args.compile,
+        "fp8": fp8,
+        "recipe": args.recipe,
+        "vocab": args.vocab,
+    }
+    log = out / f"{name}.log"
+    t0 = time.time()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(args.gpu)
+    with open(log, "w") as fh:
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--reference-worker", json.dumps(spec)],
+                stdout=subprocess.PIPE,
+                stderr=fh,
+                text=True,
+                env=env,
+                timeout=_timeout(args),
+            )
+        except subprocess.TimeoutExpired:
+            return {"name": name, "rc": 124, "wall_s": round(time.time() - t0, 1), "error": f"timed out; {log}"}
+    res = {"name": name, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1)}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        res["error"] = log.read_text()[-3000:]
+        return res
+    res.update(json.loads(lines[-1]))
+    return res
+
+
+# ----------------------------------------------------------------------------- the parts
+
+
+def mfu(r: dict, peak: float) -> float | None:
+    return r["tokens_per_s"] * r["flops_per_token"] / (peak * 1e12) if r.get("tokens_per_s") else None
+
+
+def speed_data(args) -> Path:
+    from bench_train_gpu import make_data
+
+    return make_data(
+        Path(args.workdir) / f"data-random-{args.vocab}",
+        int(args.steps * args.global_batch_size * (args.seq_length + 1) * 1.05),
+        vocab=args.vocab,
+    )
+
+
+def numerics_data(args) -> Path:
+    if args.blend:
+        return Path(args.blend)
+    steps, gbs = args.numerics_steps, args.numerics_global_batch_size
+    root = Path(args.workdir) / f"data-chain-{args.vocab}"
+    return make_chain_data(root, int(steps * gbs * (args.seq_length + 1) * 1.05), vocab=args.vocab)
+
+
+SPEED_LABELS = {
+    "speed-bf16": "snakellm train bf16",
+    "speed-fp8": "snakellm train fp8",
+    "reference-bf16": "hand-written Llama bf16",
+    "reference-fp8": "hand-written Llama torchao fp8",
+}
+
+
+def speed_run(args, out: Path, blend: Path, name: str) -> dict:
+    kw = dict(mbs=args.micro_batch_size, gbs=args.global_batch_size, steps=args.steps, warmup=min(2, args.steps))
+    if name.startswith("speed-"):
+        r = train(args, name, blend, out, name.split("-")[1], **kw, extra=["--no-checkpoints"])
+    else:
+        r = reference(args, name, out, fp8=name.endswith("fp8"))
+    r["label"] = SPEED_LABELS[name] + (f" ({args.recipe})" if name.endswith("fp8") else "")
+    r["gpu"] = args.gpu
+    ok = f"{r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else f"FAILED rc={r['rc']}\n{r.get('error', '')}"
+    print(f"  {r['label']} (GPU {args.gpu or '-'}): {ok} [{r['wall_s']}s]", flush=True)
+    return r
+
+
+def report_speed(args, rows: dict[str, dict]) -> dict:
+    gpus = sorted({str(r.get("gpu")) for r in rows.values()})
+    print(
+        f"\n{args.preset}, seq {args.seq_length}, micro batch {args.micro_batch_size}, global batch "
+        f"{args.global_batch_size}, {args.steps} steps (median of windows after step {args.warmup_steps}), "
+        f"{'compiled' if args.compile else 'eager'}, {_device_name()} (GPU {', '.join(gpus)}); MFU against the "
+        f"bf16 peak {args.peak_tflops} TFLOP/s"
+    )
+    print(f"{'':60s} {'tokens/s':>10s} {'MFU':>7s} {'peak GiB':>9s} {'GPU':>4s}")
+    for label, (tps, m) in ANCHORS.items():
+        print(f"{'[anchor] ' + label:60s} {tps:>10,} {f'{m:.1%}' if m else '':>7s} {'':>9s}")
+    for r in rows.values():
+        m = mfu(r, args.peak_tflops)
+        tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "failed"
+        peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
+        print(f"{r['label']:60s} {tps:>10s} {f'{m:.1%}' if m else '-':>7s} {peak:>9s} {str(r.get('gpu')):>4s}")
+    if not all(r.get("tokens_per_s") for r in rows.values()):
+        return {}
+    t = {k: r["tokens_per_s"] for k, r in rows.items()}
+    a, b = t["speed-fp8"] / t["reference-fp8"], t["speed-fp8"] / t["speed-bf16"]
+    c, d = t["reference-fp8"] / t["reference-bf16"], t["speed-bf16"] / t["reference-bf16"]
+    bar_a, bar_b = BARS["fp8_vs_reference_fp8"], BARS["fp8_vs_bf16"]
+    print(f"ours fp8 / hand-written fp8:   {a:.3f}x (bar >= {bar_a}): {'PASS' if a >= bar_a else 'FAIL'}")
+    print(f"ours fp8 / ours bf16:          {b:.3f}x (bar >= {bar_b}): {'PASS' if b >= bar_b else 'FAIL'}")
+    print(f"hand-written fp8 / bf16:       {c:.3f}x (the issue's H200 anchor: 1.173x)")
+    print(f"ours bf16 / hand-written bf16: {d:.3f}x")
+    return {
+        "fp8_vs_reference_fp8": a,
+        "fp8_vs_bf16": b,
+        "reference_fp8_vs_bf16": c,
+        "bf16_vs_reference_bf16": d,
+        "pass": a >= bar_a and b >= bar_b,
+    }
+
+
+def numerics_kw(args) -> dict:
+    return dict(
+        mbs=args.numerics_micro_batch_size,
+        gbs=args.numerics_global_batch_size,
+        steps=args.numerics_steps,
+        warmup=args.lr_warmup,
+    )
+
+
+def numerics_bf16(args, out: Path, blend: Path) -> dict:
+    r = train(args, "numerics-bf16", blend, out, "bf16", **numerics_kw(args), extra=["--no-checkpoints"])
+    print(f"  numerics bf16 {args.numerics_steps} steps (GPU {args.gpu}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
+    return r
+
+
+def numerics_fp8(args, out: Path, blend: Path) -> tuple[dict, dict]:
+    """The uninterrupted FP8 run (a checkpoint at --resume-at), then the resumed one on the same GPU."""
+    at = args.resume_at
+    extra = ["--save-interval", str(at), "--keep-last", "2"]
+    fp8 = train(args, "numerics-fp8", blend, out, "fp8", **numerics_kw(args), extra=extra)
+    print(f"  numerics fp8 {args.numerics_steps} steps (GPU {args.gpu}): rc {fp8['rc']} [{fp8['wall_s']}s]", flush=True)
+    if fp8["rc"]:
+        return fp8, {"name": "numerics-fp8-resumed", "rc": -1, "wall_s": 0, "error": "the FP8 run failed"}
+    resumed = _resume_run(args, blend, out, fp8, numerics_kw(args), at)
+    print(f"  numerics fp8 resumed at {at} (GPU {args.gpu}): rc {resumed['rc']} [{resumed['wall_s']}s]", flush=True)
+    return fp8, resumed
+
+
+def report_numerics(args, blend: Path, bf16: dict, fp8: dict, resumed: dict) -> dict:
+    steps, at = args.numerics_steps, args.resume_at
+    mbs, gbs = args.numerics_micro_batch_size, args.numerics_global_batch_size
+    for r in (bf16, fp8, resumed):
+        if r["rc"]:
+            print(f"FAILED {r['name']}:\n{r.get('error', '')}")
+    if bf16["rc"] or fp8["rc"]:
+        return {}
+    a, b = bf16["losses"], fp8["losses"]
+    rl = resumed.get("losses", {})
+    every = max(1, steps // 30)
+    print(
+        f"\nloss curve ({args.preset}, seq {args.seq_length}, micro {mbs} / global batch {gbs}, lr {args.lr}, "
+        f"{f'chain data: entropy {chain_entropy():.3f}' if not args.blend else blend}, {_device_name()}; "
+        f"bf16 on GPU {bf16.get('gpu')}, fp8 and resumed on GPU {fp8.get('gpu')})"
+    )
+    print(f"{'step':>5s} {'bf16':>9s} {'fp8':>9s} {'fp8/bf16-1':>11s}" + (f" {'resumed':>9s}" if rl else ""))
+    for s in sorted(a):
+        if s == 1 or s % every == 0 or s == steps or s == at + 1:
+            rr = rl.get(s)
+            line = f"{s:>5d} {a[s]:>9.4f} {b[s]:>9.4f} {b[s] / a[s] - 1:>+11.2%}"
+            print(line + (f" {rr:>9.4f}" if rr is not None else ""))
+    rel = fp8["final_loss"] / bf16["final_loss"] - 1
+    finite = all(math.isfinite(v) for v in b.values())
+    worst = max(abs(b[s] / a[s] - 1) for s in a if s > steps // 10)
+    ok = abs(rel) <= BARS["final_loss_rel"] and finite
+    print(
+        f"final loss (mean of the last 10 steps): bf16 {bf16['final_loss']:.4f}, fp8 {fp8['final_loss']:.4f}, "
+        f"{rel:+.3%} (bar within {BARS['final_loss_rel']:.0%}): {'PASS' if ok else 'FAIL'}; all finite: {finite}; "
+        f"largest step difference after step {steps // 10}: {worst:.2%}"
+    )
+    peaks = f"peak GiB: bf16 {bf16.get('peak_gib')}, fp8 {fp8.get('peak_gib')}"
+    tps = f"tokens/s: bf16 {bf16.get('tokens_per_s') or 0:,.0f}, fp8 {fp8.get('tokens_per_s') or 0:,.0f}"
+    print(f"{tps}; {peaks} (micro batch {mbs})")
+    verdict: dict = {"final_rel": rel, "finite": finite, "worst_step_rel": worst, "pass": ok}
+    if rl:
+        first = rl.get(at + 1) == b.get(at + 1)
+        diffs = [abs(rl[s] - b[s]) for s in rl if s in b]
+        same = all(d == 0 for d in diffs)
+        after = "every step identical" if same else f"largest difference afterwards {max(diffs):.2e}"
+        print(
+            f"resume from step {at}: steps {min(rl)}-{max(rl)}; first resumed step's loss "
+            f"{'identical' if first else 'DIFFERENT'} ({rl.get(at + 1)!r} vs {b.get(at + 1)!r}); {after}; "
+            f"last step's loss {rl[max(rl)]:.6f} vs {b[max(rl)]:.6f}: {'PASS' if first else 'FAIL'}"
+        )
+        verdict.update(
+            resume_first_step_identical=first,
+            resume_all_identical=same,
+            resume_max_abs_diff=max(diffs) if diffs else None,
+        )
+        verdict["pass"] = ok and first
+    return verdict
+
+
+def _resume_run(args, blend: Path, out: Path, fp8: dict, kw: dict, at: int) -> dict:
+    """Move the uninterrupted FP8 run's checkpoint at ``at`` into a run directory of its own and train on."""
+    src = Path(fp8["run_dir"]) / "checkpoints"
+    dst_run = Path(args.workdir) / "runs" / "numerics-fp8-resumed"
+    if dst_run.exists():
+        shutil.rmtree(dst_run)
+    (dst_run / "checkpoints").mkdir(parents=True)
+    it = f"iter_{at:07d}"
+    if not (src / it).exists():
+        return {"name": "numerics-fp8-resumed", "rc": -1, "wall_s": 0, "error": f"{src / it} missing"}
+    os.rename(src / it, dst_run / "checkpoints" / it)  # a move: no copy of ~15 GB
+    shutil.copy(src / "run_config.json", dst_run / "checkpoints" / "run_config.json")
+    (dst_run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(at))
+    extra = ["--keep-run-dir", "--resume", "require", "--no-checkpoints"]
+    return train(args, "numerics-fp8-resumed", blend, out, "fp8", **kw, extra=extra)
+
+
+def _timeout(args) -> float:
+    """A run's time limit: --timeout, and what is left of --budget-s (so the tables still print)."""
+    if args.deadline is None:
+        return args.timeout
+    return max(1.0, min(args.timeout, args.deadline - time.time()))
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--part", choices=("speed", "numerics", "all"), default="all")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny-llama, a few steps: the same code paths")
+    p.add_argument("--preset", default="llama-1b")
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--recipe", choices=("tensorwise", "rowwise"), default="tensorwise", help="fp8_recipe")
+    p.add_argument("--micro-batch-size", type=int, default=16, help="speed part")
+    p.add_argument("--global-batch-size", type=int, default=16, help="speed part")
+    p.add_argument("--steps", type=int, default=12, help="speed part: steps per run")
+    p.add_argument("--warmup-steps", type=int, default=4, help="speed part: steps left out (compilation)")
+    p.add_argument("--log-interval", type=int, default=2)
+    p.add_argument("--numerics-steps", type=int, default=300)
+    p.add_argument("--numerics-micro-batch-size", type=int, default=8)
+    p.add_argument("--numerics-global-batch-size", type=int, default=8)
+    p.add_argument("--resume-at", type=int, default=200, help="numerics: the checkpoint the resumed run starts from")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr-warmup", type=int, default=30)
+    p.add_argument("--blend", default=None, help="numerics data: a blend.json of GPT-2 ids (default: the chain corpus)")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="leave out torch.compile")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="ids of the data (GPT-2's vocabulary)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="comma-separated GPU ids to run lanes side by side (4: ours | hand-written | fp8 numerics + resume | "
+        "bf16 numerics); default: everything on the visible GPU, one run after another",
+    )
+    p.add_argument("--peak-tflops", type=float, default=PEAK, help="bf16 dense peak per GPU for MFU (also for FP8)")
+    p.add_argument("--workdir", default="/tmp/snakellm-bench-fp8")
+    p.add_argument("--out", default=None, help="logs and bench-fp8.json (default: $OUT, else bench-out)")
+    p.add_argument("--timeout", type=float, default=580, help="seconds a run may take")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop every run this long after the start, so that the tables of what finished print before an outer "
+        "time limit",
+    )
+    p.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.deadline = time.time() + args.budget_s if args.budget_s else None
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"megatron\..*")  # "Transformer Engine and Apex are not installed"
+    if args.reference_worker:
+        print(json.dumps(reference_worker(json.loads(args.reference_worker))), flush=True)
+        return 0
+    if args.smoke:
+        args.device, args.compile, args.preset, args.seq_length, args.vocab = "cpu", False, "tiny-llama", 128, 256
+        args.micro_batch_size, args.global_batch_size, args.steps, args.warmup_steps = 2, 4, 4, 1
+        args.log_interval, args.lr_warmup, args.lr = 1, 2, 3e-3
+        args.numerics_steps, args.numerics_micro_batch_size, args.numerics_global_batch_size = 8, 2, 4
+        args.resume_at, args.timeout = 4, 300
+        args.workdir = tempfile.mkdtemp(prefix="snakellm-bench-fp8-smoke-")  # removed at the end
+    out = Path(args.out or os.environ.get("OUT") or (Path(args.workdir) / "out" if args.smoke else "bench-out"))
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        results = run_parts(args, out)
+        results["args"] = vars(args)
+        (out / "bench-fp8.json").write_text(json.dumps(results, indent=1, default=str))
+        print(f"\ntotal {time.time() - t0:.0f}s; results in {out / 'bench-fp8.json'}")
+    finally:
+        if args.smoke:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+    parts = [results[k].get("verdict", {}) for k in ("speed", "numerics") if k in results]
+    ran = all(parts)  # every part produced its figures
+    if args.smoke:  # the CPU is deterministic: the resumed run must repeat the uninterrupted one exactly
+        return 0 if ran and results.get("numerics", {}).get("verdict", {}).get("resume_all_identical", True) else 1
+    return 0 if ran and all(v.get("pass") for v in parts) else 1
+
+
+def run_parts(args, out: Path) -> dict:
+    """The runs of the parts asked for, in lanes: one lane per GPU of ``--gpus`` (or all in one lane).
+
+    With four GPUs: ours bf16 and fp8 on the first (their ratio on one device), the two hand-written
+    runs on the second, the FP8 numerics run and its resumed run on the third (the resume is compared
+    on the device of the uninterrupted run), bf16's numerics run on the fourth; with three, bf16's
+    numerics run follows the hand-written runs; with two, lanes share further.
+    """
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    speed, numerics = args.part in ("speed", "all"), args.part in ("numerics", "all")
+    sblend = speed_data(args) if speed else None
+    nblend = numerics_data(args) if numerics else None
+    jobs: list[tuple[str, object]] = []  # (lane key, thunk taking the lane's args)
+    if speed:
+        for name in ("speed-bf16", "speed-fp8"):
+            jobs.append(("ours", lambda a, n=name: ("speed", n, speed_run(a, out, sblend, n))))
+        for name in ("reference-bf16", "reference-fp8"):
+            jobs.append(("reference", lambda a, n=name: ("speed", n, speed_run(a, out, sblend, n))))
+    if numerics:
+        jobs.append(("numerics-fp8", lambda a: ("numerics", "fp8", numerics_fp8(a, out, nblend))))
+        jobs.append(("numerics-bf16", lambda a: ("numerics", "bf16", numerics_bf16(a, out, nblend))))
+    gpus = [g for g in (args.gpus or "").split(",") if g][:4] or [None]
+    keys = list(dict.fromkeys(k for k, _ in jobs))
+    # the longest lanes apart: fp8 numerics + resume ~200 s, hand-written ~95 s + bf16 numerics ~135 s, ours ~130 s
+    plan = {1: (0, 0, 0, 0), 2: (0, 1, 1, 0), 3: (0, 1, 2, 1), 4: (0, 1, 2, 3)}[len(gpus)]
+    lane_of = {k: plan[("ours", "reference", "numerics-fp8", "numerics-bf16").index(k)] for k in keys}
+    lanes: dict[int, list] = {}
+    for k, job in jobs:
+        lanes.setdefault(lane_of[k], []).append(job)
+    print(
+        f"== {args.part}: {args.preset}; lanes: "
+        + "; ".join(f"GPU {gpus[i]}: {', '.join(k for k in keys if lane_of[k] == i)}" for i in sorted(lanes)),
+        flush=True,
+    )
+
+    def run_lane(i: int) -> list:
+        a = copy.copy(args)
+        a.gpu = gpus[i]  # None: the visible device(s), not restricted
+        return [job(a) for job in lanes[i]]
+
+    with ThreadPoolExecutor(len(lanes)) as pool:
+        done = [r for rs in pool.map(run_lane, sorted(lanes)) for r in rs]
+    results: dict = {}
+    if speed:
+        rows = {n: r for part, n, r in done if part == "speed"}
+        rows = {n: rows[n] for n in SPEED_LABELS}
+        results["speed"] = {"rows": list(rows.values()), "verdict": report_speed(args, rows)}
+    if numerics:
+        got = {n: r for part, n, r in done if part == "numerics"}
+        (fp8, resumed), bf16 = got["fp8"], got["bf16"]
+        for r, lane in ((fp8, "numerics-fp8"), (resumed, "numerics-fp8"), (bf16, "numerics-bf16")):
+            r["gpu"] = gpus[lane_of[lane]]
+        verdict = report_numerics(args, nblend, bf16, fp8, resumed)
+        results["numerics"] = {"bf16": bf16, "fp8": fp8, "resumed": resumed, "verdict": verdict}
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+#!/bin/bash
+# Issue 31's GPU figures at 8B, unattended, about 7-8 minutes on 4 H100s (80 GB) or H200s:
+#   A  LoRA (all linears, rank 32) on Llama 3.1 8B's shape, sequence 4096, one GPU
+#      (bar 12,500 tokens/s; NeMo AutoModel's anchor 12,473 tokens/s/GPU)        GPU 0
+#   B  8B generation: engine batch 1 vs the bandwidth bound (bar >= 60%), batch 32 vs
+#      transformers' generate (bar >= 5x), evaluation-shaped prompts (examples/s)  GPU 1, beside A
+#   C  the same LoRA tensor parallel over 4 GPUs (the seed's layout; bar: >= 70% scaling per GPU)
+#   D  full SFT of the same shape, TP 4 on 4 GPUs (bar: 50% MFU)
+# Every stage has its own time limit; a failed stage is reported (its log's tail) and the next one
+# runs. Printed per stage: exit status, wall time, its figures; at the end the peak memory of
+# each GPU over the run (nvidia-smi every second) and a one-line summary per figure.
+#
+#   bash scripts/gpu_8b.sh                       # from the repository root; logs and JSON to $OUT
+#   PRESET=llama2-7b bash scripts/gpu_8b.sh      # Llama-2 7B's shape instead
+#   SMOKE=1 bash scripts/gpu_8b.sh               # CPU, tiny model: the same stages in a minute or two
+#   STAGES=CD ONE=13414 STEPS=6 bash scripts/gpu_8b.sh   # only the 4-GPU stages (<= 4.5 min), the one-GPU LoRA
+#                                                # figure from an earlier run (same card) for the scaling
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu8b-out}
+W=${W:-/tmp/gpu8b-work}
+PRESET=${PRESET:-llama3-8b}
+SMOKE=${SMOKE:-0}
+STAGES=${STAGES:-ABCD}
+STEPS=${STEPS:-8}
+ONE=${ONE:-}
+mkdir -p "$OUT" "$W"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+T0=$(date +%s)
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, print its figures
+  local name=$1 limit=$2 s rc
+  shift 2
+  s=$(date +%s)
+  echo "=== $name: start at +$((s - T0)) s: $*"
+  timeout -k 20 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  {
+    echo "=== $name: exit $rc$([ $rc -eq 124 ] && echo ' (time limit)'), wall $(($(date +%s) - s)) s"
+    grep -E "tokens/s|bar:|bound|examples/s|peak|FAILED|smoke:|base checkpoint|model:" "$OUT/$name.log" | cut -c1-600 | tail -30
+    [ $rc -ne 0 ] && { echo "--- $name: last lines"; tail -25 "$OUT/$name.log" | cut -c1-400; }
+  } | tee "$OUT/$name.summary"
+  return $rc
+}
+
+if [ "$SMOKE" = 1 ]; then
+  FT=(python scripts/bench_finetune_gpu.py --smoke --workdir "$W")
+  GEN=(python scripts/bench_generate_gpu.py --smoke)
+  TP=1
+else
+  nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 1 >"$OUT/gpu-memory.csv" 2>/dev/null &
+  SMI=$!
+  python -c "import torch, megatron.core, transformers; print('torch', torch.__version__, 'megatron-core', \
+megatron.core.__version__, 'transformers', transformers.__version__, 'GPUs', torch.cuda.device_count())"
+  FT=(python scripts/bench_finetune_gpu.py --preset "$PRESET" --seq-length 4096 --micro-batch-size 1
+    --global-batch-size 8 --steps "$STEPS" --warmup-steps $((STEPS > 6 ? 3 : 2)) --workdir "$W" --timeout 240)
+  GEN=(python scripts/bench_generate_gpu.py --preset "$PRESET" --batch-sizes 1,32 --repeats 2 --clients 0
+    --eval-prompts 256 --no-eager)
+  TP=4
+fi
+
+# A and B side by side (GPU 0: the base checkpoint, then LoRA on one GPU; GPU 1: generation)
+GEN_PID=""
+if [[ $STAGES == *B* ]]; then
+  CUDA_VISIBLE_DEVICES=1 stage B-generate 280 "${GEN[@]}" --json "$OUT/generate.json" &
+  GEN_PID=$!
+fi
+if [[ $STAGES == *A* ]]; then
+  CUDA_VISIBLE_DEVICES=0 stage A-lora-1gpu 280 "${FT[@]}" --methods lora-all --out "$OUT/A"
+  ONE=$(python -c "import json; r=json.load(open('$OUT/A/bench_finetune.json'))[0]; print(r.get('tokens_per_s', 0))" \
+    2>/dev/null || echo 0)
+fi
+[ -n "$GEN_PID" ] && wait $GEN_PID
+if [ "$SMOKE" != 1 ]; then
+  # worst case 280 + 2 x 150 s: under the 10-minute call with the start and the summary (C makes the base
+  # checkpoint, ~55 s, when A did not run)
+  [[ $STAGES == *C* ]] && stage C-lora-tp4 $([[ $STAGES == *A* ]] && echo 150 || echo 145) "${FT[@]}" --timeout 135 \
+    --methods lora-all --tp $TP --tp-only --one-gpu-tokens-per-s "${ONE:-0}" --out "$OUT/C"
+  [[ $STAGES == *D* ]] && stage D-full-tp4 $([[ $STAGES == *A* ]] && echo 150 || echo 125) "${FT[@]}" --timeout 115 \
+    --methods full --tp $TP --tp-only --out "$OUT/D"
+  kill "$SMI" 2>/dev/null
+  echo "=== peak GPU memory over the run (MiB, nvidia-smi every second):"
+  awk -F', ' '{ if ($2 > m[$1]) m[$1] = $2 } END { for (g in m) print "GPU " g ": " m[g] " MiB" }' "$OUT/gpu-memory.csv" | sort
+fi
+echo "=== summary ($PRESET, total $(($(date +%s) - T0)) s)"
+python - "$OUT" "$PRESET" <<'PY'
+import json, sys
+from pathlib import Path
+out, preset = Path(sys.argv[1]), sys.argv[2]
+def rows(stage):
+    p = out / stage / "bench_finetune.json"
+    return json.loads(p.read_text()) if p.exists() else []
+for stage, what in (("A", "LoRA, one GPU"), ("C", "LoRA, TP 4"), ("D", "full SFT, TP 4")):
+    for r in rows(stage):
+        if "error" in r:
+            print(f"{what}: FAILED ({r['error']})")
+            continue
+        extra = ""
+        if stage == "A":
+            extra = f"; bar 12,500: {'PASS' if r['tokens_per_s_per_gpu'] >= 12500 else 'FAIL'} (AutoModel 12,473)"
+        if stage == "C" and "scaling_efficiency" in r:
+            e = r["scaling_efficiency"]
+            extra = f"; scaling {e:.0%} per GPU, bar 70%: {'PASS' if e >= 0.7 else 'FAIL'}"
+        if stage == "D" and r.get("mfu") is not None:
+            extra = f"; MFU {r['mfu']:.1%}, bar 50%: {'PASS' if r['mfu'] >= 0.5 else 'FAIL'}"
+        print(f"{what}: {r['tokens_per_s_per_gpu']:,} tokens/s/GPU, peak {r.get('peak_gpu_memory_gib')} GiB, "
+              f"wall {r['wall_s']} s{extra}")
+g = out / "generate.json"
+if g.exists():
+    j = json.loads(g.read_text())
+    bound = j["bound"]["tokens_per_s"]
+    for b, r in j.get("batches", {}).items():
+        v = r["engine_tokens_per_s"]
+        if b == "1":
+            print(f"generation batch 1: {v:,.0f} tokens/s = {v / bound:.0%} of the bound {bound:,.0f}, "
+                  f"bar 60%: {'PASS' if v >= 0.6 * bound else 'FAIL'}")
+        else:
+            s = r["speedup_vs_transformers"]
+            print(f"generation batch {b}: {v:,.0f} tokens/s, {s:.2f}x transformers "
+                  f"({r['transformers_tokens_per_s']:,.0f}), bar 5x: {'PASS' if s >= 5 else 'FAIL'}")
+    if "eval" in j:
+        print(f"evaluation-shaped prompts through the engine: {j['eval']['engine_examples_per_s']:.1f} examples/s")
+else:
+    print("generation: no results (see B-generate.log)")
+PY

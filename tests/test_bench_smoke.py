@@ -1,0 +1,120 @@
+"""Every scripts/bench_*.py runs: ``python scripts/bench_X.py --smoke`` (a CPU run of seconds, a tiny model,
+the same code path as the real benchmark) exits 0 and prints its figures, each parsable and positive.
+
+The scripts are found by glob: a new benchmark without ``--smoke`` fails here (argparse rejects the flag),
+and one without an entry in FIGURES must still print a figure. The smokes of a session start together in a
+pool of two threads (module fixture) and each test waits for its own: on 2 cores that overlaps one
+script's imports with another's work. Those whose smoke takes more than ~10 s (several processes that
+each import torch and megatron-core) are marked slow.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+from conftest import REPO, env_with_venv
+
+SCRIPTS = sorted(p.stem for p in (REPO / "scripts").glob("bench_*.py"))
+
+NUM = r"([\d,]+(?:\.\d+)?)"
+# script -> patterns that must each match a line of its output; every group is a figure (> 0)
+FIGURES: dict[str, list[str]] = {
+    "bench_chunk": [
+        rf"zstd -dc > /dev/null\s+{NUM} MB/s",
+        rf"snakellm chunk -t1\s+{NUM} MB/s",
+        rf"snakellm chunk -t2\s+{NUM} MB/s\s+\({NUM} s, {NUM} documents validated, {NUM}x zstd's time\)",
+    ],
+    "bench_plan": [
+        rf"http: snakemake -n\s+{NUM} s \(\s*{NUM} s CPU\)\s+{NUM} MB peak",
+        rf"local: snakemake -n\s+{NUM} s",
+        rf"local: no-op rerun\s+{NUM} s",
+        r"local source jobs: \{'chunk': (2),",
+    ],
+    "bench_convert": [
+        rf"^{step}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$" for step in ("import-hf", "export-hf", "export-nemo")
+    ],
+    "bench_serve_cpu": [
+        rf"engine: 4 requests x 4 tokens: sequential {NUM} req/s, 2 parallel clients {NUM} req/s = {NUM}x",
+        rf"single_worker: 4 requests x 4 tokens: sequential {NUM} req/s",
+    ],
+    "bench_generate_gpu": [
+        rf"batch   1 tokens/s: engine {NUM} \| engine_unfused {NUM} \| eager {NUM} \| transformers {NUM}",
+        rf"batch   4 tokens/s: engine {NUM}",
+        rf"engine, 4 streaming clients: concurrent {NUM} req/s vs sequential {NUM} req/s",
+        rf"evaluation-shaped, 8 prompts .*: engine {NUM} examples/s",
+    ],
+    "bench_fp8_gpu": [
+        rf"^snakellm train fp8 \(tensorwise\)\s+{NUM}",
+        rf"^hand-written Llama torchao fp8 \(tensorwise\)\s+{NUM}",
+        rf"final loss \(mean of the last 10 steps\): bf16 {NUM}, fp8 {NUM}",
+        r"first resumed step's loss identical .*; every step identical",
+    ],
+    "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
+    "bench_finetune_gpu": [rf'"method": "{m}", "tp": 1, "tokens_per_s": {NUM},' for m in ("lora", "full")],
+    "bench_parallel_gpu": [rf"\| tiny \| 1 GPU \| 1 \| {NUM} \|", rf"\| tiny \| DP=2 \| 2 \| {NUM} \| {NUM} \| {NUM}%"],
+    "bench_tokenize": [
+        rf"{title}.*?: {NUM}M tokens(?:.|\n)*?snakellm tokenize, 2 threads \(step\)\s+{NUM}M"
+        for title in ("GPT-2 BPE", "SentencePiece", "tokenizer.json")
+    ],
+}
+# smokes of more than ~10 s on 2 cores (measured): 3 to 5 processes that import torch and megatron-core
+SLOW = {
+    "bench_fp8_gpu",
+    "bench_convert",
+    "bench_generate_gpu",
+    "bench_train_gpu",
+    "bench_finetune_gpu",
+    "bench_parallel_gpu",
+}
+
+
+def run_smoke(script: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / f"{script}.py"), "--smoke"],
+        cwd=REPO,
+        env=env_with_venv(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    return proc, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def smokes(request: pytest.FixtureRequest):
+    """The smokes this session runs, started together (two at a time, slowest first)."""
+    wanted = {
+        item.callspec.params["script"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec") and "script" in item.callspec.params
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures: dict[str, Future] = {s: pool.submit(run_smoke, s) for s in sorted(wanted, key=lambda s: s not in SLOW)}
+        yield futures
+        for f in futures.values():
+            f.cancel()
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else []) for s in SCRIPTS])
+def test_bench_smoke_prints_its_figures(script: str, smokes: dict[str, Future]):
+    proc, seconds = smokes[script].result() if script in smokes else run_smoke(script)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} --smoke: exit {proc.returncode}\n{out[-4000:]}"
+    patterns = FIGURES.get(script) or [rf"{NUM}"]
+    for pattern in patterns:
+        m = re.search(pattern, out, re.M)
+        assert m, f"{script} --smoke printed no figure for {pattern!r}:\n{out[-4000:]}"
+        for g in m.groups():
+            assert float(g.replace(",", "")) > 0, (script, pattern, m.group(0))
+    print(f"{script} --smoke: {seconds:.1f} s")
+
+
+def test_every_bench_script_is_covered():
+    """The glob finds the scripts FIGURES knows (a renamed script's entry would silently go unused)."""
+    assert len(SCRIPTS) >= 9 and set(FIGURES) <= set(SCRIPTS), set(FIGURES) - set(SCRIPTS)

@@ -1,0 +1,356 @@
+"""``precision: fp8``: the settings, the refusal on hardware without FP8, and the float8 matmuls on the CPU.
+
+torch's CPU ``_scaled_mm`` multiplies float8 tensors, so the code path a GPU
+runs (torchao's casts with dynamic scales, the scaled matmul, megatron-core's
+linears around it) runs here too, under :mod:`snakellm.models.fp8`'s test-only
+override of the hardware check (``SNAKELLM_FP8_ANY_DEVICE=1``). The numerics
+are checked against torchao's own ``Float8Linear`` (bit for bit: the same casts
+and kernel) and against bf16 (close, and not equal: float8 is really used).
+
+The fast tier holds the torch-free checks; everything that imports megatron-core and torchao (about
+7 s of imports on 2 cores before the first assertion) is marked slow and runs in CI's whole suite.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import env_with_venv
+from test_train import BASE, make_blend
+
+from snakellm.models import fp8, resolve
+from snakellm.models.architecture import ModelConfigError
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    from snakellm.launch.runtime import ensure_single_process, shutdown
+
+    ensure_single_process("cpu")
+    yield
+    shutdown()
+
+
+@pytest.fixture
+def any_device(monkeypatch):
+    monkeypatch.setenv(fp8.ANY_DEVICE_ENV, "1")
+
+
+def _tiny(recipe: str | None, seed: int = 0, **kw):
+    from snakellm.models.build import build_model
+
+    torch.manual_seed(seed)
+    model, _ = build_model(
+        resolve("tiny-llama", {}), 256, bf16=True, fused_loss="eager", use_te=False, fp8=recipe, **kw
+    )
+    return model
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def test_settings_schema_and_fingerprint():
+    from snakellm.config.sections import FinetuneTrainSettings, TrainSettings
+    from snakellm.config.settings import defaults
+
+    for cls in (TrainSettings, FinetuneTrainSettings):
+        assert "fp8" in next(f for f in cls.__dataclass_fields__.values() if f.name == "precision").metadata["choices"]
+        assert defaults(cls)["fp8_recipe"] == "tensorwise"
+    # bf16 and fp32 runs keep the fingerprints they had before fp8 existed; the recipe counts only with fp8
+    assert fp8.trajectory("bf16", "rowwise") == {"precision": "bf16"}
+    assert fp8.trajectory("fp8", "tensorwise") != fp8.trajectory("fp8", "rowwise")
+    assert fp8.te_config("tensorwise") == {"fp8": "hybrid", "fp8_recipe": "tensorwise"}
+    with pytest.raises(fp8.FP8Error, match="fp8_recipe 'delayed'"):
+        fp8.float8_config("delayed")
+
+
+@pytest.mark.slow
+def test_fp8_runs_record_their_recipe_and_leave_other_fingerprints_alone(tmp_path, monkeypatch):
+    from snakellm.steps.train import build_parser
+    from snakellm.train.request import make_request, run_config
+
+    make_blend(tmp_path, docs=20)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--blend", "data/tokens/synth/blend.json", "--run-dir", "runs/r", *BASE, "--steps", "10"]
+    req = make_request(build_parser().parse_args([*argv, "--fp8-recipe", "rowwise"]), env={})
+    assert "fp8_recipe" not in run_config(req, "bf16")  # the setting is there, but only fp8 runs record it
+    assert run_config(req, "fp8")["fp8_recipe"] == "rowwise"
+    assert run_config(req, "fp8")["precision"] == "fp8"
+
+
+# ----------------------------------------------------------------------------- the refusal
+
+
+@pytest.mark.parametrize(
+    "capability, name, ok",
+    [((9, 0), "H100", True), ((8, 9), "L40S", True), ((8, 0), "A100", False), ((7, 0), "V100", False)],
+)
+def test_compute_capability_below_8_9_is_refused_naming_the_setting(capability, name, ok):
+    if ok:
+        fp8.check_capability(capability, name)
+        return
+    with pytest.raises(fp8.FP8Error) as e:
+        fp8.check_capability(capability, name)
+    msg = str(e.value)
+    assert "precision: fp8" in msg and f"{capability[0]}.{capability[1]}" in msg and name in msg and "8.9" in msg
+
+
+def test_fp8_on_the_cpu_is_refused_before_anything_starts(monkeypatch, capsys, tmp_path):
+    from snakellm.steps.train import main
+
+    monkeypatch.delenv(fp8.ANY_DEVICE_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = ["--blend", "blend.json", "--run-dir", "runs/never", *BASE, "--steps", "10"]
+    assert main([*args, "--precision", "fp8", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "precision: fp8 (--precision fp8) needs an NVIDIA GPU" in err and "runs on the CPU" in err
+    assert not (tmp_path / "runs/never").exists()
+
+
+@pytest.mark.slow
+def test_fp8_model_build_is_refused_on_the_cpu_and_without_bf16(monkeypatch, parallel):
+    """The model build (fine-tuning's load, --device auto on a machine without a GPU) refuses too."""
+    from snakellm.models.build import build_model
+
+    monkeypatch.delenv(fp8.ANY_DEVICE_ENV, raising=False)
+    with pytest.raises(fp8.FP8Error, match="precision: fp8"):
+        _tiny("tensorwise")
+    monkeypatch.setenv(fp8.ANY_DEVICE_ENV, "1")
+    with pytest.raises(ModelConfigError, match="bf16"):
+        build_model(resolve("tiny-llama", {}), 256, fused_loss="eager", use_te=False, fp8="tensorwise")
+
+
+# ----------------------------------------------------------------------------- numerics on the CPU
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_megatron_linears_match_torchao_float8_linear_bit_for_bit(parallel, any_device, recipe):
+    """Column- and row-parallel linears (TP 1) with the float8 matmul give torchao's Float8Linear's output and
+    gradients exactly, and differ from bf16 by float8's rounding (a few percent), not more."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = _tiny(recipe)
+    mlp = model.decoder.layers[0].mlp
+    for lin in (mlp.linear_fc1, mlp.linear_fc2):  # ColumnParallelLinear, RowParallelLinear
+        assert fp8.is_converted(lin)
+        out_f, in_f = lin.weight.shape
+        ref = torch.nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
+        ref.weight.data.copy_(lin.weight.data)
+        ref8 = Float8Linear.from_float(ref, config=fp8.float8_config(recipe))
+        torch.manual_seed(1)
+        x = torch.randn(32, 2, in_f, dtype=torch.bfloat16)  # [s, b, h]: megatron's layout
+        g = torch.randn(32, 2, out_f, dtype=torch.bfloat16)
+        outs = []
+        for module in (lin, ref8, ref):
+            xi = x.clone().requires_grad_()
+            lin.weight.grad = ref.weight.grad = None
+            y = module(xi)
+            y = y[0] if module is lin else y  # megatron's linears return (output, bias)
+            y.backward(g)
+            w = lin.weight if module is lin else ref.weight
+            outs.append((y.detach(), xi.grad, w.grad.clone()))
+        (y, gx, gw), (y8, gx8, gw8), (y16, gx16, gw16) = outs
+        assert y.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+        assert torch.equal(y, y8) and torch.equal(gx, gx8) and torch.equal(gw, gw8)
+        for a, b in ((y, y16), (gx, gx16), (gw, gw16)):
+            assert 1e-3 < rel(a, b) < 0.1
+
+
+@pytest.mark.slow
+def test_frozen_weight_takes_the_input_gradient_only(parallel, any_device):
+    """LoRA's frozen base: the same output and input gradient as a trained weight, and no weight gradient."""
+    model = _tiny("tensorwise")
+    lin = model.decoder.layers[1].self_attention.linear_qkv
+    torch.manual_seed(2)
+    x = torch.randn(16, 2, lin.weight.shape[1], dtype=torch.bfloat16)
+    res = []
+    for trainable in (True, False):
+        lin.weight.requires_grad_(trainable)
+        lin.weight.grad = None
+        xi = x.clone().requires_grad_()
+        y = lin(xi)[0]
+        y.float().square().sum().backward()
+        res.append((y.detach(), xi.grad, lin.weight.grad))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    assert res[0][2] is not None and res[1][2] is None
+
+
+@pytest.mark.slow
+def test_model_converts_only_the_block_linears_and_keeps_its_state_dict(parallel, any_device):
+    m16, m8 = _tiny(None), _tiny("tensorwise")
+    converted = [n for n, lin in fp8.block_linears(m8) if fp8.is_converted(lin)]
+    assert len(converted) == 2 * 4  # 2 layers x qkv, proj, fc1, fc2
+    assert not fp8.is_converted(m8.output_layer) and not any(fp8.is_converted(lin) for _, lin in fp8.block_linears(m16))
+    sd16, sd8 = m16.state_dict(), m8.state_dict()
+    assert sd16.keys() == sd8.keys()
+    assert all(torch.equal(sd16[k], sd8[k]) for k in sd16 if isinstance(sd16[k], torch.Tensor))
+    assert all(p.dtype == torch.bfloat16 for p in m8.parameters())
+    torch.manual_seed(3)
+    tok = torch.randint(0, 256, (2, 128))
+    pos = torch.arange(128)[None].expand(2, -1)
+    l16, l8 = (m(tok, pos, None, labels=tok).float().mean() for m in (m16, m8))
+    assert l16.item() != l8.item() and abs(l8.item() / l16.item() - 1) < 1e-3
+
+
+def test_shapes_float8_kernels_refuse_are_named_before_anything_starts():
+    # each tensor-parallel rank's shard: tiny-llama's ffn 176 / 2 = 88
+    with pytest.raises(fp8.FP8Error, match=r"linear_fc2 has a 64 x 88 weight on each of the 2 tensor-parallel"):
+        fp8.check_request("fp8", "auto", resolve("tiny-llama", {}), tp=2)
+    fp8.check_request("fp8", "auto", resolve("tiny-llama", {}), tp=1)
+    fp8.check_request("bf16", "cpu", resolve("tiny-llama", {"ffn_hidden_size": 100}), tp=2)
+    for preset in ("llama-1b", "llama3-8b", "gpt2-124m"):  # the shapes we benchmark
+        fp8.check_shapes(resolve(preset, {}), tp=1)
+
+
+def test_a_run_config_with_shapes_float8_refuses_names_the_key():
+    from snakellm.config import checks, resolve
+    from snakellm.errors import ConfigError
+
+    run = {
+        "tokenizer": "gpt2",
+        "model": {"preset": "tiny-llama"},
+        "parallel": {"tp": 2},
+        "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 4, "precision": "fp8"},
+    }
+    cfg = {"sources": {}, "tokenizers": {"gpt2": {"kind": "gpt2-bpe"}}, "tokenize": {}, "runs": {"r": run}}
+    with pytest.raises(
+        ConfigError, match=r"config key runs.r.train.precision: precision: fp8: linear_fc2 has a 64 x 88"
+    ):
+        checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["parallel"]["tp"] = 1
+    checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["parallel"]["tp"], run["train"]["precision"] = 2, "bf16"
+    checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+
+
+@pytest.mark.slow
+def test_shapes_checked_are_the_shapes_megatron_builds(parallel, any_device):
+    from snakellm.models.build import build_model
+
+    model = _tiny("tensorwise")
+    built = {n.rsplit(".", 1)[-1]: tuple(lin.weight.shape) for n, lin in fp8.block_linears(model)}
+    assert built == fp8.weight_shapes(resolve("tiny-llama", {}))
+    arch = resolve("tiny-llama", {"ffn_hidden_size": 100})  # and the build refuses what the request would
+    with pytest.raises(fp8.FP8Error, match=r"decoder.layers.0.mlp.linear_fc1 has a 200 x 64 weight"):
+        build_model(arch, 256, bf16=True, fused_loss="eager", use_te=False, fp8="tensorwise")
+
+
+@pytest.mark.slow
+def test_lora_on_an_fp8_base_trains_the_adapters_only(parallel, any_device):
+    from snakellm.finetune.lora import LoRAAdapters, LoRAConfig
+
+    model = _tiny("tensorwise")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapters = LoRAAdapters(model, LoRAConfig(rank=8, targets=["linear_qkv", "linear_fc2"], row_init="normal"))
+    tok = torch.randint(0, 256, (2, 64))
+    loss = model(tok, torch.arange(64)[None].expand(2, -1), None, labels=tok).float().mean()
+    loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    grads = [m.a.grad for _, m in adapters.named_adapters()] + [m.b.grad for _, m in adapters.named_adapters()]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+# ----------------------------------------------------------------------------- snakellm train, TP 2 + SP
+
+
+@pytest.mark.slow
+def test_parallel_fp8_training_follows_one_process(tmp_path):
+    """`snakellm train --precision fp8` on 2 ranks (gloo) against one process: TP 2 with sequence parallelism
+    (the all-gather / reduce-scatter around the float8 matmuls; float8's scales then come from each rank's
+    weight shard, so the losses differ slightly) and DP 2 with the distributed optimizer (the same micro-batches
+    and casts: the losses of one process to float rounding)."""
+    make_blend(tmp_path)
+    env = env_with_venv() | {fp8.ANY_DEVICE_ENV: "1"}
+    common = [*BASE, "--preset", "tiny-llama", "--ffn-hidden-size", "160", "--steps", "6", "--precision", "fp8"]
+    common += ["--device", "cpu", "--no-checkpoints", "--eval-iters", "0"]
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--no-python"]
+    runs = {}
+    for name, launch, extra in (
+        ("one", [], []),
+        ("tp2sp", torchrun, ["--tp", "2", "--sequence-parallel", "--loss", "megatron"]),
+        ("dp2distopt", torchrun, ["--distributed-optimizer"]),
+    ):
+        cmd = [*launch, str(BIN / "snakellm"), "train", "--blend", "data/tokens/synth/blend.json"]
+        cmd += ["--run-dir", f"runs/{name}", *common, *extra]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        recs = [json.loads(ln) for ln in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = {r["step"]: r["loss"] for r in recs if "loss" in r}
+        summary = json.loads((tmp_path / "runs" / name / "train_summary.json").read_text())
+        assert summary["precision"] == "fp8"
+    for name, rtol in (("tp2sp", 5e-3), ("dp2distopt", 1e-4)):
+        assert runs[name].keys() == set(range(1, 7))
+        worst = max(abs(runs[name][s] / loss - 1) for s, loss in runs["one"].items())
+        assert worst < rtol, (name, worst, runs["one"], runs[name])
+
+
+# ----------------------------------------------------------------------------- snakellm finetune, LoRA on an fp8 base
+
+GPT2 = {
+    "kind": "gpt2-bpe",
+    "name": "gpt2",
+    "vocab_size": 50257,
+    "eod_id": 50256,
+    "eod_token": "<|endoftext|>",
+    "files": {
+        "vocab_file": "resources/tokenizers/gpt2/vocab.json",
+        "merges_file": "resources/tokenizers/gpt2/merges.txt",
+    },
+}
+
+
+@pytest.mark.slow
+def test_lora_finetune_on_an_fp8_base_follows_bf16(tmp_path, parallel, any_device):
+    """`snakellm finetune --method lora --precision fp8` (the frozen base's matmuls in float8, the adapters bf16)
+    trains as the bf16 fine-tune does, records fp8 (and its recipe) in its fingerprint, and writes the adapter."""
+    import shutil
+
+    from conftest import REPO
+
+    from snakellm import models
+    from snakellm.finetune.artifacts import save_model
+    from snakellm.models.build import build_model
+
+    shutil.copytree(REPO / "resources/tokenizers", tmp_path / "resources/tokenizers")
+    arch = resolve("tiny-llama", {})
+    vocab = models.padded_vocab_size(50257, arch)
+    torch.manual_seed(0)
+    gpt, _ = build_model(arch, vocab, fused_loss="eager", use_te=False)
+    tok = GPT2 | {"files": {k: str(tmp_path / v) for k, v in GPT2["files"].items()}}
+    save_model(gpt, tmp_path / "base", arch, vocab, tok)
+    book = [json.loads(ln)["text"] for ln in (REPO / "resources/corpus/botchan/botchan.jsonl").read_text().splitlines()]
+    (tmp_path / "sft").mkdir()
+    recs = [{"input": book[i][:300], "output": f" the answer is {i}"} for i in range(16)]
+    for split in ("train", "validation"):
+        (tmp_path / "sft" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = {}
+    for precision in ("bf16", "fp8"):
+        cmd = [str(BIN / "snakellm"), "finetune", "--base", "base", "--data-dir", "sft", "--out-dir", precision]
+        cmd += ["--method", "lora", "--lora-targets", "linear_qkv,linear_fc1", "--steps", "6", "--lr", "1e-2"]
+        cmd += ["--micro-batch-size", "4", "--global-batch-size", "8", "--max-seq-length", "128"]
+        cmd += ["--eval-interval", "6", "--precision", precision, "--device", "cpu", "--no-progress"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        recs = [json.loads(ln) for ln in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
+        out[precision] = [r["loss"] for r in recs if "loss" in r]
+        assert (tmp_path / precision / "adapter").is_dir()
+        cfg = json.loads((tmp_path / precision / "checkpoints" / "run_config.json").read_text())["config"]["train"]
+        assert cfg["precision"] == precision and ("fp8_recipe" in cfg) == (precision == "fp8")
+    assert len(out["bf16"]) == len(out["fp8"]) == 6
+    assert out["fp8"] != out["bf16"]  # float8 is really used
+    for a, b in zip(out["bf16"], out["fp8"]):
+        assert abs(b / a - 1) < 0.01, (out["bf16"], out["fp8"])
+    assert out["fp8"][-1] < out["fp8"][0]
