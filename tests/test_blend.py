@@ -148,6 +148,11 @@ def test_megatron_gpt_dataset_over_the_blend_decodes_to_source_text(tokenized, m
     )
     import torch.distributed as dist
 
+    from snakellm.launch import runtime
+
+    # an earlier in-process test of this process may have left its one-rank group (and megatron-core's
+    # parallel state) for reuse (runtime.ensure_single_process); this test makes its own
+    runtime.shutdown()
     # as in a trainer: one gloo rank (the index caches are written by rank 0)
     dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
     try:

@@ -49,7 +49,8 @@ def test_testing_md_states_the_collected_counts(request, tmp_path):
         if not m or int(m.group(1)) != counts[k]
     }
     assert not wrong, (
-        "docs/testing.md states other counts than collected ((stated, collected) per tier); write "
+        "docs/testing.md states other counts than collected ((stated, collected) per tier): run "
+        "`python scripts/update-test-counts.py`, or write "
         f"'the fast tier: {counts['fast']} tests', 'all {counts['total']} tests', '{counts['slow']} slow tests' and "
         f"'{counts['slurm']} Slurm tests': {wrong}"
     )

@@ -157,10 +157,10 @@ class TimeBudget:
                     f"{rec['nodeid']} took {own:.0f} s (its own setup {rec.get('own_setup', 0):.0f} s, call"
                     f" {rec.get('call', 0):.0f} s); the budget is {PER_TEST_S:.0f} s per test outside the Slurm tests"
                 )
-            for name, scope, wall, _cpu_s in rec.get("shared_fixtures", []):
-                if not rec["slurm"] and wall > SHARED_FIXTURE_S:
+            for name, scope, setup_s, _cpu_s in rec.get("shared_fixtures", []):
+                if not rec["slurm"] and setup_s > SHARED_FIXTURE_S:
                     self.failures.append(
-                        f"the {scope} fixture {name} (first needed by {rec['nodeid']}) took {wall:.0f} s to set up;"
+                        f"the {scope} fixture {name} (first needed by {rec['nodeid']}) took {setup_s:.0f} s to set up;"
                         f" the budget is {SHARED_FIXTURE_S:.0f} s per shared fixture outside the Slurm tests"
                     )
         markexpr = (self.config.getoption("markexpr", "") or "").strip()
