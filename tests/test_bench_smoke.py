@@ -40,6 +40,12 @@ FIGURES: dict[str, list[str]] = {
         rf"removed: ours {NUM}, datatrove {NUM}, both {NUM}: agreement \(Jaccard of the sets\) {NUM}%",
         rf"whole dedup: ours {NUM}, datatrove {NUM} docs/s per core: {NUM}x",
     ],
+    "bench_curate": [
+        rf"recall: {NUM}% of {NUM} pairs at Jaccard >= 0.85 found",
+        rf"agreement \(Jaccard of the sets\) {NUM}%",
+        rf"whole dedup: ours {NUM}, datatrove {NUM} docs/s per core: {NUM}x",
+        rf"rensa\s+{NUM} docs/s",
+    ],
     "bench_convert": [
         rf"^{step}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$" for step in ("import-hf", "export-hf", "export-nemo")
     ],
@@ -85,6 +91,7 @@ SLOW = {
     "bench_pipeline_gpu",
     "bench_train_8b_gpu",
     "bench_convert",
+    "bench_curate",  # datatrove's four-stage pipeline in its own processes beside ours: ~7 s of CPU
     "bench_generate_gpu",
     "bench_train_gpu",
     "bench_finetune_gpu",
