@@ -88,11 +88,7 @@ def build_model(
         if not bf16:
             raise ModelConfigError("precision: fp8 keeps bf16 weights: build with bf16=True")
     family = families.get(cfg["style"])
-    recompute_args: dict[str, Any] = {}
-    if recompute != "none":
-        recompute_args["recompute_granularity"] = recompute
-        if recompute == "full":
-            recompute_args.update(recompute_method=recompute_method, recompute_num_layers=recompute_num_layers)
+    recompute_args = _recompute_args(recompute, recompute_method, recompute_num_layers)
     tcfg = _transformer_config(
         cfg,
         family,
@@ -131,6 +127,28 @@ def build_model(
         model = SnakeGPTModel(**model_args)
     if seed is not None:
         init_weights(model, tcfg, seed)
+    _place(model, cfg, family, bf16=bf16, cuda=cuda)
+    if fp8 and not use_te:
+        fp8mod.convert(model, fp8)  # the block linears' matmuls in float8 (torchao), before compilation
+    if compile_layers:
+        for layer in model.decoder.layers:
+            layer.compile(dynamic=False)
+    return model, tcfg
+
+
+def _recompute_args(recompute: str, method: str, num_layers: int) -> dict[str, Any]:
+    """megatron-core's TransformerConfig arguments of activation recomputation (none: nothing)."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": recompute}
+    return {"recompute_granularity": recompute, "recompute_method": method, "recompute_num_layers": num_layers}
+
+
+def _place(model: Any, cfg: dict[str, Any], family: families.Family, *, bf16: bool, cuda: bool) -> None:
+    """The family's RoPE frequencies, the dtype and the device of a freshly built model."""
+    import torch
+
     rot = getattr(model, "rotary_pos_emb", None)
     if rot is not None:
         # the family's frequencies (Llama 3.x's scaling with any of its values; megatron-core's own
@@ -142,12 +160,6 @@ def build_model(
         model.bfloat16()
     if cuda:
         model.cuda(torch.cuda.current_device())
-    if fp8 and not use_te:
-        fp8mod.convert(model, fp8)  # the block linears' matmuls in float8 (torchao), before compilation
-    if compile_layers:
-        for layer in model.decoder.layers:
-            layer.compile(dynamic=False)
-    return model, tcfg
 
 
 def _transformer_config(

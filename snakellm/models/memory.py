@@ -219,22 +219,9 @@ def estimate(
     in_flight: float = pp if num_micro_batches is None else max(1, min(pp, num_micro_batches))
     if virtual_pp > 1:
         in_flight *= 1 + (pp - 1) / (pp * virtual_pp)
-    chunk_layers = stage_layers // virtual_pp
-
-    def stage_act() -> float:
-        """One micro-batch's activations over this stage's layers (its chunks together)."""
-        if recompute != "full":
-            return stage_layers * act()
-        n = min(recompute_num_layers, chunk_layers)
-        if recompute_method == "uniform":  # each group of n layers keeps its input
-            per_chunk = -(-chunk_layers // n) * act("full")
-        else:  # block: the first n layers keep their input, the rest everything
-            per_chunk = n * act("full") + (chunk_layers - n) * act("none")
-        return virtual_pp * per_chunk
-
-    # while a recomputed unit runs its backward pass, its activations exist once (a group of n layers, uniform)
-    unit = min(recompute_num_layers, chunk_layers) if recompute_method == "uniform" else 1
-    recompute_one = unit * act("none") if recompute == "full" else 0.0
+    stage_act, recompute_one = _stage_activations(
+        act, recompute, recompute_method, recompute_num_layers, stage_layers, virtual_pp
+    )
     sbh = s * b * h
     emb_act = (e * sbh + (sbh if (arch.get("hidden_dropout") or 0) > 0 else 0)) / (tp if sp else 1)
     # the final norm's input and the logits: 16-bit, plus the float32 copy the loss makes
@@ -242,38 +229,56 @@ def estimate(
     # (parameters, activations) of the first and the last pipeline stage: one GPU when pp == 1
     first = (
         layers + embedding + (head if pp == 1 else 0),
-        in_flight * (stage_act() + emb_act) + recompute_one + (head_act if pp == 1 else 0),
+        in_flight * (stage_act + emb_act) + recompute_one + (head_act if pp == 1 else 0),
     )
-    last = (layers + head, stage_act() + recompute_one + head_act)
+    last = (layers + head, stage_act + recompute_one + head_act)
     stage = first if pp == 1 else max(first, last, key=lambda st: st[0] * (18 if bf16 else 16) + st[1])
     params, activations = stage
 
+    weights, grads, optimizer = _state_bytes(
+        params, e, sharded + replicated, head, dp, bf16, grad_reduce_in_fp32, distributed_optimizer, fsdp
+    )
+    fields = (weights, grads, optimizer, activations, tp, pp, dp, b, distributed_optimizer, sp, recompute)
+    return MemoryEstimate(int(round(params)), *fields, virtual_pp, fsdp)
+
+
+def _stage_activations(
+    act: Any, recompute: str, method: str, num_layers: int, stage_layers: int, virtual_pp: int
+) -> tuple[float, float]:
+    """One micro-batch's activations over a stage's layers (its chunks together), and what the unit being
+    recomputed holds while its backward pass runs (a group of ``num_layers`` layers under uniform)."""
+    if recompute != "full":
+        return stage_layers * act(recompute), 0.0
+    chunk_layers = stage_layers // virtual_pp
+    n = min(num_layers, chunk_layers)
+    if method == "uniform":  # each group of n layers keeps its input
+        per_chunk = -(-chunk_layers // n) * act("full")
+    else:  # block: the first n layers keep their input, the rest everything
+        per_chunk = n * act("full") + (chunk_layers - n) * act("none")
+    return virtual_pp * per_chunk, (n if method == "uniform" else 1) * act("none")
+
+
+def _state_bytes(
+    params: float,
+    e: int,
+    layer: float,
+    head: float,
+    dp: int,
+    bf16: bool,
+    grad_reduce_in_fp32: bool,
+    distributed_optimizer: bool,
+    fsdp: bool,
+) -> tuple[float, float, float]:
+    """Bytes of the weights, gradients and optimizer states of ``params`` parameters (``layer``, ``head``:
+    the parameters of one layer and of the output layer, the units FSDP gathers)."""
+    if fsdp:
+        unit = max(layer, head)  # the largest unit gathered at a time
+        gathered = (2 * layer + head) * e if bf16 else 0.0
+        return params * 4 / dp + gathered, params * 4 / dp + unit * (e + 4), params * 8 / dp
     weights = params * e
     grads = params * (4 if grad_reduce_in_fp32 or not bf16 else 2)
     opt_states = params * (12 if bf16 else 8)  # fp32 master + exp_avg + exp_avg_sq (no master in fp32)
-    optimizer = opt_states / dp if distributed_optimizer else opt_states
-    if fsdp:
-        unit = max(sharded + replicated, head)  # the largest unit gathered at a time
-        gathered = (2 * (sharded + replicated) + head) * e if bf16 else 0.0
-        weights = params * 4 / dp + gathered
-        grads = params * 4 / dp + unit * (e + 4)
-        optimizer = params * 8 / dp
-    return MemoryEstimate(
-        int(round(params)),
-        weights,
-        grads,
-        optimizer,
-        activations,
-        tp,
-        pp,
-        dp,
-        b,
-        distributed_optimizer,
-        sp,
-        recompute,
-        virtual_pp,
-        fsdp,
-    )
+    return weights, grads, opt_states / dp if distributed_optimizer else opt_states
 
 
 def report(
