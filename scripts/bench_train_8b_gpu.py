@@ -152,11 +152,10 @@ CASES = {
         ),
     ]
 }
-# measured 2026-11-26 on 4 H200s: llama8k-fsdp 8,936 tokens/s/GPU, 55.2% MFU, peak 86.2 GiB (too much for 80 GB):
-# the default run (about 4 minutes) is the two bars in 80 GB layouts, then sequence 2048, then what time allows
-# (TP 4 without Transformer Engine was launch-bound in issue 29's measurement, 15%: the compiled layers first,
-# the uncompiled ones as the fallback when time is left)
-DEFAULT = ["llama8k-fsdp-rc8", "gpt8b-tp4-compile", "llama2k-fsdp", "gpt8b-tp4", "llama8k-fsdp-rc8-compile"]
+# measured 2026-11-26/27 on 4 H200s (docs/benchmarks.md): llama8k-fsdp 55.2% MFU at 86.2 GiB (too much for 80 GB),
+# llama8k-fsdp-rc8 51.1% at 74.0 GiB, gpt8b-tp4 11.9%; gpt8b-tp4-compile did not reach its first step in 110 s.
+# The default run (about 4 minutes): the two bars in 80 GB layouts, then what was not measured yet
+DEFAULT = ["llama8k-fsdp-rc8", "gpt8b-tp4", "llama2k-fsdp", "gpt8b-fsdp", "gpt8b-tp4-compile"]
 
 # --smoke: the same cases on CPU (gloo, fp32), tiny models, 2 ranks
 SMOKE_MODELS = {"llama3-8b": "tiny-llama", "gpt-8b": "tiny-llama"}
