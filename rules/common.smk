@@ -223,13 +223,34 @@ def get_index_pairs(wildcards):
     ]
 
 
-def get_index_chunk_args(wildcards):
-    """`snakellm curate-index --chunk NAME SIGNATURES LIST` for each chunk of the index."""
-    return shlex.join(
-        w
-        for s, c in index_chunks(wildcards.index)
-        for w in ("--chunk", f"{s}/{c}", signature_path(s, c), removal_list_path(s, c))
-    )
+def index_plan_path(index):
+    """The index's chunks, one `source/chunk<TAB>signatures<TAB>removal list` line each, in corpus order: the
+    bucket and index jobs read them from this file (a source of 10^4 chunks is no command line).
+    """
+    return f"data/plan/curate-index/{index}.tsv"
+
+
+def _write_index_plans():
+    """Each index's chunk list, rewritten only when it changed (like the shard lists)."""
+    from snakellm.io.atomic import write_text
+
+    for index in CURATE_INDEXES:
+        text = "".join(
+            f"{s}/{c}\t{signature_path(s, c)}\t{removal_list_path(s, c)}\n"
+            for s, c in index_chunks(index)
+        )
+        path = index_plan_path(index)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                if fh.read() == text:
+                    continue
+        except FileNotFoundError:
+            pass
+        write_text(path, text)
+
+
+def get_index_plan(wildcards):
+    return index_plan_path(wildcards.index)
 
 
 # computed once: a source of 10^6 shards has a signature job per chunk
@@ -296,6 +317,7 @@ def _check_removal_lists():
 
 if workflow.is_main_process:
     _check_removal_lists()
+    _write_index_plans()
 
 
 # ---------------------------------------------------------------- tokenize stage (rules/tokenize.smk)

@@ -25,7 +25,8 @@ rule curate_signatures:
 
 rule curate_buckets:
     input:
-        get_index_signatures,
+        plan=get_index_plan,
+        signatures=get_index_signatures,
     output:
         "data/curated-index/{index}/pairs-{job}-of-{jobs}.npy",
     log:
@@ -40,12 +41,13 @@ rule curate_buckets:
     params:
         flags=get_bucket_flags,
     shell:
-        "snakellm curate-buckets {input:q} --output {output} --job {wildcards.job} --jobs {wildcards.jobs} "
+        "snakellm curate-buckets --chunks-file {input.plan} --output {output} --job {wildcards.job} --jobs {wildcards.jobs} "
         "{params.flags} 2> {log}"
 
 
 checkpoint curate_index:
     input:
+        plan=get_index_plan,
         pairs=get_index_pairs,
         signatures=get_index_signatures,
     output:
@@ -54,10 +56,8 @@ checkpoint curate_index:
         "logs/curate_index/{index}.log",
     conda:
         "../envs/data.yaml"
-    params:
-        chunks=get_index_chunk_args,
     shell:
-        "snakellm curate-index --pairs {input.pairs:q} {params.chunks} --summary {output} 2> {log}"
+        "snakellm curate-index --pairs {input.pairs:q} --chunks-file {input.plan} --summary {output} 2> {log}"
 
 
 rule curate_chunk:

@@ -440,8 +440,15 @@ def numerics_kw(args) -> dict:
     )
 
 
+def numerics_extra(args, *extra: str) -> list[str]:
+    """Every step's loss is recorded whatever the interval; a longer one syncs with the host less often."""
+    return ["--log-interval", str(args.numerics_log_interval), *extra]
+
+
 def numerics_bf16(args, out: Path, blend: Path) -> dict:
-    r = train(args, "numerics-bf16", blend, out, "bf16", **numerics_kw(args), extra=["--no-checkpoints"])
+    r = train(
+        args, "numerics-bf16", blend, out, "bf16", **numerics_kw(args), extra=numerics_extra(args, "--no-checkpoints")
+    )
     print(f"  numerics bf16 {args.numerics_steps} steps (GPU {args.gpu}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
     return r
 
@@ -449,7 +456,7 @@ def numerics_bf16(args, out: Path, blend: Path) -> dict:
 def numerics_fp8(args, out: Path, blend: Path) -> tuple[dict, dict]:
     """The uninterrupted FP8 run (a checkpoint at --resume-at), then the resumed one on the same GPU."""
     at = args.resume_at
-    extra = ["--save-interval", str(at), "--keep-last", "2"]
+    extra = numerics_extra(args, "--save-interval", str(at), "--keep-last", "2")
     fp8 = train(args, "numerics-fp8", blend, out, "fp8", **numerics_kw(args), extra=extra)
     print(f"  numerics fp8 {args.numerics_steps} steps (GPU {args.gpu}): rc {fp8['rc']} [{fp8['wall_s']}s]", flush=True)
     if fp8["rc"]:
@@ -526,7 +533,7 @@ def _resume_run(args, blend: Path, out: Path, fp8: dict, kw: dict, at: int) -> d
     os.rename(src / it, dst_run / "checkpoints" / it)  # a move: no copy of ~15 GB
     shutil.copy(src / "run_config.json", dst_run / "checkpoints" / "run_config.json")
     (dst_run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text(str(at))
-    extra = ["--keep-run-dir", "--resume", "require", "--no-checkpoints"]
+    extra = numerics_extra(args, "--keep-run-dir", "--resume", "require", "--no-checkpoints")
     return train(args, "numerics-fp8-resumed", blend, out, "fp8", **kw, extra=extra)
 
 
@@ -558,6 +565,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-steps", type=int, default=4, help="speed part: steps left out (compilation)")
     p.add_argument("--log-interval", type=int, default=2)
     p.add_argument("--numerics-steps", type=int, default=300)
+    p.add_argument("--numerics-log-interval", type=int, default=10)
     p.add_argument("--numerics-micro-batch-size", type=int, default=8)
     p.add_argument("--numerics-global-batch-size", type=int, default=8)
     p.add_argument("--resume-at", type=int, default=200, help="numerics: the checkpoint the resumed run starts from")
@@ -596,7 +604,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.device, args.compile, args.preset, args.seq_length, args.vocab = "cpu", False, "tiny-llama", 128, 256
         args.micro_batch_size, args.global_batch_size, args.steps, args.warmup_steps = 2, 4, 4, 1
-        args.log_interval, args.lr_warmup, args.lr = 1, 2, 3e-3
+        args.log_interval, args.numerics_log_interval, args.lr_warmup, args.lr = 1, 2, 2, 3e-3
         args.numerics_steps, args.numerics_micro_batch_size, args.numerics_global_batch_size = 8, 2, 4
         args.resume_at, args.timeout = 4, 300
         args.workdir = tempfile.mkdtemp(prefix="snakellm-bench-fp8-smoke-")  # removed at the end

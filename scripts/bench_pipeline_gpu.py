@@ -248,10 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part", choices=("parity", "memory", "all"), default="all")
     p.add_argument("--smoke", action="store_true", help="CPU (gloo), a 4-layer tiny-llama, 2 steps: the same code path")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: parity 10, memory 4, smoke 2)")
-    p.add_argument("--workdir", default="/tmp/snakellm-bench-pp")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument(
+        "--workdir", default=None, help="runs and data (default: /tmp/snakellm-bench-pp; smoke: a new temp dir)"
+    )
+    p.add_argument("--out", default=None, help="logs and results.json (default: $OUT, else WORKDIR/out)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run")
     args = p.parse_args(argv)
+    if args.workdir is None:
+        import tempfile
+
+        args.workdir = tempfile.mkdtemp(prefix="snakellm-bench-pp-") if args.smoke else "/tmp/snakellm-bench-pp"
+    args.out = args.out or os.environ.get("OUT") or str(Path(args.workdir) / "out")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     print(

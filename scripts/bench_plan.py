@@ -19,7 +19,8 @@ next to wall time: on a loaded machine they are the figure to compare.
 language ID, `--index-jobs` bucket jobs), so the plan holds the curation stages too; `--http-only` skips
 the local case. RedPajama-v2's order, 10^6 shards, with curation (bar: < 60 s and < 4 GB):
   .venv/bin/python scripts/bench_plan.py --shards 1000000 --per-chunk 1000 --curate --http-only
-`--smoke`: 100 shards, 20 a chunk, curation on, http and local, dry runs only (seconds; the same code path).
+`--smoke` (seconds, tests/test_bench_smoke.py): 20 shards in 2 chunks, curated, and the real build and
+no-op rerun of the `data` target only (the chunk jobs), not of the whole default target.
 
 usage: .venv/bin/python scripts/bench_plan.py [--shards 60000] [--per-chunk 800] [--curate] [--http-only]
        [--naive] [--keep DIR] [--smoke]
@@ -136,10 +137,11 @@ def main() -> None:
     ap.add_argument("--curate", action="store_true", help="curate the source (dedup, filters, language ID)")
     ap.add_argument("--index-jobs", type=int, default=90, help="bucket jobs of the curated source's index")
     ap.add_argument("--http-only", action="store_true", help="only the http case (no local files written)")
-    ap.add_argument("--smoke", action="store_true", help="100 shards, 20 a chunk, curated, dry runs: seconds")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 20 shards, 10 a chunk, curated, build only `data`")
     a = ap.parse_args()
     if a.smoke:
-        a.shards, a.per_chunk, a.curate, a.index_jobs = 100, 20, True, 4
+        a.shards, a.per_chunk, a.naive, a.curate, a.index_jobs = 20, 10, False, True, 2
+    build = ["data"] if a.smoke else []
     curate = {**CURATE, "near": {**CURATE["near"], "index_jobs": a.index_jobs}} if a.curate else None
     bar_s = 60.0 if a.shards >= 1_000_000 else BAR_S
     base = a.keep or Path(tempfile.mkdtemp(prefix="snakellm-bench-plan-"))
@@ -192,12 +194,12 @@ def main() -> None:
         s, mb, out = snakemake(local, "-n")
         print(f"local source jobs: {job_counts(out)}")
         line("local: snakemake -n", s, mb, "per-chunk prototype 16.6 s")
-        if a.curate:  # every tiny shard holds the same one-line document: curation would remove them all
+        if a.curate and not a.smoke:  # every tiny shard holds the same one-line document: all would be removed
             print("  (curated: no real build; the shards are copies of one short document)")
         else:
-            s, mb, out = snakemake(local)
+            s, mb, out = snakemake(local, *build)
             print(f"  (real build of {job_counts(out)}: {s:.1f} s)")
-            s, mb, out = snakemake(local)
+            s, mb, out = snakemake(local, *build)
             assert "Nothing to be done" in out, out[-2000:]
             line("local: no-op rerun", s, mb, "per-chunk prototype 15.9 s")
 

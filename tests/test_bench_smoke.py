@@ -3,9 +3,10 @@ the same code path as the real benchmark) exits 0 and prints its figures, each p
 
 The scripts are found by glob: a new benchmark without ``--smoke`` fails here (argparse rejects the flag),
 and one without an entry in FIGURES must still print a figure. The smokes of a session start together in a
-pool of two threads (module fixture) and each test waits for its own: on 2 cores that overlaps one
-script's imports with another's work. Those whose smoke takes more than ~10 s (several processes that
-each import torch and megatron-core) are marked slow.
+pool of two threads (module fixture; under pytest-xdist the module is one group, on one worker)
+and each test waits for its own: on 2 cores that overlaps one script's imports with another's work. Every
+smoke is marked slow: each starts processes of their own (2-30 s of CPU apiece, ~30 s for the five lightest
+together), which the fast tier's 90 s budget has no room for. SLOW lists the heaviest, started first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -32,8 +34,13 @@ FIGURES: dict[str, list[str]] = {
     "bench_plan": [
         rf"http: snakemake -n\s+{NUM} s \(\s*{NUM} s CPU\)\s+{NUM} MB peak",
         rf"local: snakemake -n\s+{NUM} s",
-        rf"local: no-op rerun\s+{NUM} s",
-        r"local source jobs: \{'chunk': (2),",
+        rf"local source jobs: \{{'chunk': {NUM},",
+    ],
+    "bench_curate": [
+        rf"recall: {NUM}% of {NUM} pairs at Jaccard >= 0.85 found",
+        rf"agreement \(Jaccard of the sets\) {NUM}%",
+        rf"whole dedup: ours {NUM}, datatrove {NUM} docs/s per core: {NUM}x",
+        rf"rensa\s+{NUM} docs/s",
     ],
     "bench_convert": [
         rf"^{step}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$" for step in ("import-hf", "export-hf", "export-nemo")
@@ -54,9 +61,16 @@ FIGURES: dict[str, list[str]] = {
         rf"final loss \(mean of the last 10 steps\): bf16 {NUM}, fp8 {NUM}",
         r"first resumed step's loss identical .*; every step identical",
     ],
+    "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
     "bench_finetune_gpu": [rf'"method": "{m}", "tp": 1, "tokens_per_s": {NUM},' for m in ("lora", "full")],
     "bench_parallel_gpu": [rf"\| tiny \| 1 GPU \| 1 \| {NUM} \|", rf"\| tiny \| DP=2 \| 2 \| {NUM} \| {NUM} \| {NUM}%"],
+    "bench_pipeline_gpu": [
+        rf"^  pp1\s+1\s+\S+\s+{NUM}\s+{NUM}",
+        rf"^  pp2-interleaved-recompute-full\s+2\s+\S+\s+{NUM}\s+{NUM}",
+        r"^parity: PASS$",
+        rf"pp2-interleaved-recompute-full: estimate {NUM} GiB",
+    ],
     "bench_tokenize": [
         rf"{title}.*?: {NUM}M tokens(?:.|\n)*?snakellm tokenize, 2 threads \(step\)\s+{NUM}M"
         for title in ("GPT-2 BPE", "SentencePiece", "tokenizer.json")
@@ -65,7 +79,10 @@ FIGURES: dict[str, list[str]] = {
 # smokes of more than ~10 s on 2 cores (measured): 3 to 5 processes that import torch and megatron-core
 SLOW = {
     "bench_fp8_gpu",
+    "bench_pipeline_gpu",
+    "bench_train_8b_gpu",
     "bench_convert",
+    "bench_curate",  # datatrove's four-stage pipeline in its own processes beside ours: ~7 s of CPU
     "bench_generate_gpu",
     "bench_train_gpu",
     "bench_finetune_gpu",
@@ -74,15 +91,17 @@ SLOW = {
 
 
 def run_smoke(script: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The script's smoke, run from a temp directory that is also its $OUT: nothing lands in the checkout."""
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / f"{script}.py"), "--smoke"],
-        cwd=REPO,
-        env=env_with_venv(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    with tempfile.TemporaryDirectory(prefix=f"snakellm-{script}-") as tmp:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / f"{script}.py"), "--smoke"],
+            cwd=tmp,
+            env={**env_with_venv(), "OUT": tmp},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     return proc, time.monotonic() - t0
 
 
@@ -101,7 +120,8 @@ def smokes(request: pytest.FixtureRequest):
             f.cancel()
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else []) for s in SCRIPTS])
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_smoke_prints_its_figures(script: str, smokes: dict[str, Future]):
     proc, seconds = smokes[script].result() if script in smokes else run_smoke(script)
     out = proc.stdout + proc.stderr

@@ -265,3 +265,28 @@ def test_an_empty_curated_chunk_is_an_empty_dataset_the_blend_leaves_out(tmp_pat
     assert blend["data_prefix"] == [1.0, str(tmp_path / "f")] and blend["documents"] == 1
     with pytest.raises(BlendError, match="no documents in any"):
         build_blend([str(tmp_path / "e.stats.json")], {"s": 1.0})
+
+
+def test_adding_or_removing_a_chunk_leaves_the_other_lists_as_they_were(tmp_path):
+    cur = {"exact": True, "near": {"threshold": 0.8, "ngram": 5, "bands": 14, "rows": 8, "seed": 1}}
+    chunks = {"c0": [TEXTS[0], TEXTS[1]], "c1": [TEXTS[2], TEXTS[1]], "c2": [TEXTS[3]], "c3": [TEXTS[4], TEXTS[2]]}
+    for name, texts in chunks.items():
+        npy = str(tmp_path / f"{name}.npy")
+        signatures.compute(_chunk(tmp_path, name, texts), npy, npy[:-4] + ".json", cur, show_progress=False)
+
+    def run(names):
+        sigs = [str(tmp_path / f"{n}.npy") for n in names]
+        out = str(tmp_path / f"pairs-{'-'.join(names)}.npy")
+        index.buckets(sigs, out, job=0, jobs=1, exact=True, near=cur["near"])
+        lists = [str(tmp_path / f"{n}.list.json") for n in names]
+        index.cluster(sigs, [("s", n) for n in names], [out], lists, str(tmp_path / "index.json"))
+        return {n: (os.stat(p).st_mtime_ns, index.read_list(p)) for n, p in zip(names, lists)}
+
+    first = run(["c0", "c1", "c2"])
+    assert first["c1"][1][1][2] == "s/c0:1" and first["c2"][1] == {}
+    added = run(["c0", "c1", "c2", "c3"])  # a new chunk: a copy of c1's first document
+    assert {n: added[n] for n in first} == first  # every other list untouched, mtime included
+    (line, (reason, cluster, kept)), *rest = added["c3"][1].items()
+    assert (line, reason, kept, len(cluster), rest) == (1, "exact_duplicate", "s/c1:0", 16, [])
+    removed = run(["c0", "c1", "c3"])  # c2 leaves the index
+    assert removed["c0"] == first["c0"] and removed["c1"] == first["c1"] and removed["c3"] == added["c3"]

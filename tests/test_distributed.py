@@ -65,6 +65,13 @@ def test_srun_takes_master_addr_from_the_first_node():
     )
     assert (d.launcher, d.rank, d.world_size, d.local_rank, d.local_world_size) == ("srun", 5, 8, 1, 4)
     assert d.master_addr == "gpu07" and d.master_port == 20000 + 4242
+    # a step retried inside the job, or the requeued job, rendezvous on another port than the last attempt
+    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "gpu07"}
+    ports = {
+        detect({**base, "SLURM_JOB_ID": "4242", **extra}).master_port
+        for extra in ({}, {"SLURM_STEP_ID": "1"}, {"SLURM_STEP_ID": "2"}, {"SLURM_RESTART_COUNT": "1"})
+    }
+    assert len(ports) == 4 and all(20000 <= p < 40000 for p in ports), ports
     # tasks per node in Slurm's compressed form
     d = detect(
         {

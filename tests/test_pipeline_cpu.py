@@ -5,8 +5,8 @@ pipeline parallel size 2 with megatron-core's 1F1B schedule, its interleaved sch
 one layer a chunk), and pp 2 x tp 2 with sequence parallelism give the losses of one process within 1e-5
 (the weights are initialised the same at every layout: snakellm.models.build.init_weights); activation
 recomputation (full in the 1F1B run, selective in the interleaved one) changes nothing; and a checkpoint
-written at tp 2 x pp 2 loads at tp 1 x pp 1 bit for bit (every weight and Adam state compared with the
-bytes written) and resumes there on the same losses.
+written at tp 2 x pp 2 (and one written by the interleaved run, two chunks a rank) loads at tp 1 x pp 1 bit
+for bit (every weight and Adam state compared with the bytes written) and resumes there on the same losses.
 
 Each run pays megatron-core's import and a rendezvous (10-25 s on 2 cores), so the runs are few and shared
 through module fixtures; the whole file takes about 3 minutes, hence `slow`.
@@ -104,6 +104,22 @@ def assert_same_losses(run: dict[int, dict], ref: dict[int, dict], steps: range)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(b["grad_norm"]), (step, a, b)
 
 
+def probe(root: Path, run: str, iteration: int) -> dict:
+    """tests/reshard_probe.py in one process (tp 1 x pp 1) on ``runs/RUN``'s ``iter_ITERATION``."""
+    script = Path(__file__).parent / "reshard_probe.py"
+    cmd = [sys.executable, str(script), str(iteration), "--blend", "data/tokens/synth/blend.json"]
+    proc = subprocess.run(
+        [*cmd, "--run-dir", f"runs/{run}", *ARGS],
+        cwd=root,
+        env=env_with_venv(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     r = tmp_path_factory.mktemp("pipeline")
@@ -135,6 +151,8 @@ def test_interleaved_pp2_with_selective_recomputation_gives_the_losses_of_one_pr
     (run, val), (ref, ref_val) = records(root, "vpp2"), records(root, "pp1")
     assert_same_losses(run, ref, range(1, STEPS + 1))
     assert all(abs(val[k] - ref_val[k]) <= 1e-5 * ref_val[k] for k in ref_val)
+    # its checkpoint (two chunks a rank) loads in one process bit for bit
+    assert probe(root, "vpp2", 20)["differ"] == []
 
 
 def test_pp2_tp2_sequence_parallel_gives_the_losses_of_one_process(pp2_tp2):
@@ -146,11 +164,7 @@ def test_a_tp2_pp2_checkpoint_loads_bit_exactly_and_resumes_at_tp1_pp1(pp2_tp2):
     shutil.copytree(root / "runs/pp2-tp2", root / "runs/to-tp1")
     (root / "runs/to-tp1/checkpoints/latest_checkpointed_iteration.txt").write_text("10\n")
     # every weight and Adam state that one process loads from the 4 ranks' checkpoint is the bytes they wrote
-    probe = Path(__file__).parent / "reshard_probe.py"
-    cmd = [sys.executable, str(probe), "10", "--blend", "data/tokens/synth/blend.json", "--run-dir", "runs/to-tp1"]
-    proc = subprocess.run([*cmd, *ARGS], cwd=root, env=env_with_venv(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = probe(root, "to-tp1", 10)
     assert res["differ"] == [] and res["compared"] >= 3 * 16  # model, exp_avg, exp_avg_sq of 16+ tensors each
     # and training goes on from it in one process
     proc = train(root, "to-tp1", 1)

@@ -112,6 +112,13 @@ def test_resolve_runs_expands_presets_and_the_flags_parse_back():
             "config key runs.r.parallel: num_layers 2 is not divisible by pp 2 x virtual_pp 2",
         ),
         (
+            {
+                "model": {"preset": "tiny", "num_layers": 4},
+                "parallel": {"pp": 2, "virtual_pp": 2, "distributed_optimizer": True},
+            },
+            "config key runs.r.parallel.distributed_optimizer: the distributed optimizer shards one model chunk's",
+        ),
+        (
             {"parallel": {"pp": 2, "recompute": "full", "recompute_num_layers": 2}},
             r"config key runs.r.parallel: recompute_num_layers 2 \(recompute full, uniform\) must be between 1 and "
             r"the layers of one pipeline stage or chunk \(2 / \(pp 2 x virtual_pp 1\) = 1\)",

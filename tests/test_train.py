@@ -347,6 +347,11 @@ def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkey
         ({}, ["--pp", "3"], "num_layers 2 is not divisible by pp 3 x virtual_pp 1"),
         ({}, ["--virtual-pp", "2"], "virtual_pp 2: virtual pipeline stages need pp > 1"),
         (
+            {"RANK": "0", "WORLD_SIZE": "4"},
+            ["--pp", "2", "--virtual-pp", "2", "--num-layers", "4", "--distributed-optimizer"],
+            "--distributed-optimizer shards one model chunk's gradient buffers: it needs --virtual-pp 1 (got 2)",
+        ),
+        (
             {"RANK": "0", "WORLD_SIZE": "2"},
             ["--pp", "2", "--virtual-pp", "2", "--num-layers", "4", "--global-batch-size", "12"],
             "--global-batch-size 12: virtual_pp 2 (interleaved schedule) needs the micro batches per step and "

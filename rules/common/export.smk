@@ -7,7 +7,7 @@
 EXPORT_NEMO = config["export_nemo"]
 # {name: {hf_dir, make_vocab_size_divisible_by, random}}
 IMPORTS = config.get("import_hf", {})
-# imports whose hf_dir the workflow writes (rule random_hf: models/random/{name}, random weights)
+# imports whose hf_dir the workflow writes (models/random/{name}, random weights, by the random_hf rule)
 RANDOM_IMPORTS = [name for name, spec in IMPORTS.items() if spec.get("random")]
 
 

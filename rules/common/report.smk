@@ -188,7 +188,7 @@ def _graph_jobs():
             key = (r.name, tuple(sorted(wc.items())))
             if key in jobs:
                 continue
-            # a rule whose output pattern matches but whose lookups refuse these wildcards: not its job
+            # a rule whose output pattern matches but whose lookups refuse these wildcards (not its job)
             try:
                 inputs = sorted(map(str, r.expand_input(wc)[0]))
             except Exception:

@@ -76,6 +76,11 @@ def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> d
             f"config key runs.{name}.parallel.sequence_parallel: sequence parallelism splits the sequence over "
             "the tensor-parallel ranks: it needs tp > 1 (got 1)"
         )
+    if par.get("distributed_optimizer") and vpp > 1:
+        raise ConfigError(
+            f"config key runs.{name}.parallel.distributed_optimizer: the distributed optimizer shards one model "
+            f"chunk's gradient buffers: it needs virtual_pp 1 (got {vpp})"
+        )
     return arch
 
 

@@ -226,6 +226,18 @@ def cluster(
     return summary
 
 
+def read_plan(path: str) -> list[tuple[str, str, str]]:
+    """An index's chunk list (data/plan/curate-index/{index}.tsv): (source/chunk, signatures, removal list)."""
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) != 3 or "/" not in parts[0]:
+                raise ValueError(f"{path} line {lineno}: expected source/chunk, signatures and list, tab-separated")
+            out.append((parts[0], parts[1], parts[2]))
+    return out
+
+
 def write_if_changed(path: str, obj: Any) -> int:
     """Write ``obj`` as JSON to ``path`` atomically unless the file already holds exactly that (mtime kept)."""
     text = json.dumps(obj, separators=(",", ":")) + "\n"

@@ -109,9 +109,17 @@ def expand_hostlist(hostlist: str) -> list[str]:
 
 
 def _default_port(env: Mapping[str, str]) -> int:
-    # Different jobs on a shared node must not collide; the same job's tasks must agree.
-    job = env.get("SLURM_JOB_ID", "")
-    return 20000 + (int(job) % 20000 if job.isdigit() else 9500)
+    """Different jobs on a shared node must not collide; the same step's tasks must agree.
+
+    The step and the job's restart count move the port too: a step retried inside one job, or a
+    requeued job, would otherwise bind the port its previous attempt's rank 0 may still hold.
+    """
+    job, step, restart = (env.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"))
+    if not job.isdigit():
+        return 20000 + 9500
+    offset = 101 * int(step) if step.isdigit() else 0
+    offset += 1009 * int(restart) if restart.isdigit() else 0
+    return 20000 + (int(job) + offset) % 20000
 
 
 def detect(env: Mapping[str, str] | None = None) -> DistEnv:

@@ -18,7 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find the duplicate pairs of this job's (band, hash slice) cells across the signature files: "
         "documents with an equal band key (or exact hash), near pairs checked against the threshold.",
     )
-    p.add_argument("signatures", nargs="+", help="the index's signature files (.npy), in corpus order")
+    p.add_argument("signatures", nargs="*", help="the index's signature files (.npy), in corpus order")
+    p.add_argument(
+        "--chunks-file",
+        help="the index's chunk list (data/plan/curate-index/{index}.tsv), instead of signature files on the "
+        "command line",
+    )
     p.add_argument("--output", required=True, help="the pairs (.npy, uint64 [pairs, 3])")
     p.add_argument("--job", type=int, default=0, help="this job's number (0-based)")
     p.add_argument("--jobs", type=int, default=1, help="bucket jobs of the index (config: near.index_jobs)")
@@ -33,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--job {a.job} is not in 0..{a.jobs - 1}")
     curate = cs.from_args(a, p)
     try:
-        c = index.buckets(a.signatures, a.output, job=a.job, jobs=a.jobs, exact=curate["exact"], near=curate["near"])
+        sigs = list(a.signatures) + ([sig for _, sig, _ in index.read_plan(a.chunks_file)] if a.chunks_file else [])
+        if not sigs:
+            p.error("no signature files (positional, or --chunks-file)")
+        c = index.buckets(sigs, a.output, job=a.job, jobs=a.jobs, exact=curate["exact"], near=curate["near"])
     except (OSError, ValueError) as e:
         print(f"snakellm curate-buckets: error: {e}", file=sys.stderr)
         return 1

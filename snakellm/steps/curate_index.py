@@ -21,9 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk",
         nargs=3,
         action="append",
-        required=True,
+        default=[],
         metavar=("NAME", "SIGNATURES", "LIST"),
         help="one chunk of the index, in corpus order: its name (source/chunk), signature file and removal list",
+    )
+    p.add_argument(
+        "--chunks-file", help="the index's chunks, one NAME<TAB>SIGNATURES<TAB>LIST line each (instead of --chunk)"
     )
     p.add_argument("--summary", required=True, help="the index summary (.json)")
     return p
@@ -32,15 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
-    names = [tuple(c[0].split("/", 1)) for c in a.chunk]
+    try:
+        chunks = [list(c) for c in a.chunk] + (
+            [list(c) for c in index.read_plan(a.chunks_file)] if a.chunks_file else []
+        )
+    except (OSError, ValueError) as e:
+        print(f"snakellm curate-index: error: {e}", file=sys.stderr)
+        return 1
+    if not chunks:
+        p.error("no chunks (--chunk or --chunks-file)")
+    names = [tuple(c[0].split("/", 1)) for c in chunks]
     if any(len(n) != 2 for n in names):
         p.error("--chunk NAME must be source/chunk")
     try:
         s = index.cluster(
-            [c[1] for c in a.chunk],
+            [c[1] for c in chunks],
             names,
             a.pairs,
-            [c[2] for c in a.chunk],
+            [c[2] for c in chunks],
             a.summary,
         )
     except (OSError, ValueError) as e:

@@ -131,6 +131,11 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         raise RequestError(
             f"--fsdp shards over the data-parallel ranks of one pipeline stage: it needs --pp 1 (got {par.pp})"
         )
+    if par.distributed_optimizer and par.virtual_pp > 1:
+        raise RequestError(
+            f"--distributed-optimizer shards one model chunk's gradient buffers: it needs --virtual-pp 1 "
+            f"(got {par.virtual_pp})"
+        )
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
     why = models.check_pipeline_batches(par.pp, par.virtual_pp, num_micro)
     if why:
