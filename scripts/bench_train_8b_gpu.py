@@ -102,6 +102,14 @@ CASES = {
             "the recipe's TP 4 + sequence parallel, vocabulary-parallel fused loss",
         ),
         Case(
+            "gpt8b-tp4-mbs8",
+            "gpt-8b",
+            2048,
+            ["--tp", "4", "--sequence-parallel", "--micro-batch-size", "8", "--loss", "compiled"],
+            "TP 4 + SP with micro batch 8: 8x larger GEMMs and collectives per launch (micro batch 1 peaked at "
+            "31.9 GiB, 29 of them model states)",
+        ),
+        Case(
             "llama2k-fsdp",
             "llama3-8b",
             2048,
@@ -152,11 +160,11 @@ CASES = {
         ),
     ]
 }
-# measured 2026-11-26 on 4 H200s: llama8k-fsdp 8,936 tokens/s/GPU, 55.2% MFU, peak 86.2 GiB (too much for 80 GB):
-# the default run (about 4 minutes) is the two bars in 80 GB layouts, then sequence 2048, then what time allows
-# (TP 4 without Transformer Engine was launch-bound in issue 29's measurement, 15%: the compiled layers first,
-# the uncompiled ones as the fallback when time is left)
-DEFAULT = ["llama8k-fsdp-rc8", "gpt8b-tp4-compile", "llama2k-fsdp", "gpt8b-tp4", "llama8k-fsdp-rc8-compile"]
+# measured 2026-11-26/27 on 4 H200s (docs/benchmarks.md): llama8k-fsdp 55.2% MFU at 86.2 GiB (too much for 80 GB),
+# llama8k-fsdp-rc8 51.1% at 74.0 GiB, gpt8b-tp4 11.9%; gpt8b-tp4-compile did not reach its first step in 110 s.
+# The default run (about 4 minutes): the two bars in 80 GB layouts (TP 4 now with micro batch 8: micro batch 1
+# left its GEMMs and collectives small and launch-bound), then what was not measured yet
+DEFAULT = ["llama8k-fsdp-rc8", "gpt8b-tp4-mbs8", "llama2k-fsdp", "gpt8b-fsdp", "gpt8b-tp4"]
 
 # --smoke: the same cases on CPU (gloo, fp32), tiny models, 2 ranks
 SMOKE_MODELS = {"llama3-8b": "tiny-llama", "gpt-8b": "tiny-llama"}
@@ -219,7 +227,8 @@ def run_case(c: Case, args, out: Path) -> dict:
         flags = [("eager" if f == "compiled" else f) for f in flags]
         flags = [(str(min(int(f), nproc)) if prev == "--tp" else f) for prev, f in zip(["", *flags], flags)]
         flags = [
-            (str(min(int(f), 2)) if prev == "--recompute-num-layers" else f) for prev, f in zip(["", *flags], flags)
+            (str(min(int(f), 2)) if prev in ("--recompute-num-layers", "--micro-batch-size") else f)
+            for prev, f in zip(["", *flags], flags)
         ]
     train = [
         "train",

@@ -114,6 +114,10 @@ STEPS = ["--preset", "tiny-llama", "--steps", "12", "--save-interval", "4", "--k
 @pytest.mark.slow
 def test_distributed_optimizer_shards_matches_and_resumes_exactly(root):
     train(root, "replicated", 2, *STEPS)
+    # a replicated model and optimizer are still written by both ranks, a share each (fully parallel save)
+    ckpt = sorted((root / "runs/replicated/checkpoints").glob("iter_*"))[-1]
+    per_rank = [sum(f.stat().st_size for f in ckpt.glob(f"__{r}_*.distcp")) for r in (0, 1)]
+    assert min(per_rank) > 0.3 * sum(per_rank), per_rank
     proc = train(root, "sharded", 2, *STEPS, "--distributed-optimizer")
     assert "optimizer sharded over 2 data-parallel ranks" in proc.stderr
     held, total = (

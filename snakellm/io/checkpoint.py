@@ -327,6 +327,7 @@ class CheckpointManager:
         log: Callable[[str], None] = lambda _msg: None,
         best: dict[str, Any] | None = None,
         async_save: bool = False,
+        save_group: Any = None,
     ):
         self.dir = Path(ckpt_dir)
         self.keep_last = keep_last
@@ -336,6 +337,7 @@ class CheckpointManager:
         self.barrier = barrier
         self.log = log
         self.best = best
+        self.save_group = save_group  # the data-parallel group: its ranks share the writing of replicated tensors
         self._queue: Any = None
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -366,11 +368,33 @@ class CheckpointManager:
                     + (f"; removed {len(gone)} older" if gone else "")
                 )
 
-        path = save(self.dir, step, sd, rank=self.rank, barrier=self.barrier, async_queue=self._queue, on_done=done)
+        path = save(
+            self.dir,
+            step,
+            sd,
+            rank=self.rank,
+            barrier=self.barrier,
+            sharded_strategy=self._strategy(),
+            async_queue=self._queue,
+            on_done=done,
+        )
         if self._queue is not None:
             self.log(f"saving {path} in the background (training waited {time.time() - t0:.1f}s)")
         self.barrier()
         return path
+
+    def _strategy(self) -> Any:
+        """megatron-core's torch_dist writer; over a data-parallel group, its fully parallel wrapper: the tensors
+        every rank holds (a replicated model, the replicated optimizer) are written by all ranks, each a share,
+        instead of all by the first (what is sharded, FSDP's and the distributed optimizer's, is each rank's own)."""
+        import torch
+
+        if self.save_group is None or torch.distributed.get_world_size(self.save_group) == 1:
+            return None
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), self.save_group)
 
     def poll(self) -> None:
         """Collective (every rank, every step): publish a finished asynchronous save."""

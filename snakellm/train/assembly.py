@@ -469,6 +469,7 @@ def _manager(
         barrier=s.barrier,
         log=s.log,
         async_save=job.async_save,
+        save_group=ps.get_data_parallel_group(with_context_parallel=True),
     )
     return manager
 
