@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import pytest
 
-# Groups handed out first, longest first. The third one is cheap on purpose: the worker that takes
-# the Slurm group gets it as its second unit, which waits until the Slurm tests are done.
+# Groups handed out first, longest first (xdist gives a worker its next group when at most 2 tests of
+# its current one are left: the Slurm group and the default-workflow group start at once, one a worker).
 FIRST = ["slurm", "default-workflow", "test_docs.py"]
 # Then the modules that take longest (measured on 2 cores; the order only balances the workers)
 LONG = [
     "test_nemo_compat.py",
+    "test_bench_smoke.py",
     "test_engine_kernels.py",
     "test_lora_chain.py",
     "test_tokenizer_json.py",
