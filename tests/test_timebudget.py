@@ -71,3 +71,21 @@ def test_within_budget_or_not_enforced_passes(suite, monkeypatch):
     result = suite.runpytest_inprocess("-p", "no:cacheprovider", "--times-report", "3")
     assert result.ret == pytest.ExitCode.OK
     assert "slowest shared fixture setups" in result.stdout.str()
+
+
+def test_tests_mode_fails_on_a_test_and_only_reports_the_fast_tier(suite, monkeypatch):
+    monkeypatch.setattr(timebudget, "FAST_TIER_S", 0.0)
+    monkeypatch.setenv("SNAKELLM_TIME_BUDGET", "tests")
+    result = suite.runpytest_inprocess("-p", "no:cacheprovider", "-m", timebudget.FAST_TIER)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # test_slow_call is over its 0.3 s
+    out = result.stdout.str()
+    assert "test_slow_call took" in out
+    assert (
+        "time budget exceeded (reported, not enforced" in out and 'the fast tier (-m "not slow and not slurm")' in out
+    )
+    # within the per-test limits, the fast tier's excess alone is reported and the run passes
+    monkeypatch.setattr(timebudget, "PER_TEST_S", 60.0)
+    monkeypatch.setattr(timebudget, "SHARED_FIXTURE_S", 60.0)
+    result = suite.runpytest_inprocess("-p", "no:cacheprovider", "-m", timebudget.FAST_TIER)
+    assert result.ret == pytest.ExitCode.OK
+    assert "time budget exceeded (reported, not enforced" in result.stdout.str()
