@@ -305,7 +305,7 @@ def report(
     ``snakellm plan`` and ``snakellm train --dry-run`` both print this: one estimate, one wording.
     """
 
-    def est(sp: bool, dist_opt: bool, rc: str = recompute) -> MemoryEstimate:
+    def est(sp: bool, dist_opt: bool, rc: str = recompute, sharded: bool = fsdp) -> MemoryEstimate:
         return estimate(
             arch,
             padded_vocab,
@@ -321,7 +321,7 @@ def report(
             recompute_method=recompute_method,
             recompute_num_layers=recompute_num_layers,
             virtual_pp=virtual_pp,
-            fsdp=fsdp,
+            fsdp=sharded,
         )
 
     out = est(sequence_parallel, distributed_optimizer).lines(gpu_gib)
@@ -336,22 +336,7 @@ def report(
     more_sp = tp > 1 and not sequence_parallel
     more_do = dp > 1 and not distributed_optimizer and not fsdp
     if dp > 1 and not fsdp:
-        sharded = estimate(
-            arch,
-            padded_vocab,
-            tp=tp,
-            pp=pp,
-            dp=dp,
-            micro_batch_size=micro_batch_size,
-            num_micro_batches=num_micro_batches,
-            sequence_parallel=sequence_parallel,
-            bf16=bf16,
-            recompute=recompute,
-            recompute_method=recompute_method,
-            recompute_num_layers=recompute_num_layers,
-            virtual_pp=virtual_pp,
-            fsdp=True,
-        )
+        sharded = est(sequence_parallel, False, sharded=True)
         out.append(
             f"  (parallel.fsdp: true would make it {sharded.total / GiB:.2f} GiB: weights, gradients and optimizer "
             f"{sharded.model_states / GiB:.2f} GiB)"
