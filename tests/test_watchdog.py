@@ -55,3 +55,24 @@ def test_watchdog_names_the_stopped_rank_through_a_real_store():
     finally:
         w0.stop()
         w1.stop()
+
+
+@pytest.mark.slow  # ~7 s of waiting: the watchdog's second look takes at least 5 s
+def test_progress_during_the_second_look_is_no_hang():
+    """A start-up longer than the timeout (checkpoint load on a busy node) that ends while the watchdog looks
+    at the other ranks: the first beat after it is progress, not a hang (a retried Slurm step was ended so)."""
+    torch = pytest.importorskip("torch")
+    store = torch.distributed.HashStore()
+    exits: list[int] = []
+    ws = [wdmod.Watchdog(lambda: store, r, 2, 0, timeout=1.0, exit=exits.append, poll=0.1) for r in (0, 1)]
+    try:
+        time.sleep(2.5)  # past the timeout at step 0, every rank alive: each takes its second look (5 s)
+        for w in ws:
+            w.beat(30)  # the resumed run's first step
+        time.sleep(4.5)  # the second look ends
+        assert exits == [], [w.message for w in ws]
+        for w in ws:
+            w.stop()
+    finally:
+        for w in ws:
+            w.stop()

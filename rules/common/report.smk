@@ -217,7 +217,9 @@ def get_dag_config(wildcards, resources):
     Taking `resources` keeps it out of Snakemake's params rerun trigger (get_dag_graph is the trigger);
     a file, not the command line, keeps the printed command short.
     """
-    text = json.dumps(config, sort_keys=True, default=str)
+    # in the config's own key order: the sources' order is the corpus order of a curation index, whose plan
+    # file every parse rewrites when it differs (sorted keys flipped it, and curation reran after each dag job)
+    text = json.dumps(config, default=str)
     path = f".snakemake/snakellm/dag-config-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)

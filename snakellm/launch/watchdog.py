@@ -126,6 +126,10 @@ class Watchdog:
         except Exception:  # reported once this rank itself times out
             pass
 
+    def _progressed_since(self, t: float) -> bool:
+        with self._lock:
+            return self._t != t
+
     def _run(self) -> None:
         while not self._stopped.wait(self._poll):
             self._stamp()
@@ -147,6 +151,8 @@ class Watchdog:
                 now = time.time()
                 info, alive, store_error = self._read()
                 culprits = [0] if store_error else laggards(info, alive, self.world, step, now, stale=stale)
+            if self._progressed_since(t):
+                continue  # this rank moved on while the others were read (a slow start-up that just ended)
             lines = [
                 f"rank {self.rank} made no progress for {now - t:.0f} s (--collective-timeout {self.timeout:g} s) "
                 f"at step {step}, waiting for the other ranks;"
