@@ -3,8 +3,8 @@ the same code path as the real benchmark) exits 0 and prints its figures, each p
 
 The scripts are found by glob: a new benchmark without ``--smoke`` fails here (argparse rejects the flag),
 and one without an entry in FIGURES must still print a figure. The smokes of a session start together in a
-pool of two threads (module fixture; under pytest-xdist the module is one group, on one worker)
-and each test waits for its own: on 2 cores that overlaps one script's imports with another's work. Every
+pool of two threads (module fixture; under pytest-xdist the module is one group, on one worker), and
+the fixture waits for all of them: on 2 cores that overlaps one script's imports with another's work. Every
 smoke is marked slow: each starts processes of their own (2-30 s of CPU apiece, ~30 s for the five lightest
 together), which the fast tier's 90 s budget has no room for. SLOW lists the heaviest, started first.
 """
@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import pytest
 from conftest import REPO, env_with_venv
@@ -115,9 +115,10 @@ def smokes(request: pytest.FixtureRequest):
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures: dict[str, Future] = {s: pool.submit(run_smoke, s) for s in sorted(wanted, key=lambda s: s not in SLOW)}
+        # all of them here, in the shared fixture's setup (its own time budget): a test that waited in the
+        # test call would carry the smokes queued before its own (118 s of wall time for bench_chunk's once)
+        wait(futures.values())
         yield futures
-        for f in futures.values():
-            f.cancel()
 
 
 @pytest.mark.slow
