@@ -34,6 +34,7 @@ def collected_counts(config: pytest.Config, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # outside a whole-suite run it collects the suite in a subprocess: ~10 s of CPU
 def test_testing_md_states_the_collected_counts(request, tmp_path):
     counts = collected_counts(request.config, tmp_path)
     text = DOC.read_text()
