@@ -17,9 +17,11 @@ from conftest import env_with_venv
 class ServerProcess:
     """A started ``snakellm serve``; ``log`` collects its stderr lines while it runs."""
 
-    def __init__(self, run: Path, *args: str, cwd: Path | None = None) -> None:
+    def __init__(self, run: Path, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "snakellm.cli", "serve", str(run), "--port", "0", "--threads", "1", *args]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env_with_venv(), cwd=cwd)
+        self.proc = subprocess.Popen(
+            cmd, stderr=subprocess.PIPE, text=True, env={**env_with_venv(), **(env or {})}, cwd=cwd
+        )
         self.log: list[str] = []
         self.url = ""
         deadline = time.time() + 240

@@ -45,6 +45,9 @@ def served(tmp_path_factory):
         "--chat-template",
         str(tmp / "failing.jinja"),
         cwd=tmp,
+        # two malloc arenas: glibc's default (8 per core) let the soak's RSS swing by +-25 MB between rounds on a
+        # loaded 2-core machine (58 MB once in CI) with no leak; with 2 it stays within 1 MB, so a leak shows
+        env={"MALLOC_ARENA_MAX": "2"},
     )
     yield s
     s.stop()
@@ -270,18 +273,21 @@ def test_soak_of_parallel_clients_leaves_threads_and_memory_flat(served):
         return errors
 
     assert round_of(8, 6) == []  # warm up: every shape once
-    # and two full rounds: the allocator's arenas for 8 concurrent request threads settle there
-    # (30-90 MB over the first rounds on a loaded machine, flat after: measured over 16 rounds)
+    # and two full rounds: the allocator settles there
+    # (a few MB over the first rounds, flat after)
     assert round_of(8, 12) == [] and round_of(8, 12) == []
     time.sleep(0.5)
     threads0, rss0 = proc.num_threads(), proc.memory_info().rss
     t0 = time.time()
     rounds = 0
+    series = [rss0]
     while rounds < 6 and time.time() - t0 < 60:
         assert round_of(8, 12) == []
         rounds += 1
+        series.append(proc.memory_info().rss)
     time.sleep(0.5)
     threads1, rss1 = proc.num_threads(), proc.memory_info().rss
     assert rounds >= 2
     assert threads1 == threads0, (threads0, threads1)
-    assert rss1 - rss0 < 40 * 2**20, (rss0, rss1)
+    growth_mb = [round((x - rss0) / 2**20, 1) for x in series]
+    assert rss1 - rss0 < 24 * 2**20, growth_mb  # measured: within 1 MB, quiet or with three CPU hogs beside it
