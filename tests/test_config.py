@@ -100,6 +100,7 @@ def test_http_source_needs_url_or_urls():
         ),
     ],
 )
+@pytest.mark.slow  # a Snakemake run in a subprocess: the slow tier (fast-tier budget)
 def test_snakemake_refuses_a_bad_config_before_any_job(workspace, mutate, message):
     cfg = small_config(workspace.root)
     mutate(cfg)

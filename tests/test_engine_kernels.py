@@ -131,6 +131,7 @@ def test_attend_writes_the_cache_and_matches_sdpa(per, d, rope):
 
 
 @pytest.mark.parametrize("fused_max_batch,attend_max_len", [(K.MAX_ROWS, 1024), (1, 1024), (K.MAX_ROWS, 0)])
+@pytest.mark.slow  # six compiled-kernel cases, ~17 s together: the slow tier (fast-tier budget)
 def test_fused_step_equals_eager(gen, fused_max_batch, attend_max_len, monkeypatch):
     """The engine's decode step through the fused kernels: the eager decoder's greedy tokens and
     log-probabilities, for three rows (the 16-row tile; with ``fused_max_batch`` 1, cuBLAS-style

@@ -21,6 +21,7 @@ def test_example_config_is_valid(path):
     cfgmod.validate(yaml.safe_load(path.read_text()), SCHEMA)
 
 
+@pytest.mark.slow  # a Snakemake run in a subprocess: the slow tier (fast-tier budget)
 def test_slimpajama_example_plans_75_jobs_per_stage(workspace):
     shutil.copytree(REPO / "resources" / "tokenizers", workspace.root / "resources" / "tokenizers")
     shutil.copy(REPO / "config" / "examples" / "slimpajama-gpt2-124m.yaml", workspace.config_path)
@@ -87,6 +88,7 @@ def _gpt2_blend(root):
     return blend
 
 
+@pytest.mark.slow  # a dry run of the 8B training step: the slow tier (fast-tier budget)
 def test_8b_example_train_dry_run_checks_the_8_node_layout_and_prints_the_memory_per_gpu(tmp_path, capsys):
     """`snakellm train --dry-run` with the pretrain rule's own flags for the recipe: no torch, the plan's numbers."""
     import shlex

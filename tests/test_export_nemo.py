@@ -81,6 +81,7 @@ def test_export_errors_before_work(tmp_path):
     assert p.returncode == 2 and "runs/full/checkpoints already exists and is not empty" in p.stderr
 
 
+@pytest.mark.slow  # a Snakemake run in a subprocess: the slow tier (fast-tier budget)
 def test_huggingface_tokenizer_run_is_a_config_error(workspace):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

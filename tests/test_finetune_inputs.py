@@ -53,6 +53,7 @@ def _config(root: Path, **ft_examples) -> dict:
         ),
     ],
 )
+@pytest.mark.slow  # a Snakemake run in a subprocess: the slow tier (fast-tier budget)
 def test_config_errors_before_any_job(workspace: Workspace, edit, message: str) -> None:
     cfg = _config(workspace.root)
     edit(cfg)
@@ -61,6 +62,7 @@ def test_config_errors_before_any_job(workspace: Workspace, edit, message: str) 
     assert out.returncode != 0 and message in out.stdout + out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow  # a Snakemake run in a subprocess: the slow tier (fast-tier budget)
 def test_missing_sft_file_after_a_build_is_an_error(workspace: Workspace) -> None:
     """The data set's file removed after its splits were built: an error, not the old splits."""
     ws = workspace

@@ -41,6 +41,7 @@ def built(tmp_path_factory) -> Path:
     return root / "tasks"
 
 
+@pytest.mark.slow  # reads the default-workflow build: the slow tier (fast-tier budget)
 def test_the_shipped_suite_is_deterministic_and_in_lm_evals_formats(built, tmp_path):
     again = tmp_path / "again"
     lm_tasks.build_default_suite(again, wikipedia=str(REPO / lm_tasks.WIKIPEDIA), squad=str(REPO / lm_tasks.SQUAD))

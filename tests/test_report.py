@@ -262,6 +262,7 @@ def test_lm_eval_and_finetune_pages_hold_the_files_values(tmp_path):
     assert "validation loss" in text and "best 4.900" in text
 
 
+@pytest.mark.slow  # a Snakemake run in a subprocess: the slow tier (fast-tier budget)
 def test_two_tables_with_one_label_in_one_menu_entry_are_refused(tmp_path):
     """register_report_table's label defaults to the title; the same (category, subcategory, label) twice is an error."""
     ws = Workspace(tmp_path)

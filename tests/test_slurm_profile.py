@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 
+import pytest
 import yaml
 from conftest import BIN, REPO, SNAKEFILE
 
@@ -42,6 +43,7 @@ def job(out: str, rule: str) -> tuple[dict[str, str], str]:
     return dict(kv.split("=", 1) for kv in res.group(1).split(", ") if "=" in kv), shell.group(1).strip()
 
 
+@pytest.mark.slow  # a Snakemake run in a subprocess: the slow tier (fast-tier budget)
 def test_8b_recipe_asks_for_its_8_nodes_from_its_own_config(tmp_path):
     shutil.copytree(REPO / "resources" / "tokenizers", tmp_path / "resources" / "tokenizers")
     cfg = yaml.safe_load((EXAMPLES / "slimpajama-gpt-8b.yaml").read_text())
@@ -63,6 +65,7 @@ def test_8b_recipe_asks_for_its_8_nodes_from_its_own_config(tmp_path):
     }
 
 
+@pytest.mark.slow  # a Snakemake run in a subprocess: the slow tier (fast-tier budget)
 def test_finetune_example_is_a_2_gpu_srun_job_and_its_evaluations_one_gpu_each(tmp_path):
     shutil.copytree(REPO / "resources", tmp_path / "resources")
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())

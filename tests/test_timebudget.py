@@ -47,6 +47,7 @@ def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.
     return pytester
 
 
+@pytest.mark.slow  # a pytest run in a subprocess: the slow tier (fast-tier budget)
 def test_over_budget_fails_the_run_naming_the_test_the_fixture_and_the_fast_tier(suite, monkeypatch):
     monkeypatch.setenv("SNAKELLM_TIME_BUDGET", "1")
     monkeypatch.setattr(timebudget, "FAST_TIER_S", 0.0)
@@ -61,6 +62,7 @@ def test_over_budget_fails_the_run_naming_the_test_the_fixture_and_the_fast_tier
     assert 'the fast tier (-m "not slow and not slurm") took' in out
 
 
+@pytest.mark.slow  # a pytest run in a subprocess: the slow tier (fast-tier budget)
 def test_within_budget_or_not_enforced_passes(suite, monkeypatch):
     monkeypatch.setattr(timebudget, "PER_TEST_S", 60.0)
     monkeypatch.setattr(timebudget, "SHARED_FIXTURE_S", 60.0)
@@ -73,6 +75,7 @@ def test_within_budget_or_not_enforced_passes(suite, monkeypatch):
     assert "slowest shared fixture setups" in result.stdout.str()
 
 
+@pytest.mark.slow  # a pytest run in a subprocess: the slow tier (fast-tier budget)
 def test_tests_mode_fails_on_a_test_and_only_reports_the_fast_tier(suite, monkeypatch):
     monkeypatch.setattr(timebudget, "FAST_TIER_S", 0.0)
     monkeypatch.setenv("SNAKELLM_TIME_BUDGET", "tests")
