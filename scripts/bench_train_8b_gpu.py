@@ -162,9 +162,11 @@ CASES = {
 }
 # measured 2026-11-26/27 on 4 H200s (docs/benchmarks.md): llama8k-fsdp 55.2% MFU at 86.2 GiB (too much for 80 GB),
 # llama8k-fsdp-rc8 51.1% at 74.0 GiB, gpt8b-tp4 11.9%; gpt8b-tp4-compile did not reach its first step in 110 s.
-# The default run (about 4 minutes): the two bars in 80 GB layouts (TP 4 now with micro batch 8: micro batch 1
-# left its GEMMs and collectives small and launch-bound), then what was not measured yet
-DEFAULT = ["llama8k-fsdp-rc8", "gpt8b-tp4-mbs8", "llama2k-fsdp", "gpt8b-fsdp", "gpt8b-tp4"]
+# On 4 H100s (2026-11-27): llama8k-fsdp-rc8 ran out of memory (71 GiB allocated by torch + ~7 GiB of context and
+# NCCL buffers on a 79.2 GiB card), gpt8b-tp4-mbs8 38.9%, gpt8b-fsdp 41.3%.
+# The default run (about 4 minutes): the two bars in 80 GB layouts (the Llama shape with 12 layers recomputed; TP 4
+# with micro batch 8: micro batch 1 left its GEMMs and collectives small and launch-bound), then the rest
+DEFAULT = ["llama8k-fsdp-rc12", "gpt8b-tp4-mbs8", "llama2k-fsdp", "gpt8b-fsdp", "gpt8b-tp4"]
 
 # --smoke: the same cases on CPU (gloo, fp32), tiny models, 2 ranks
 SMOKE_MODELS = {"llama3-8b": "tiny-llama", "gpt-8b": "tiny-llama"}
