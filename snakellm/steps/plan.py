@@ -247,6 +247,7 @@ def curate_plan(
     """Each duplicate index: its sources, documents, and the memory of its jobs (snakellm.curate.index)."""
     from snakellm.config.checks import curate_indexes
     from snakellm.curate.index import cells, memory_per_job
+    from snakellm.curate.signatures import value_rows
 
     out: list[str] = []
     for name, members in curate_indexes(cfg).items():
@@ -255,7 +256,7 @@ def curate_plan(
         cur = cfg["sources"][members[0]]["curate"]
         near = cur.get("near")
         bands = near["bands"] if near else None
-        perm = near["bands"] * near["rows"] if near else 0
+        perm = value_rows(near)
         jobs = near["index_jobs"] if near else 1
         docs, counted = 0, True
         for m in members:
