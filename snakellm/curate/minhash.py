@@ -240,7 +240,7 @@ def datatrove_signatures(grams: np.ndarray, offsets: np.ndarray, num_perm: int, 
     a, b = datatrove_parameters(num_perm, seed)
     n = len(offsets) - 1
     out = np.zeros((n, num_perm), dtype=np.uint64)
-    block = max(1, (1 << 21) // max(1, num_perm))  # shingles a step: ~16 MiB of uint64
+    block = max(1, (1 << 16) // max(1, num_perm))  # shingles a step: ~0.5 MiB of uint64
     i = 0
     with np.errstate(over="ignore"):
         while i < n:
@@ -248,7 +248,9 @@ def datatrove_signatures(grams: np.ndarray, offsets: np.ndarray, num_perm: int, 
             j = min(j, n)
             lo, hi = int(offsets[i]), int(offsets[j])
             if hi > lo:
-                phv = (grams[lo:hi].reshape(-1, 1) * a + b) % DT_PRIME
+                phv = grams[lo:hi].reshape(-1, 1) * a  # in place from here: no temporaries
+                phv += b
+                phv %= DT_PRIME
                 starts = offsets[i:j] - lo
                 has = np.diff(offsets[i : j + 1]) > 0
                 out[i:j][has] = np.minimum.reduceat(phv, starts[has], axis=0)
