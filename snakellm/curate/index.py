@@ -65,11 +65,13 @@ def job_cells(job: int, jobs: int, bands: int | None) -> list[tuple[int, int, in
     return [(c // slices, c % slices, slices) for c in range(total * slices) if c % jobs == job]
 
 
-def memory_per_job(documents: int, bands: int | None, jobs: int) -> int:
+def memory_per_job(documents: int, bands: int | None, jobs: int, datatrove_rows: int = 0) -> int:
     """Bytes a bucket job holds at most: its cells run one at a time, each 16 bytes (key + reference) per
-    document of its slice, twice while sorting; plus one byte per document for the filter verdicts."""
+    document of its slice, twice while sorting; plus one byte per document for the filter verdicts. In
+    datatrove's scheme (``datatrove_rows``: the band's rows) a document's key is its ``rows`` 64-bit values."""
     _, slices = cells(bands, jobs)
-    return int(documents / slices * 32 + documents)
+    per_doc = 8 * (datatrove_rows + 1) if datatrove_rows else 16
+    return int(documents / slices * per_doc * 2 + documents)
 
 
 def _band_keys(sig: np.ndarray, band: int, bands: int | None, rows: int) -> np.ndarray:
