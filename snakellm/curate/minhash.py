@@ -208,19 +208,20 @@ def datatrove_shingles(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np
     The words are ``str.split()``'s of the simplified text (snakellm.curate.filters.split_tokenizer,
     the tokenizer the benchmark gives datatrove: its English default needs a spaCy model).
     """
-    from datatrove.pipeline.dedup.minhash import MinhashConfig
-    from datatrove.utils.hashing import create_hash_func
-    from datatrove.utils.text import ngrams, simplify_text
+    # MinhashConfig's defaults, without importing datatrove.pipeline.dedup (its package pulls in
+    # huggingface_hub: seconds in every signature worker)
+    from datatrove.utils.hashing import HashConfig, create_hash_func
+    from datatrove.utils.text import TextNormConfig, ngrams, simplify_text
 
-    config = MinhashConfig()
-    hash_fn = create_hash_func(config.hash_config, bytes)
+    norm = TextNormConfig()
+    hash_fn = create_hash_func(HashConfig(), bytes)
     out: list[int] = []
     offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     for i, text in enumerate(texts):
         if text.isascii():
             words = simplify_bytes(text).split()
         else:
-            words = simplify_text(text, config.norm_config).encode("utf-8", "surrogatepass").split()
+            words = simplify_text(text, norm).encode("utf-8", "surrogatepass").split()
         out += [hash_fn(b" ".join(g)) for g in ngrams(words, ngram)]
         offsets[i + 1] = len(out)
     return np.array(out, dtype=np.uint64), offsets
