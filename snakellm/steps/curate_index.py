@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsHelpFormatter,
         prog="snakellm curate-index",
         description="Connected components of the bucket jobs' pairs; each cluster keeps its first document in "
-        "corpus order. Writes each chunk's removal list (only where its content changed) and a summary.",
+        "corpus order (pairs of near.scheme datatrove, 4 columns: the document datatrove's union-find keeps). "
+        "Writes each chunk's removal list (only where its content changed) and a summary.",
     )
     p.add_argument("--pairs", nargs="+", required=True, help="the bucket jobs' pair files")
     p.add_argument(

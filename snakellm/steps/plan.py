@@ -247,6 +247,7 @@ def curate_plan(
     """Each duplicate index: its sources, documents, and the memory of its jobs (snakellm.curate.index)."""
     from snakellm.config.checks import curate_indexes
     from snakellm.curate.index import cells, memory_per_job
+    from snakellm.curate.signatures import is_datatrove, value_rows
 
     out: list[str] = []
     for name, members in curate_indexes(cfg).items():
@@ -255,7 +256,7 @@ def curate_plan(
         cur = cfg["sources"][members[0]]["curate"]
         near = cur.get("near")
         bands = near["bands"] if near else None
-        perm = near["bands"] * near["rows"] if near else 0
+        perm = value_rows(near)
         jobs = near["index_jobs"] if near else 1
         docs, counted = 0, True
         for m in members:
@@ -263,6 +264,7 @@ def curate_plan(
             docs, counted = docs + n, counted and ok
         chunks = sum(len(plans[m]) for m in members)
         total, slices = cells(bands, jobs)
+        per_job = memory_per_job(docs, bands, jobs, near["rows"] if is_datatrove(near) else 0)
         gib = 1024**3
         out += [
             "",
@@ -270,7 +272,7 @@ def curate_plan(
             f"({'from chunk stats' if counted else f'estimated at {per_shard:,.0f} a shard'})",
             f"  signatures: {chunks} jobs, {(3 + perm) * 4} B a document, {docs * (3 + perm) * 4 / gib:.1f} GiB in all",
             f"  buckets: {jobs} job(s) over {total * slices} cells ({bands or 0} bands + exact, {slices} slice(s) "
-            f"a band): {memory_per_job(docs, bands, jobs) / gib:.2f} GiB each at most",
+            f"a band): {per_job / gib:.2f} GiB each at most",
             f"  clustering: 1 job, ~{docs * dup_fraction * 64 / gib:.2f} GiB at a duplicate share of {dup_fraction}",
         ]
     return out
