@@ -14,6 +14,7 @@ report: "report/workflow.rst"
 
 
 include: "rules/common.smk"
+include: "rules/common/curate.smk"
 include: "rules/common/launch.smk"
 include: "rules/common/export.smk"
 include: "rules/common/evaluate.smk"
