@@ -193,7 +193,7 @@ def main() -> None:
         )
         s, mb, out = snakemake(local, "-n")
         print(f"local source jobs: {job_counts(out)}")
-        line("local: snakemake -n", s, mb, "per-chunk prototype 16.6 s")
+        line("local: snakemake -n", s, mb, "per-chunk prototype 16.6 s", bar_s)
         if a.curate and not a.smoke:  # every tiny shard holds the same one-line document: all would be removed
             print("  (curated: no real build; the shards are copies of one short document)")
         else:
@@ -201,7 +201,7 @@ def main() -> None:
             print(f"  (real build of {job_counts(out)}: {s:.1f} s)")
             s, mb, out = snakemake(local, *build)
             assert "Nothing to be done" in out, out[-2000:]
-            line("local: no-op rerun", s, mb, "per-chunk prototype 15.9 s")
+            line("local: no-op rerun", s, mb, "per-chunk prototype 15.9 s", bar_s)
 
         if a.naive:
             naive = base / "naive"
