@@ -9,6 +9,7 @@ outputs a run rewrote, by mtime — behaviour, not log parsing.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -49,6 +50,13 @@ def env_with_venv() -> dict[str, str]:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def run_probe(cmd: list[str], cwd: Path, timeout: float = 300) -> dict:
+    """Run a probe process (``env_with_venv``), assert it succeeded and return the JSON of its last stdout line."""
+    proc = subprocess.run(cmd, cwd=cwd, env=env_with_venv(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 class Workspace:

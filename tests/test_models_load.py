@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import env_with_venv
+from conftest import env_with_venv, run_probe
 from test_train import make_blend, train
 
 pytestmark = pytest.mark.slow  # each test trains or reloads a model (megatron-core import ~4 s)
@@ -51,16 +51,7 @@ def trained(tmp_path_factory) -> Path:
 
 
 def test_a_trained_run_reloads_with_the_recorded_validation_loss(trained):
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, "runs/r"],
-        cwd=trained,
-        env=env_with_venv(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_probe([sys.executable, "-c", PROBE, "runs/r"], trained)
     summary = json.loads((trained / "runs/r/train_summary.json").read_text())
     assert got["iteration"] == 6 and got["arch"] == summary["model"] and got["vocab"] == summary["padded_vocab_size"]
     assert got["tokenizer"] == {"name": "synth", "kind": "synthetic", "vocab_size": 256, "eod_id": 0}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import env_with_venv
+from conftest import env_with_venv, run_probe
 from test_train import BASE, latest, live_steps, losses, make_blend
 
 from snakellm.train.optim import flat_range_blocks
@@ -172,11 +172,7 @@ def test_distributed_optimizer_over_many_overlapped_buckets(tmp_path):
     """The GPU's DDP shape on 2 CPU ranks: about 10 buckets, reduction overlapped with the backward pass,
     2 accumulation steps, clipping active; the last micro-batch's loss and the norm of each step."""
     probe = Path(__file__).parent / "distopt_buckets_probe.py"
-    proc = subprocess.run(
-        [*TORCHRUN[:-1], str(probe)], cwd=tmp_path, env=env_with_venv(), capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_probe([*TORCHRUN[:-1], str(probe)], tmp_path)
     assert res["buckets"] >= 8
     for precision, (loss_rtol, norm_rtol) in {"fp32": (1e-6, 1e-6), "bf16": (1e-4, 1e-3)}.items():
         rep, dist = res["steps"][precision]["replicated"], res["steps"][precision]["distributed"]

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import env_with_venv
+from conftest import env_with_venv, run_probe
 from test_train import make_blend
 
 BIN = Path(sys.executable).parent
@@ -108,16 +108,7 @@ def probe(root: Path, run: str, iteration: int) -> dict:
     """tests/reshard_probe.py in one process (tp 1 x pp 1) on ``runs/RUN``'s ``iter_ITERATION``."""
     script = Path(__file__).parent / "reshard_probe.py"
     cmd = [sys.executable, str(script), str(iteration), "--blend", "data/tokens/synth/blend.json"]
-    proc = subprocess.run(
-        [*cmd, "--run-dir", f"runs/{run}", *ARGS],
-        cwd=root,
-        env=env_with_venv(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_probe([*cmd, "--run-dir", f"runs/{run}", *ARGS], root)
 
 
 @pytest.fixture(scope="module")
