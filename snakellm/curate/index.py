@@ -152,17 +152,29 @@ def buckets(
 ) -> dict[str, int]:
     """Write bucket job ``job``'s pairs to ``out`` (uint64 [pairs, 3]: kept-side ref, other ref, kind; in
     datatrove's scheme [pairs, 4]: previous ref, ref, kind, cell, in datatrove's order)."""
-    bands, rows = (near["bands"], near["rows"]) if near else (None, 0)
-    if is_datatrove(near):
-        assert near is not None
-        sigs = [load(f) for f in sig_files]
-        ordered, counts = _ordered_buckets(sigs, [np.asarray(s[0]) == 0 for s in sigs], job, jobs, exact, near)
-        with atomic_path(out) as tmp:
-            with open(tmp, "wb") as fh:
-                np.save(fh, ordered)
-        return counts
     sigs = [load(f) for f in sig_files]
     passed = [np.asarray(s[0]) == 0 for s in sigs]
+    if is_datatrove(near):
+        assert near is not None
+        pairs, counts = _ordered_buckets(sigs, passed, job, jobs, exact, near)
+    else:
+        pairs, counts = _keyed_buckets(sigs, passed, job, jobs, exact, near)
+    with atomic_path(out) as tmp:
+        with open(tmp, "wb") as fh:
+            np.save(fh, pairs)
+    return counts
+
+
+def _keyed_buckets(
+    sigs: Sequence[np.ndarray],
+    passed: Sequence[np.ndarray],
+    job: int,
+    jobs: int,
+    exact: bool,
+    near: dict[str, Any] | None,
+) -> tuple[np.ndarray, dict[str, int]]:
+    """Our scheme: each cell's pairs, every member of a run of equal band keys linked to the run's first."""
+    bands, rows = (near["bands"], near["rows"]) if near else (None, 0)
     found: list[np.ndarray] = []
     counts = {"candidates": 0, "pairs": 0, "rejected_by_threshold": 0}
     for band, sl, slices in job_cells(job, jobs, bands):
@@ -202,10 +214,7 @@ def buckets(
     if len(pairs):
         pairs = np.unique(pairs, axis=0)
     counts["pairs"] = len(pairs)
-    with atomic_path(out) as tmp:
-        with open(tmp, "wb") as fh:
-            np.save(fh, pairs)
-    return counts
+    return pairs, counts
 
 
 def _gather(sigs: Sequence[np.ndarray], refs: np.ndarray, rows: slice) -> np.ndarray:
