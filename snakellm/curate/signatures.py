@@ -130,13 +130,13 @@ def compute(
     rejected = 0
     raw_path = f"{out_npy}.raw.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(out_npy)), exist_ok=True)
-    raw = open(raw_path, "wb")
     batches = read_texts(chunk_jsonl, key)
     # worker processes pay for themselves on a chunk of a few batches or more, not on the shipped corpus's
     big = os.path.getsize(chunk_jsonl) > POOL_MIN_BYTES
     pool = multiprocessing.get_context("fork").Pool(threads, _init, (curate,)) if threads > 1 and big else None
     if pool is None:
         _init(curate)
+    raw = open(raw_path, "wb")  # opened where the try below removes it on any failure (a missing chunk: no leftover)
     try:
         results = pool.imap(_batch, batches) if pool else map(_batch, batches)
         with progress(show_progress, desc=f"signatures {source}/{chunk}", unit="doc") as bar:
