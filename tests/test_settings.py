@@ -119,6 +119,21 @@ def test_resolve_runs_expands_presets_and_the_flags_parse_back():
             "config key runs.r.parallel.distributed_optimizer: the distributed optimizer shards one model chunk's",
         ),
         (
+            {"parallel": {"overlap_param_gather": True}},
+            "config key runs.r.parallel.overlap_param_gather: overlap_param_gather overlaps the distributed "
+            "optimizer's all-gather of the updated weights: it needs distributed_optimizer",
+        ),
+        (
+            {"parallel": {"fsdp": True, "distributed_optimizer": True}},
+            r"config key runs.r.parallel.fsdp: FSDP already shards the optimizer states \(and the parameters and "
+            r"gradients\): drop distributed_optimizer",
+        ),
+        (
+            {"parallel": {"fsdp": True, "pp": 2}},
+            r"config key runs.r.parallel.fsdp: FSDP shards over the data-parallel ranks of one pipeline stage: it "
+            r"needs pp 1 \(got 2\)",
+        ),
+        (
             {"parallel": {"pp": 2, "recompute": "full", "recompute_num_layers": 2}},
             r"config key runs.r.parallel: recompute_num_layers 2 \(recompute full, uniform\) must be between 1 and "
             r"the layers of one pipeline stage or chunk \(2 / \(pp 2 x virtual_pp 1\) = 1\)",

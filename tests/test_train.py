@@ -367,6 +367,23 @@ def test_resume_required_but_missing_is_an_error(synth, tmp_path, capsys, monkey
         ({}, ["--split", "100,0,0"], "leave none for validation with split '100,0,0'"),
         (
             {},
+            ["--overlap-param-gather"],
+            "--overlap-param-gather overlaps the distributed optimizer's all-gather of the updated weights: it needs "
+            "--distributed-optimizer",
+        ),
+        (
+            {},
+            ["--fsdp", "--distributed-optimizer"],
+            "--fsdp already shards the optimizer states (and the parameters and gradients): drop "
+            "--distributed-optimizer",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2"},
+            ["--fsdp", "--pp", "2"],
+            "--fsdp shards over the data-parallel ranks of one pipeline stage: it needs --pp 1 (got 2)",
+        ),
+        (
+            {},
             ["--sequence-parallel"],
             "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1",
         ),

@@ -44,6 +44,15 @@ def check_tokenizers(config: dict[str, Any]) -> None:
         )
 
 
+# how a config message names the setting at fault of models.parallel_conflict (the step names its flag)
+PARALLEL_SUBJECTS = {
+    "sequence_parallel": "sequence parallelism",
+    "overlap_param_gather": "overlap_param_gather",
+    "fsdp": "FSDP",
+    "distributed_optimizer": "the distributed optimizer",
+}
+
+
 def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
     """A run's complete architecture (preset expanded), checked against its tokenizer and parallelism."""
     if run["tokenizer"] not in tokenizers:
@@ -71,16 +80,10 @@ def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> d
         )
     except models.ModelConfigError as e:
         raise ConfigError(f"config key runs.{name}.parallel: {e}") from None
-    if par.get("sequence_parallel") and par.get("tp", 1) == 1:
-        raise ConfigError(
-            f"config key runs.{name}.parallel.sequence_parallel: sequence parallelism splits the sequence over "
-            "the tensor-parallel ranks: it needs tp > 1 (got 1)"
-        )
-    if par.get("distributed_optimizer") and vpp > 1:
-        raise ConfigError(
-            f"config key runs.{name}.parallel.distributed_optimizer: the distributed optimizer shards one model "
-            f"chunk's gradient buffers: it needs virtual_pp 1 (got {vpp})"
-        )
+    conflict = models.parallel_conflict(par)
+    if conflict:
+        key, why = conflict
+        raise ConfigError(f"config key runs.{name}.parallel.{key}: {PARALLEL_SUBJECTS[key]} {why}")
     return arch
 
 

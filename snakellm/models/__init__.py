@@ -30,6 +30,7 @@ from snakellm.models.architecture import (
     check_recompute,
     describe,
     padded_vocab_size,
+    parallel_conflict,
     resolve,
 )
 from snakellm.models.counts import flops_per_token, param_count
@@ -49,6 +50,7 @@ __all__ = [
     "check_parallel",
     "check_pipeline",
     "check_pipeline_batches",
+    "parallel_conflict",
     "check_recompute",
     "describe",
     "flops_per_token",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,6 +162,37 @@ def check_pipeline_batches(pp: int, virtual_pp: int, num_micro: int) -> str | No
         return (
             f"virtual_pp {virtual_pp} (interleaved schedule) needs the micro batches per step and data-parallel rank "
             f"({num_micro} = global_batch_size / (micro_batch_size x data-parallel size)) to be a multiple of pp {pp}"
+        )
+    return None
+
+
+def parallel_conflict(par: dict[str, Any], name: Callable[[str], str] = str) -> tuple[str, str] | None:
+    """The first parallelism settings of ``par`` that cannot go together: (the setting at fault, why), the
+    other settings in the reason named by ``name`` (a config key, or ``snakellm train``'s flag); None: none."""
+    tp, pp, vpp = par.get("tp", 1), par.get("pp", 1), par.get("virtual_pp", 1)
+    distopt = par.get("distributed_optimizer")
+    if par.get("sequence_parallel") and tp == 1:
+        return (
+            "sequence_parallel",
+            f"splits the sequence over the tensor-parallel ranks: it needs {name('tp')} > 1 (got 1)",
+        )
+    if par.get("overlap_param_gather") and not distopt:
+        return (
+            "overlap_param_gather",
+            f"overlaps the distributed optimizer's all-gather of the updated weights: it needs {name('distributed_optimizer')}",
+        )
+    if par.get("fsdp") and distopt:
+        return (
+            "fsdp",
+            "already shards the optimizer states (and the parameters and gradients): "
+            f"drop {name('distributed_optimizer')}",
+        )
+    if par.get("fsdp") and pp > 1:
+        return "fsdp", f"shards over the data-parallel ranks of one pipeline stage: it needs {name('pp')} 1 (got {pp})"
+    if distopt and vpp > 1:
+        return (
+            "distributed_optimizer",
+            f"shards one model chunk's gradient buffers: it needs {name('virtual_pp')} 1 (got {vpp})",
         )
     return None
 

@@ -15,13 +15,14 @@ data); :mod:`snakellm.train.resume` decides from it whether to resume.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from snakellm import models
-from snakellm.config.settings import from_namespace
+from snakellm.config.settings import from_namespace, option
 from snakellm.errors import UsageError
 from snakellm.io import checkpoint as ckpt
 from snakellm.launch import distributed as distmod
@@ -114,28 +115,10 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     models.check_parallel(model, par.tp, par.pp, par.virtual_pp)
     models.check_recompute(model, par.pp, par.virtual_pp, par.recompute, par.recompute_method, par.recompute_num_layers)
     fp8.check_request(t.precision, args.device, model, par.tp)
-    if par.sequence_parallel and par.tp == 1:
-        raise RequestError(
-            "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tp > 1 (got 1)"
-        )
-    if par.overlap_param_gather and not par.distributed_optimizer:
-        raise RequestError(
-            "--overlap-param-gather overlaps the distributed optimizer's all-gather of the updated weights: "
-            "it needs --distributed-optimizer"
-        )
-    if par.fsdp and par.distributed_optimizer:
-        raise RequestError(
-            "--fsdp already shards the optimizer states (and the parameters and gradients): drop --distributed-optimizer"
-        )
-    if par.fsdp and par.pp > 1:
-        raise RequestError(
-            f"--fsdp shards over the data-parallel ranks of one pipeline stage: it needs --pp 1 (got {par.pp})"
-        )
-    if par.distributed_optimizer and par.virtual_pp > 1:
-        raise RequestError(
-            f"--distributed-optimizer shards one model chunk's gradient buffers: it needs --virtual-pp 1 "
-            f"(got {par.virtual_pp})"
-        )
+    flags = {f.name: option(f) for f in dataclasses.fields(ParallelSettings)}
+    conflict = models.parallel_conflict(vars(par), flags.__getitem__)
+    if conflict:
+        raise RequestError(f"{flags[conflict[0]]} {conflict[1]}")
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
     why = models.check_pipeline_batches(par.pp, par.virtual_pp, num_micro)
     if why:
