@@ -140,8 +140,8 @@ class MixedPrecisionAdamW:
         for st in inner["state"].values():
             step = st.get("step", step)
         optim_state_to_sharding_state(inner, id_map, exclude_keys=("step",))
-        if step is not None:
-            inner["state"]["common_step"] = step
+        if step is not None:  # on the CPU: fused AdamW keeps it on each rank's GPU, which the common state compares
+            inner["state"]["common_step"] = _cpu(step)
         if not self.has_masters:
             return inner
         fp32 = []
@@ -404,7 +404,7 @@ class DistributedAdamW:
                 }
         if step is None:  # a rank without shards: every rank has taken the same number of steps
             step = torch.zeros((), dtype=torch.float32)
-        state["common_step"] = step
+        state["common_step"] = _cpu(step)
         inner = {"state": state, "param_groups": self._canonical_param_groups()}
         if not self.has_masters:
             return inner
@@ -515,3 +515,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _cpu(step: Any) -> Any:
+    """Adam's step count as saved in the common (rank 0) state: one CPU value, so every rank's compares equal
+    (megatron-core's checkpoint check warned "common state dict differs" for each rank's cuda:N copy)."""
+    return step.detach().to("cpu") if torch.is_tensor(step) else step
