@@ -2,8 +2,9 @@
 
 Real `snakellm finetune --method full` on a tiny Llama base with random weights, fp32 on the CPU: one
 process without FSDP, then 2 gloo ranks with it (torchrun), the same 6 steps at micro batch 1 (so both
-average the same per-example losses): the same loss at every step (1e-5) and gradient norms, and the same
-final ``model/`` artifact, tensor for tensor in the same checkpoint layout (the exports read it chunk by
+average the same per-example losses): the same loss at every step (1e-5), gradient norms and validation
+losses (15 examples: one rank runs an unscored one, to gather the weights as often as the other), and the
+same final ``model/`` artifact, tensor for tensor in the same checkpoint layout (the exports read it chunk by
 chunk). A resume of the FSDP run from its step-3 checkpoint, with full activation recomputation on top,
 continues with the uninterrupted run's losses exactly. LoRA and p-tuning with ``fsdp`` are refused, at
 the config check and at the step, naming the setting.
@@ -29,7 +30,8 @@ FT = ["finetune", "--base", "base", "--data-dir", "sft", "--method", "full", "--
 FT += ["--micro-batch-size", "1", "--global-batch-size", "4", "--max-seq-length", "128", "--eval-interval", "3"]
 FT += ["--keep-last", "2", "--select", "last", "--device", "cpu", "--no-progress"]
 
-# a tiny-llama base of random weights (what `snakellm finetune --base` reads) and 16 SFT examples
+# a tiny-llama base of random weights (what `snakellm finetune --base` reads) and 16 SFT examples, 15 of them
+# for validation (2 ranks: 8 and 7, the second filled in with an unscored example)
 MAKE = """
 import json, sys, torch
 from pathlib import Path
@@ -52,8 +54,8 @@ if __name__ == "__main__":
     lines = (repo / "resources/corpus/botchan/botchan.jsonl").read_text().splitlines()
     recs = [{"input": json.loads(line)["text"][:300], "output": f" the answer is {i}"} for i, line in enumerate(lines[:16])]
     Path("sft").mkdir()
-    for split in ("train", "validation"):
-        Path("sft", f"{split}.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in recs))
+    for split, n in (("train", 16), ("validation", 15)):
+        Path("sft", f"{split}.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in recs[:n]))
     runtime.stop()
 """
 
@@ -98,6 +100,17 @@ def test_fsdp_full_sft_matches_one_process_and_writes_the_same_model(runs):
     for step in one:
         assert abs(fsdp[step]["loss"] - one[step]["loss"]) <= 1e-5 * one[step]["loss"], (step, one, fsdp)
         assert abs(fsdp[step]["grad_norm"] / one[step]["grad_norm"] - 1) <= 5e-5, (step, one, fsdp)
+    val = {
+        run: [
+            (r["step"], r["val_loss"])
+            for r in map(json.loads, (root / run / "metrics.jsonl").open())
+            if "val_loss" in r
+        ]
+        for run in ("one", "fsdp")
+    }
+    assert [s for s, _ in val["one"]] == [s for s, _ in val["fsdp"]] == [3, 6]
+    for (_, v1), (_, v2) in zip(val["one"], val["fsdp"]):
+        assert abs(v2 - v1) <= 1e-5 * v1, val
     assert one[6]["loss"] < one[1]["loss"]
     summary = json.loads((root / "fsdp" / "finetune_summary.json").read_text())
     assert summary["trainable_parameters"] == summary["total_parameters"]

@@ -280,13 +280,21 @@ class FinetuneRecipe:
         if not self.valid_ex:
             return None
         a, mine = self.a, list(range(len(self.valid_ex)))[parallel_state.get_data_parallel_rank() :: s.dp]
+        # FSDP: every rank runs as many forward passes as the others (each gathers the weights with them);
+        # a rank short of an example fills in example 0, unscored (its loss mask zero: the Validator skips a
+        # batch of nothing but these)
+        n = -(-len(self.valid_ex) // s.dp) if a.fsdp else len(mine)
+        padded = mine + [-1] * (n - len(mine))
 
         def batches() -> Iterator[Batch]:
-            for k in range(0, len(mine), a.micro_batch_size):
-                chunk = [self.valid_ex[i] for i in mine[k : k + a.micro_batch_size]]
-                b = ds.collate(chunk, self.tok.eod_id, a.answer_only_loss)
+            for k in range(0, len(padded), a.micro_batch_size):
+                idx = padded[k : k + a.micro_batch_size]
+                b = ds.collate([self.valid_ex[max(i, 0)] for i in idx], self.tok.eod_id, a.answer_only_loss)
                 if self.virtual and not a.answer_only_loss:
                     b["loss_mask"][:, : self.virtual] = 0
+                for row, i in enumerate(idx):
+                    if i < 0:
+                        b["loss_mask"][row] = 0
                 yield b
 
         return batches
