@@ -48,6 +48,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from snakellm import models  # noqa: E402  (torch-free: the architecture and its FLOPs per token)
+
 GPT2 = {
     "kind": "gpt2-bpe",
     "name": "gpt2",
@@ -174,31 +177,41 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
     ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
-    except subprocess.TimeoutExpired:
-        return {**tag, "error": f"timed out after {a.timeout:.0f} s"}
-    if proc.returncode != 0:
-        tail = proc.stderr[-3000:]
-        print(tail, file=sys.stderr)
-        oom = "OutOfMemoryError" in proc.stderr or "CUDA out of memory" in proc.stderr
-        return {**tag, "error": "out of GPU memory" if oom else f"exit {proc.returncode}"}
-    recs = [json.loads(line) for line in (odir / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in recs if r["step"] > a.warmup_steps and "tokens_per_s" in r] or recs
+    rc, stderr = run_group(cmd, env, a.timeout)
+    failed = None
+    if rc is None:
+        failed = f"timed out after {a.timeout:.0f} s"
+    elif rc != 0:
+        print(stderr[-3000:], file=sys.stderr)
+        oom = "OutOfMemoryError" in stderr or "CUDA out of memory" in stderr
+        failed = "out of GPU memory" if oom else f"exit {rc}"
+    # a job that fails after its steps (the final model's write, a time limit) still has its live metrics
+    done, live = odir / "metrics.jsonl", odir / "checkpoints" / "metrics.live.jsonl"
+    path = done if done.exists() and not failed else live
+    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    steady = [r for r in recs if r["step"] > a.warmup_steps and "tokens_per_s" in r]
+    if failed and not steady:
+        return {**tag, "error": failed}
+    steady = steady or recs
     tps = statistics.median(r["tokens_per_s"] for r in steady)
-    summary = json.loads((odir / "finetune_summary.json").read_text())
+    summary = json.loads((odir / "finetune_summary.json").read_text()) if not failed else {}
+    arch = models.resolve(a.preset, {"seq_length": a.seq_length})
+    flops = summary.get("flops_per_token") or models.flops_per_token(arch, models.padded_vocab_size(50257, arch))
     res = {
         **tag,
         "tokens_per_s": round(tps),
         "tokens_per_s_per_gpu": round(tps / world),
         # pretraining's formula over the H100/H200 bf16 peak, whatever the device (the CPU smoke's is tiny)
-        "mfu_989": round(tps / world * summary["flops_per_token"] / (PEAK_TFLOPS * 1e12), 6),
+        "mfu_989": round(tps / world * flops / (PEAK_TFLOPS * 1e12), 6),
         "losses": [r["loss"] for r in recs if "loss" in r],
         "wall_s": round(time.time() - t0, 1),
-        "trainable_parameters": summary["trainable_parameters"],
-        "total_parameters": summary["total_parameters"],
+        "trainable_parameters": summary.get("trainable_parameters"),
+        "total_parameters": summary.get("total_parameters"),
         "peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib"),
+        **({"incomplete": f"{failed} after step {recs[-1]['step']} (figures from its live metrics)"} if failed else {}),
     }
+    if failed:
+        return res
     if steady[0].get("mfu") is not None:
         res["mfu"] = round(statistics.median(r["mfu"] for r in steady), 4)
         # frozen weights skip their weight gradients: 2/3 of the work of 6 N, plus 6 per trainable parameter
@@ -208,6 +221,29 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
                 res["mfu"] * (summary["flops_per_token"] * 2 / 3 + 6 * t) / summary["flops_per_token"], 4
             )
     return res
+
+
+def run_group(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str]:
+    """(exit status or None on time-out, stderr): the command in its own process group, all of which a
+    time-out ends (torchrun's ranks too, which would otherwise hold their GPUs for the next stage)."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=grace)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        err.seek(0)
+        return rc, err.read()
 
 
 def compare_losses(tp_losses: list[float], one: list[float], rtol: float, atol: float) -> dict:
@@ -363,12 +399,15 @@ def main(argv=None) -> int:
         print(json.dumps(results[-1]), flush=True)
     (out / "bench_finetune.json").write_text(json.dumps(results, indent=2) + "\n")
     if a.smoke:  # the path ran: a loss per step, a throughput
-        ok = all("error" not in r and len(r["losses"]) == a.steps and r["tokens_per_s"] > 0 for r in results)
+        ok = all(
+            "error" not in r and "incomplete" not in r and len(r["losses"]) == a.steps and r["tokens_per_s"] > 0
+            for r in results
+        )
         ok = ok and all(r.get("losses_match", True) for r in results)  # FSDP's: the one-process losses
         ok = ok and any(r.get("fsdp") for r in results) == ("full" in a.methods.split(","))
         print("smoke:", "PASS" if ok else "FAIL")
         return 0 if ok else 1
-    return 0 if all("error" not in r and r.get("losses_match", True) for r in results) else 1
+    return 0 if all("error" not in r and "incomplete" not in r and r.get("losses_match", True) for r in results) else 1
 
 
 def row(preset: str, r: dict) -> str:
@@ -383,7 +422,10 @@ def row(preset: str, r: dict) -> str:
     bar = f", bar {MFU_BAR:.0%}: {'PASS' if mfu >= MFU_BAR else 'FAIL'}" if r["method"] == "full" else ""
     figures = f"MFU {mfu:.1%} (6N + 12Lhs over {PEAK_TFLOPS} TFLOP/s{bar}), peak {r.get('peak_gpu_memory_gib')} GiB"
     extra = {k: v for k, v in r.items() if k not in ("losses",)}
-    return f"{r['method']} {layout}: {r['tokens_per_s_per_gpu']:,} tokens/s/GPU{vs}; {figures} | {json.dumps(extra)}"
+    note = f" (INCOMPLETE: {r['incomplete']})" if "incomplete" in r else ""
+    return (
+        f"{r['method']} {layout}: {r['tokens_per_s_per_gpu']:,} tokens/s/GPU{vs}; {figures}{note} | {json.dumps(extra)}"
+    )
 
 
 if __name__ == "__main__":
