@@ -4,9 +4,10 @@ Real `snakellm finetune --method full` on a tiny Llama base with random weights,
 process without FSDP, then 2 gloo ranks with it (torchrun), the same 6 steps at micro batch 1 (so both
 average the same per-example losses): the same loss at every step (1e-5), gradient norms and validation
 losses (15 examples: one rank runs an unscored one, to gather the weights as often as the other), and the
-same final ``model/`` artifact, tensor for tensor in the same checkpoint layout (the exports read it chunk by
-chunk). A resume of the FSDP run from its step-3 checkpoint, with full activation recomputation on top,
-continues with the uninterrupted run's losses exactly. LoRA and p-tuning with ``fsdp`` are refused, at
+same final ``model/`` artifact, tensor for tensor in the same checkpoint layout (the exports read it chunk
+by chunk; they put the FSDP run's training checkpoints, stored as each rank's blocks, together too). A
+resume of the FSDP run from its step-3 checkpoint, with full activation recomputation on top, continues
+with the uninterrupted run's losses exactly. LoRA and p-tuning with ``fsdp`` are refused, at
 the config check and at the step, naming the setting.
 
 The runs are one module fixture (three launches) and the resume one more: marked slow (~35 s together on
@@ -134,6 +135,12 @@ def test_fsdp_full_sft_matches_one_process_and_writes_the_same_model(runs):
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert (a[k] - b[k]).abs().max().item() <= 1e-5, k
+    # the training checkpoints hold FSDP's row slices as blocks; the exports' reader puts each layer together
+    info = describe_run(str(root / "one" / "model"))
+    for run, want in (("fsdp", a), ("one", a)):
+        groups = read_groups(root / run / "checkpoints", 6, info["arch"], info["padded_vocab_size"])
+        got = {k: v for g in groups for k, v in g.items()}
+        assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max().item() <= 1e-5 for k in got)
 
 
 # one 2-rank launch (~10 s)
