@@ -176,6 +176,8 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
         *(["--fsdp"] if fsdp else []),
     ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if fsdp:  # as pretraining's 8B FSDP runs (scripts/bench_train_8b_gpu.py): FSDP's gathers fragment the cache
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     t0 = time.time()
     rc, stderr = run_group(cmd, env, a.timeout)
     failed = None
