@@ -58,6 +58,8 @@ class Case:
     flags: list[str]
     note: str = ""
     if_oom: str | None = None  # the case run next when this one runs out of memory
+    gbs: int | None = None  # sequences per step (default: --tokens-per-gpu per data-parallel rank)
+    timeout: float | None = None  # seconds before it is killed, where start-up is longer (compilation)
 
 
 # the layouts worth measuring at 8B on 80 GB cards, most important first: a partial run still has the bars
@@ -86,6 +88,7 @@ CASES = {
             8192,
             ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled", "--compile", *RC8],
             "the same + torch.compile of every layer",
+            timeout=200,
         ),
         Case(
             "llama8k-fsdp",
@@ -108,6 +111,42 @@ CASES = {
             ["--tp", "4", "--sequence-parallel", "--micro-batch-size", "8", "--loss", "compiled"],
             "TP 4 + SP with micro batch 8: 8x larger GEMMs and collectives per launch (micro batch 1 peaked at "
             "31.9 GiB, 29 of them model states)",
+        ),
+        Case(
+            "gpt8b-tp4-mbs8-gbs32",
+            "gpt-8b",
+            2048,
+            ["--tp", "4", "--sequence-parallel", "--micro-batch-size", "8", "--loss", "compiled"],
+            "the same with 4 micro-batches a step (the recipe's global batch is 512 sequences): the optimizer "
+            "step and the gradient norm are paid once per 64K tokens instead of per 16K",
+            gbs=32,
+        ),
+        Case(
+            "llama8k-fsdp-rc8-fp8",
+            "llama3-8b",
+            8192,
+            [
+                "--fsdp",
+                "--micro-batch-size",
+                "1",
+                "--loss",
+                "compiled",
+                *RC8,
+                "--precision",
+                "fp8",
+                "--profile-steps",
+                "4:4",
+            ],
+            "llama8k-fsdp-rc8 with float8 matmuls in the block linears (torchao, tensorwise; issue 30's 1.25x bar)",
+            timeout=170,
+        ),
+        Case(
+            "llama8k-fsdp-rc8-fp8-compile",
+            "llama3-8b",
+            8192,
+            ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled", "--compile", *RC8, "--precision", "fp8"],
+            "the same + torch.compile of every layer (fuses torchao's casts, as torchtitan runs float8)",
+            timeout=200,
         ),
         Case(
             "llama2k-fsdp",
@@ -164,9 +203,16 @@ CASES = {
 # llama8k-fsdp-rc8 51.1% at 74.0 GiB, gpt8b-tp4 11.9%; gpt8b-tp4-compile did not reach its first step in 110 s.
 # On 4 H100s (2026-11-27): llama8k-fsdp-rc8 ran out of memory (71 GiB allocated by torch + ~7 GiB of context and
 # NCCL buffers on a 79.2 GiB card), gpt8b-tp4-mbs8 38.9%, gpt8b-fsdp 41.3%.
-# The default run (about 4 minutes): the two bars in 80 GB layouts (the Llama shape with 12 layers recomputed; TP 4
-# with micro batch 8: micro batch 1 left its GEMMs and collectives small and launch-bound), then the rest
-DEFAULT = ["llama8k-fsdp-rc12", "gpt8b-tp4-mbs8", "llama2k-fsdp", "gpt8b-fsdp", "gpt8b-tp4"]
+# The default run (about 9 minutes): the two bars in 80 GB layouts (the Llama shape with 8 layers recomputed, which
+# fits an H100 since the GPU runs megatron-core's fused SwiGLU, 5 GiB less; TP 4 with micro batch 8 and 4 micro-batches
+# a step), then FP8 in the Llama layout (eager, with the kernel table of step 4, and compiled) and bf16 compiled
+DEFAULT = [
+    "llama8k-fsdp-rc8",
+    "gpt8b-tp4-mbs8-gbs32",
+    "llama8k-fsdp-rc8-fp8-compile",
+    "llama8k-fsdp-rc8-fp8",
+    "llama8k-fsdp-rc8-compile",
+]
 
 # --smoke: the same cases on CPU (gloo, fp32), tiny models, 2 ranks
 SMOKE_MODELS = {"llama3-8b": "tiny-llama", "gpt-8b": "tiny-llama"}
@@ -214,7 +260,9 @@ def run_case(c: Case, args, out: Path) -> dict:
     seq = args.smoke_seq if args.smoke else c.seq
     # tensor-parallel ranks work on the same sequences: tp times fewer per step (a TP step stays short)
     tp = int(c.flags[c.flags.index("--tp") + 1]) if "--tp" in c.flags and not args.smoke else 1
-    gbs = args.global_batch_size or (nproc // tp) * max(1, args.tokens_per_gpu // seq)
+    gbs = (
+        args.global_batch_size or (None if args.smoke else c.gbs) or (nproc // tp) * max(1, args.tokens_per_gpu // seq)
+    )
     vocab = vocab_of(c.model, args.smoke)
     tokens = int(steps * gbs * (seq + 1) * 1.05)
     blend = make_data(Path(args.workdir) / f"data-{vocab}-{seq}", tokens, vocab=vocab)
@@ -281,6 +329,8 @@ def run_case(c: Case, args, out: Path) -> dict:
     except subprocess.TimeoutExpired:
         res["rc"] = "timeout"
     res["wall_s"] = round(time.time() - t0, 1)
+    if (run_dir / "profile.txt").exists():  # --profile-steps: the kernel table beside the log
+        (out / f"{c.name}.profile.txt").write_text((run_dir / "profile.txt").read_text())
     res.update(read_metrics(run_dir, args, seq, gbs))
     if res["rc"] != 0:
         text = log.read_text(errors="replace")
@@ -438,7 +488,20 @@ def main(argv=None) -> int:
                 }
             )
             continue
-        case_args = argparse.Namespace(**{**vars(args), "case_timeout": min(args.case_timeout, left + 30)})
+        limit = cases[name].timeout or args.case_timeout
+        if left < 0.6 * limit and not args.smoke:
+            print(f"{name}: skipped ({left:.0f}s of the budget left, its limit {limit:.0f}s)", flush=True)
+            results.append(
+                {
+                    "case": name,
+                    "model": cases[name].model,
+                    "seq": cases[name].seq,
+                    "flags": cases[name].flags,
+                    "rc": "skipped",
+                }
+            )
+            continue
+        case_args = argparse.Namespace(**{**vars(args), "case_timeout": min(limit, left + 30)})
         r = run_case(cases[name], case_args, out)
         results.append(r)
         print(line(r), flush=True)

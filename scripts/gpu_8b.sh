@@ -6,7 +6,7 @@
 #      transformers' generate (bar >= 5x), evaluation-shaped prompts (examples/s)  GPU 1, beside A
 #   C  the same LoRA tensor parallel over 4 GPUs (the seed's layout; bar: >= 70% scaling per GPU)
 #   D  full SFT of the same shape, FSDP over 4 GPUs (snakellm finetune --fsdp), sequence 4096, micro
-#      batch 1, no recomputation (snakellm plan's estimate: 58.2 GiB a GPU; 80 GB cards) (bar: 50% MFU;
+#      batch 1, no recomputation (snakellm plan's estimate: 48.2 GiB a GPU; 80 GB cards) (bar: 50% MFU;
 #      DGX Cloud's Llama 3 8B SFT, 8 H100s, Transformer Engine: 12,412 tokens/s/GPU)
 # Every stage has its own time limit; a failed stage is reported (its log's tail) and the next one
 # runs. Printed per stage: exit status, wall time, its figures; at the end the peak memory of

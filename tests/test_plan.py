@@ -86,7 +86,7 @@ def test_plan_advises_a_layout_and_micro_batch_for_8b_fine_tuning(capsys, tmp_pa
     lora_tp1 = out.split("finetune llama3-8b-lora-tp1", 1)[1]
     assert "gradients        0.04 GiB" in lora_tp1 and "optimizer        0.12 GiB" in lora_tp1  # adapters only
     assert "weights         13.79 GiB  (7,402.2M parameters on this GPU)" in lora_tp1
-    assert "advice: tp 1, micro batch 2: 57.40 GiB per GPU, fits 80 GiB" in lora_tp1
+    assert "advice: tp 1, micro batch 2: 50.40 GiB per GPU, fits 80 GiB" in lora_tp1
     cfg = yaml.safe_load(example.read_text())
     full = cfg["finetune"].pop("llama3-8b-lora-tp4")
     full["method"] = "full"
@@ -96,15 +96,15 @@ def test_plan_advises_a_layout_and_micro_batch_for_8b_fine_tuning(capsys, tmp_pa
     assert plan_cli.main(["--config", str(tmp_path / "full.yaml")]) == 0
     out = capsys.readouterr().out
     assert "optimizer       20.66 GiB" in out  # tp 4 as configured
-    advice = "advice: tp 1, FSDP, micro batch 1: 51.70 GiB per GPU, fits 80 GiB"
-    assert f"{advice} (parallel.tp: 1, train.micro_batch_size: 1, parallel.fsdp: true)" in out
+    advice = "advice: tp 1, FSDP, micro batch 2: 66.44 GiB per GPU, fits 80 GiB"
+    assert f"{advice} (parallel.tp: 1, train.micro_batch_size: 2, parallel.fsdp: true)" in out
     full["parallel"], full["train"]["micro_batch_size"] = {"tp": 1, "fsdp": True}, 1
     (tmp_path / "full.yaml").write_text(yaml.safe_dump(cfg))
     assert plan_cli.main(["--config", str(tmp_path / "full.yaml")]) == 0
     out = capsys.readouterr().out
     # (the vocabulary padded for tp 1 now: 50,304 rows, not tp 4's 50,688)
-    assert "FSDP: parameters, gradients and optimizer sharded" in out
-    assert "advice: tp 1, FSDP, micro batch 1: 51.68 GiB per GPU, fits 80 GiB (as configured)" in out
+    assert "FSDP: parameters, gradients and optimizer sharded" in out and "total           48.18 GiB" in out
+    assert "advice: tp 1, FSDP, micro batch 2: 66.41 GiB per GPU, fits 80 GiB (parallel.tp: 1, " in out
     full["resources"] = {"gpus_per_node": 1}
     full["parallel"] = {"tp": 1}
     (tmp_path / "full.yaml").write_text(yaml.safe_dump(cfg))

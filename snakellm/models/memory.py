@@ -119,8 +119,12 @@ def layer_activation_bytes(
     flash_attention: bool = True,
     recompute: str = "none",
     bytes_per_element: int = 2,
+    fused_swiglu: bool = True,
 ) -> float:
-    """Bytes one transformer layer keeps for its backward pass, per micro-batch, on one tensor-parallel rank."""
+    """Bytes one transformer layer keeps for its backward pass, per micro-batch, on one tensor-parallel rank.
+
+    ``fused_swiglu``: megatron-core's fused SwiGLU (every GPU run) rather than the CPU's unfused one.
+    """
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     s, b, e = seq_length or arch["seq_length"], micro_batch_size, bytes_per_element
@@ -136,13 +140,14 @@ def layer_activation_bytes(
     # and the 1-byte dropout masks after attention and after the MLP
     replicated = 4 * e * sbh + (2 * sbh if hidden_dropout else 0)
     # inside them, split over tp: Q and K (for Q K^T), V, the attention output (input of the output
-    # projection), and the MLP's up-projection output and down-projection input; SwiGLU keeps one more
-    # f-wide tensor: SiLU(gate), the product's other factor (measured on H200s at 8B: without it the
-    # estimate was 12% under the peak of a stage that keeps 24 layers' activations)
+    # projection), and the MLP's up-projection output and down-projection input. An unfused SwiGLU
+    # (the CPU's) keeps one more f-wide tensor, SiLU(gate), the product's other factor (measured on
+    # H200s at 8B before GPUs fused it: without it the estimate was 12% under the peak of a stage that
+    # keeps 24 layers' activations); on a GPU megatron-core's fused SwiGLU keeps only its input
     swiglu = arch["activation"] == "swiglu"
     up = 2 * f if swiglu else f
     sharded = e * s * b * (h + kv) + e * s * b * kv + e * sbh + e * s * b * up + e * s * b * f
-    if swiglu:
+    if swiglu and not fused_swiglu:
         sharded += e * s * b * f
     if flash_attention:
         sharded += 4 * a * s * b  # float32 log-sum-exp per query and head
