@@ -16,6 +16,8 @@ figure for the same model, which --pretrain measures in the same run.
     python scripts/bench_finetune_gpu.py --tp 2 --steps 20 --lr 2e-5 --lr-warmup 5   # each method also TP over 2 GPUs
     python scripts/bench_finetune_gpu.py --preset llama3-8b --methods lora-all --seq-length 4096 \
         --micro-batch-size 1 --global-batch-size 8 --steps 8 --warmup-steps 3 --tp 4 --tp-only   # the seed's layout
+    python scripts/bench_finetune_gpu.py --preset llama3-8b --methods full --seq-length 4096 \
+        --micro-batch-size 1 --global-batch-size 8 --steps 8 --warmup-steps 3 --fsdp --nproc 4 --tp-only  # FSDP SFT
 
 Each row prints its tokens/s (per GPU), MFU, peak GPU memory and wall time beside the anchor
 for the preset (NeMo AutoModel's Llama 3.1 8B LoRA on one H100 at sequence 4096: 12,473
@@ -26,6 +28,12 @@ With ``--tp N`` every method runs twice, on one GPU and tensor parallel over N
 with the same data, seed and adapter initialisation: tokens/s per GPU, the
 scaling efficiency, and the largest step-by-step relative loss difference
 (bf16 tolerance: ``--rtol``).
+
+With ``--fsdp`` each full fine-tune also runs with its parameters, gradients and optimizer states sharded
+over ``--nproc`` GPUs (`snakellm finetune --fsdp`, FSDP2, data parallel under torchrun): tokens/s per GPU,
+MFU (6 N + 12 L h s per token over 989.4 TFLOP/s) beside the bar (50%) and DGX Cloud's SFT anchor, and
+peak memory (LoRA and p-tuning refuse FSDP: they skip it). ``--smoke`` runs the FSDP path too, on 2 gloo
+ranks in fp32 at micro batch 1, whose losses must equal the one-process run's (1e-5).
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from snakellm import models  # noqa: E402  (torch-free: the architecture and its FLOPs per token)
+
 GPT2 = {
     "kind": "gpt2-bpe",
     "name": "gpt2",
@@ -63,6 +74,8 @@ METHODS = {
     ],
     "full": ["--method", "full"],
 }
+PEAK_TFLOPS = 989.4  # bf16 dense, H100 / H200 SXM: the MFU of every row (the metrics' own only on those GPUs)
+MFU_BAR = 0.5  # full SFT of the Llama 3.1 8B shape on 4 GPUs (issue 31)
 
 
 def make_base(root: Path, preset: str, seq: int, device: str) -> Path:
@@ -113,11 +126,14 @@ def make_data(root: Path, n: int) -> Path:
     return d
 
 
-def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1) -> dict:
-    odir = out / (name if tp == 1 else f"{name}-tp{tp}")
-    launch = [sys.executable] if tp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    if tp > 1:
-        launch += [f"--nproc-per-node={tp}"]
+def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsdp: int = 0) -> dict:
+    """One `snakellm finetune` of method ``name``: on one GPU, tensor parallel over ``tp`` or FSDP over ``fsdp``."""
+    world = fsdp or tp
+    odir = out / (f"{name}-fsdp{fsdp}" if fsdp else (name if tp == 1 else f"{name}-tp{tp}"))
+    launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if world > 1:
+        launch += [f"--nproc-per-node={world}"]
+    tag = {"method": name, "tp": tp, **({"fsdp": fsdp} if fsdp else {})}
     cmd = [
         *launch,
         "-m",
@@ -157,33 +173,47 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1) -> 
         str(tp),
         "--resume",
         "never",
+        *(["--fsdp"] if fsdp else []),
     ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if fsdp:  # as pretraining's 8B FSDP runs (scripts/bench_train_8b_gpu.py): FSDP's gathers fragment the cache
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
-    except subprocess.TimeoutExpired:
-        return {"method": name, "tp": tp, "error": f"timed out after {a.timeout:.0f} s"}
-    if proc.returncode != 0:
-        tail = proc.stderr[-3000:]
-        print(tail, file=sys.stderr)
-        oom = "OutOfMemoryError" in proc.stderr or "CUDA out of memory" in proc.stderr
-        return {"method": name, "tp": tp, "error": "out of GPU memory" if oom else f"exit {proc.returncode}"}
-    recs = [json.loads(line) for line in (odir / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in recs if r["step"] > a.warmup_steps and "tokens_per_s" in r] or recs
+    rc, stderr = run_group(cmd, env, a.timeout)
+    failed = None
+    if rc is None:
+        failed = f"timed out after {a.timeout:.0f} s"
+    elif rc != 0:
+        print(stderr[-3000:], file=sys.stderr)
+        oom = "OutOfMemoryError" in stderr or "CUDA out of memory" in stderr
+        failed = "out of GPU memory" if oom else f"exit {rc}"
+    # a job that fails after its steps (the final model's write, a time limit) still has its live metrics
+    done, live = odir / "metrics.jsonl", odir / "checkpoints" / "metrics.live.jsonl"
+    path = done if done.exists() and not failed else live
+    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    steady = [r for r in recs if r["step"] > a.warmup_steps and "tokens_per_s" in r]
+    if failed and not steady:
+        return {**tag, "error": failed}
+    steady = steady or recs
     tps = statistics.median(r["tokens_per_s"] for r in steady)
-    summary = json.loads((odir / "finetune_summary.json").read_text())
+    summary = json.loads((odir / "finetune_summary.json").read_text()) if not failed else {}
+    arch = models.resolve(a.preset, {"seq_length": a.seq_length})
+    flops = summary.get("flops_per_token") or models.flops_per_token(arch, models.padded_vocab_size(50257, arch))
     res = {
-        "method": name,
-        "tp": tp,
+        **tag,
         "tokens_per_s": round(tps),
-        "tokens_per_s_per_gpu": round(tps / tp),
+        "tokens_per_s_per_gpu": round(tps / world),
+        # pretraining's formula over the H100/H200 bf16 peak, whatever the device (the CPU smoke's is tiny)
+        "mfu_989": round(tps / world * flops / (PEAK_TFLOPS * 1e12), 6),
         "losses": [r["loss"] for r in recs if "loss" in r],
         "wall_s": round(time.time() - t0, 1),
-        "trainable_parameters": summary["trainable_parameters"],
-        "total_parameters": summary["total_parameters"],
+        "trainable_parameters": summary.get("trainable_parameters"),
+        "total_parameters": summary.get("total_parameters"),
         "peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib"),
+        **({"incomplete": f"{failed} after step {recs[-1]['step']} (figures from its live metrics)"} if failed else {}),
     }
+    if failed:
+        return res
     if steady[0].get("mfu") is not None:
         res["mfu"] = round(statistics.median(r["mfu"] for r in steady), 4)
         # frozen weights skip their weight gradients: 2/3 of the work of 6 N, plus 6 per trainable parameter
@@ -193,6 +223,29 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1) -> 
                 res["mfu"] * (summary["flops_per_token"] * 2 / 3 + 6 * t) / summary["flops_per_token"], 4
             )
     return res
+
+
+def run_group(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str]:
+    """(exit status or None on time-out, stderr): the command in its own process group, all of which a
+    time-out ends (torchrun's ranks too, which would otherwise hold their GPUs for the next stage)."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+            for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=grace)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        err.seek(0)
+        return rc, err.read()
 
 
 def compare_losses(tp_losses: list[float], one: list[float], rtol: float, atol: float) -> dict:
@@ -265,7 +318,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--methods", default="lora,full", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 3 steps: the same code path in seconds")
-    p.add_argument("--tp-only", action="store_true", help="with --tp N: skip the one-GPU run of each method")
+    p.add_argument("--tp-only", action="store_true", help="with --tp N or --fsdp: skip the one-GPU run of each method")
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--steps", type=int, default=12)
@@ -288,6 +341,12 @@ def main(argv=None) -> int:
         "at lr 1e-4 from step 1 the loss jumps to ~19 and bf16 rounding then decides the trajectory)",
     )
     p.add_argument("--tp", type=int, default=1, help="also run each method tensor parallel over this many GPUs")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="also run each full method with FSDP (snakellm finetune --fsdp) over --nproc GPUs (smoke: 2 CPU ranks)",
+    )
+    p.add_argument("--nproc", type=int, default=4, help="ranks of the --fsdp runs (data parallel, one per GPU)")
     p.add_argument("--rtol", type=float, default=0.02, help="TP vs one GPU: relative loss difference allowed")
     p.add_argument("--atol", type=float, default=0.02, help="TP vs one GPU: absolute loss difference allowed")
     p.add_argument(
@@ -299,7 +358,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.smoke:
         a.preset, a.seq_length, a.steps, a.warmup_steps = "tiny", 128, 3, 1
-        a.micro_batch_size, a.global_batch_size, a.device, a.timeout = 2, 4, "cpu", 300
+        # micro batch 1: one process and 2 data-parallel ranks average the same per-example losses
+        a.micro_batch_size, a.global_batch_size, a.device, a.timeout = 1, 4, "cpu", 300
+        a.fsdp, a.nproc, a.rtol, a.atol = True, 2, 1e-5, 1e-6  # the FSDP path too: fp32, the same losses
         if a.workdir == p.get_default("workdir"):
             import tempfile
 
@@ -316,7 +377,7 @@ def main(argv=None) -> int:
     results = []
     for m in a.methods.split(","):
         one = None
-        if not (a.tp_only and a.tp > 1):
+        if not (a.tp_only and (a.tp > 1 or (a.fsdp and m == "full"))):
             one = run_method(m, a, base, data, root / "runs")
             results.append(one)
             print(row(a.preset, one), flush=True)
@@ -329,25 +390,44 @@ def main(argv=None) -> int:
                 par.update(compare_losses(par["losses"], one["losses"], a.rtol, a.atol))
             results.append(par)
             print(row(a.preset, par), flush=True)
+        if a.fsdp and m == "full":
+            sh = run_method(m, a, base, data, root / "runs", fsdp=a.nproc)
+            if "error" not in sh and one and "error" not in one:
+                sh.update(compare_losses(sh["losses"], one["losses"], a.rtol, a.atol))
+            results.append(sh)
+            print(row(a.preset, sh), flush=True)
     if a.pretrain:
         results.append(run_pretrain(a, root))
         print(json.dumps(results[-1]), flush=True)
     (out / "bench_finetune.json").write_text(json.dumps(results, indent=2) + "\n")
     if a.smoke:  # the path ran: a loss per step, a throughput
-        ok = all("error" not in r and len(r["losses"]) == a.steps and r["tokens_per_s"] > 0 for r in results)
+        ok = all(
+            "error" not in r and "incomplete" not in r and len(r["losses"]) == a.steps and r["tokens_per_s"] > 0
+            for r in results
+        )
+        ok = ok and all(r.get("losses_match", True) for r in results)  # FSDP's: the one-process losses
+        ok = ok and any(r.get("fsdp") for r in results) == ("full" in a.methods.split(","))
         print("smoke:", "PASS" if ok else "FAIL")
         return 0 if ok else 1
-    return 0 if all("error" not in r and r.get("losses_match", True) for r in results) else 1
+    return 0 if all("error" not in r and "incomplete" not in r and r.get("losses_match", True) for r in results) else 1
 
 
 def row(preset: str, r: dict) -> str:
-    """One result as a line: the figure beside its anchor (where one is published for the preset)."""
+    """One result as a line: the figure beside its anchor (where one is published for the preset), MFU
+    (beside the bar for full SFT) and peak memory."""
+    layout = f"fsdp {r['fsdp']}" if r.get("fsdp") else f"tp {r.get('tp', 1)}"
     if "error" in r:
-        return f"{r['method']} tp {r.get('tp', 1)}: FAILED ({r['error']})"
+        return f"{r['method']} {layout}: FAILED ({r['error']})"
     anchor = ANCHORS.get((preset, r["method"]))
     vs = f" vs {anchor[0]:,} ({anchor[1]}): {r['tokens_per_s_per_gpu'] / anchor[0]:.2f}x" if anchor else ""
+    mfu = r["mfu_989"]
+    bar = f", bar {MFU_BAR:.0%}: {'PASS' if mfu >= MFU_BAR else 'FAIL'}" if r["method"] == "full" else ""
+    figures = f"MFU {mfu:.1%} (6N + 12Lhs over {PEAK_TFLOPS} TFLOP/s{bar}), peak {r.get('peak_gpu_memory_gib')} GiB"
     extra = {k: v for k, v in r.items() if k not in ("losses",)}
-    return f"{r['method']} tp {r['tp']}: {r['tokens_per_s_per_gpu']:,} tokens/s/GPU{vs} | {json.dumps(extra)}"
+    note = f" (INCOMPLETE: {r['incomplete']})" if "incomplete" in r else ""
+    return (
+        f"{r['method']} {layout}: {r['tokens_per_s_per_gpu']:,} tokens/s/GPU{vs}; {figures}{note} | {json.dumps(extra)}"
+    )
 
 
 if __name__ == "__main__":

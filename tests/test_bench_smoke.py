@@ -64,7 +64,11 @@ FIGURES: dict[str, list[str]] = {
     ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
-    "bench_finetune_gpu": [rf'"method": "{m}", "tp": 1, "tokens_per_s": {NUM},' for m in ("lora", "full")],
+    "bench_finetune_gpu": [
+        *(rf'"method": "{m}", "tp": 1, "tokens_per_s": {NUM},' for m in ("lora", "full")),
+        # FSDP over 2 gloo ranks, with the one-process run's losses
+        rf'^full fsdp 2: {NUM} tokens/s/GPU; MFU .*"fsdp": 2, "tokens_per_s": {NUM},.*"losses_match": true',
+    ],
     "bench_parallel_gpu": [rf"\| tiny \| 1 GPU \| 1 \| {NUM} \|", rf"\| tiny \| DP=2 \| 2 \| {NUM} \| {NUM} \| {NUM}%"],
     "bench_pipeline_gpu": [
         rf"^  pp1\s+1\s+\S+\s+{NUM}\s+{NUM}",

@@ -72,7 +72,7 @@ def test_plan_cli_prints_the_default_plan(capsys, monkeypatch):
 
 def test_plan_advises_a_layout_and_micro_batch_for_8b_fine_tuning(capsys, tmp_path):
     """`snakellm plan` on the 8B chain example: each fine-tune's memory per GPU (LoRA: no gradients or Adam
-    states for the frozen base) and the tp / micro batch that fit 80 GiB; full SFT needs tp 4 of 4 GPUs."""
+    states for the frozen base) and the tp / micro batch that fit 80 GiB; full SFT: FSDP over the 4 GPUs."""
     import yaml
     from conftest import REPO
 
@@ -95,7 +95,16 @@ def test_plan_advises_a_layout_and_micro_batch_for_8b_fine_tuning(capsys, tmp_pa
     (tmp_path / "full.yaml").write_text(yaml.safe_dump(cfg))
     assert plan_cli.main(["--config", str(tmp_path / "full.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "optimizer       20.66 GiB" in out and "advice: tp 4, micro batch 4: 61.42 GiB per GPU" in out
+    assert "optimizer       20.66 GiB" in out  # tp 4 as configured
+    advice = "advice: tp 1, FSDP, micro batch 2: 66.44 GiB per GPU, fits 80 GiB"
+    assert f"{advice} (parallel.tp: 1, train.micro_batch_size: 2, parallel.fsdp: true)" in out
+    full["parallel"], full["train"]["micro_batch_size"] = {"tp": 1, "fsdp": True}, 1
+    (tmp_path / "full.yaml").write_text(yaml.safe_dump(cfg))
+    assert plan_cli.main(["--config", str(tmp_path / "full.yaml")]) == 0
+    out = capsys.readouterr().out
+    # (the vocabulary padded for tp 1 now: 50,304 rows, not tp 4's 50,688)
+    assert "FSDP: parameters, gradients and optimizer sharded" in out and "total           48.18 GiB" in out
+    assert "advice: tp 1, FSDP, micro batch 2: 66.41 GiB per GPU, fits 80 GiB (parallel.tp: 1, " in out
     full["resources"] = {"gpus_per_node": 1}
     full["parallel"] = {"tp": 1}
     (tmp_path / "full.yaml").write_text(yaml.safe_dump(cfg))

@@ -625,7 +625,7 @@ class FinetuneTrainSettings(ResumeSettings):
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneParallelSettings:
-    """``finetune.<name>.parallel``: tensor parallelism, activation recomputation and the job's threads."""
+    """``finetune.<name>.parallel``: tensor parallelism, activation recomputation, FSDP and the job's threads."""
 
     tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
     recompute: str = setting(
@@ -633,6 +633,11 @@ class FinetuneParallelSettings:
         "megatron-core activation recomputation: selective (core attention) or full (every transformer layer, "
         "only its input kept): less activation memory for a longer step",
         choices=("none", "selective", "full"),
+    )
+    fsdp: bool = setting(
+        False,
+        "method full: shard the parameters, gradients and optimizer states over the data-parallel ranks "
+        "(PyTorch FSDP2, as pretraining's parallel.fsdp); checkpoints and the model keep their layout",
     )
     threads: int = setting(2, "CPU threads of the job", cli=False)
 

@@ -351,16 +351,46 @@ class ChunkReader:
     megatron-core's ``dist_checkpointing.load`` wants the whole of each layer-stacked tensor in one
     request; a layer is one chunk of it (offset ``(i, 0, ...)``), stored as its own ``torch.save``
     record whose file, offset and length the checkpoint's ``.metadata`` lists. Reading that record
-    is what DCP's own reader does for it.
+    is what DCP's own reader does for it. A region stored otherwise (an FSDP run writes each rank's
+    row slice of a layer as rectangular blocks, a tensor-parallel run a slice per rank) is put
+    together from the chunks that overlap it.
     """
 
     def __init__(self, iter_dir: Path) -> None:
         from torch.distributed.checkpoint import FileSystemReader
 
         self.dir = iter_dir
-        self.storage = FileSystemReader(str(iter_dir)).read_metadata().storage_data
+        md = FileSystemReader(str(iter_dir)).read_metadata()
+        self.storage, self.tensors = md.storage_data, md.state_dict_metadata
 
-    def read(self, key: str, offset: tuple[int, ...]) -> Any:
+    def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...] | None = None) -> Any:
+        """The region of ``key`` at ``offset`` of ``shape`` (global coordinates; None: the chunk stored there)."""
+        import torch
+
+        chunks = getattr(self.tensors.get(key), "chunks", None) or []
+        whole = shape is None or any(
+            tuple(c.offsets) == tuple(offset) and tuple(c.sizes) == tuple(shape) for c in chunks
+        )
+        if whole:
+            return self._record(key, offset)
+        assert shape is not None
+        out, covered = None, 0
+        for c in chunks:
+            lo = [max(a, b) for a, b in zip(offset, c.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offset, shape, c.offsets, c.sizes)]
+            if any(x >= y for x, y in zip(lo, hi)):
+                continue
+            part = self._record(key, tuple(c.offsets)).reshape(tuple(c.sizes))
+            if out is None:
+                out = torch.empty(shape, dtype=part.dtype)
+            dst = tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, offset))
+            out[dst] = part[tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, c.offsets))]
+            covered += int(torch.Size([y - x for x, y in zip(lo, hi)]).numel())
+        if out is None or covered != torch.Size(shape).numel():
+            raise ExportError(f"{self.dir}: the chunks of {key} do not cover {tuple(shape)} at {tuple(offset)}")
+        return out
+
+    def _record(self, key: str, offset: tuple[int, ...]) -> Any:
         import io
 
         import torch
@@ -390,7 +420,8 @@ def _load_group(reader: ChunkReader, group: dict[str, Any]) -> dict[str, Any]:
     def read(sh: Any) -> Any:
         if not isinstance(sh, ShardedTensor):
             return sh
-        return reader.read(sh.key, tuple(sh.global_offset)).reshape(sh.local_shape)
+        region = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)  # a layer of a layer-stacked tensor: (1, ...)
+        return reader.read(sh.key, tuple(sh.global_offset), region).reshape(sh.local_shape)
 
     loaded = dict_list_map_inplace(read, built)
     return {k: group[k].merge_fn(v) if isinstance(group[k], ShardedTensorFactory) else v for k, v in loaded.items()}

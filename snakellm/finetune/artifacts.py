@@ -11,17 +11,28 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from snakellm.io.atomic import write_json
 
 
-def write(method: str, rank0: bool, ft: Any, extra: Any, mcfg: Any, meta: dict[str, Any], out: Path) -> None:
+def write(
+    method: str,
+    rank0: bool,
+    ft: Any,
+    extra: Any,
+    mcfg: Any,
+    meta: dict[str, Any],
+    out: Path,
+    whole_state: Callable[[], dict[str, Any]] | None = None,
+) -> None:
     """adapter/ (LoRA), prompt/ (p-tuning) or model/ (full): what evaluate and the exporters read.
 
     ``meta`` (base, model, padded_vocab, tokenizer, examples, fingerprint) goes into the config file
     beside the tensors. Collective for ``lora`` and ``full`` (the tensor-parallel shards are gathered).
+    ``whole_state``: the full model's sharded state dict where ``ft.gpt``'s own is not (FSDP's shards).
     """
     from safetensors.torch import save_file
 
@@ -44,14 +55,17 @@ def write(method: str, rank0: bool, ft: Any, extra: Any, mcfg: Any, meta: dict[s
                 save_file({"prompt_table": extra.virtual_embeddings().contiguous()}, str(tmp))
             write_json(out / "prompt" / "prompt_config.json", {"method": "ptuning", "ptuning": mcfg.as_dict(), **meta})
     else:
-        save_model(ft.gpt, out / "model", meta["model"], meta["padded_vocab"], meta["tokenizer"])
+        state = whole_state() if whole_state else None
+        save_model(ft.gpt, out / "model", meta["model"], meta["padded_vocab"], meta["tokenizer"], state)
 
 
-def save_model(gpt: Any, run_dir: Path, arch: dict, vocab: int, tokenizer: dict) -> Path:
+def save_model(
+    gpt: Any, run_dir: Path, arch: dict, vocab: int, tokenizer: dict, state: dict[str, Any] | None = None
+) -> Path:
     """A model-only checkpoint directory (iteration 0) that :func:`snakellm.models.load` reads like a run."""
     from snakellm.models.loading import save_model_checkpoint
 
-    return save_model_checkpoint(run_dir, gpt, arch, vocab, tokenizer)
+    return save_model_checkpoint(run_dir, gpt, arch, vocab, tokenizer, sharded_state=state)
 
 
 def attach(device: Any, gpt: Any, arch: dict, adapter: str | None, prompt: str | None) -> tuple[int, Any, Any]:

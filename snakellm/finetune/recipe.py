@@ -48,9 +48,24 @@ EXAMPLE_KEYS = trajectory_keys(ExamplesSettings)
 def finetune(a: argparse.Namespace, mcfg: Any) -> int:
     """Run one fine-tune to its last step (0) or a clean stop (75); ``mcfg``: the method's config (or None)."""
     fp8.check_request(a.precision, a.device)
+    check_parallel(a)
     job = job_of(a)
     check_required(job.ckpt_dir, job)  # before the base and the data are read
     return assembly.run(job, FinetuneRecipe(a, mcfg))
+
+
+def check_parallel(a: argparse.Namespace) -> None:
+    """The parallelism flags against each other and the method (the config check's rule), naming the flags."""
+    from dataclasses import fields
+
+    from snakellm.config.sections import FinetuneParallelSettings, FinetuneSettings
+    from snakellm.config.settings import option
+    from snakellm.models import parallel_conflict
+
+    flags = {f.name: option(f) for cls in (FinetuneSettings, FinetuneParallelSettings) for f in fields(cls)}
+    conflict = parallel_conflict({"tp": a.tp, "fsdp": a.fsdp, "method": a.method}, flags.__getitem__)
+    if conflict:
+        raise assembly.JobError(f"{flags[conflict[0]]} {conflict[1]}")
 
 
 def job_of(a: argparse.Namespace) -> assembly.Job:
@@ -73,6 +88,7 @@ def job_of(a: argparse.Namespace) -> assembly.Job:
             weight_decay=a.weight_decay,
             betas=(a.adam_beta1, a.adam_beta2),
             clip_grad=a.clip_grad,
+            fsdp=a.fsdp,
         ),
         tp=a.tp,
         threads=a.threads,
@@ -219,6 +235,7 @@ class FinetuneRecipe:
             f"in {len(self.items)} sequences, {len(self.valid_ex)} validation; truncated contexts "
             f"{self.train_stats['context_truncated']}; {s.precision} on {'GPU' if s.cuda else 'CPU'}, world "
             f"{s.dist.world_size} = dp {s.dp} x tp {self.a.tp}"
+            + (f"; parameters, gradients and optimizer sharded over {s.dp} ranks (FSDP2)" if self.a.fsdp else "")
         )
 
     @staticmethod
@@ -263,13 +280,21 @@ class FinetuneRecipe:
         if not self.valid_ex:
             return None
         a, mine = self.a, list(range(len(self.valid_ex)))[parallel_state.get_data_parallel_rank() :: s.dp]
+        # FSDP: every rank runs as many forward passes as the others (each gathers the weights with them);
+        # a rank short of an example fills in example 0, unscored (its loss mask zero: the Validator skips a
+        # batch of nothing but these)
+        n = -(-len(self.valid_ex) // s.dp) if a.fsdp else len(mine)
+        padded = mine + [-1] * (n - len(mine))
 
         def batches() -> Iterator[Batch]:
-            for k in range(0, len(mine), a.micro_batch_size):
-                chunk = [self.valid_ex[i] for i in mine[k : k + a.micro_batch_size]]
-                b = ds.collate(chunk, self.tok.eod_id, a.answer_only_loss)
+            for k in range(0, len(padded), a.micro_batch_size):
+                idx = padded[k : k + a.micro_batch_size]
+                b = ds.collate([self.valid_ex[max(i, 0)] for i in idx], self.tok.eod_id, a.answer_only_loss)
                 if self.virtual and not a.answer_only_loss:
                     b["loss_mask"][:, : self.virtual] = 0
+                for row, i in enumerate(idx):
+                    if i < 0:
+                        b["loss_mask"][row] = 0
                 yield b
 
         return batches
@@ -295,7 +320,8 @@ class FinetuneRecipe:
             "examples": done.config["examples"],
             "fingerprint": done.fingerprint,
         }
-        artifacts.write(a.method, done.session.dist.rank == 0, self.ft, self.extra, self.mcfg, meta, out)
+        rank0 = done.session.dist.rank == 0
+        artifacts.write(a.method, rank0, self.ft, self.extra, self.mcfg, meta, out, done.parts.whole_state)
         if done.session.rank0:
             self._summary(done, chosen, out)
 

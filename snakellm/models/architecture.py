@@ -168,7 +168,8 @@ def check_pipeline_batches(pp: int, virtual_pp: int, num_micro: int) -> str | No
 
 def parallel_conflict(par: dict[str, Any], name: Callable[[str], str] = str) -> tuple[str, str] | None:
     """The first parallelism settings of ``par`` that cannot go together: (the setting at fault, why), the
-    other settings in the reason named by ``name`` (a config key, or ``snakellm train``'s flag); None: none."""
+    other settings in the reason named by ``name`` (a config key, or the step's flag); None: none.
+    A fine-tune's ``par`` carries its ``method`` too."""
     tp, pp, vpp = par.get("tp", 1), par.get("pp", 1), par.get("virtual_pp", 1)
     distopt = par.get("distributed_optimizer")
     if par.get("sequence_parallel") and tp == 1:
@@ -186,6 +187,13 @@ def parallel_conflict(par: dict[str, Any], name: Callable[[str], str] = str) -> 
             "fsdp",
             "already shards the optimizer states (and the parameters and gradients): "
             f"drop {name('distributed_optimizer')}",
+        )
+    method = par.get("method", "full")  # a fine-tune's (pretraining trains every weight)
+    if par.get("fsdp") and method != "full":
+        return (
+            "fsdp",
+            f"shards every weight of a full fine-tune: it needs {name('method')} full (got {method}, which trains "
+            f"a small module over a frozen base: one GPU holds it at 8B; drop {name('fsdp')})",
         )
     if par.get("fsdp") and pp > 1:
         return "fsdp", f"shards over the data-parallel ranks of one pipeline stage: it needs {name('pp')} 1 (got {pp})"

@@ -191,13 +191,15 @@ def save_model_checkpoint(
     tokenizer: dict[str, Any],
     iteration: int = 0,
     extra: dict[str, Any] | None = None,
+    sharded_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a model-only checkpoint that :func:`load` (and fine-tuning) read: the inverse for imports.
 
     ``path`` is a run dir (``runs/NAME``; the checkpoint goes to its
     ``checkpoints/``) or a checkpoints dir. Writes ``iter_{N:07d}/`` through a
     ``.partial`` directory, the tracker, and ``run_config.json`` with the
-    architecture and the tokenizer.
+    architecture and the tokenizer. ``sharded_state``: the model's sharded state dict when
+    ``model.sharded_state_dict()`` is not it (an FSDP-sharded model's, gathered).
     """
     import torch
 
@@ -209,6 +211,7 @@ def save_model_checkpoint(
     if rank == 0:
         tokenizer = run_tokenizer.carry(tokenizer, ckpt_dir.parent)  # the model dir carries its tokenizer
         ckpt.write_run_config(ckpt_dir, "import", config, tokenizer=tokenizer)
-    state = {"model": model.sharded_state_dict(), "iteration": iteration, "checkpoint_version": 3.0}
+    msd = sharded_state if sharded_state is not None else model.sharded_state_dict()
+    state = {"model": msd, "iteration": iteration, "checkpoint_version": 3.0}
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
     return ckpt.save(ckpt_dir, iteration, state, rank=rank, barrier=barrier)

@@ -164,6 +164,7 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
     arch, vocab = finetune_base(cfg, ft["run"])
     tp = int((ft.get("parallel") or {}).get("tp", 1))
     recompute = str((ft.get("parallel") or {}).get("recompute", "none"))
+    fsdp = bool((ft.get("parallel") or {}).get("fsdp", False))
     train, ex, lora = ft["train"], ft.get("examples") or {}, ft.get("lora") or {}
     arch_mod.check_parallel(arch, tp, 1)
     if ranks % tp:
@@ -196,6 +197,7 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
         lora_rank=rank,
         lora_targets=targets,
         recompute=recompute,
+        fsdp=fsdp,
     )
     out += ["  " + line for line in est.lines(gpu_gib)]
     best = memory.advise_finetune(
@@ -215,13 +217,15 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
             "recomputation: more GPUs (resources), a shorter max_seq_length, or LoRA instead of full"
         )
     else:
-        t, m, rc, e = best
-        same = (t, m, rc) == (tp, mbs, recompute)
-        keys = f"parallel.tp: {t}, train.micro_batch_size: {m}" + (
-            f", parallel.recompute: {rc}" if rc != "none" else ""
+        t, m, rc, sh, e = best
+        same = (t, m, rc, sh) == (tp, mbs, recompute, fsdp)
+        keys = (
+            f"parallel.tp: {t}, train.micro_batch_size: {m}"
+            + (f", parallel.recompute: {rc}" if rc != "none" else "")
+            + (", parallel.fsdp: true" if sh else "")
         )
         out.append(
-            f"  advice: tp {t}, micro batch {m}{'' if rc == 'none' else f', recompute {rc}'}: "
+            f"  advice: tp {t}{', FSDP' if sh else ''}, micro batch {m}{'' if rc == 'none' else f', recompute {rc}'}: "
             f"{e.total / memory.GiB:.2f} GiB per GPU, fits {gpu_gib:g} GiB"
             + (" (as configured)" if same else f" ({keys})")
         )

@@ -164,6 +164,9 @@ class Parts:
     chunks: list[Any] | None = None
     forward: Callable[[Any, Batch], Any] | None = None  # a chunk on a micro-batch
     reduce: Callable[[Any, Batch], Any] | None = None  # the last chunk's output -> the micro-batch's loss
+    # the whole model's sharded state dict in the layout of a run without FSDP (FSDP gathers each weight):
+    # what a final artifact writes; None: ``gpt.sharded_state_dict()`` is that already
+    whole_state: Callable[[], dict[str, Any]] | None = None
 
 
 @dataclass
@@ -372,9 +375,13 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
     if o.fsdp:
         from snakellm.train import fsdp
 
-        sharded = fsdp.shard(parts.module, bf16=s.bf16, cuda=s.cuda)
+        if {id(p) for p in parts.module.parameters()} != {id(p) for p in parts.gpt.parameters()}:
+            raise JobError("FSDP shards a GPTModel whose every weight trains (a full fine-tune, pretraining)")
+        # the GPTModel (a full fine-tune's module only wraps it): FSDP's units are its layers
+        sharded = fsdp.shard(parts.gpt, bf16=s.bf16, cuda=s.cuda)
         # checkpoints hold this rank's slices, in the layout of every other run
         parts.state, parts.load_state = sharded.sharded_state, sharded.load_state
+        parts.whole_state = sharded.whole_state
         fopt = fsdp.FSDPAdamW(sharded, **adamw)
         s.log(
             f"FSDP: rank {s.dist.rank} holds {fopt.numel:,} of {sum(p.numel() for p in fopt.params):,} parameters "

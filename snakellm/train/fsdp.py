@@ -153,6 +153,20 @@ class FSDPModel:
             out[key] = entry
         return out
 
+    def whole_state(self) -> dict[str, Any]:
+        """The model's sharded state dict as an unsharded run's: each weight gathered whole (one at a time, kept
+        in host memory), under its usual entry; what a fine-tune's ``model/`` artifact writes, so that its files
+        are those of a run without FSDP (collective: every data-parallel rank calls it)."""
+        self.reshard()
+        out: dict[str, Any] = {}
+        for name, p in self.module.named_parameters():
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            whole = whole.detach().to(torch.bfloat16 if self.bf16 else whole.dtype).cpu()
+            out[name] = replace(self.info[name]["entry"], data=whole)
+        for key, entry in self.template["others"].items():
+            out[key] = entry
+        return out
+
     def load_state(self, loaded: dict[str, Any]) -> None:
         self.reshard()
         params = dict(self.module.named_parameters())

@@ -12,7 +12,12 @@ class Validator:
     ``make_batches`` returns a fresh iterable each call (the same batches every
     time, so validation losses of different steps compare); ``loss_fn(model,
     batch)`` is the training loss function, evaluated in ``eval()`` mode
-    without gradients.
+    without gradients. A batch whose ``loss_mask`` is all zero scores nothing:
+    it runs (an FSDP rank with fewer examples than the others must gather the
+    weights as often as they do) but is not counted. The loss is the mean over
+    every rank's scored batches (ranks with more batches weigh more: at micro
+    batch 1, one process's mean over the examples); every rank joins the
+    reduction, also one without a batch.
     """
 
     def __init__(
@@ -45,15 +50,20 @@ class Validator:
                 batches = [self.to_device(b) for b in self.make_batches()]
                 total, count = (self.evaluate(batches), 1) if batches else (None, 0)
             for b in [] if self.evaluate is not None else self.make_batches():
+                scored = "loss_mask" not in b or bool(b["loss_mask"].any())
                 loss = self.loss_fn(self.model, self.to_device(b)).detach()
-                total = loss if total is None else total + loss
-                count += 1
+                if scored:
+                    total = loss if total is None else total + loss
+                    count += 1
         self.model.train()
-        if total is None:
-            return None
-        total = total / count
-        torch.distributed.all_reduce(total, group=self.dp_group)
-        return float(total.item()) / self.dp_size
+        if self.dp_size == 1:
+            return None if total is None else float(total.item()) / count
+        # (sum of this rank's batch losses, their number), reduced over the data-parallel ranks
+        mine = self.to_device({"v": torch.zeros(2)})["v"]
+        if total is not None:
+            mine[0], mine[1] = total.float(), count
+        torch.distributed.all_reduce(mine, group=self.dp_group)
+        return float(mine[0].item()) / float(mine[1].item()) if mine[1].item() else None
 
 
 class EarlyStopping:
