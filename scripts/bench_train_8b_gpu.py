@@ -202,7 +202,9 @@ CASES = {
 # measured 2026-11-26/27 on 4 H200s (docs/benchmarks.md): llama8k-fsdp 55.2% MFU at 86.2 GiB (too much for 80 GB),
 # llama8k-fsdp-rc8 51.1% at 74.0 GiB, gpt8b-tp4 11.9%; gpt8b-tp4-compile did not reach its first step in 110 s.
 # On 4 H100s (2026-11-27): llama8k-fsdp-rc8 ran out of memory (71 GiB allocated by torch + ~7 GiB of context and
-# NCCL buffers on a 79.2 GiB card), gpt8b-tp4-mbs8 38.9%, gpt8b-fsdp 41.3%.
+# NCCL buffers on a 79.2 GiB card), gpt8b-tp4-mbs8 38.9%, gpt8b-fsdp 41.3%. With the fused SwiGLU (same day, H100s):
+# llama8k-fsdp-rc8 52.3% at 63.5 GiB, gpt8b-tp4-mbs8-gbs32 41.9%, llama8k-fsdp-rc8-fp8-compile 65.5% (1.252x bf16),
+# llama8k-fsdp-rc8-fp8 30.0% with eager casts, 62.8% (1.201x) with the casts compiled.
 # The default run (about 9 minutes): the two bars in 80 GB layouts (the Llama shape with 8 layers recomputed, which
 # fits an H100 since the GPU runs megatron-core's fused SwiGLU, 5 GiB less; TP 4 with micro batch 8 and 4 micro-batches
 # a step), then FP8 in the Llama layout (eager, with the kernel table of step 4, and compiled) and bf16 compiled
