@@ -15,6 +15,7 @@
 #   bash scripts/gpu_8b.sh                       # from the repository root; logs and JSON to $OUT
 #   PRESET=llama2-7b bash scripts/gpu_8b.sh      # Llama-2 7B's shape instead
 #   SMOKE=1 bash scripts/gpu_8b.sh               # CPU, tiny model: A, B and D in a minute or two
+#   D_MBS=2 STAGES=D bash scripts/gpu_8b.sh      # D alone (~2.5 min) at micro batch 2 (plan: 66.4 GiB a GPU)
 #   STAGES=CD ONE=13414 STEPS=6 bash scripts/gpu_8b.sh   # only the 4-GPU stages (<= 4.5 min), the one-GPU LoRA
 #                                                # figure from an earlier run (same card) for the scaling
 set -u
@@ -25,6 +26,7 @@ PRESET=${PRESET:-llama3-8b}
 SMOKE=${SMOKE:-0}
 STAGES=${STAGES:-ABCD}
 STEPS=${STEPS:-8}
+D_MBS=${D_MBS:-1}
 ONE=${ONE:-}
 mkdir -p "$OUT" "$W"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -86,7 +88,7 @@ fi
 # (STAGES=D alone makes it first, ~55 s, inside a longer limit)
 [[ $STAGES == *D* ]] && stage D-full-fsdp4 $([[ $STAGES == *[AC]* ]] && echo 150 || echo 210) "${FT[@]}" \
   --timeout $([[ $STAGES == *[AC]* ]] && echo 135 || echo 195) --methods full --fsdp --nproc $NPROC --tp-only \
-  --out "$OUT/D"
+  $([ "$SMOKE" = 1 ] || echo --micro-batch-size "$D_MBS") --out "$OUT/D"
 if [ "$SMOKE" != 1 ]; then
   kill "$SMI" 2>/dev/null
   echo "=== peak GPU memory over the run (MiB, nvidia-smi every second):"
