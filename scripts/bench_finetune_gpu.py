@@ -174,12 +174,17 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
         "--resume",
         "never",
         *(["--fsdp"] if fsdp else []),
+        *(["--profile-steps", a.profile_steps] if a.profile_steps else []),
     ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     if fsdp:  # as pretraining's 8B FSDP runs (scripts/bench_train_8b_gpu.py): FSDP's gathers fragment the cache
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     t0 = time.time()
     rc, stderr = run_group(cmd, env, a.timeout)
+    profile = None
+    if (odir / "profile.txt").exists():  # --profile-steps: the kernel table beside the results
+        profile = Path(a.out) / f"{odir.name}.profile.txt"
+        profile.write_text((odir / "profile.txt").read_text())
     failed = None
     if rc is None:
         failed = f"timed out after {a.timeout:.0f} s"
@@ -210,6 +215,7 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
         "trainable_parameters": summary.get("trainable_parameters"),
         "total_parameters": summary.get("total_parameters"),
         "peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib"),
+        **({"profile": str(profile)} if profile else {}),
         **({"incomplete": f"{failed} after step {recs[-1]['step']} (figures from its live metrics)"} if failed else {}),
     }
     if failed:
@@ -332,6 +338,12 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default="/tmp/snakellm-bench-ft")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--timeout", type=float, default=400)
+    p.add_argument(
+        "--profile-steps",
+        default=None,
+        metavar="A:B",
+        help="each run's kernel table over steps A..B (OUT/RUN.profile.txt)",
+    )
     p.add_argument("--lr", type=float, default=1e-4, help="fine-tuning lr (speed does not depend on it)")
     p.add_argument(
         "--lr-warmup",
@@ -361,6 +373,7 @@ def main(argv=None) -> int:
         # micro batch 1: one process and 2 data-parallel ranks average the same per-example losses
         a.micro_batch_size, a.global_batch_size, a.device, a.timeout = 1, 4, "cpu", 300
         a.fsdp, a.nproc, a.rtol, a.atol = True, 2, 1e-5, 1e-6  # the FSDP path too: fp32, the same losses
+        a.profile_steps = a.profile_steps or "2:2"  # and the kernel table of a step
         if a.workdir == p.get_default("workdir"):
             import tempfile
 
@@ -406,6 +419,7 @@ def main(argv=None) -> int:
             for r in results
         )
         ok = ok and all(r.get("losses_match", True) for r in results)  # FSDP's: the one-process losses
+        ok = ok and all(r.get("profile") for r in results if "method" in r)  # --profile-steps' tables
         ok = ok and any(r.get("fsdp") for r in results) == ("full" in a.methods.split(","))
         print("smoke:", "PASS" if ok else "FAIL")
         return 0 if ok else 1

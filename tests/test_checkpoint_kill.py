@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -72,3 +73,21 @@ def test_killed_mid_save_resumes_from_the_previous_checkpoint(root, reference, m
     assert losses(root, run) == reference
     assert latest(root, run) == 12
     assert not list((root / "runs" / run / "checkpoints").glob(".iter_*"))  # the killed save's leftovers are gone
+
+
+@pytest.mark.slow  # two 2-rank torchrun launches per mode (~10 s each): the GPU script's own path, kept from rotting
+@pytest.mark.parametrize("mode", [[], ["--sync"]], ids=["async", "sync"])
+def test_the_gpu_checkpoint_script_smoke(tmp_path, mode):
+    """`scripts/check_checkpoint_8b_gpu.py --smoke` (the 8B GPU check's path on 2 CPU ranks): killed in the middle
+    of the final save, the next start resumes from the previous checkpoint, asynchronous or synchronous."""
+    from conftest import REPO
+
+    script = REPO / "scripts" / "check_checkpoint_8b_gpu.py"
+    cmd = [sys.executable, str(script), "--smoke", *mode]
+    cmd += ["--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env_with_venv(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "killed mid-save -> previous checkpoint intact and resumed: YES" in proc.stdout
+    assert "resumed from iteration 2: True" in proc.stdout
+    waits = "the whole save" if mode else "copy to host memory"
+    assert f"({waits})" in proc.stdout

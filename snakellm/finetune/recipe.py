@@ -107,6 +107,7 @@ def job_of(a: argparse.Namespace) -> assembly.Job:
         checkpoints=a.checkpoints,
         progress=a.progress,
         overlap_grad_reduce=False,
+        profile_steps=a.profile_steps,
     )
 
 

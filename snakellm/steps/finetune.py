@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
     s.add_argument("--no-checkpoints", dest="checkpoints", action="store_false", help="benchmarks only")
     s.add_argument("--pad-to-max", action="store_true", help="pad every batch to --max-seq-length (benchmarks)")
+    s.add_argument(
+        "--profile-steps",
+        default=None,
+        metavar="A:B",
+        help="torch.profiler over steps A..B; the kernel table goes to OUT_DIR/profile.txt",
+    )
     return p
 
 
@@ -94,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
 
     a = build_parser().parse_args(argv)
     try:
+        if a.profile_steps:
+            from snakellm.train.profiling import parse_range
+
+            parse_range(a.profile_steps)  # a bad range before anything is read
         return finetune(a, method_config(a))
     except (SFTFormatError, BaseModelError, LoadError, JobError, ResumeError, ValueError, ckpt.CheckpointError) as e:
         print(f"snakellm finetune: error: {e}", file=sys.stderr)
