@@ -15,9 +15,8 @@ import string
 from collections.abc import Mapping
 from typing import Any
 
-from snakellm import models
 from snakellm.config import jobs
-from snakellm.config.resolve import PARALLEL_SUBJECTS, check_tokenizers, resolve_runs
+from snakellm.config.resolve import check_parallel_conflict, check_tokenizers, resolve_runs
 from snakellm.errors import ConfigError
 
 # what NeMo packs as tokenizer artifacts
@@ -30,7 +29,7 @@ def _names(d: dict[str, Any]) -> str:
 
 def check_finetunes(config: dict[str, Any]) -> None:
     """A fine-tune names a known base (run or import) and data set, a batch its micro batch divides, and
-    parallelism its method can use (models.parallel_conflict)."""
+    parallelism its method can use (snakellm.models.parallel_conflict)."""
     runs, imports, sft = config.get("runs", {}), config.get("import_hf", {}), config.get("sft_data", {})
     bases = list(runs) + list(imports)
     for name, ft in config.get("finetune", {}).items():
@@ -52,10 +51,7 @@ def check_finetunes(config: dict[str, Any]) -> None:
                 f"config key finetune.{name}.train: global_batch_size {t['global_batch_size']} is not "
                 f"a multiple of micro_batch_size {t['micro_batch_size']}"
             )
-        conflict = models.parallel_conflict({**ft.get("parallel", {}), "method": ft["method"]})
-        if conflict:
-            key, why = conflict
-            raise ConfigError(f"config key finetune.{name}.parallel.{key}: {PARALLEL_SUBJECTS[key]} {why}")
+        check_parallel_conflict(f"finetune.{name}", {**ft.get("parallel", {}), "method": ft["method"]})
 
 
 # the string fields of prepare-sft's records, by source format: what a fine-tune's template may name

@@ -45,12 +45,21 @@ def check_tokenizers(config: dict[str, Any]) -> None:
 
 
 # how a config message names the setting at fault of models.parallel_conflict (the step names its flag)
-PARALLEL_SUBJECTS = {
+_PARALLEL_SUBJECTS = {
     "sequence_parallel": "sequence parallelism",
     "overlap_param_gather": "overlap_param_gather",
     "fsdp": "FSDP",
     "distributed_optimizer": "the distributed optimizer",
 }
+
+
+def check_parallel_conflict(where: str, par: dict[str, Any]) -> None:
+    """A ConfigError naming ``{where}.parallel.<key>`` for the first settings of ``par`` that cannot go
+    together (:func:`snakellm.models.parallel_conflict`: runs' and fine-tunes' one rule)."""
+    conflict = models.parallel_conflict(par)
+    if conflict:
+        key, why = conflict
+        raise ConfigError(f"config key {where}.parallel.{key}: {_PARALLEL_SUBJECTS[key]} {why}")
 
 
 def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> dict[str, Any]:
@@ -80,10 +89,7 @@ def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> d
         )
     except models.ModelConfigError as e:
         raise ConfigError(f"config key runs.{name}.parallel: {e}") from None
-    conflict = models.parallel_conflict(par)
-    if conflict:
-        key, why = conflict
-        raise ConfigError(f"config key runs.{name}.parallel.{key}: {PARALLEL_SUBJECTS[key]} {why}")
+    check_parallel_conflict(f"runs.{name}", par)
     return arch
 
 

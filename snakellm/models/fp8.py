@@ -173,30 +173,29 @@ class Float8Matmul:
             input = self._gather(input, tensor_parallel_output_grad=True, group=self._group(tp_group))
         elif allreduce_dgrad:  # identity; its backward all-reduces the input gradient over the TP ranks
             input = self._copy(input, group=self._group(tp_group))
-        matmul = _trained_mm if weight.requires_grad else _frozen_mm  # frozen (LoRA's base): no weight gradient
-        if input.is_cuda and not _is_compiling():
+        import torch
+
+        # a frozen weight (LoRA's base): the matmul without a weight gradient
+        matmul, fn = (_trained_mm, self._matmul) if weight.requires_grad else (_frozen_mm, self._frozen)
+        if input.is_cuda and not torch.compiler.is_compiling():
             # torchao's casts run eagerly as 5-6 kernels each (4,859 tokens/s/GPU at 8B on H100s, 0.57x bf16):
             # compiled, each is one fused kernel; inside a --compile'd layer the layer's graph takes them in
             matmul = _compiled(matmul)
-        out = matmul(input, weight, self.mm_config, self.config, self._matmul, self._frozen)
+        out = matmul(fn, input, weight, self.mm_config, self.config)
         return out + bias if bias is not None else out
 
 
-def _trained_mm(x: Any, w: Any, mm: Any, config: Any, trained: Any, frozen: Any) -> Any:
-    return trained.apply(x, w.t(), mm, config)
+def _trained_mm(fn: Any, x: Any, w: Any, mm: Any, config: Any) -> Any:
+    """torchao's float8 ``x @ w.t()`` (``fn``: matmul_with_hp_or_float8_args, as Float8Linear calls it)."""
+    return fn.apply(x, w.t(), mm, config)
 
 
-def _frozen_mm(x: Any, w: Any, mm: Any, config: Any, trained: Any, frozen: Any) -> Any:
-    return frozen.apply(x, w, mm, config)
+def _frozen_mm(fn: Any, x: Any, w: Any, mm: Any, config: Any) -> Any:
+    """The same for a frozen weight (``fn``: :func:`_frozen_matmul`'s, which takes ``w`` untransposed)."""
+    return fn.apply(x, w, mm, config)
 
 
 _COMPILED: dict[Any, Any] = {}
-
-
-def _is_compiling() -> bool:
-    import torch
-
-    return bool(torch.compiler.is_compiling())
 
 
 def _compiled(fn: Any) -> Any:
