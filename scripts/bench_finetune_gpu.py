@@ -134,6 +134,7 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
     if world > 1:
         launch += [f"--nproc-per-node={world}"]
     tag = {"method": name, "tp": tp, **({"fsdp": fsdp} if fsdp else {})}
+    tag |= {k: v for k, v in (("compile", a.compile), ("precision", a.precision)) if v}
     cmd = [
         *launch,
         "-m",
@@ -175,6 +176,8 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
         "never",
         *(["--fsdp"] if fsdp else []),
         *(["--profile-steps", a.profile_steps] if a.profile_steps else []),
+        *(["--compile"] if a.compile else []),
+        *(["--precision", a.precision] if a.precision else []),
     ]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     if fsdp:  # as pretraining's 8B FSDP runs (scripts/bench_train_8b_gpu.py): FSDP's gathers fragment the cache
@@ -343,6 +346,14 @@ def main(argv=None) -> int:
         default=None,
         metavar="A:B",
         help="each run's kernel table over steps A..B (OUT/RUN.profile.txt)",
+    )
+    p.add_argument("--compile", action="store_true", help="snakellm finetune --compile (each layer torch.compile'd)")
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=("bf16", "fp8"),
+        help="snakellm finetune --precision (default: its own, bf16 on a GPU); fp8: the frozen base's and the "
+        "trained linears' matmuls in float8 (torchao)",
     )
     p.add_argument("--lr", type=float, default=1e-4, help="fine-tuning lr (speed does not depend on it)")
     p.add_argument(

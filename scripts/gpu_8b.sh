@@ -17,6 +17,7 @@
 #   SMOKE=1 bash scripts/gpu_8b.sh               # CPU, tiny model: A, B and D in a minute or two
 #   D_MBS=2 STAGES=D bash scripts/gpu_8b.sh      # D alone (~2.5 min) at micro batch 2 (plan: 66.4 GiB a GPU)
 #   PROFILE=5:5 STAGES=AC bash scripts/gpu_8b.sh  # with each fine-tune's kernel table of step 5 ($OUT/X/*.profile.txt)
+#   FT_FLAGS="--compile" STAGES=D bash scripts/gpu_8b.sh   # extra bench_finetune_gpu.py flags for every fine-tune
 #   STAGES=CD ONE=13414 STEPS=6 bash scripts/gpu_8b.sh   # only the 4-GPU stages (<= 4.5 min), the one-GPU LoRA
 #                                                # figure from an earlier run (same card) for the scaling
 set -u
@@ -61,7 +62,7 @@ else
 megatron.core.__version__, 'transformers', transformers.__version__, 'GPUs', torch.cuda.device_count())"
   FT=(python scripts/bench_finetune_gpu.py --preset "$PRESET" --seq-length 4096 --micro-batch-size 1
     --global-batch-size 8 --steps "$STEPS" --warmup-steps $((STEPS > 6 ? 3 : 2)) --workdir "$W" --timeout 240
-    ${PROFILE:+--profile-steps "$PROFILE"})
+    ${PROFILE:+--profile-steps "$PROFILE"} ${FT_FLAGS:-})
   GEN=(python scripts/bench_generate_gpu.py --preset "$PRESET" --batch-sizes 1,32 --repeats 2 --clients 0
     --eval-prompts 256 --no-eager)
   TP=4

@@ -79,11 +79,15 @@ def test_killed_mid_save_resumes_from_the_previous_checkpoint(root, reference, m
 @pytest.mark.parametrize("mode", [[], ["--sync"]], ids=["async", "sync"])
 def test_the_gpu_checkpoint_script_smoke(tmp_path, mode):
     """`scripts/check_checkpoint_8b_gpu.py --smoke` (the 8B GPU check's path on 2 CPU ranks): killed in the middle
-    of the final save, the next start resumes from the previous checkpoint, asynchronous or synchronous."""
+    of the final save, the next start resumes from the previous checkpoint, asynchronous or synchronous.
+
+    48 layers: each rank's write results (75-101 KB) overflow a pipe's 64 KiB, as Llama 3.1 8B's do on 4 ranks;
+    megatron-core joins its forked writer before reading them, which hung every asynchronous 8B save until
+    :class:`snakellm.io.checkpoint.DrainedQueue`."""
     from conftest import REPO
 
     script = REPO / "scripts" / "check_checkpoint_8b_gpu.py"
-    cmd = [sys.executable, str(script), "--smoke", *mode]
+    cmd = [sys.executable, str(script), "--smoke", "--num-layers", "48", "--timeout", "120", *mode]
     cmd += ["--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env_with_venv(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -91,3 +95,25 @@ def test_the_gpu_checkpoint_script_smoke(tmp_path, mode):
     assert "resumed from iteration 2: True" in proc.stdout
     waits = "the whole save" if mode else "copy to host memory"
     assert f"({waits})" in proc.stdout
+
+
+def _put_and_exit(q, n: int) -> None:
+    q.put({"results": b"x" * n})
+
+
+def test_a_forked_writer_with_large_results_exits_before_they_are_read():
+    """megatron-core's order: fork the writer, join it, then read its results; a plain fork-context queue
+    deadlocks that join once the results pass the pipe's 64 KiB (the writer cannot exit before they are read)."""
+    import multiprocessing as mp
+
+    from snakellm.io.checkpoint import DrainedQueue
+
+    q = DrainedQueue()
+    proc = mp.get_context("fork").Process(target=_put_and_exit, args=(q, 1 << 20))
+    proc.start()
+    proc.join(timeout=30)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive, "the writer could not exit: its results were not drained"
+    assert q.get_nowait() == {"results": b"x" * (1 << 20)}

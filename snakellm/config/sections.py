@@ -625,7 +625,8 @@ class FinetuneTrainSettings(ResumeSettings):
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneParallelSettings:
-    """``finetune.<name>.parallel``: tensor parallelism, activation recomputation, FSDP and the job's threads."""
+    """``finetune.<name>.parallel``: tensor parallelism, activation recomputation, FSDP, compilation and the job's
+    threads."""
 
     tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
     recompute: str = setting(
@@ -638,6 +639,9 @@ class FinetuneParallelSettings:
         False,
         "method full: shard the parameters, gradients and optimizer states over the data-parallel ranks "
         "(PyTorch FSDP2, as pretraining's parallel.fsdp); checkpoints and the model keep their layout",
+    )
+    compile: bool = setting(
+        False, "torch.compile each transformer layer, adapters included (GPU; as pretraining's parallel.compile)"
     )
     threads: int = setting(2, "CPU threads of the job", cli=False)
 

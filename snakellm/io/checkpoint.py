@@ -193,15 +193,49 @@ def _in_process_results_queue() -> None:
         fa._results_queue = queue.Queue()
 
 
-def _fork_results_queue() -> None:
-    """Asynchronous saves: the writer runs in a forked process, whose results come back through a queue
-    it inherits (a fork-context queue: no Manager server process, see :func:`_in_process_results_queue`)."""
-    import multiprocessing as mp
+class DrainedQueue:
+    """A fork-context queue for the forked writer's results, emptied in this process as they arrive.
 
+    megatron-core 0.16.1's asynchronous save forks a writer, which puts its write results on the
+    queue and exits; the trainer joins the writer (``TemporalAsyncCaller.close``) and reads the
+    queue only after that. A process exits only once its queue's feeder thread has pushed every
+    byte into the pipe, and a pipe holds 64 KiB: results larger than that (Llama 3.1 8B's shape on
+    4 ranks; 48 layers of tiny-llama on 2 CPU ranks: 75-101 KB) deadlock the join, the trainer waits
+    forever at its next save. Here a daemon thread of the trainer moves each result from the pipe
+    to an in-process queue as soon as it is written, so the writer can always exit; ``get_nowait``
+    (megatron-core's read, after the join) waits a moment for that thread.
+    """
+
+    def __init__(self, grace_s: float = 30.0):
+        import multiprocessing as mp
+        import threading
+
+        self._pipe = mp.get_context("fork").Queue()
+        self._got: queue.Queue = queue.Queue()
+        self._grace_s = grace_s
+        threading.Thread(target=self._drain, name="snakellm-checkpoint-results", daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            self._got.put(self._pipe.get())
+
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        self._pipe.put(obj, block, timeout)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        return self._got.get(block, timeout)
+
+    def get_nowait(self) -> Any:
+        return self._got.get(timeout=self._grace_s)  # the writer has exited: its result is in the pipe
+
+
+def _fork_results_queue() -> None:
+    """Asynchronous saves: the writer runs in a forked process, whose results come back through a
+    :class:`DrainedQueue` it inherits (no Manager server process, see :func:`_in_process_results_queue`)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
-    if not isinstance(fa._results_queue, type(mp.get_context("fork").Queue())):
-        fa._results_queue = mp.get_context("fork").Queue()
+    if not isinstance(fa._results_queue, DrainedQueue):
+        fa._results_queue = DrainedQueue()
 
 
 def save(
