@@ -18,6 +18,7 @@
 #   D_MBS=2 STAGES=D bash scripts/gpu_8b.sh      # D alone (~2.5 min) at micro batch 2 (plan: 66.4 GiB a GPU)
 #   PROFILE=5:5 STAGES=AC bash scripts/gpu_8b.sh  # with each fine-tune's kernel table of step 5 ($OUT/X/*.profile.txt)
 #   FT_FLAGS="--compile" STAGES=D bash scripts/gpu_8b.sh   # extra bench_finetune_gpu.py flags for every fine-tune
+#   OUT=/tmp/o bash scripts/gpu_8b.sh && cp /tmp/o/bundle.tgz "$DEVICE_OUT"   # all logs as one file ($OUT/bundle.tgz)
 #   STAGES=CD ONE=13414 STEPS=6 bash scripts/gpu_8b.sh   # only the 4-GPU stages (<= 4.5 min), the one-GPU LoRA
 #                                                # figure from an earlier run (same card) for the scaling
 set -u
@@ -140,3 +141,9 @@ if g.exists():
 else:
     print("generation: no results (see B-generate.log)")
 PY
+# one file with everything (a device call returns at most 8 files): $OUT's logs, JSON and kernel tables, and
+# each fine-tune's own logs from the work directory
+if [ "$SMOKE" != 1 ]; then
+  tar czf /tmp/gpu8b-bundle.tgz -C "$OUT" . -C "$(cd "$W" && pwd)" $(cd "$W" && find runs -name '*.log' -o -name 'profile.txt' 2>/dev/null) \
+    2>/dev/null && mv /tmp/gpu8b-bundle.tgz "$OUT/bundle.tgz" && echo "=== everything in one file: $OUT/bundle.tgz"
+fi

@@ -214,8 +214,9 @@ class FinetuneRecipe:
         gpt = loaded.model
         self.ft, self.extra = attach(s.torch, gpt, self.a.method, self.mcfg, self.arch, self.a.recompute)
         if self.a.compile:  # after attach: the adapters' hooks are traced into each layer's graph
-            for layer in gpt.decoder.layers:
-                layer.compile(dynamic=False)
+            from snakellm.models.build import compile_each_layer
+
+            compile_each_layer(gpt.decoder.layers)
         return assembly.Parts(
             module=self.ft,
             config=loaded.config,

@@ -131,9 +131,43 @@ def build_model(
     if fp8 and not use_te:
         fp8mod.convert(model, fp8)  # the block linears' matmuls in float8 (torchao), before compilation
     if compile_layers:
-        for layer in model.decoder.layers:
-            layer.compile(dynamic=False)
+        compile_each_layer(model.decoder.layers)
     return model, tcfg
+
+
+def compile_each_layer(layers: Any) -> None:
+    """``torch.compile`` each transformer layer (static shapes), whole: see :func:`pass_tp_group`."""
+    pass_tp_group()
+    for layer in layers:
+        layer.compile(dynamic=False)
+
+
+def pass_tp_group() -> None:
+    """Hand megatron-core's tensor-parallel helpers the group where its own callers pass none.
+
+    megatron-core 0.16.1's row-parallel linear calls its matmul helpers with ``tp_group=None``;
+    ``get_tensor_model_parallel_group_if_none`` then warns (a deprecation, on rank 0 only) on every
+    call before it looks the group up. Dynamo cannot trace that ``warnings.warn``: a compiled layer
+    broke there, inside megatron-core's offloading context manager, where it cannot resume, so the
+    rest of each layer's forward ran uncompiled, on rank 0 alone (the other ranks waiting for it at
+    every collective). The wrapper looks the group up first, as the function itself would, so the
+    warning's branch is never taken; everything else is megatron-core's function.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import layers, mappings
+
+    original = utils.get_tensor_model_parallel_group_if_none
+
+    def with_group(tp_group: Any, is_expert: bool = False, check_initialized: bool = True) -> Any:
+        if tp_group is None and not is_expert and ps.is_initialized():
+            tp_group = ps.get_tensor_model_parallel_group(check_initialized=check_initialized)
+        return original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+
+    for mod in (layers, mappings):
+        if getattr(mod.get_tensor_model_parallel_group_if_none, "__wrapped__", None) is None:
+            with_group.__wrapped__ = original  # type: ignore[attr-defined]
+            mod.get_tensor_model_parallel_group_if_none = with_group
 
 
 def _recompute_args(recompute: str, method: str, num_layers: int) -> dict[str, Any]:

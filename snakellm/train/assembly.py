@@ -467,11 +467,6 @@ def _manager(
             },
         }
 
-    if job.async_save and s.cuda:
-        s.log(
-            "warning: train.async_save (--async-save) on GPUs is not verified: at 8B on 4 GPUs its background "
-            "writers never finished (docs/benchmarks.md, 8B pretraining); without it every save is synchronous"
-        )
     manager = ckpt.CheckpointManager(
         job.ckpt_dir,
         keep_last=job.keep_last,
