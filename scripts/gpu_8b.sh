@@ -4,6 +4,7 @@
 #      (bar 12,500 tokens/s; NeMo AutoModel's anchor 12,473 tokens/s/GPU)        GPU 0
 #   B  8B generation: engine batch 1 vs the bandwidth bound (bar >= 60%), batch 32 vs
 #      transformers' generate (bar >= 5x), evaluation-shaped prompts (examples/s)  GPU 1, beside A
+#   E  the same LoRA on an FP8 base (--precision fp8: torchao float8 matmuls, issue 30)  GPU 2, beside A
 #   C  the same LoRA tensor parallel over 4 GPUs (the seed's layout; bar: >= 70% scaling per GPU)
 #   D  full SFT of the same shape, FSDP over 4 GPUs (snakellm finetune --fsdp), sequence 4096, micro
 #      batch 1, no recomputation (snakellm plan's estimate: 48.2 GiB a GPU; 80 GB cards) (bar: 50% MFU;
@@ -27,7 +28,7 @@ OUT=${OUT:-/tmp/gpu8b-out}
 W=${W:-/tmp/gpu8b-work}
 PRESET=${PRESET:-llama3-8b}
 SMOKE=${SMOKE:-0}
-STAGES=${STAGES:-ABCD}
+STAGES=${STAGES:-ABCDE}
 STEPS=${STEPS:-8}
 D_MBS=${D_MBS:-1}
 ONE=${ONE:-}
@@ -76,12 +77,20 @@ if [[ $STAGES == *B* ]]; then
   CUDA_VISIBLE_DEVICES=1 stage B-generate 280 "${GEN[@]}" --json "$OUT/generate.json" &
   GEN_PID=$!
 fi
+# E (GPU 2, beside A and B; its own base checkpoint): the same LoRA on an FP8 base (issue 30's 8B LoRA figure)
+E_PID=""
+if [[ $STAGES == *E* && $SMOKE != 1 ]]; then
+  CUDA_VISIBLE_DEVICES=2 stage E-lora-fp8-1gpu 280 "${FT[@]}" --workdir "$W-e" --methods lora-all --precision fp8 \
+    --out "$OUT/E" &
+  E_PID=$!
+fi
 if [[ $STAGES == *A* ]]; then
   CUDA_VISIBLE_DEVICES=0 stage A-lora-1gpu 280 "${FT[@]}" --methods lora-all --out "$OUT/A"
   ONE=$(python -c "import json; r=json.load(open('$OUT/A/bench_finetune.json'))[0]; print(r.get('tokens_per_s', 0))" \
     2>/dev/null || echo 0)
 fi
 [ -n "$GEN_PID" ] && wait $GEN_PID
+[ -n "$E_PID" ] && wait $E_PID
 if [ "$SMOKE" != 1 ]; then
   # worst case 280 + 2 x 150 s: under the 10-minute call with the start and the summary (C makes the base
   # checkpoint, ~55 s, when A did not run)
@@ -106,7 +115,9 @@ out, preset = Path(sys.argv[1]), sys.argv[2]
 def rows(stage):
     p = out / stage / "bench_finetune.json"
     return json.loads(p.read_text()) if p.exists() else []
-for stage, what in (("A", "LoRA, one GPU"), ("C", "LoRA, TP 4"), ("D", "full SFT, FSDP")):
+one = next((r["tokens_per_s_per_gpu"] for r in rows("A") if "error" not in r), None)
+for stage, what in (("A", "LoRA, one GPU"), ("E", "LoRA on an FP8 base, one GPU"), ("C", "LoRA, TP 4"),
+                    ("D", "full SFT, FSDP")):
     for r in rows(stage):
         if "error" in r:
             print(f"{what}: FAILED ({r['error']})")
@@ -114,6 +125,8 @@ for stage, what in (("A", "LoRA, one GPU"), ("C", "LoRA, TP 4"), ("D", "full SFT
         extra = ""
         if stage == "A":
             extra = f"; bar 12,500: {'PASS' if r['tokens_per_s_per_gpu'] >= 12500 else 'FAIL'} (AutoModel 12,473)"
+        if stage == "E" and one:
+            extra = f"; {r['tokens_per_s_per_gpu'] / one:.2f}x the bf16 base (A)"
         if stage == "C" and "scaling_efficiency" in r:
             e = r["scaling_efficiency"]
             extra = f"; scaling {e:.0%} per GPU, bar 70%: {'PASS' if e >= 0.7 else 'FAIL'}"

@@ -144,3 +144,29 @@ def test_bench_smoke_prints_its_figures(script: str, smokes: dict[str, Future]):
 def test_every_bench_script_is_covered():
     """The glob finds the scripts FIGURES knows (a renamed script's entry would silently go unused)."""
     assert len(SCRIPTS) >= 9 and set(FIGURES) <= set(SCRIPTS), set(FIGURES) - set(SCRIPTS)
+
+
+@pytest.mark.slow  # ~30 s: two bench_finetune_gpu smokes and a bench_generate_gpu smoke behind the wrapper
+def test_the_gpu_8b_wrapper_smoke(tmp_path):
+    """`SMOKE=1 bash scripts/gpu_8b.sh` (issue 31's unattended 8B figures on the CPU): every stage exits 0 and the
+    summary prints each figure against its bar."""
+    import os
+
+    env = env_with_venv()
+    env["PATH"] = f"{REPO / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env |= {"SMOKE": "1", "OUT": str(tmp_path / "out"), "W": str(tmp_path / "work")}
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_8b.sh")], capture_output=True, text=True, env=env, timeout=600
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    stages = sorted(re.findall(r"=== (\S+): exit (\d+)", out))  # B runs beside A: either may end first
+    assert stages == [("A-lora-1gpu", "0"), ("B-generate", "0"), ("D-full-fsdp4", "0")], stages
+    summary = out.split("=== summary", 1)[1]
+    for line in (
+        rf"LoRA, one GPU: {NUM} tokens/s/GPU, .*bar 12,500",
+        rf"full SFT, FSDP: {NUM} tokens/s/GPU, .*bar 50%",
+        rf"generation batch 4: {NUM} tokens/s, {NUM}x transformers",
+        rf"evaluation-shaped prompts through the engine: {NUM} examples/s",
+    ):
+        assert re.search(line, summary), (line, summary)

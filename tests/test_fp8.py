@@ -354,3 +354,20 @@ def test_lora_finetune_on_an_fp8_base_follows_bf16(tmp_path, parallel, any_devic
     for a, b in zip(out["bf16"], out["fp8"]):
         assert abs(b / a - 1) < 0.01, (out["bf16"], out["fp8"])
     assert out["fp8"][-1] < out["fp8"][0]
+
+
+@pytest.mark.slow  # ~40 s: two real `snakellm finetune` + `snakellm evaluate` runs, the GPU check's own path
+def test_the_fp8_lora_check_script_smoke(tmp_path):
+    """`scripts/check_fp8_lora_gpu.py --smoke`: LoRA on an FP8 base (emulated on the CPU) memorises the 8 questions
+    as LoRA on the fp32 base does: the same exact match, the last loss within 10%."""
+    from conftest import REPO
+
+    cmd = [sys.executable, str(REPO / "scripts" / "check_fp8_lora_gpu.py"), "--smoke"]
+    cmd += ["--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env_with_venv(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "bar: FP8 exact match >= fp32's less one question: PASS" in proc.stdout
+    ref, fp8 = json.loads((tmp_path / "out" / "fp8_lora.json").read_text())["rows"]
+    assert (ref["precision"], fp8["precision"]) == ("fp32", "fp8")
+    assert ref["exact_match"] >= 0.5 and fp8["exact_match"] == ref["exact_match"]
+    assert fp8["last_loss"] < 0.9 * fp8["first_loss"]

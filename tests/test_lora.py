@@ -255,10 +255,11 @@ def test_lora_under_activation_recomputation_has_the_same_gradients(rt, recomput
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads["none"], grads[recompute], strict=True))
 
 
-def test_compiled_lora_layers_trace_whole_and_match_eager(rt) -> None:
-    """finetune.<name>.parallel.compile: each layer, adapters included, is one graph (megatron-core's per-call
-    tensor-parallel group warning broke it on rank 0: snakellm.models.build.pass_tp_group), and the compiled
-    model's loss and adapter gradients equal eager's."""
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_compiled_lora_layers_trace_whole_and_match_eager(rt, method: str) -> None:
+    """parallel.compile (train and finetune): each layer, adapters included, is one graph (megatron-core's per-call
+    tensor-parallel group warning broke it on rank 0, in the frozen and the trained linears' helpers:
+    snakellm.models.build.pass_tp_group), and the compiled model's loss and gradients equal eager's."""
     from megatron.core import tensor_parallel
     from torch._dynamo.utils import counters
 
@@ -276,13 +277,14 @@ def test_compiled_lora_layers_trace_whole_and_match_eager(rt) -> None:
         torch.manual_seed(3)
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         gpt, _ = build_model(arch, VOCAB, fused_loss="eager")
-        ft, ad = attach(torch, gpt.train(), "lora", LoRAConfig(rank=4, row_init="normal"), arch)
+        ft, ad = attach(torch, gpt.train(), method, LoRAConfig(rank=4, row_init="normal"), arch)
+        trained = [p for p in (ad or ft).parameters() if p.requires_grad]
         if compiled:  # compile_each_layer's call, with a backend that needs no C++ compiler
             for layer in gpt.decoder.layers:
                 layer.compile(backend="aot_eager", dynamic=False)
         loss = ft(tokens, torch.arange(16).expand(2, 16), None, labels=tokens.roll(-1, 1)).float().mean()
         loss.backward()
-        out[compiled] = (loss.detach(), [p.grad for p in ad.parameters()])
+        out[compiled] = (loss.detach(), [p.grad for p in trained])
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 1
     assert torch.allclose(out[False][0], out[True][0], atol=1e-6)
