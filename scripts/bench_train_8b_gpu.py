@@ -64,6 +64,7 @@ class Case:
 
 # the layouts worth measuring at 8B on 80 GB cards, most important first: a partial run still has the bars
 RC8 = ["--recompute", "full", "--recompute-method", "block", "--recompute-num-layers", "8"]
+FSDP1 = ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled"]  # FSDP2 over the ranks, micro batch 1
 CASES = {
     c.name: c
     for c in [
@@ -71,7 +72,7 @@ CASES = {
             "llama8k-fsdp-rc8",
             "llama3-8b",
             8192,
-            ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled", *RC8],
+            [*FSDP1, *RC8],
             "FSDP2 over 4 ranks, the first 8 of 32 layers recomputed (megatron-core's full/block): fits 80 GB",
             if_oom="llama8k-fsdp-rc12",
         ),
@@ -79,14 +80,14 @@ CASES = {
             "llama8k-fsdp-rc12",
             "llama3-8b",
             8192,
-            ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled", *RC8[:-1], "12"],
+            [*FSDP1, *RC8[:-1], "12"],
             "the same with 12 of 32 layers recomputed (run when 8 runs out of memory)",
         ),
         Case(
             "llama8k-fsdp-rc8-compile",
             "llama3-8b",
             8192,
-            ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled", "--compile", *RC8],
+            [*FSDP1, "--compile", *RC8],
             "the same + torch.compile of every layer",
             timeout=200,
         ),
@@ -94,7 +95,7 @@ CASES = {
             "llama8k-fsdp",
             "llama3-8b",
             8192,
-            ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled"],
+            FSDP1,
             "FSDP2 (ZeRO-3) over 4 ranks, no recomputation (about 84 GB: an H200's size)",
         ),
         Case(
@@ -125,18 +126,7 @@ CASES = {
             "llama8k-fsdp-rc8-fp8",
             "llama3-8b",
             8192,
-            [
-                "--fsdp",
-                "--micro-batch-size",
-                "1",
-                "--loss",
-                "compiled",
-                *RC8,
-                "--precision",
-                "fp8",
-                "--profile-steps",
-                "4:4",
-            ],
+            [*FSDP1, *RC8, "--precision", "fp8", "--profile-steps", "4:4"],
             "llama8k-fsdp-rc8 with float8 matmuls in the block linears (torchao, tensorwise; issue 30's 1.25x bar)",
             timeout=170,
         ),
@@ -144,7 +134,7 @@ CASES = {
             "llama8k-fsdp-rc8-fp8-compile",
             "llama3-8b",
             8192,
-            ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled", "--compile", *RC8, "--precision", "fp8"],
+            [*FSDP1, "--compile", *RC8, "--precision", "fp8"],
             "the same + torch.compile of every layer (fuses torchao's casts, as torchtitan runs float8)",
             timeout=200,
         ),
@@ -152,19 +142,7 @@ CASES = {
             "llama8k-fsdp-rc8-fp8rw-compile",
             "llama3-8b",
             8192,
-            [
-                "--fsdp",
-                "--micro-batch-size",
-                "1",
-                "--loss",
-                "compiled",
-                "--compile",
-                *RC8,
-                "--precision",
-                "fp8",
-                "--fp8-recipe",
-                "rowwise",
-            ],
+            [*FSDP1, "--compile", *RC8, "--precision", "fp8", "--fp8-recipe", "rowwise"],
             "the same with torchao's rowwise recipe (a scale per row, e4m3 throughout)",
             timeout=200,
         ),
@@ -179,7 +157,7 @@ CASES = {
             "llama8k-fsdp-compile",
             "llama3-8b",
             8192,
-            ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled", "--compile"],
+            [*FSDP1, "--compile"],
             "FSDP2 + torch.compile of every layer",
         ),
         Case(
