@@ -22,6 +22,8 @@
 #   OUT=/tmp/o bash scripts/gpu_8b.sh && cp /tmp/o/bundle.tgz "$DEVICE_OUT"   # all logs as one file ($OUT/bundle.tgz)
 #   STAGES=CD ONE=13414 STEPS=6 bash scripts/gpu_8b.sh   # only the 4-GPU stages (<= 4.5 min), the one-GPU LoRA
 #                                                # figure from an earlier run (same card) for the scaling
+#   TP=2 NPROC=2 STAGES=ABC bash scripts/gpu_8b.sh   # on 2 GPUs: C tensor parallel over 2 (D: FSDP over 2)
+#   GEN_BATCHES=1,16,32 C_LIMIT=200 ...          # generation's batch sizes; stage C's time limit (s)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu8b-out}
@@ -65,10 +67,10 @@ megatron.core.__version__, 'transformers', transformers.__version__, 'GPUs', tor
   FT=(python scripts/bench_finetune_gpu.py --preset "$PRESET" --seq-length 4096 --micro-batch-size 1
     --global-batch-size 8 --steps "$STEPS" --warmup-steps $((STEPS > 6 ? 3 : 2)) --workdir "$W" --timeout 240
     ${PROFILE:+--profile-steps "$PROFILE"} ${FT_FLAGS:-})
-  GEN=(python scripts/bench_generate_gpu.py --preset "$PRESET" --batch-sizes 1,32 --repeats 2 --clients 0
-    --eval-prompts 256 --no-eager)
-  TP=4
-  NPROC=4
+  GEN=(python scripts/bench_generate_gpu.py --preset "$PRESET" --batch-sizes "${GEN_BATCHES:-1,32}" --repeats 2
+    --clients 0 --eval-prompts 256 --no-eager)
+  TP=${TP:-4}
+  NPROC=${NPROC:-4}
 fi
 
 # A and B side by side (GPU 0: the base checkpoint, then LoRA on one GPU; GPU 1: generation)
@@ -94,12 +96,13 @@ fi
 if [ "$SMOKE" != 1 ]; then
   # worst case 280 + 2 x 150 s: under the 10-minute call with the start and the summary (C makes the base
   # checkpoint, ~55 s, when A did not run)
-  [[ $STAGES == *C* ]] && stage C-lora-tp4 $([[ $STAGES == *A* ]] && echo 150 || echo 145) "${FT[@]}" --timeout 135 \
+  C_LIMIT=${C_LIMIT:-$([[ $STAGES == *A* ]] && echo 150 || echo 145)}
+  [[ $STAGES == *C* ]] && stage C-lora-tp$TP "$C_LIMIT" "${FT[@]}" --timeout $((C_LIMIT - 15)) \
     --methods lora-all --tp $TP --tp-only --one-gpu-tokens-per-s "${ONE:-0}" --out "$OUT/C"
 fi
 # D: full SFT with FSDP over the 4 GPUs (smoke: 2 CPU ranks, fp32); the base checkpoint is A's or C's
 # (STAGES=D alone makes it first, ~55 s, inside a longer limit)
-[[ $STAGES == *D* ]] && stage D-full-fsdp4 $([[ $STAGES == *[AC]* ]] && echo 150 || echo 210) "${FT[@]}" \
+[[ $STAGES == *D* ]] && stage D-full-fsdp$NPROC $([[ $STAGES == *[AC]* ]] && echo 150 || echo 210) "${FT[@]}" \
   --timeout $([[ $STAGES == *[AC]* ]] && echo 135 || echo 195) --methods full --fsdp --nproc $NPROC --tp-only \
   $([ "$SMOKE" = 1 ] || echo --micro-batch-size "$D_MBS") --out "$OUT/D"
 if [ "$SMOKE" != 1 ]; then
@@ -108,15 +111,15 @@ if [ "$SMOKE" != 1 ]; then
   awk -F', ' '{ if ($2 > m[$1]) m[$1] = $2 } END { for (g in m) print "GPU " g ": " m[g] " MiB" }' "$OUT/gpu-memory.csv" | sort
 fi
 echo "=== summary ($PRESET, total $(($(date +%s) - T0)) s)"
-python - "$OUT" "$PRESET" <<'PY'
+python - "$OUT" "$PRESET" "$TP" <<'PY'
 import json, sys
 from pathlib import Path
-out, preset = Path(sys.argv[1]), sys.argv[2]
+out, preset, tp = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 def rows(stage):
     p = out / stage / "bench_finetune.json"
     return json.loads(p.read_text()) if p.exists() else []
 one = next((r["tokens_per_s_per_gpu"] for r in rows("A") if "error" not in r), None)
-for stage, what in (("A", "LoRA, one GPU"), ("E", "LoRA on an FP8 base, one GPU"), ("C", "LoRA, TP 4"),
+for stage, what in (("A", "LoRA, one GPU"), ("E", "LoRA on an FP8 base, one GPU"), ("C", f"LoRA, TP {tp}"),
                     ("D", "full SFT, FSDP")):
     for r in rows(stage):
         if "error" in r:

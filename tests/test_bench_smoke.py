@@ -161,7 +161,7 @@ def test_the_gpu_8b_wrapper_smoke(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     stages = sorted(re.findall(r"=== (\S+): exit (\d+)", out))  # B runs beside A: either may end first
-    assert stages == [("A-lora-1gpu", "0"), ("B-generate", "0"), ("D-full-fsdp4", "0")], stages
+    assert stages == [("A-lora-1gpu", "0"), ("B-generate", "0"), ("D-full-fsdp2", "0")], stages
     summary = out.split("=== summary", 1)[1]
     for line in (
         rf"LoRA, one GPU: {NUM} tokens/s/GPU, .*bar 12,500",

@@ -3,7 +3,7 @@
 Triton's interpreter (``TRITON_INTERPRET=1``) runs the kernels' own code on CPU tensors in fp32,
 so the same source that the GPU compiles is held here to the eager decoder: each kernel against
 its PyTorch expression (every norm, activation, bias and residual combination, one row and the
-16-row tile), and the engine's fused decode step against the eager :class:`Generator`'s greedy
+16- and 32-row tiles), and the engine's fused decode step against the eager :class:`Generator`'s greedy
 tokens and log-probabilities for a GPT-2-style model (LayerNorm, GELU, biases, learned
 positions) and a Llama-style one (RMSNorm, SwiGLU, RoPE, grouped queries). On a GPU the bf16
 step is checked by ``scripts/bench_generate_gpu.py`` (teacher forcing against the eager decoder).
@@ -54,7 +54,7 @@ def reference(x, w, bias, residual, norm, norm_w, norm_b, eps, act):
     return y if residual is None else residual + y
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 20])
 @pytest.mark.parametrize(
     "norm,act,bias,res",
     [
@@ -67,7 +67,8 @@ def reference(x, w, bias, residual, norm, norm_w, norm_b, eps, act):
     ],
 )
 def test_linear_matches_pytorch(rows, norm, act, bias, res):
-    """Odd sizes (K=200 over 128-wide tiles, N=2100 over three 1024-wide blocks): the masks hold."""
+    """Odd sizes (K=200 over 128-wide tiles, N=2100 over three 1024-wide blocks, 5 rows of the 16-row
+    tile and 20 of the 32-row one): the masks hold."""
     g = torch.Generator().manual_seed(rows * 7 + norm * 3 + act)
     n_out, k = 2100, 200
     x = torch.randn(rows, k, generator=g) * 2 + 0.5

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the decode step of small batches (one to 16 rows).
+"""Fused Triton kernels for the decode step of small batches (one to 32 rows).
 
 Why: at batch 1 a decode step reads every weight once and does little else, so
 its floor is the weight bytes over the memory bandwidth (about 0.5 ms for
@@ -20,14 +20,15 @@ well below the bandwidth. Here a layer is five kernels:
 
 The matrix-vector kernel reads each weight tile once, whole rows per program
 (so the epilogue needs no second pass), with several tiles in flight;
-a batch of 2-16 rows goes through ``tl.dot`` on a 16-row tile, so the weights
-are still read once per step. Values are rounded to the model's dtype where
+a batch of 2-16 rows goes through ``tl.dot`` on a 16-row tile, 17-32 rows on a
+32-row tile, so the weights are still read once per step. Values are rounded to the model's dtype where
 the eager decoder stores them (the matrix product, the activation), so the
 two agree to the usual bf16 tolerance, and to fp32 rounding in fp32
 (the tests run these kernels in Triton's interpreter on the CPU).
 
-Larger batches keep cuBLAS's products and take only :func:`attend` (see
-``FastDecoder._logits``). Triton is imported only where these kernels run: CUDA
+Whether a batch of 2-32 rows takes these kernels or cuBLAS's products around
+:func:`attend` (``FastDecoder._logits``) is measured, per CUDA graph, when the
+engine captures it: which is faster depends on the matrices' sizes and the GPU. Triton is imported only where these kernels run: CUDA
 with a 16-bit model and ``fused_max_batch`` > 0, or the interpreter
 (``TRITON_INTERPRET=1``) in the tests.
 """
@@ -44,7 +45,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # the matrix-vector kernel's norms (before the product) and activations (after it)
 NONE, RMSNORM, LAYERNORM, SWIGLU, GELU = 0, 1, 2, 3, 4
-MAX_ROWS = 16  # the dot path's tile: batches of up to 16 rows take these kernels
+MAX_ROWS = 32  # the largest dot tile: batches of up to 32 rows can take these kernels
+TILES = (1, 16, 32)  # the row tiles: one row (elementwise), then tl.dot on 16 or 32 rows
 
 
 def interpreting() -> bool:
@@ -246,11 +248,17 @@ def _linear_kernel(
 
 
 # (BLOCK_N, BLOCK_K, warps, stages) tried by the autotuner: one row streams whole weight rows with
-# several tiles in flight; the 16-row tile (tl.dot) needs BLOCK_N >= 16
+# several tiles in flight; the 16- and 32-row tiles (tl.dot) need BLOCK_N >= 16
 _CONFIGS = {
     1: ((1, 1024, 4, 3), (2, 1024, 4, 3), (2, 512, 4, 4), (4, 512, 4, 3), (4, 1024, 8, 3), (2, 2048, 8, 2)),
-    MAX_ROWS: ((16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3), (16, 512, 4, 3)),
+    16: ((16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3), (16, 512, 4, 3)),
+    32: ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3)),
 }
+
+
+def row_tile(rows: int) -> int:
+    """The smallest row tile that holds ``rows`` (1, 16 or 32)."""
+    return next(t for t in TILES if t >= rows)
 
 
 @functools.cache
@@ -277,7 +285,7 @@ def linear(
     act: int = NONE,
     out_f32: bool = False,
 ) -> Any:
-    """``residual + act(bias + norm(x) @ w.T)`` for ``x`` [B <= 16, K] and ``w`` [N, K] (one kernel).
+    """``residual + act(bias + norm(x) @ w.T)`` for ``x`` [B <= 32, K] and ``w`` [N, K] (one kernel).
 
     ``norm``: RMSNORM or LAYERNORM (``norm_w``, ``norm_b``, ``eps``) or NONE; ``act``: SWIGLU (``w``
     holds the gate rows then the up rows; the output is [B, N/2]), GELU or NONE; ``out_f32``: fp32
@@ -301,7 +309,7 @@ def linear(
         "IEEE": w.dtype == torch.float32,
         "PDL": pdl(),
     }
-    tile = 1 if B == 1 else MAX_ROWS
+    tile = row_tile(B)
     if interpreting():
         _linear_kernel[(triton.cdiv(N, 1024),)](*args, **flags, BLOCK_B=tile, BLOCK_N=1024, BLOCK_K=128)
     else:
