@@ -136,7 +136,7 @@ class FastDecoder:
             self.pf_lengths = torch.ones(rows, dtype=i64, device=dev)
             self.pf_slots = torch.zeros(rows, dtype=i64, device=dev)
             self.pf_logits = torch.zeros(rows, self.vocab, dtype=torch.float32, device=dev)
-        self._compiled: dict[tuple[int, int, bool, bool, bool], Any] = {}
+        self._compiled: dict[tuple[int, int, bool, bool, bool, bool], Any] = {}
 
     def _rope_table(self, n: int) -> tuple[Any, Any]:
         """cos/sin [n, d] in the model's dtype, computed as the eager decoder computes them per step."""
