@@ -104,9 +104,22 @@ def _make_function() -> Any:
         @staticmethod
         def backward(ctx: Any, g: Any) -> Any:
             logits, lse, local_t, inside = ctx.saved_tensors
-            return ctx.kernels[2](logits, lse, local_t, inside, g.contiguous()), None, None, None
+            grad = ctx.kernels[2](logits, lse, local_t, inside, g.contiguous())
+            return row_major(grad), None, None, None
 
     return VocabParallelCE
+
+
+def row_major(t: Any) -> Any:
+    """``t`` [s, b, V] (contiguous) as a view with row-major strides, also along a size-1 dimension.
+
+    Inductor may give the compiled gradient's micro-batch dimension any stride when it has size 1
+    (``(V, s * V, 1)`` for [s, 1, V]); every element is where row-major puts it, but
+    ``torch.matmul`` then cannot fold [s, 1, V] @ [V, h] into one matrix product and runs a batched
+    one per token instead: in the output layer's backward at 8B, tensor parallel, micro batch 1,
+    that was 152 ms a micro-batch, 40% of the step.
+    """
+    return t.reshape(-1, t.size(-1)).view(t.shape)
 
 
 class _Lazy:
