@@ -24,6 +24,7 @@
 #                                                # figure from an earlier run (same card) for the scaling
 #   TP=2 NPROC=2 STAGES=ABC bash scripts/gpu_8b.sh   # on 2 GPUs: C tensor parallel over 2 (D: FSDP over 2)
 #   GEN_BATCHES=1,16,32 C_LIMIT=200 ...          # generation's batch sizes; stage C's time limit (s)
+#   TP=2 NPROC=2 STAGES=ACE E_GPU=1 ...           # E on GPU 1 (without B) on a 2-GPU machine
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu8b-out}
@@ -82,7 +83,7 @@ fi
 # E (GPU 2, beside A and B; its own base checkpoint): the same LoRA on an FP8 base (issue 30's 8B LoRA figure)
 E_PID=""
 if [[ $STAGES == *E* && $SMOKE != 1 ]]; then
-  CUDA_VISIBLE_DEVICES=2 stage E-lora-fp8-1gpu 280 "${FT[@]}" --workdir "$W-e" --methods lora-all --precision fp8 \
+  CUDA_VISIBLE_DEVICES=${E_GPU:-2} stage E-lora-fp8-1gpu 280 "${FT[@]}" --workdir "$W-e" --methods lora-all --precision fp8 \
     --out "$OUT/E" &
   E_PID=$!
 fi
