@@ -188,3 +188,23 @@ def test_cli_prints_the_full_command(tmp_path):
         f"--container-mounts={tmp_path}:{tmp_path} --no-container-mount-home --container-workdir={tmp_path} "
         "snakellm train --steps 10"
     )
+
+
+def test_a_cpu_job_runs_on_a_machine_with_a_gpu(tmp_path):
+    """`snakellm random-hf` (a CPU job) where torch sees a GPU, as on the device machines: megatron-core gets the
+    CPU's RNG tracker, not the CUDA one (whose seeding, with megatron pointed at the CPU, failed there)."""
+    import sys
+
+    from conftest import REPO
+
+    code = (
+        "import sys, torch; torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 1\n"
+        "from snakellm.cli import main; sys.exit(main())"
+    )
+    args = [str(tmp_path / "hf"), "--preset", "tiny-llama", "--seed", "0"]
+    args += ["--tokenizer-dir", str(REPO / "resources" / "tokenizers" / "gpt2")]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "random-hf", *args], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "hf" / "config.json").exists()

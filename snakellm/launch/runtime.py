@@ -154,9 +154,8 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int | None = None, cuda:
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-    import torch
 
-    if not cuda and not torch.cuda.is_available():  # (a CPU job on a GPU machine needs none)
+    if not cuda:  # a CPU job, also on a machine with GPUs (pick_device's shims already point megatron at the CPU)
         install_cpu_megatron_shims()
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     elif seed is not None:
