@@ -9,10 +9,9 @@ from the same random prompts (``--prompt-len`` tokens) exactly ``--new-tokens``
 tokens (no early stop); tokens/s = batch x new tokens / wall time of the whole
 call (prefill included), best of ``--repeats`` after a warm-up (which also
 captures the engine's CUDA graphs). The engine runs twice: as it runs by
-default (fused Triton kernels at batch 1; for 2-32 rows the faster of those
-and the PyTorch step around the fused attention kernel, timed when each graph is
-captured: printed per graph) and with its PyTorch-ops step only
-(``--fused-max-batch 0``, the step before the kernels).
+default (fused Triton kernels for steps of up to ``fused_max_batch`` rows,
+``kernels.py``) and with its PyTorch-ops step (``--fused-max-batch 0``, the step
+before the kernels).
 
 Printed beside the figures: the bandwidth bound at batch 1 (bytes of weights read
 per token / the device-to-device copy bandwidth measured here), the engine's peak
@@ -210,7 +209,6 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
         r[f"{name}_start_s"] = time.perf_counter() - t0 - times[name] * (a.repeats + 1)
         r[f"{name}_kv_cache_gib"] = eng.fast.cache.nbytes / 2**30
         if name == "engine":
-            r["engine_steps"] = step_choices(eng.fast)
             lp_params = SamplingParams(max_new_tokens=a.new_tokens, greedy=True, stop_at_eod=False, logprobs=True)
             r.update(tolerance(gen, eng.generate(rows, lp_params), hf))
         del eng
@@ -254,22 +252,6 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
         flush=True,
     )
     return r
-
-
-def step_choices(fast: Any) -> list[dict]:
-    """Which decode step each captured graph runs (fused Triton or the PyTorch/cuBLAS step) and, where
-    the engine timed both, each one's replay time (ms); printed, and kept in the JSON."""
-    out = []
-    for key, fused in fast.choices.items():
-        times = fast.timings.get(key, {})
-        out.append({"batch_bucket": key[0], "length_bucket": key[1], "fused": fused, "replay_ms": times})
-        timed = ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()) or "not timed (one candidate)"
-        print(
-            f"  engine step, batch bucket {key[0]}, length bucket {key[1]}: "
-            f"{'fused' if fused else 'pytorch'} ({timed})",
-            flush=True,
-        )
-    return out
 
 
 def tolerance(gen: Any, outs: list, hf: Any = None) -> dict:

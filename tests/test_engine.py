@@ -255,22 +255,3 @@ def test_ptuning_virtual_tokens_equal_eager(gen):
         assert f.logprobs == pytest.approx(e.logprobs, abs=1e-4)
     plain = gen.generate(prompts, params)
     assert max(abs(x - y) for o, q in zip(eager, plain, strict=True) for x, y in zip(o.logprobs, q.logprobs)) > 1e-3
-
-
-def test_each_batch_bucket_may_take_the_faster_of_two_steps(gen):
-    """Which decode steps a batch bucket may run (True: the fused Triton step): one row the fused one;
-    2..fused_max_batch rows both, the faster kept when the graph is captured (a tie keeps PyTorch's);
-    beyond it, or with the kernels off, the PyTorch step. On the GPU the bench prints the timings."""
-    from snakellm.serve.engine.fast_decoder import faster
-
-    fast = engine(gen, max_batch=4).fast
-    for fused, want in (
-        (32, {1: (True,), 2: (True, False), 32: (True, False), 64: (False,)}),
-        (1, {1: (True,), 2: (False,)}),
-        (0, {1: (False,), 4: (False,)}),
-    ):
-        fast.fused = fused
-        assert {b: fast.candidates(b) for b in want} == want
-    assert faster({True: 1.0, False: 2.0}) is True
-    assert faster({True: 2.0, False: 1.5}) is False
-    assert faster({True: 1.0, False: 1.0}) is False

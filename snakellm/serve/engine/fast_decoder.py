@@ -12,15 +12,6 @@ the model) with two changes of shape that make the decode step capturable:
   ``active``, the cache, the sampler's state) and samples on the device, so
   one CUDA graph per bucket replays it with a single launch from Python.
 
-Which step a batch bucket runs: one row always takes the fused Triton kernels
-(:mod:`.kernels`: twice the PyTorch step's speed at batch 1); a bucket of 2 to
-``fused`` rows takes whichever of the fused step and the PyTorch step (cuBLAS
-products around the fused attention kernel) replays faster when its graph is
-captured: each is captured and timed over a few replays, and the faster graph is
-kept (:attr:`FastDecoder.choices`). Which one wins depends on the matrices and
-the GPU (on an H200 cuBLAS wins from 4 rows of llama-1b up). Without graphs,
-buckets of up to ``fused`` rows take the fused step.
-
 Buckets: the batch is the first ``B`` rows (``B`` a power of two covering the
 highest row in use; idle rows compute and are ignored) and attention reads the
 first ``L`` cache slots (a power of two covering the longest row). Graphs are
@@ -42,7 +33,6 @@ from snakellm.serve.engine.sampling import SamplingState
 from snakellm.serve.engine.static_cache import CacheShape, StaticKVCache
 
 FUSED_MAX_ROWS = 32  # kernels.MAX_ROWS, without importing Triton
-TIMED_REPLAYS = 5  # replays of each candidate graph timed when a bucket's step is chosen
 ATTEND_MAX_LEN = 1024  # cache slots the fused attention kernel reads (one program per row and group); SDPA beyond
 
 
@@ -126,9 +116,6 @@ class FastDecoder:
         # fused Triton kernels (kernels.py) for batch buckets of up to this many rows; larger ones are PyTorch ops
         self.fused = fused
         self.graphs: dict[tuple[int, int, bool, bool, bool], Any] = {}
-        # per graphed key: whether it runs the fused step, and each candidate's replay time (ms; when timed)
-        self.choices: dict[tuple[int, int, bool, bool, bool], bool] = {}
-        self.timings: dict[tuple[int, int, bool, bool, bool], dict[str, float]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs_on else None
         self.prefill_graphs: dict[tuple[int, int], Any] = {}
         if self.graphs_on:  # the graphed prefill's static inputs and output
@@ -136,7 +123,7 @@ class FastDecoder:
             self.pf_lengths = torch.ones(rows, dtype=i64, device=dev)
             self.pf_slots = torch.zeros(rows, dtype=i64, device=dev)
             self.pf_logits = torch.zeros(rows, self.vocab, dtype=torch.float32, device=dev)
-        self._compiled: dict[tuple[int, int, bool, bool, bool, bool], Any] = {}
+        self._compiled: dict[tuple[int, int, bool, bool, bool], Any] = {}
 
     def _rope_table(self, n: int) -> tuple[Any, Any]:
         """cos/sin [n, d] in the model's dtype, computed as the eager decoder computes them per step."""
@@ -316,15 +303,15 @@ class FastDecoder:
 
     # ------------------------------------------------------------------ the decode step
 
-    def _step(self, B: int, Lb: int, greedy_only: bool, penalty: bool, probs: bool, fused: bool) -> None:
+    def _step(self, B: int, Lb: int, greedy_only: bool, penalty: bool, probs: bool) -> None:
         """One token for rows 0..B-1: forward, sample, advance. Static shapes only (capturable).
 
         ``probs``: log-probabilities, and the logits kept (for a request that asked for every step's
-        distribution); ``fused``: the fused Triton step, else the PyTorch one.
+        distribution).
         """
         import torch
 
-        logits = self._logits_fused(B, Lb) if fused else self._logits(B, Lb)
+        logits = self._logits_fused(B, Lb) if B <= self.fused else self._logits(B, Lb)
         pos, rows = self.pos[:B], self.row_ids[:B]
         nxt, lp = self.sampler.sample(logits, rows, greedy_only, penalty, probs)
         if probs:
@@ -436,7 +423,7 @@ class FastDecoder:
         B = pick(self.batch_buckets, highest_row + 1)
         Lb = pick(self.length_buckets, longest)
         if not self.graphs_on:
-            self._step(B, Lb, greedy_only, penalty, probs, B <= self.fused)
+            self._step(B, Lb, greedy_only, penalty, probs)
             return
         key = (B, Lb, greedy_only, penalty, probs)
         graph = self.graphs.get(key)
@@ -444,68 +431,32 @@ class FastDecoder:
             graph = self.graphs[key] = self._capture(key)
         graph.replay()
 
-    def _fn(self, key: tuple[int, int, bool, bool, bool], fused: bool) -> Any:
+    def _fn(self, key: tuple[int, int, bool, bool, bool]) -> Any:
         """The step for ``key`` as a function of no arguments (torch.compile'd once per key if asked)."""
         import functools
 
         import torch
 
-        fn = functools.partial(self._step, *key, fused)
+        fn = functools.partial(self._step, *key)
         if not self.compile:
             return fn
-        if (*key, fused) not in self._compiled:
+        if key not in self._compiled:
             import torch._dynamo
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-            self._compiled[(*key, fused)] = torch.compile(fn, fullgraph=True, dynamic=False)
-        return self._compiled[(*key, fused)]
-
-    def candidates(self, B: int) -> tuple[bool, ...]:
-        """The steps a batch bucket of ``B`` rows may run (True: fused): see the module's docstring."""
-        if B == 1 and self.fused:
-            return (True,)
-        return (True, False) if B <= self.fused else (False,)
+            self._compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False)
+        return self._compiled[key]
 
     def _capture(self, key: tuple[int, int, bool, bool, bool]) -> Any:
-        """Warm up and capture the step for ``key`` without disturbing the rows in flight; with two
-        candidate steps, capture and time both and keep the faster."""
+        """Warm up and capture the step for ``key`` without disturbing the rows in flight."""
+
         s = self.sampler
         state = [self.tokens, self.pos, self.active, self.out_tokens, self.out_logprobs]
         state += [s.n_gen, s.seen, s.counts, self.logits]
         saved = [t.clone() for t in state]
-        self.pos.fill_(self.max_len)  # writes land on the spare slot while warming up (and timing)
+        self.pos.fill_(self.max_len)  # writes land on the spare slot while warming up
         self.active.zero_()
-        options = self.candidates(key[0])
-        graphs = {fused: self._graph(self._fn(key, fused)) for fused in options}
-        if len(options) > 1:
-            times = {fused: replay_ms(g) for fused, g in graphs.items()}
-            self.timings[key] = {"fused" if f else "pytorch": t for f, t in times.items()}
-            self.choices[key] = faster(times)
-        else:
-            self.choices[key] = options[0]
+        graph = self._graph(self._fn(key))
         for t, v in zip(state, saved, strict=True):
             t.copy_(v)
-        return graphs[self.choices[key]]
-
-
-def replay_ms(graph: Any, replays: int = TIMED_REPLAYS) -> float:
-    """A captured graph's replay time in ms: the median of ``replays`` replays after one more to warm up."""
-    import statistics
-
-    import torch
-
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def faster(times: dict[bool, float]) -> bool:
-    """The candidate (True: the fused step) with the shorter time; a tie keeps the PyTorch step."""
-    return min(sorted(times), key=lambda fused: times[fused])
+        return graph

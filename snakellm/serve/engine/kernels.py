@@ -26,9 +26,9 @@ the eager decoder stores them (the matrix product, the activation), so the
 two agree to the usual bf16 tolerance, and to fp32 rounding in fp32
 (the tests run these kernels in Triton's interpreter on the CPU).
 
-Whether a batch of 2-32 rows takes these kernels or cuBLAS's products around
-:func:`attend` (``FastDecoder._logits``) is measured, per CUDA graph, when the
-engine captures it: which is faster depends on the matrices' sizes and the GPU. Triton is imported only where these kernels run: CUDA
+Batches above ``fused_max_batch`` (1 by default: the tiles lose to cuBLAS on
+Hopper from 4 rows up) keep cuBLAS's products and take only :func:`attend` (see
+``FastDecoder._logits``). Triton is imported only where these kernels run: CUDA
 with a 16-bit model and ``fused_max_batch`` > 0, or the interpreter
 (``TRITON_INTERPRET=1``) in the tests.
 """
