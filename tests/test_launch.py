@@ -190,6 +190,7 @@ def test_cli_prints_the_full_command(tmp_path):
     )
 
 
+@pytest.mark.slow  # a snakellm process importing megatron-core: ~5 s, end to end (fast-tier budget)
 def test_a_cpu_job_runs_on_a_machine_with_a_gpu(tmp_path):
     """`snakellm random-hf` (a CPU job) where torch sees a GPU, as on the device machines: megatron-core gets the
     CPU's RNG tracker, not the CUDA one (whose seeding, with megatron pointed at the CPU, failed there)."""
