@@ -356,10 +356,12 @@ def test_lora_finetune_on_an_fp8_base_follows_bf16(tmp_path, parallel, any_devic
     assert out["fp8"][-1] < out["fp8"][0]
 
 
-@pytest.mark.slow  # ~40 s: two real `snakellm finetune` + `snakellm evaluate` runs, the GPU check's own path
+# 33-73 s (quiet, and in CI beside another worker): two real `snakellm finetune` + `snakellm evaluate` runs, the
+# GPU check's own path; fewer steps would not memorise the questions the check compares
+@pytest.mark.slow
 def test_the_fp8_lora_check_script_smoke(tmp_path):
     """`scripts/check_fp8_lora_gpu.py --smoke`: LoRA on an FP8 base (emulated on the CPU) memorises the 8 questions
-    as LoRA on the fp32 base does: the same exact match, the last loss within 10%."""
+    as LoRA on the fp32 base does: the same exact match, and the script's loss bar (at most 1.1 x + 0.01 nats)."""
     from conftest import REPO
 
     cmd = [sys.executable, str(REPO / "scripts" / "check_fp8_lora_gpu.py"), "--smoke"]
