@@ -5,7 +5,9 @@
 #   B  8B generation: engine batch 1 vs the bandwidth bound (bar >= 60%), batch 32 vs
 #      transformers' generate (bar >= 5x), evaluation-shaped prompts (examples/s)  GPU 1, beside A
 #   E  the same LoRA on an FP8 base (--precision fp8: torchao float8 matmuls, issue 30)  GPU 2, beside A
-#   C  the same LoRA tensor parallel over 4 GPUs (the seed's layout; bar: >= 70% scaling per GPU)
+#   C  the same LoRA tensor parallel over 4 GPUs (the seed's layout; bar: >= 70% scaling per GPU), micro batch
+#      C_MBS (default 4: one micro-batch of 4,096 tokens a launch left the step bound by kernel launches and
+#      waiting collectives, 42% scaling on 4 H200s; 4 gave 70%)
 #   D  full SFT of the same shape, FSDP over 4 GPUs (snakellm finetune --fsdp), sequence 4096, micro
 #      batch 1, no recomputation (snakellm plan's estimate: 48.2 GiB a GPU; 80 GB cards) (bar: 50% MFU;
 #      DGX Cloud's Llama 3 8B SFT, 8 H100s, Transformer Engine: 12,412 tokens/s/GPU)
@@ -34,6 +36,7 @@ SMOKE=${SMOKE:-0}
 STAGES=${STAGES:-ABCDE}
 STEPS=${STEPS:-8}
 D_MBS=${D_MBS:-1}
+C_MBS=${C_MBS:-4}
 ONE=${ONE:-}
 mkdir -p "$OUT" "$W"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -99,7 +102,7 @@ if [ "$SMOKE" != 1 ]; then
   # checkpoint, ~55 s, when A did not run)
   C_LIMIT=${C_LIMIT:-$([[ $STAGES == *A* ]] && echo 150 || echo 145)}
   [[ $STAGES == *C* ]] && stage C-lora-tp$TP "$C_LIMIT" "${FT[@]}" --timeout $((C_LIMIT - 15)) \
-    --methods lora-all --tp $TP --tp-only --one-gpu-tokens-per-s "${ONE:-0}" --out "$OUT/C"
+    --methods lora-all --tp $TP --tp-only --one-gpu-tokens-per-s "${ONE:-0}" --micro-batch-size "$C_MBS" --out "$OUT/C"
 fi
 # D: full SFT with FSDP over the 4 GPUs (smoke: 2 CPU ranks, fp32); the base checkpoint is A's or C's
 # (STAGES=D alone makes it first, ~55 s, inside a longer limit)

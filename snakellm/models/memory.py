@@ -438,14 +438,17 @@ def advise_finetune(
     gpu_gib: float,
     lora_rank: int = 32,
     lora_targets: tuple[str, ...] | list[str] = ("linear_qkv",),
+    layouts: list[tuple[int, bool]] | None = None,
 ) -> tuple[int, int, str, bool, MemoryEstimate] | None:
     """(tp, micro batch, recompute, fsdp, estimate) that fits ``gpu_gib`` on ``ranks`` GPUs: no recomputation
     before selective before full (the least extra compute), then for a full fine-tune on several GPUs FSDP at
     tp 1 (51-55% MFU at 8B on 4 GPUs against 15-39% at tp 4), then the smallest tensor-parallel size (the least
-    communication), then the largest micro batch up to 8 that divides the batch; None if none fits."""
+    communication), then the largest micro batch up to 8 that divides the batch; None if none fits.
+    ``layouts``: only these (tp, fsdp) pairs (the configured one: its largest micro batch that fits)."""
     heads, groups = arch["num_attention_heads"], arch["num_query_groups"]
     tps = [t for t in (1, 2, 4, 8) if ranks % t == 0 and heads % t == 0 and groups % t == 0]
-    layouts = ([(1, True)] if method == "full" and ranks > 1 else []) + [(t, False) for t in tps]
+    if layouts is None:
+        layouts = ([(1, True)] if method == "full" and ranks > 1 else []) + [(t, False) for t in tps]
     for recompute in RECOMPUTE:
         for tp, fsdp in layouts:
             dp = ranks // tp
