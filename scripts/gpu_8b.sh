@@ -3,7 +3,8 @@
 #   A  LoRA (all linears, rank 32) on Llama 3.1 8B's shape, sequence 4096, one GPU
 #      (bar 12,500 tokens/s; NeMo AutoModel's anchor 12,473 tokens/s/GPU)        GPU 0
 #   B  8B generation: engine batch 1 vs the bandwidth bound (bar >= 60%), batch 32 vs
-#      transformers' generate (bar >= 5x), evaluation-shaped prompts (examples/s)  GPU 1, beside A
+#      transformers' generate (bar >= 5x; also with the engine's compile setting), evaluation-shaped
+#      prompts (examples/s)                                                        GPU 1, beside A
 #   E  the same LoRA on an FP8 base (--precision fp8: torchao float8 matmuls, issue 30)  GPU 2, beside A
 #   C  the same LoRA tensor parallel over 4 GPUs (the seed's layout; bar: >= 70% scaling per GPU), micro batch
 #      C_MBS (default 4: one micro-batch of 4,096 tokens a launch left the step bound by kernel launches and
@@ -72,7 +73,7 @@ megatron.core.__version__, 'transformers', transformers.__version__, 'GPUs', tor
     --global-batch-size 8 --steps "$STEPS" --warmup-steps $((STEPS > 6 ? 3 : 2)) --workdir "$W" --timeout 240
     ${PROFILE:+--profile-steps "$PROFILE"} ${FT_FLAGS:-})
   GEN=(python scripts/bench_generate_gpu.py --preset "$PRESET" --batch-sizes "${GEN_BATCHES:-1,32}" --repeats 2
-    --clients 0 --eval-prompts 256 --no-eager)
+    --clients 0 --eval-prompts 256 --no-eager --compile)
   TP=${TP:-4}
   NPROC=${NPROC:-4}
 fi
@@ -80,7 +81,7 @@ fi
 # A and B side by side (GPU 0: the base checkpoint, then LoRA on one GPU; GPU 1: generation)
 GEN_PID=""
 if [[ $STAGES == *B* ]]; then
-  CUDA_VISIBLE_DEVICES=1 stage B-generate 280 "${GEN[@]}" --json "$OUT/generate.json" &
+  CUDA_VISIBLE_DEVICES=1 stage B-generate 340 "${GEN[@]}" --json "$OUT/generate.json" &
   GEN_PID=$!
 fi
 # E (GPU 2, beside A and B; its own base checkpoint): the same LoRA on an FP8 base (issue 30's 8B LoRA figure)
@@ -98,8 +99,9 @@ fi
 [ -n "$GEN_PID" ] && wait $GEN_PID
 [ -n "$E_PID" ] && wait $E_PID
 if [ "$SMOKE" != 1 ]; then
-  # worst case 280 + 2 x 150 s: under the 10-minute call with the start and the summary (C makes the base
-  # checkpoint, ~55 s, when A did not run)
+  # A, B and E ran 183-211 s on 4 H200s (B's limit 340 s with its compiled engine), C and D about 100-120 s each:
+  # about 8.5 minutes of a 10-minute call; worst case past it (C makes the base checkpoint, ~55-77 s, when A did
+  # not run)
   C_LIMIT=${C_LIMIT:-$([[ $STAGES == *A* ]] && echo 150 || echo 145)}
   [[ $STAGES == *C* ]] && stage C-lora-tp$TP "$C_LIMIT" "${FT[@]}" --timeout $((C_LIMIT - 15)) \
     --methods lora-all --tp $TP --tp-only --one-gpu-tokens-per-s "${ONE:-0}" --micro-batch-size "$C_MBS" --out "$OUT/C"
@@ -156,6 +158,10 @@ if g.exists():
             s = r["speedup_vs_transformers"]
             print(f"generation batch {b}: {v:,.0f} tokens/s, {s:.2f}x transformers "
                   f"({r['transformers_tokens_per_s']:,.0f}), bar 5x: {'PASS' if s >= 5 else 'FAIL'}")
+        if "engine_compiled_tokens_per_s" in r:
+            c = r["engine_compiled_tokens_per_s"]
+            print(f"generation batch {b}, the engine's compile setting: {c:,.0f} tokens/s, "
+                  f"{c / r['transformers_tokens_per_s']:.2f}x transformers")
     if "eval" in j:
         print(f"evaluation-shaped prompts through the engine: {j['eval']['engine_examples_per_s']:.1f} examples/s")
 else:
