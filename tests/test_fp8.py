@@ -14,6 +14,7 @@ The fast tier holds the torch-free checks; everything that imports megatron-core
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +236,42 @@ def test_a_run_config_with_shapes_float8_refuses_names_the_key():
     checks.check_fp8(cfg, resolve.resolve_runs(cfg))
 
 
+def test_the_float8_all_gather_is_refused_without_fsdp_fp8_or_tensorwise_naming_the_setting(tmp_path):
+    """``parallel.fp8_all_gather``: the step refuses it before anything starts and the config check names the
+    key, without FSDP, without precision fp8 and with the rowwise recipe."""
+    from snakellm.config import checks, resolve
+    from snakellm.errors import ConfigError
+    from snakellm.steps.train import build_parser
+    from snakellm.train.request import RequestError, make_request
+
+    base = ["--blend", "x.json", "--run-dir", str(tmp_path), "--steps", "1", "--micro-batch-size", "1"]
+    base += ["--global-batch-size", "1", "--preset", "tiny-llama", "--fp8-all-gather"]
+    for extra, why in (
+        (["--precision", "fp8"], "--fp8-all-gather casts each FSDP shard to float8 before FSDP's all-gather: it "
+         "needs --fsdp"),
+        (["--fsdp", "--precision", "bf16"], "--fp8-all-gather gathers float8 weights: it needs precision fp8 "
+         "\\(got bf16\\)"),
+        (["--fsdp", "--precision", "fp8", "--fp8-recipe", "rowwise"], "it needs fp8_recipe tensorwise \\(got "
+         "rowwise\\)"),
+    ):  # fmt: skip
+        with pytest.raises(RequestError, match=why):
+            make_request(build_parser().parse_args(base + extra), env={})
+    run = {
+        "tokenizer": "gpt2",
+        "model": {"preset": "tiny-llama"},
+        "parallel": {"fsdp": True, "fp8_all_gather": True},
+        "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 4, "precision": "bf16"},
+    }
+    cfg = {"sources": {}, "tokenizers": {"gpt2": {"kind": "gpt2-bpe"}}, "tokenize": {}, "runs": {"r": run}}
+    with pytest.raises(ConfigError, match=r"config key runs.r.parallel.fp8_all_gather: the float8 all-gather gathers"):
+        checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["train"]["precision"] = "fp8"
+    checks.check_fp8(cfg, resolve.resolve_runs(cfg))
+    run["parallel"]["fsdp"] = False
+    with pytest.raises(ConfigError, match=r"runs.r.parallel.fp8_all_gather: the float8 all-gather casts each FSDP"):
+        resolve.resolve_runs(cfg)
+
+
 @pytest.mark.slow
 def test_shapes_checked_are_the_shapes_megatron_builds(parallel, any_device):
     from snakellm.models.build import build_model
@@ -270,8 +307,11 @@ def test_lora_on_an_fp8_base_trains_the_adapters_only(parallel, any_device):
 def test_parallel_fp8_training_follows_one_process(tmp_path):
     """`snakellm train --precision fp8` on 2 ranks (gloo) against one process: TP 2 with sequence parallelism
     (the all-gather / reduce-scatter around the float8 matmuls; float8's scales then come from each rank's
-    weight shard, so the losses differ slightly) and DP 2 with the distributed optimizer (the same micro-batches
-    and casts: the losses of one process to float rounding)."""
+    weight shard, so the losses differ slightly), DP 2 with the distributed optimizer (the same micro-batches
+    and casts: the losses of one process to float rounding), and FSDP over 2 with the weights all-gathered in
+    float8 (``--fp8-all-gather``: each rank casts its fp32 shard with the whole weight's scale, where the
+    others cast the gathered bf16 weight: one rounding instead of two), saving at step 3 and resumed there
+    (the float8 scales recomputed from the loaded weights: the uninterrupted run's losses)."""
     make_blend(tmp_path)
     env = env_with_venv() | {fp8.ANY_DEVICE_ENV: "1"}
     common = [*BASE, "--preset", "tiny-llama", "--ffn-hidden-size", "160", "--steps", "6", "--precision", "fp8"]
@@ -282,16 +322,32 @@ def test_parallel_fp8_training_follows_one_process(tmp_path):
         ("one", [], []),
         ("tp2sp", torchrun, ["--tp", "2", "--sequence-parallel", "--loss", "megatron"]),
         ("dp2distopt", torchrun, ["--distributed-optimizer"]),
+        ("fsdp8", torchrun, ["--fsdp", "--fp8-all-gather"]),
     ):
         cmd = [*launch, str(BIN / "snakellm"), "train", "--blend", "data/tokens/synth/blend.json"]
         cmd += ["--run-dir", f"runs/{name}", *common, *extra]
+        if name == "fsdp8":  # checkpoints at step 3 (resumed below)
+            cmd = [c for c in cmd if c != "--no-checkpoints"] + ["--save-interval", "3", "--keep-last", "2"]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         recs = [json.loads(ln) for ln in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         runs[name] = {r["step"]: r["loss"] for r in recs if "loss" in r}
         summary = json.loads((tmp_path / "runs" / name / "train_summary.json").read_text())
         assert summary["precision"] == "fp8"
-    for name, rtol in (("tp2sp", 5e-3), ("dp2distopt", 1e-4)):
+        if name == "fsdp8":
+            assert "the float8 block linears' weights are all-gathered in float8" in proc.stderr
+            resume = [c if c != "runs/fsdp8" else "runs/fsdp8-resumed" for c in cmd]
+    # the float8 all-gather's checkpoint at step 3 resumes with the uninterrupted run's losses
+    ckpts = tmp_path / "runs/fsdp8/checkpoints"
+    shutil.copytree(tmp_path / "runs/fsdp8", tmp_path / "runs/fsdp8-resumed")
+    (tmp_path / "runs/fsdp8-resumed/checkpoints/latest_checkpointed_iteration.txt").write_text("3\n")
+    assert (ckpts / "iter_0000003").is_dir()
+    proc = subprocess.run(resume, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "resumed from runs/fsdp8-resumed/checkpoints/iter_0000003" in proc.stderr
+    recs = [json.loads(ln) for ln in (tmp_path / "runs/fsdp8-resumed/metrics.jsonl").read_text().splitlines()]
+    resumed = {r["step"]: r["loss"] for r in recs if "loss" in r and r["step"] > 3}
+    assert resumed == {s: runs["fsdp8"][s] for s in (4, 5, 6)}, (resumed, runs["fsdp8"])
+    for name, rtol in (("tp2sp", 5e-3), ("dp2distopt", 1e-4), ("fsdp8", 1e-3)):
         assert runs[name].keys() == set(range(1, 7))
         worst = max(abs(runs[name][s] / loss - 1) for s, loss in runs["one"].items())
         assert worst < rtol, (name, worst, runs["one"], runs[name])

@@ -71,6 +71,24 @@ def test_fsdp_checkpoints_resume_across_data_parallel_sizes(runs, src, dst, npro
     assert_close(records(root, dst), records(root, "fsdp-one"), loss_rtol=1e-6, norm_rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_a_bf16_fsdp_run_resumes_with_its_fp32_masters(tmp_path):
+    """bf16 (on the CPU here): FSDP's sharded parameters are the fp32 masters, and the checkpoint holds both the
+    model's bf16 weights and the masters. Resumed at step 3 it continues with the uninterrupted run's losses:
+    the saved masters used to be loaded in place into the parameters, where the bf16 weights then overwrote
+    them with their rounding (the same forward, another update: steps 5 and 6 parted)."""
+    make_blend(tmp_path)
+    bf16 = ["--preset", "tiny-llama", "--steps", "6", "--save-interval", "3", "--keep-last", "2"]
+    bf16 += ["--precision", "bf16", "--device", "cpu", "--fsdp"]
+    train(tmp_path, "bf16", 2, *bf16)
+    shutil.copytree(tmp_path / "runs/bf16", tmp_path / "runs/bf16-resumed")
+    (tmp_path / "runs/bf16-resumed/checkpoints/latest_checkpointed_iteration.txt").write_text("3\n")
+    proc = train(tmp_path, "bf16-resumed", 2, *bf16)
+    assert "resumed from runs/bf16-resumed/checkpoints/iter_0000003" in proc.stderr
+    whole, resumed = records(tmp_path, "bf16"), records(tmp_path, "bf16-resumed")
+    assert [resumed[s]["loss"] for s in (4, 5, 6)] == [whole[s]["loss"] for s in (4, 5, 6)]
+
+
 def test_fsdp_refuses_the_distributed_optimizer(tmp_path):
     from snakellm.steps.train import build_parser
     from snakellm.train.request import RequestError, make_request

@@ -227,7 +227,8 @@ def check_curate(config: dict[str, Any]) -> None:
 
 
 def check_fp8(config: dict[str, Any], run_models: dict[str, dict[str, Any]]) -> None:
-    """A run with ``precision: fp8`` has block weights float8 kernels take (each TP shard a multiple of 16)."""
+    """A run with ``precision: fp8`` has block weights float8 kernels take (each TP shard a multiple of 16);
+    ``parallel.fp8_all_gather`` has fp8's tensorwise recipe."""
     from snakellm.models import fp8
 
     for name, run in config.get("runs", {}).items():
@@ -236,6 +237,14 @@ def check_fp8(config: dict[str, Any], run_models: dict[str, dict[str, Any]]) -> 
                 fp8.check_shapes(run_models[name], run.get("parallel", {}).get("tp", 1))
             except fp8.FP8Error as e:
                 raise ConfigError(f"config key runs.{name}.train.precision: {e}") from None
+        t = run["train"]
+        why = fp8.all_gather_conflict(
+            bool(run.get("parallel", {}).get("fp8_all_gather")),
+            t.get("precision", "auto"),
+            t.get("fp8_recipe", "tensorwise"),
+        )
+        if why:
+            raise ConfigError(f"config key runs.{name}.parallel.fp8_all_gather: the float8 all-gather {why}")
 
 
 def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:

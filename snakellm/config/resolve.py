@@ -49,6 +49,7 @@ _PARALLEL_SUBJECTS = {
     "sequence_parallel": "sequence parallelism",
     "overlap_param_gather": "overlap_param_gather",
     "fsdp": "FSDP",
+    "fp8_all_gather": "the float8 all-gather",
     "distributed_optimizer": "the distributed optimizer",
 }
 

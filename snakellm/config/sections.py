@@ -430,6 +430,13 @@ class ParallelSettings:
         "(PyTorch FSDP2, ZeRO-3: each layer's weights gathered just before it runs; 16 bytes a parameter "
         "become 16 / dp); checkpoints keep their layout",
     )
+    fp8_all_gather: bool = setting(
+        False,
+        "with fsdp and precision fp8 (tensorwise): FSDP all-gathers the block linears' weights in float8, each "
+        "rank casting its own fp32 shard with scales from one all-reduce of the weights' amaxes after each step "
+        "(torchao's float8 all-gather, as torchtitan's enable_fsdp_float8_all_gather): half the gathered bytes, "
+        "and no cast of every whole weight in each forward and backward",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

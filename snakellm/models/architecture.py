@@ -195,6 +195,11 @@ def parallel_conflict(par: dict[str, Any], name: Callable[[str], str] = str) -> 
             f"shards every weight of a full fine-tune: it needs {name('method')} full (got {method}, which trains "
             f"a small module over a frozen base: one GPU holds it at 8B; drop {name('fsdp')})",
         )
+    if par.get("fp8_all_gather") and not par.get("fsdp"):
+        return (
+            "fp8_all_gather",
+            f"casts each FSDP shard to float8 before FSDP's all-gather: it needs {name('fsdp')}",
+        )
     if par.get("fsdp") and pp > 1:
         return "fsdp", f"shards over the data-parallel ranks of one pipeline stage: it needs {name('pp')} 1 (got {pp})"
     if distopt and vpp > 1:

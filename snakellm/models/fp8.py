@@ -261,6 +261,74 @@ def _frozen_matmul() -> Any:
     return _FROZEN
 
 
+# ----------------------------------------------------------------------------- FSDP's float8 all-gather
+
+
+def all_gather_conflict(fp8_all_gather: bool, precision: str, recipe: str) -> str | None:
+    """Why ``parallel.fp8_all_gather`` cannot run with this precision and recipe (None: it can)."""
+    if not fp8_all_gather:
+        return None
+    if precision != "fp8":
+        return f"gathers float8 weights: it needs precision fp8 (got {precision})"
+    if recipe != "tensorwise":
+        return f"casts each shard with one scale per weight: it needs fp8_recipe tensorwise (got {recipe})"
+    return None
+
+
+def float8_all_gather(module: Any) -> int:
+    """Let FSDP2 all-gather the converted block linears' weights in float8 (before ``fully_shard``; in place).
+
+    Each weight becomes torchao's ``WeightWithDynamicFloat8CastTensor`` around the same (fp32 master) tensor:
+    FSDP's pre-all-gather hook casts the rank's shard with the weight's scale and gathers the float8 bytes, and
+    the linear receives a ``Float8TrainingTensor``, which torchao's matmul takes as it is, forward and backward
+    (tensorwise: one scale serves both). Megatron-core's attributes of each parameter are kept. Returns how
+    many weights were wrapped.
+    """
+    import torch
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    n = 0
+    for _, lin in block_linears(module):
+        impl = getattr(lin, "_forward_impl", None)
+        if not isinstance(impl, Float8Matmul):
+            continue
+        old = lin.weight
+        target = impl.config.cast_config_weight.target_dtype
+        new = torch.nn.Parameter(
+            WeightWithDynamicFloat8CastTensor(old.data, impl.mm_config, target), requires_grad=old.requires_grad
+        )
+        new.__dict__.update(old.__dict__)  # tensor_model_parallel, partition_dim, ...
+        lin.weight = new
+        n += 1
+    return n
+
+
+def precompute_all_gather_scales(module: Any) -> None:
+    """Every float8-gathered weight's scale from its amax over all shards, in one all-reduce (after each
+    optimizer step and each load; torchao's ``precompute_float8_dynamic_scale_for_fsdp`` does the same for
+    its own ``Float8Linear`` modules only). Without it each gather would all-reduce its own amax."""
+    import math
+
+    import torch
+    from torchao.float8.float8_utils import EPS
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    weights = [
+        lin.weight
+        for _, lin in block_linears(module)
+        if isinstance(getattr(lin.weight, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)
+    ]
+    if not weights:
+        return
+    with torch.no_grad():
+        amax = torch.clamp(torch.stack(torch._foreach_norm(weights, ord=math.inf)), EPS)  # one all-reduce
+        fmax = torch.finfo(weights[0]._local_tensor._dtype).max
+        scale: Any = fmax / amax.to(torch.float64)  # a replicated DTensor, as torchao's amax_to_scale
+        scales = scale.to_local().to(torch.float32)
+    for w, scale in zip(weights, scales, strict=True):
+        w._local_tensor._precomputed_scale = scale
+
+
 def _torchao() -> tuple[Any, Any, Any]:
     """torchao's float8 pieces, imported quietly (its C++ extensions for other recipes log when they cannot load)."""
     quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]

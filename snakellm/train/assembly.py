@@ -64,6 +64,7 @@ class Optim:
     clip_grad: float = 1.0
     distributed: bool = False  # Adam states sharded over the data-parallel ranks
     fsdp: bool = False  # parameters, gradients and Adam states sharded (FSDP2; snakellm.train.fsdp)
+    fp8_all_gather: bool = False  # fsdp + fp8: the block linears' weights all-gathered in float8
     overlap_param_gather: bool = False  # distributed: all-gather each bucket before the next forward uses it
 
 
@@ -378,7 +379,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         if {id(p) for p in parts.module.parameters()} != {id(p) for p in parts.gpt.parameters()}:
             raise JobError("FSDP shards a GPTModel whose every weight trains (a full fine-tune, pretraining)")
         # the GPTModel (a full fine-tune's module only wraps it): FSDP's units are its layers
-        sharded = fsdp.shard(parts.gpt, bf16=s.bf16, cuda=s.cuda)
+        sharded = fsdp.shard(parts.gpt, bf16=s.bf16, cuda=s.cuda, fp8_all_gather=o.fp8_all_gather)
         # checkpoints hold this rank's slices, in the layout of every other run
         parts.state, parts.load_state = sharded.sharded_state, sharded.load_state
         parts.whole_state = sharded.whole_state
@@ -386,6 +387,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         s.log(
             f"FSDP: rank {s.dist.rank} holds {fopt.numel:,} of {sum(p.numel() for p in fopt.params):,} parameters "
             f"(fp32), their gradients and Adam states"
+            + ("; the float8 block linears' weights are all-gathered in float8" if o.fp8_all_gather else "")
         )
         return sharded, fopt, sched
     ddp_cfg = DistributedDataParallelConfig(

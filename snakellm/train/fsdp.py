@@ -46,11 +46,18 @@ class FSDPModel:
     """What the trainer, the validator and the optimizer need of a model, over an FSDP2-sharded GPTModel."""
 
     def __init__(
-        self, module: torch.nn.Module, *, template: dict[str, Any], info: dict[str, dict[str, Any]], bf16: bool
+        self,
+        module: torch.nn.Module,
+        *,
+        template: dict[str, Any],
+        info: dict[str, dict[str, Any]],
+        bf16: bool,
+        fp8_all_gather: bool = False,
     ):
         from megatron.core import parallel_state as ps
 
         self.module = module
+        self.fp8_all_gather = fp8_all_gather  # the block linears' weights gathered in float8 (their scales kept)
         self.template = template  # the model's sharded state dict before sharding (keys, TP layout)
         self.info = info  # parameter name -> what FSDP's parameters lost: tp_duplicate, sequence_parallel, entry
         self.bf16 = bf16
@@ -104,7 +111,15 @@ class FSDPModel:
                 g.copy_(synced)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
-        """Nothing to gather after a step: FSDP gathers each unit's weights when it runs."""
+        """Nothing to gather after a step: FSDP gathers each unit's weights when it runs (in float8: with the
+        scales of the updated weights, computed here)."""
+        self.refresh_fp8_scales()
+
+    def refresh_fp8_scales(self) -> None:
+        if self.fp8_all_gather:
+            from snakellm.models import fp8
+
+            fp8.precompute_all_gather_scales(self.module)
 
     # checkpoints: the model part, in the layout of every other run
 
@@ -160,7 +175,7 @@ class FSDPModel:
         self.reshard()
         out: dict[str, Any] = {}
         for name, p in self.module.named_parameters():
-            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            whole = _full(p)
             whole = whole.detach().to(torch.bfloat16 if self.bf16 else whole.dtype).cpu()
             out[name] = replace(self.info[name]["entry"], data=whole)
         for key, entry in self.template["others"].items():
@@ -175,6 +190,7 @@ class FSDPModel:
                 local = _local(params[name]).reshape(-1)
                 for j, (a, b) in enumerate(ranges):
                     local[a:b].copy_(loaded[name][j].reshape(-1))
+        self.refresh_fp8_scales()
 
     def digest(self) -> str:
         """sha256 of the whole model (every rank's slices, gathered): one value on every rank."""
@@ -189,12 +205,28 @@ class FSDPModel:
 
 
 def _local(t: Any) -> Any:
-    """The local tensor of a DTensor (FSDP's sharded parameters and gradients), or the tensor itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    """The local tensor of a DTensor (FSDP's sharded parameters and gradients), or the tensor itself; under
+    the float8 all-gather, the fp32 master inside torchao's wrapper (the optimizer and checkpoints see it)."""
+    t = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return t._tensor if type(t).__name__ == "WeightWithDynamicFloat8CastTensor" else t
 
 
-def shard(module: torch.nn.Module, *, bf16: bool, cuda: bool, reshard_after_forward: bool = True) -> FSDPModel:
-    """Shard ``module`` (a megatron-core GPTModel, the same weights on every data-parallel rank) with FSDP2."""
+def _full(p: Any) -> Any:
+    """The whole parameter (its shards gathered; collective), as a plain tensor."""
+    if not hasattr(p, "full_tensor"):
+        return p
+    if _local(p) is p._local_tensor:
+        return p.full_tensor()
+    from torch.distributed.tensor import DTensor  # torchao's float8 wrapper: gather the fp32 masters inside it
+
+    return DTensor.from_local(_local(p), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+
+
+def shard(
+    module: torch.nn.Module, *, bf16: bool, cuda: bool, reshard_after_forward: bool = True, fp8_all_gather: bool = False
+) -> FSDPModel:
+    """Shard ``module`` (a megatron-core GPTModel, the same weights on every data-parallel rank) with FSDP2;
+    ``fp8_all_gather``: its float8 block linears' weights are gathered in float8 (:func:`fp8.float8_all_gather`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from torch.distributed.device_mesh import DeviceMesh
@@ -227,6 +259,11 @@ def shard(module: torch.nn.Module, *, bf16: bool, cuda: bool, reshard_after_forw
     if bf16:
         # the sharded parameters are the fp32 masters; FSDP casts the gathered copies to bf16 for compute
         module.float()
+    if fp8_all_gather:
+        from snakellm.models import fp8
+
+        if not fp8.float8_all_gather(module):
+            raise fp8.FP8Error("fp8_all_gather (--fp8-all-gather): the model has no float8 block linears")
     mesh = DeviceMesh.from_group(dp_group, "cuda" if cuda else "cpu")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kw: dict[str, Any] = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
@@ -239,7 +276,9 @@ def shard(module: torch.nn.Module, *, bf16: bool, cuda: bool, reshard_after_forw
         fully_shard(gpt.embedding, **kw)
         fully_shard(gpt.output_layer, reshard_after_forward=False, **kw)
     fully_shard(module, **kw)  # the rest (final norm; tied embeddings)
-    return FSDPModel(module, template={"others": others}, info=info, bf16=bf16)
+    model = FSDPModel(module, template={"others": others}, info=info, bf16=bf16, fp8_all_gather=fp8_all_gather)
+    model.refresh_fp8_scales()
+    return model
 
 
 class _FSDPShard:
@@ -291,3 +330,20 @@ class FSDPAdamW(DistributedAdamW):
 
     def _id_map(self, model_sharded_state_dict: dict) -> dict[int, Any]:
         return {i: self.model.info[n]["entry"] for i, n in enumerate(self.names)}
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        out = super().sharded_state_dict(model_sharded_state_dict, is_loading)
+        if is_loading and self.has_masters:
+            # FSDP's sharded parameters are the fp32 masters themselves, and the model's bf16 part is put into
+            # them before the optimizer's: loaded in place, the saved masters would be overwritten by their bf16
+            # rounding (a bf16 FSDP run resumed with rounded masters: its losses parted from the second step)
+            for group in out["fp32_from_fp16_params"].values():
+                for blocks in group.values():
+                    for j, entry in blocks.items():
+                        blocks[j] = replace(entry, data=torch.empty_like(entry.data))
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        # the fp32 masters replaced the model's bf16 weights: the float8 scales follow them
+        self.model.refresh_fp8_scales()

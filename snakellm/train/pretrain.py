@@ -70,6 +70,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
             clip_grad=t.clip_grad,
             distributed=par.distributed_optimizer,
             fsdp=par.fsdp,
+            fp8_all_gather=par.fp8_all_gather,
             overlap_param_gather=par.overlap_param_gather,
         ),
         tp=par.tp,

@@ -115,6 +115,9 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     models.check_parallel(model, par.tp, par.pp, par.virtual_pp)
     models.check_recompute(model, par.pp, par.virtual_pp, par.recompute, par.recompute_method, par.recompute_num_layers)
     fp8.check_request(t.precision, args.device, model, par.tp)
+    why = fp8.all_gather_conflict(par.fp8_all_gather, t.precision, t.fp8_recipe)
+    if why:
+        raise RequestError(f"--fp8-all-gather {why}")
     flags = {f.name: option(f) for f in dataclasses.fields(ParallelSettings)}
     conflict = models.parallel_conflict(vars(par), flags.__getitem__)
     if conflict:
@@ -199,6 +202,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
             (f"{par.virtual_pp} virtual pipeline stages", par.virtual_pp > 1),
             (f"recompute {par.recompute}", par.recompute != "none"),
             ("FSDP", par.fsdp),
+            ("float8 all-gather", par.fp8_all_gather),
         )
         if on
     ]
