@@ -301,7 +301,7 @@ class Decoder:
         if last_only:
             x = x[:, -1:]
         x = self._norm(x, self.final_w, self.final_b)
-        return F.linear(x, self.out[: self.vocab_size]).float()
+        return F.linear(x, self.out)[..., : self.vocab_size].float()  # aligned rows for cuBLAS (the engine's _head)
 
 
 # ----------------------------------------------------------------------------- sampling

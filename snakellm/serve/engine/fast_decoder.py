@@ -183,7 +183,9 @@ class FastDecoder:
 
         dec = self.dec
         x = dec._norm(x, dec.final_w, dec.final_b)
-        return F.linear(x, dec.out[: self.vocab]).float()
+        # the whole (padded) output matrix, then the vocabulary's columns: logits of an odd row length (GPT-2's
+        # 50,257) leave cuBLAS only unaligned kernels (a 0.52 ms step of 32 rows at 8B on an H200 against 0.11)
+        return F.linear(x, dec.out)[..., : self.vocab].float()
 
     # ------------------------------------------------------------------ prefill
 
