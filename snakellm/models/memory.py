@@ -392,8 +392,9 @@ def finetune_estimate(
     ``full`` is pretraining's accounting (``fsdp``: sharded as there); ``lora`` and ``ptuning`` freeze the base: its weights are held
     (16-bit) but have no gradient buffer, master weights or Adam states (tests/test_lora.py checks that
     of the real optimizer); those exist for the adapters only. Activations are counted as for full
-    training (an upper bound: a frozen linear need not keep its input, but the adapters and the
-    backward pass through the base keep most of them).
+    training (a frozen linear need not keep its input, but the adapters and the backward pass through the
+    base keep most of them). At 8B, compiled LoRA on all four linears (4 H200s) peaked 2.7-3.3% above this
+    estimate (tp 1 and 4, micro batch 1-8), inside the headroom of :func:`fits`.
     """
     import dataclasses
 

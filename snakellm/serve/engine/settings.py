@@ -38,5 +38,7 @@ class EngineSettings:
         "9.3 vs 6.0 at 32)",
     )
     compile: bool = setting(
-        False, "torch.compile the decode step before capturing it (fuses the small kernels; slower start)"
+        False,
+        "torch.compile the decode step before capturing it (slower start; at 8B on an H200 it measured slower "
+        "than the default step: docs/benchmarks.md)",
     )
