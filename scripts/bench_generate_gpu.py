@@ -230,7 +230,9 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
                 eos_token_id=None,
             )
 
-    times["transformers"], out = best_time(run_hf, max(1, a.repeats - 1), a.device)
+    # as many timed runs as the engine, best of them: its `generate` is bound by the host issuing kernels and varied
+    # 868-1,228 tokens/s at 8B, batch 32, in three runs on one H100 machine
+    times["transformers"], out = best_time(run_hf, a.repeats, a.device)
     ids["transformers"] = out[:, a.prompt_len :].tolist()
     for k, v in times.items():
         r[f"{k}_tokens_per_s"] = b * a.new_tokens / v
