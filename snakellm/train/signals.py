@@ -18,6 +18,38 @@ from typing import Any
 EXIT_STOPPED = 75
 
 
+_forked_by: list[int] = []  # the pid of the process that forks, set just before each fork
+
+
+def children_die_with_this_process() -> None:
+    """Every process forked from now on (``os.fork``, multiprocessing's fork context) is SIGKILLed when the
+    process that forked it ends (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing changes).
+
+    A second signal ends the trainer at once, possibly in the middle of a save, whose writer processes
+    dist-checkpointing forks. Such a writer, orphaned, was no longer a descendant of the job step's process, so
+    Slurm's process tracking (``proctrack/linuxproc``) did not find it. It waited forever on a queue nobody read,
+    and Slurm drained the node ("Kill task failed"). Once per process; children started by ``subprocess``
+    (fork and exec, no Python hooks) are not affected.
+    """
+    if _forked_by or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+
+    def record() -> None:
+        _forked_by[:] = [os.getpid()]
+
+    def in_child() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != _forked_by[0]:  # the parent ended before the request took effect
+            os._exit(128 + signal.SIGKILL)
+
+    _forked_by.append(os.getpid())
+    os.register_at_fork(before=record, after_in_child=in_child)
+
+
 class StopPolicy:
     """Signals and a wall-clock budget, checked between steps (never inside one)."""
 
@@ -43,6 +75,7 @@ class StopPolicy:
 
     def install(self) -> None:
         """From the first training step on; before it a signal simply ends the process (nothing to save)."""
+        children_die_with_this_process()
         for sig in self.SIGNALS:
             signal.signal(sig, self._handler)
 
