@@ -156,6 +156,24 @@ CASES = {
             timeout=200,
         ),
         Case(
+            "llama8k-fsdp-rc8-compile-bf16rs",
+            "llama3-8b",
+            8192,
+            [*FSDP1, "--compile", *RC8, "--grad-reduce-dtype", "bf16"],
+            "llama8k-fsdp-rc8-compile with the gradients reduce-scattered in bf16 (NeMo's performance recipes' "
+            "grad_reduce_in_fp32 false; accumulated into the fp32 shards): the bf16 side of issue 30's bar in that "
+            "setting",
+            timeout=200,
+        ),
+        Case(
+            "llama8k-fsdp-rc8-fp8ag-compile-bf16rs",
+            "llama3-8b",
+            8192,
+            [*FSDP1, "--compile", *RC8, "--precision", "fp8", "--fp8-all-gather", "--grad-reduce-dtype", "bf16"],
+            "llama8k-fsdp-rc8-fp8ag-compile with the gradients reduce-scattered in bf16 (its FP8 side)",
+            timeout=200,
+        ),
+        Case(
             "llama2k-fsdp",
             "llama3-8b",
             2048,
@@ -420,7 +438,41 @@ def table(results: list[dict], args) -> str:
         else:
             why = "OOM" if str(r.get("error", "")).startswith("OUT OF MEMORY") else f"rc={r.get('rc')}"
             rows.append(f"{r['case']:28s} {r['model']:10s} {r['seq']:>5d} {'failed':>10s} {why:>6s}  {layout}")
+    ratios = fp8_ratios(results)
+    if ratios:
+        rows += ["FP8 against bf16 in the same layout, this run:", *("  " + x for x in ratios)]
     return "\n".join(rows)
+
+
+FP8_FLAGS = {"--precision": 2, "--fp8-recipe": 2, "--fp8-all-gather": 1, "--profile-steps": 2}
+
+
+def bf16_flags(flags: list[str]) -> list[str]:
+    """A case's flags without its FP8 settings (and profiling): the layout of its bf16 counterpart."""
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] in FP8_FLAGS:
+            i += FP8_FLAGS[flags[i]]
+            continue
+        out.append(flags[i])
+        i += 1
+    return out
+
+
+def fp8_ratios(results: list[dict]) -> list[str]:
+    """Each measured FP8 case against the bf16 case of the same layout in this run (issue 30's bar: 1.25x)."""
+    done = [r for r in results if r.get("tokens_per_s_per_gpu")]
+    rows = []
+    for r in done:
+        if "fp8" not in r["flags"]:
+            continue
+        base = [b for b in done if "fp8" not in b["flags"] and b["model"] == r["model"] and b["seq"] == r["seq"]]
+        base = [b for b in base if bf16_flags(b["flags"]) == bf16_flags(r["flags"])]
+        if base:
+            x = r["tokens_per_s_per_gpu"] / base[0]["tokens_per_s_per_gpu"]
+            verdict = "PASS" if x >= 1.25 else "FAIL"
+            rows.append(f"{r['case']} / {base[0]['case']}: {x:.3f}x (bar 1.25x: {verdict})")
+    return rows
 
 
 def parse_case(text: str) -> Case:

@@ -122,3 +122,69 @@ def test_fsdp_memory_is_16_bytes_a_parameter_over_dp_plus_the_gathered_units():
         distributed_optimizer=False, fsdp=True,
     )  # fmt: skip
     assert "FSDP" in fs[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [("--fsdp",), ()], ids=["fsdp", "megatron-ddp"])
+def test_gradients_reduced_in_bf16_train_as_fp32_reductions_do_within_bf16_rounding(tmp_path, layout):
+    """``--grad-reduce-dtype bf16`` (NeMo's performance recipes' grad_reduce_in_fp32 false) on 2 ranks, bf16
+    weights: FSDP reduce-scatters bf16 gradients into its fp32 shards, megatron-core DDP keeps bf16 gradient
+    buffers. The first step's loss is the fp32 reduction's (the same forward), later ones part by bf16's
+    rounding only: within 1% over 6 steps, and not equal (the setting took effect)."""
+    make_blend(tmp_path)
+    bf16 = ["--preset", "tiny-llama", "--steps", "6", "--save-interval", "6", "--precision", "bf16"]
+    bf16 += ["--device", "cpu", *layout]
+    train(tmp_path, "fp32-reduce", 2, *bf16)
+    proc = train(tmp_path, "bf16-reduce", 2, *bf16, "--grad-reduce-dtype", "bf16")
+    if layout:
+        assert "gradients are reduce-scattered in bf16" in proc.stderr
+    fp32, half = records(tmp_path, "fp32-reduce"), records(tmp_path, "bf16-reduce")
+    assert half[1]["loss"] == fp32[1]["loss"]
+    assert_close(half, fp32, loss_rtol=1e-2, norm_rtol=5e-2)
+    assert [half[s]["loss"] for s in (4, 5, 6)] != [fp32[s]["loss"] for s in (4, 5, 6)]
+
+
+def test_gradients_reduced_in_bf16_are_refused_with_fp32_weights_naming_the_setting(tmp_path):
+    from snakellm.steps.train import build_parser
+    from snakellm.train.request import RequestError, make_request
+
+    args = build_parser().parse_args(
+        ["--blend", "x.json", "--run-dir", str(tmp_path), "--steps", "1", "--micro-batch-size", "1"]
+        + ["--global-batch-size", "1", "--preset", "tiny", "--precision", "fp32", "--grad-reduce-dtype", "bf16"]
+    )
+    with pytest.raises(RequestError, match=r"--grad-reduce-dtype bf16 .*needs precision bf16 or fp8 \(got fp32\)"):
+        make_request(args, env={})
+
+
+def test_gradients_reduced_in_bf16_are_refused_with_fp32_weights_by_finetune_and_the_config_check(tmp_path, capsys):
+    from snakellm.config.checks import check_grad_reduce
+    from snakellm.errors import ConfigError
+    from snakellm.steps.finetune import main
+
+    argv = ["--base", str(tmp_path / "nothing"), "--data-dir", str(tmp_path), "--out-dir", str(tmp_path / "ft")]
+    assert main([*argv, "--method", "full", "--steps", "2", "--precision", "fp32", "--grad-reduce-dtype", "bf16"]) == 2
+    assert "--grad-reduce-dtype bf16 reduces the gradients of bf16 weights in bf16" in capsys.readouterr().err
+    job = {"parallel": {"grad_reduce_dtype": "bf16"}, "train": {"precision": "fp32"}}
+    for section in ("runs", "finetune"):
+        with pytest.raises(
+            ConfigError, match=rf"config key {section}.j.parallel.grad_reduce_dtype: bf16 .*\(got fp32\)"
+        ):
+            check_grad_reduce({section: {"j": job}})
+    check_grad_reduce({"runs": {"j": {**job, "train": {"precision": "bf16"}}}})
+
+
+def test_megatron_ddp_gradient_buffers_halve_with_bf16_reductions():
+    from snakellm import models
+    from snakellm.models import memory
+
+    cfg = models.resolve("llama-1b", {})
+    n = models.param_count(cfg, 50304)
+    fp32 = memory.estimate(cfg, 50304, micro_batch_size=1)
+    half = memory.estimate(cfg, 50304, micro_batch_size=1, grad_reduce_in_fp32=False)
+    assert (fp32.grads, half.grads) == (n * 4, n * 2)
+    kw = dict(tp=1, pp=1, dp=1, micro_batch_size=1, num_micro_batches=1, sequence_parallel=False)
+    reports = [
+        memory.report(cfg, 50304, **kw, distributed_optimizer=False, grad_reduce_in_fp32=f) for f in (True, False)
+    ]
+    grads = [next(ln for ln in lines if ln.strip().startswith("gradients")) for lines in reports]
+    assert [g.split()[1] for g in grads] == [f"{n * 4 / 2**30:.2f}", f"{n * 2 / 2**30:.2f}"]

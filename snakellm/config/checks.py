@@ -247,6 +247,18 @@ def check_fp8(config: dict[str, Any], run_models: dict[str, dict[str, Any]]) -> 
             raise ConfigError(f"config key runs.{name}.parallel.fp8_all_gather: the float8 all-gather {why}")
 
 
+def check_grad_reduce(config: dict[str, Any]) -> None:
+    """A run or fine-tune with ``parallel.grad_reduce_dtype: bf16`` trains bf16 weights (precision bf16 or fp8)."""
+    from snakellm.models import grad_reduce_conflict
+
+    for section in ("runs", "finetune"):
+        for name, job in config.get(section, {}).items():
+            dtype = job.get("parallel", {}).get("grad_reduce_dtype", "fp32")
+            why = grad_reduce_conflict(dtype, job.get("train", {}).get("precision", "auto"))
+            if why:
+                raise ConfigError(f"config key {section}.{name}.parallel.grad_reduce_dtype: {dtype} {why}")
+
+
 def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Every cross-field check, in the order a reader meets the sections; returns each run's architecture.
 
@@ -259,6 +271,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
     check_finetunes(config)
     check_resources(config, env)
     check_fp8(config, run_models)
+    check_grad_reduce(config)
     check_export_nemo(config)
     check_imports(config)
     check_hf_exports(config, run_models)

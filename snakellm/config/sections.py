@@ -368,6 +368,15 @@ class TrainSettings(ResumeSettings):
     )
 
 
+# pretraining's and fine-tuning's parallel.grad_reduce_dtype
+GRAD_REDUCE_HELP = (
+    "the dtype the data-parallel gradient reduction of bf16 (and fp8) training communicates in: fp32 (megatron-core's "
+    "grad_reduce_in_fp32, torchtitan's default) or bf16 (half the bytes, as NeMo's performance recipes set it). "
+    "With fsdp the reduced gradients still accumulate into fp32 shards; megatron-core DDP keeps bf16 gradient "
+    "buffers, so its micro-batches also accumulate in bf16. Needs precision bf16 or fp8"
+)
+
+
 @dataclass(frozen=True)
 class ParallelSettings:
     """``runs.<name>.parallel``: how the ranks split the model and the work."""
@@ -437,6 +446,7 @@ class ParallelSettings:
         "(torchao's float8 all-gather, as torchtitan's enable_fsdp_float8_all_gather): half the gathered bytes, "
         "and no cast of every whole weight in each forward and backward",
     )
+    grad_reduce_dtype: str = setting("fp32", GRAD_REDUCE_HELP, choices=("fp32", "bf16"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -650,6 +660,7 @@ class FinetuneParallelSettings:
     compile: bool = setting(
         False, "torch.compile each transformer layer, adapters included (GPU; as pretraining's parallel.compile)"
     )
+    grad_reduce_dtype: str = setting("fp32", GRAD_REDUCE_HELP, choices=("fp32", "bf16"))
     threads: int = setting(2, "CPU threads of the job", cli=False)
 
 

@@ -60,12 +60,15 @@ def check_parallel(a: argparse.Namespace) -> None:
 
     from snakellm.config.sections import FinetuneParallelSettings, FinetuneSettings
     from snakellm.config.settings import option
-    from snakellm.models import parallel_conflict
+    from snakellm.models import grad_reduce_conflict, parallel_conflict
 
     flags = {f.name: option(f) for cls in (FinetuneSettings, FinetuneParallelSettings) for f in fields(cls)}
     conflict = parallel_conflict({"tp": a.tp, "fsdp": a.fsdp, "method": a.method}, flags.__getitem__)
     if conflict:
         raise assembly.JobError(f"{flags[conflict[0]]} {conflict[1]}")
+    why = grad_reduce_conflict(a.grad_reduce_dtype, a.precision)
+    if why:
+        raise assembly.JobError(f"--grad-reduce-dtype {a.grad_reduce_dtype} {why}")
 
 
 def job_of(a: argparse.Namespace) -> assembly.Job:
@@ -89,6 +92,7 @@ def job_of(a: argparse.Namespace) -> assembly.Job:
             betas=(a.adam_beta1, a.adam_beta2),
             clip_grad=a.clip_grad,
             fsdp=a.fsdp,
+            grad_reduce_bf16=a.grad_reduce_dtype == "bf16",
         ),
         tp=a.tp,
         threads=a.threads,

@@ -166,6 +166,14 @@ def check_pipeline_batches(pp: int, virtual_pp: int, num_micro: int) -> str | No
     return None
 
 
+def grad_reduce_conflict(grad_reduce_dtype: str, precision: str) -> str | None:
+    """Why ``parallel.grad_reduce_dtype`` cannot run with this precision (None: it can; ``auto`` is checked
+    again once the job knows its device)."""
+    if grad_reduce_dtype == "bf16" and precision == "fp32":
+        return "reduces the gradients of bf16 weights in bf16: it needs precision bf16 or fp8 (got fp32)"
+    return None
+
+
 def parallel_conflict(par: dict[str, Any], name: Callable[[str], str] = str) -> tuple[str, str] | None:
     """The first parallelism settings of ``par`` that cannot go together: (the setting at fault, why), the
     other settings in the reason named by ``name`` (a config key, or the step's flag); None: none.

@@ -190,7 +190,8 @@ def estimate(
     ``fsdp`` (snakellm.train.fsdp): every rank keeps ``1 / dp`` of the fp32 parameters (the masters), their
     fp32 gradients and Adam moments (16 bytes a parameter over dp), plus the 16-bit copies of the units
     gathered at a time: two layers (the one running and the next, prefetched) and the output layer,
-    and one unit's 16-bit gradients with their fp32 copy for the reduce-scatter.
+    and one unit's 16-bit gradients with their copy for the reduce-scatter (fp32 unless ``grad_reduce_in_fp32``
+    is off: parallel.grad_reduce_dtype bf16, which also makes megatron-core DDP's gradient buffers bf16).
     """
     L, h = arch["num_layers"], arch["hidden_size"]
     if L % (pp * virtual_pp):
@@ -279,7 +280,8 @@ def _state_bytes(
     if fsdp:
         unit = max(layer, head)  # the largest unit gathered at a time
         gathered = (2 * layer + head) * e if bf16 else 0.0
-        return params * 4 / dp + gathered, params * 4 / dp + unit * (e + 4), params * 8 / dp
+        reduced = 4 if grad_reduce_in_fp32 or not bf16 else e  # the reduce-scatter's input, in the reduce dtype
+        return params * 4 / dp + gathered, params * 4 / dp + unit * (e + reduced), params * 8 / dp
     weights = params * e
     grads = params * (4 if grad_reduce_in_fp32 or not bf16 else 2)
     opt_states = params * (12 if bf16 else 8)  # fp32 master + exp_avg + exp_avg_sq (no master in fp32)
@@ -304,6 +306,7 @@ def report(
     recompute_num_layers: int = 1,
     virtual_pp: int = 1,
     fsdp: bool = False,
+    grad_reduce_in_fp32: bool = True,
 ) -> list[str]:
     """The memory table of a run as configured, and what the options it leaves off would save.
 
@@ -327,6 +330,7 @@ def report(
             recompute_num_layers=recompute_num_layers,
             virtual_pp=virtual_pp,
             fsdp=sharded,
+            grad_reduce_in_fp32=grad_reduce_in_fp32,
         )
 
     out = est(sequence_parallel, distributed_optimizer).lines(gpu_gib)

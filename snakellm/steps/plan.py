@@ -353,6 +353,7 @@ def run_plan(
             recompute_num_layers=int(recompute[2]),
             virtual_pp=vpp,
             fsdp=bool(par.get("fsdp", False)),
+            grad_reduce_in_fp32=par.get("grad_reduce_dtype", "fp32") == "fp32",
         )
     ]
     return out

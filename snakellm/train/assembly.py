@@ -65,6 +65,7 @@ class Optim:
     distributed: bool = False  # Adam states sharded over the data-parallel ranks
     fsdp: bool = False  # parameters, gradients and Adam states sharded (FSDP2; snakellm.train.fsdp)
     fp8_all_gather: bool = False  # fsdp + fp8: the block linears' weights all-gathered in float8
+    grad_reduce_bf16: bool = False  # data-parallel gradients reduced in bf16 (parallel.grad_reduce_dtype)
     overlap_param_gather: bool = False  # distributed: all-gather each bucket before the next forward uses it
 
 
@@ -367,19 +368,25 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    from snakellm.models import grad_reduce_conflict
     from snakellm.train.optim import DistributedAdamW, MixedPrecisionAdamW
     from snakellm.train.schedule import CosineSchedule
 
     o = job.optim
     adamw: dict[str, Any] = dict(lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps, clip_grad=o.clip_grad)
     sched = CosineSchedule(o.lr, o.min_lr, o.warmup_steps, o.decay_steps, o.decay_style)
+    why = grad_reduce_conflict("bf16" if o.grad_reduce_bf16 else "fp32", s.precision)
+    if why:  # precision auto, resolved to fp32 on this device
+        raise JobError(f"--grad-reduce-dtype bf16 {why}")
     if o.fsdp:
         from snakellm.train import fsdp
 
         if {id(p) for p in parts.module.parameters()} != {id(p) for p in parts.gpt.parameters()}:
             raise JobError("FSDP shards a GPTModel whose every weight trains (a full fine-tune, pretraining)")
         # the GPTModel (a full fine-tune's module only wraps it): FSDP's units are its layers
-        sharded = fsdp.shard(parts.gpt, bf16=s.bf16, cuda=s.cuda, fp8_all_gather=o.fp8_all_gather)
+        sharded = fsdp.shard(
+            parts.gpt, bf16=s.bf16, cuda=s.cuda, fp8_all_gather=o.fp8_all_gather, reduce_bf16=o.grad_reduce_bf16
+        )
         # checkpoints hold this rank's slices, in the layout of every other run
         parts.state, parts.load_state = sharded.sharded_state, sharded.load_state
         parts.whole_state = sharded.whole_state
@@ -388,10 +395,11 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
             f"FSDP: rank {s.dist.rank} holds {fopt.numel:,} of {sum(p.numel() for p in fopt.params):,} parameters "
             f"(fp32), their gradients and Adam states"
             + ("; the float8 block linears' weights are all-gathered in float8" if o.fp8_all_gather else "")
+            + ("; gradients are reduce-scattered in bf16" if o.grad_reduce_bf16 else "")
         )
         return sharded, fopt, sched
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=not o.grad_reduce_bf16,
         overlap_grad_reduce=job.overlap_grad_reduce and s.cuda and s.dp > 1,
         use_distributed_optimizer=o.distributed,
         overlap_param_gather=o.distributed and o.overlap_param_gather and s.dp > 1,

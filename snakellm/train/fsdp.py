@@ -223,10 +223,17 @@ def _full(p: Any) -> Any:
 
 
 def shard(
-    module: torch.nn.Module, *, bf16: bool, cuda: bool, reshard_after_forward: bool = True, fp8_all_gather: bool = False
+    module: torch.nn.Module,
+    *,
+    bf16: bool,
+    cuda: bool,
+    reshard_after_forward: bool = True,
+    fp8_all_gather: bool = False,
+    reduce_bf16: bool = False,
 ) -> FSDPModel:
     """Shard ``module`` (a megatron-core GPTModel, the same weights on every data-parallel rank) with FSDP2;
-    ``fp8_all_gather``: its float8 block linears' weights are gathered in float8 (:func:`fp8.float8_all_gather`)."""
+    ``fp8_all_gather``: its float8 block linears' weights are gathered in float8 (:func:`fp8.float8_all_gather`);
+    ``reduce_bf16``: gradients are reduce-scattered in bf16 (FSDP then accumulates them into the fp32 shards)."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from torch.distributed.device_mesh import DeviceMesh
@@ -265,7 +272,8 @@ def shard(
         if not fp8.float8_all_gather(module):
             raise fp8.FP8Error("fp8_all_gather (--fp8-all-gather): the model has no float8 block linears")
     mesh = DeviceMesh.from_group(dp_group, "cuda" if cuda else "cpu")
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    reduce = torch.bfloat16 if reduce_bf16 else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if bf16 else None
     kw: dict[str, Any] = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
     gpt: Any = module
     layers = list(gpt.decoder.layers)

@@ -71,6 +71,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
             distributed=par.distributed_optimizer,
             fsdp=par.fsdp,
             fp8_all_gather=par.fp8_all_gather,
+            grad_reduce_bf16=par.grad_reduce_dtype == "bf16",
             overlap_param_gather=par.overlap_param_gather,
         ),
         tp=par.tp,

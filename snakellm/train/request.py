@@ -118,6 +118,9 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     why = fp8.all_gather_conflict(par.fp8_all_gather, t.precision, t.fp8_recipe)
     if why:
         raise RequestError(f"--fp8-all-gather {why}")
+    why = models.grad_reduce_conflict(par.grad_reduce_dtype, t.precision)
+    if why:
+        raise RequestError(f"--grad-reduce-dtype {par.grad_reduce_dtype} {why}")
     flags = {f.name: option(f) for f in dataclasses.fields(ParallelSettings)}
     conflict = models.parallel_conflict(vars(par), flags.__getitem__)
     if conflict:
@@ -203,6 +206,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
             (f"recompute {par.recompute}", par.recompute != "none"),
             ("FSDP", par.fsdp),
             ("float8 all-gather", par.fp8_all_gather),
+            ("gradients reduced in bf16", par.grad_reduce_dtype == "bf16"),
         )
         if on
     ]
@@ -235,6 +239,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
                 recompute_num_layers=par.recompute_num_layers,
                 virtual_pp=par.virtual_pp,
                 fsdp=par.fsdp,
+                grad_reduce_in_fp32=par.grad_reduce_dtype == "fp32",
             )
         ),
     ]
