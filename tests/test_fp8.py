@@ -272,6 +272,34 @@ def test_the_float8_all_gather_is_refused_without_fsdp_fp8_or_tensorwise_naming_
         resolve.resolve_runs(cfg)
 
 
+def test_the_pre_all_gather_cast_is_torchaos_bit_for_bit():
+    """The float8-gathered weight's cast (``fp8.weight_cast``, compiled on CUDA) gives the bytes of torchao's
+    ``hp_tensor_and_scale_to_float8``, saturating values beyond float8's range; the patched
+    ``fsdp_pre_all_gather`` returns them with the precomputed scale, and without one defers to torchao's."""
+    import torch
+
+    fp8._torchao()  # imported quietly first (its C++ extensions for other recipes log)
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    g = torch.Generator().manual_seed(0)
+    shard = torch.randn(64, 48, generator=g) * torch.logspace(-6, 3, 48)
+    shard[0, :4] = torch.tensor([1e9, -1e9, float("inf"), -float("inf")])
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale = torch.tensor(448.0 / 7.5)
+        theirs = hp_tensor_and_scale_to_float8(shard, scale, dtype, None, GemmInputRole.WEIGHT)._data
+        assert torch.equal(fp8.weight_cast(shard, scale, dtype).view(torch.uint8), theirs.view(torch.uint8))
+    lin = torch.nn.Linear(48, 64, bias=False)
+    lin.weight.data.copy_(shard)
+    fp8._fuse_pre_all_gather_cast()
+    w = WeightWithDynamicFloat8CastTensor(lin.weight.data, None, torch.float8_e4m3fn)
+    assert w.fsdp_pre_all_gather(None)[1][0].numel() == 1  # no precomputed scale: torchao's dynamic cast
+    w._precomputed_scale = torch.tensor(2.0)
+    (data,), (scale,) = w.fsdp_pre_all_gather(None)
+    assert scale is w._precomputed_scale
+    assert torch.equal(data.view(torch.uint8), fp8.weight_cast(shard, scale, torch.float8_e4m3fn).view(torch.uint8))
+
+
 @pytest.mark.slow
 def test_shapes_checked_are_the_shapes_megatron_builds(parallel, any_device):
     from snakellm.models.build import build_model

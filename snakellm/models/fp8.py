@@ -300,7 +300,45 @@ def float8_all_gather(module: Any) -> int:
         new.__dict__.update(old.__dict__)  # tensor_model_parallel, partition_dim, ...
         lin.weight = new
         n += 1
+    if n:
+        _fuse_pre_all_gather_cast()
     return n
+
+
+def weight_cast(shard: Any, scale: Any, dtype: Any) -> Any:
+    """The float8 bytes of an fp32 weight shard at its precomputed scale: torchao's cast (``_ToFloat8ConstrFunc``:
+    ``to_fp8_saturated(tensor.float() * scale)``), the same operations in the same order."""
+    import torch
+
+    fmax = torch.finfo(dtype).max
+    return (shard.to(torch.float32) * scale).clamp(min=-fmax, max=fmax).to(dtype)
+
+
+def _fuse_pre_all_gather_cast() -> None:
+    """Run torchao's pre-all-gather cast of the float8-gathered weights as one compiled kernel on CUDA.
+
+    ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` runs in FSDP's hook, outside the compiled layers,
+    and casts each fp32 shard eagerly: a multiply, a clamp and a conversion, each a pass over the shard (at 8B
+    on 4 H200s, 504 launches of each and 89 ms of kernel time a step, on the copy-in stream beside the matrix
+    products). With a precomputed scale (always, here: :func:`precompute_all_gather_scales`) the method now
+    takes :func:`weight_cast` compiled: one read of the shard, one write of its float8 bytes, the same bytes.
+    Installed once, on torchao's class, by :func:`float8_all_gather` (the CPU runs :func:`weight_cast` uncompiled).
+    """
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
+
+    original = W.fsdp_pre_all_gather
+    if getattr(original, "_snakellm", False):
+        return
+
+    def fsdp_pre_all_gather(self: Any, mesh: Any) -> Any:
+        scale = self._precomputed_scale
+        if scale is None:
+            return original(self, mesh)
+        cast = _compiled(weight_cast) if self._tensor.is_cuda else weight_cast
+        return (cast(self._tensor, scale, self._dtype),), (scale,)
+
+    fsdp_pre_all_gather._snakellm = True  # type: ignore[attr-defined]
+    W.fsdp_pre_all_gather = fsdp_pre_all_gather
 
 
 def precompute_all_gather_scales(module: Any) -> None:
