@@ -232,6 +232,9 @@ CASES = {
 # llama8k-fsdp-rc8-fp8 30.0% with eager casts, 62.8% (1.201x) with the casts compiled. Fifth session, 4 H200s, one
 # call: llama8k-fsdp-rc8-compile 55.7%, -fp8-compile 68.2% (1.224x), -fp8rw-compile 61.6% (1.106x). Sixth session,
 # 4 H200s, one call: -compile 55.6%, -fp8-compile 68.0% (1.222x), -fp8ag-compile 69.1% (1.244x: the bar is 1.25x).
+# Seventh session, 4 H200s: -bf16rs cases (gradients reduced in bf16) +2.0-2.3% in both arms, ratio 1.246x; then the
+# pre-all-gather cast fused (one compiled kernel): -compile 56.6%, -fp8ag-compile 72.2% (1.276x: PASS), -compile-bf16rs
+# 57.7%, -fp8ag-compile-bf16rs 73.9% (1.280x).
 # The default run (about 9 minutes): the two bars in 80 GB layouts (the Llama shape with 8 layers recomputed, which
 # fits an H100 since the GPU runs megatron-core's fused SwiGLU, 5 GiB less; TP 4 with micro batch 8 and 4 micro-batches
 # a step), then FP8 in the Llama layout (eager, with the kernel table of step 4, and compiled) and bf16 compiled
