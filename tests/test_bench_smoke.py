@@ -53,6 +53,7 @@ FIGURES: dict[str, list[str]] = {
     "bench_generate_gpu": [
         rf"batch   1 tokens/s: engine {NUM} \| engine_unfused {NUM} \| eager {NUM} \| transformers {NUM}",
         rf"batch   4 tokens/s: engine {NUM}",
+        rf"batch 4, the whole call's roofline .*: nan tokens/s; the engine {NUM} = nan% of it; 5x transformers = {NUM}",
         rf"engine, 4 streaming clients: concurrent {NUM} req/s vs sequential {NUM} req/s",
         rf"evaluation-shaped, 8 prompts .*: engine {NUM} examples/s",
     ],
