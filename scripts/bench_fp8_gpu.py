@@ -390,9 +390,9 @@ def speed_run(args, out: Path, blend: Path, name: str) -> dict:
     else:
         r = reference(args, name, out, fp8=name.endswith("fp8"))
     r["label"] = SPEED_LABELS[name] + (f" ({args.recipe})" if name.endswith("fp8") else "")
-    r["gpu"] = args.gpu
+    r["gpu"] = args.gpu if args.gpu is not None else "visible"
     ok = f"{r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else f"FAILED rc={r['rc']}\n{r.get('error', '')}"
-    print(f"  {r['label']} (GPU {args.gpu or '-'}): {ok} [{r['wall_s']}s]", flush=True)
+    print(f"  {r['label']} (GPU {r['gpu']}): {ok} [{r['wall_s']}s]", flush=True)
     return r
 
 
@@ -659,7 +659,10 @@ def run_parts(args, out: Path) -> dict:
         lanes.setdefault(lane_of[k], []).append(job)
     print(
         f"== {args.part}: {args.preset}; lanes: "
-        + "; ".join(f"GPU {gpus[i]}: {', '.join(k for k in keys if lane_of[k] == i)}" for i in sorted(lanes)),
+        + "; ".join(
+            f"GPU {gpus[i] if gpus[i] is not None else 'visible'}: {', '.join(k for k in keys if lane_of[k] == i)}"
+            for i in sorted(lanes)
+        ),
         flush=True,
     )
 
@@ -679,7 +682,7 @@ def run_parts(args, out: Path) -> dict:
         got = {n: r for part, n, r in done if part == "numerics"}
         (fp8, resumed), bf16 = got["fp8"], got["bf16"]
         for r, lane in ((fp8, "numerics-fp8"), (resumed, "numerics-fp8"), (bf16, "numerics-bf16")):
-            r["gpu"] = gpus[lane_of[lane]]
+            r["gpu"] = gpus[lane_of[lane]] if gpus[lane_of[lane]] is not None else "visible"
         verdict = report_numerics(args, nblend, bf16, fp8, resumed)
         results["numerics"] = {"bf16": bf16, "fp8": fp8, "resumed": resumed, "verdict": verdict}
     return results
