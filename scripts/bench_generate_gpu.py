@@ -119,26 +119,38 @@ def copy_bandwidth(device: str) -> float:
 PEAK_TFLOPS = 989.4  # dense bf16, H100/H200 SXM
 
 
-def call_roofline(b: int, a: argparse.Namespace, bw: float, wbytes: int, element_size: int) -> float:
+def call_roofline(
+    b: int, a: argparse.Namespace, bw: float, wbytes: int, element_size: int, kv_bytes_per_token: int
+) -> float:
     """The fastest a whole ``b``-row call could run, in tokens/s: its prefill (2 FLOPs a weight a prompt token,
     attention left out) at the bf16 peak, then ``new_tokens - 1`` decode steps, each reading every weight once
-    at the measured copy bandwidth (KV-cache reads, sampling and every other kernel left out)."""
+    and the rows' cached keys and values once at the measured copy bandwidth (attention's arithmetic, norms,
+    sampling and every other kernel left out)."""
     prefill_s = 2 * (wbytes / element_size) * b * a.prompt_len / (PEAK_TFLOPS * 1e12)
-    return b * a.new_tokens / (prefill_s + (a.new_tokens - 1) * wbytes / bw)
+    steps = range(a.new_tokens - 1)  # step i attends over prompt_len + i + 1 cached positions a row
+    decode_bytes = sum(wbytes + b * (a.prompt_len + i + 1) * kv_bytes_per_token for i in steps)
+    return b * a.new_tokens / (prefill_s + decode_bytes / bw)
 
 
-def roofline(batches: dict, a: argparse.Namespace, bw: float, wbytes: int, element_size: int) -> None:
+def kv_bytes_per_token(arch: dict, element_size: int) -> int:
+    """Bytes of one token's cached keys and values over all layers."""
+    head_dim = arch.get("kv_channels") or arch["hidden_size"] // arch["num_attention_heads"]
+    groups = arch.get("num_query_groups") or arch["num_attention_heads"]
+    return 2 * arch["num_layers"] * groups * head_dim * element_size
+
+
+def roofline(batches: dict, a: argparse.Namespace, bw: float, wbytes: int, element_size: int, kv: int) -> None:
     """Print (and record) the largest batch's whole-call roofline beside the engine and 5x transformers."""
     b = max(int(k) for k in batches)
     if b == 1:
         return
     r = batches[str(b)]
-    roof = r["call_roofline_tokens_per_s"] = call_roofline(b, a, bw, wbytes, element_size)
+    roof = r["call_roofline_tokens_per_s"] = call_roofline(b, a, bw, wbytes, element_size, kv)
     e, t = r["engine_tokens_per_s"], r["transformers_tokens_per_s"]
     print(
         f"batch {b}, the whole call's roofline (the prefill of {b * a.prompt_len:,} tokens at the bf16 peak "
-        f"{PEAK_TFLOPS} TFLOP/s, then {a.new_tokens - 1} decode steps each reading the weights once at the "
-        f"measured copy bandwidth): {roof:,.0f} tokens/s; the engine {e:,.0f} = {e / roof:.0%} of it; "
+        f"{PEAK_TFLOPS} TFLOP/s, then {a.new_tokens - 1} decode steps each reading the weights and the KV cache "
+        f"once at the measured copy bandwidth): {roof:,.0f} tokens/s; the engine {e:,.0f} = {e / roof:.0%} of it; "
         f"5x transformers = {5 * t:,.0f} tokens/s = {5 * t / roof:.0%} of it",
         flush=True,
     )
@@ -490,7 +502,8 @@ def main() -> int:
         results["eval"] = bench_eval(a, gen, tok.vocab_size)
     if a.serve_check:
         results["serve"] = serve_check(gen, a.device, a.clients or 8, a.new_tokens)
-    roofline(results["batches"], a, bw, wbytes, model.embedding.word_embeddings.weight.element_size())
+    size = model.embedding.word_embeddings.weight.element_size()
+    roofline(results["batches"], a, bw, wbytes, size, kv_bytes_per_token(arch, size))
     bars = []
     if "1" in results["batches"]:
         v = results["batches"]["1"]["engine_tokens_per_s"]
