@@ -125,19 +125,20 @@ def test_fsdp_memory_is_16_bytes_a_parameter_over_dp_plus_the_gathered_units():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [("--fsdp",), ()], ids=["fsdp", "megatron-ddp"])
+@pytest.mark.parametrize(
+    "layout", [("--fsdp",), (), ("--distributed-optimizer",)], ids=["fsdp", "megatron-ddp", "distributed-optimizer"]
+)
 def test_gradients_reduced_in_bf16_train_as_fp32_reductions_do_within_bf16_rounding(tmp_path, layout):
     """``--grad-reduce-dtype bf16`` (NeMo's performance recipes' grad_reduce_in_fp32 false) on 2 ranks, bf16
     weights: FSDP reduce-scatters bf16 gradients into its fp32 shards, megatron-core DDP keeps bf16 gradient
-    buffers. The first step's loss is the fp32 reduction's (the same forward), later ones part by bf16's
+    buffers (reduce-scattered into the distributed optimizer's slices, all-reduced otherwise). The first step's loss is the fp32 reduction's (the same forward), later ones part by bf16's
     rounding only: within 1% over 6 steps, and not equal (the setting took effect)."""
     make_blend(tmp_path)
     bf16 = ["--preset", "tiny-llama", "--steps", "6", "--save-interval", "6", "--precision", "bf16"]
     bf16 += ["--device", "cpu", *layout]
     train(tmp_path, "fp32-reduce", 2, *bf16)
     proc = train(tmp_path, "bf16-reduce", 2, *bf16, "--grad-reduce-dtype", "bf16")
-    if layout:
-        assert "gradients are reduce-scattered in bf16" in proc.stderr
+    assert "gradients reduced in bf16" in proc.stderr
     fp32, half = records(tmp_path, "fp32-reduce"), records(tmp_path, "bf16-reduce")
     assert half[1]["loss"] == fp32[1]["loss"]
     assert_close(half, fp32, loss_rtol=1e-2, norm_rtol=5e-2)

@@ -395,7 +395,7 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
             f"FSDP: rank {s.dist.rank} holds {fopt.numel:,} of {sum(p.numel() for p in fopt.params):,} parameters "
             f"(fp32), their gradients and Adam states"
             + ("; the float8 block linears' weights are all-gathered in float8" if o.fp8_all_gather else "")
-            + ("; gradients are reduce-scattered in bf16" if o.grad_reduce_bf16 else "")
+            + ("; gradients reduced in bf16" if o.grad_reduce_bf16 else "")
         )
         return sharded, fopt, sched
     ddp_cfg = DistributedDataParallelConfig(
@@ -415,6 +415,10 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         model = ddps[0] if len(ddps) == 1 else s.torch.nn.ModuleList(ddps)
         if o.distributed and len(ddps) > 1:
             raise JobError("distributed_optimizer with virtual_pp > 1 is not supported yet: use virtual_pp 1")
+    if o.grad_reduce_bf16:
+        s.log(
+            "megatron-core DDP: gradients reduced in bf16 (its gradient buffers are bf16: micro-batches accumulate in bf16)"
+        )
     opt: Any
     if o.distributed:
         opt = DistributedAdamW(model, **adamw)
