@@ -41,6 +41,7 @@ its entropy, 1.16).
     python scripts/bench_fp8_gpu.py --gpus 0,1,2            # three lanes: ~4 min
     python scripts/bench_fp8_gpu.py --part speed            # one GPU, one run after another: ~4 min
     python scripts/bench_fp8_gpu.py --part numerics         # one GPU: ~6 min
+    python scripts/bench_fp8_gpu.py --part numerics --gpus 0,1 --bf16-again   # and bf16's own spread: ~4 min
     python scripts/bench_fp8_gpu.py --smoke                 # CPU, tiny-llama: the same code paths
 
 With ``--gpus`` the runs go to lanes, one per GPU (see :func:`run_parts`): ours bf16 and FP8 share a
@@ -445,12 +446,27 @@ def numerics_extra(args, *extra: str) -> list[str]:
     return ["--log-interval", str(args.numerics_log_interval), *extra]
 
 
-def numerics_bf16(args, out: Path, blend: Path) -> dict:
-    r = train(
-        args, "numerics-bf16", blend, out, "bf16", **numerics_kw(args), extra=numerics_extra(args, "--no-checkpoints")
-    )
-    print(f"  numerics bf16 {args.numerics_steps} steps (GPU {args.gpu}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
+def numerics_bf16(args, out: Path, blend: Path, name: str = "numerics-bf16") -> dict:
+    r = train(args, name, blend, out, "bf16", **numerics_kw(args), extra=numerics_extra(args, "--no-checkpoints"))
+    print(f"  {name} {args.numerics_steps} steps (GPU {args.gpu}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
     return r
+
+
+def report_bf16_again(args, bf16: dict, again: dict) -> dict:
+    """bf16's own run-to-run spread: the same command again, against the first bf16 run (the noise floor of
+    the FP8 comparison; the GPU's non-deterministic kernels are all that differs)."""
+    if bf16["rc"] or again["rc"]:
+        print(f"bf16 again: FAILED rc {again['rc']}")
+        return {}
+    steps, a, c = args.numerics_steps, bf16["losses"], again["losses"]
+    last, mean = c[steps] / a[steps] - 1, again["final_loss"] / bf16["final_loss"] - 1
+    worst = max(abs(c[s] / a[s] - 1) for s in a if s > steps // 10)
+    print(
+        f"bf16 again (the same command, GPU {again.get('gpu')}): step {steps} {c[steps]:.4f}, {last:+.3%} from the "
+        f"first bf16 run; mean of the last 10 steps {mean:+.3%}; largest step difference after step {steps // 10}: "
+        f"{worst:.2%} (bf16's own spread: the noise floor of fp8's figures above)"
+    )
+    return {"last_step_rel": last, "final_rel": mean, "worst_step_rel": worst}
 
 
 def numerics_fp8(args, out: Path, blend: Path) -> tuple[dict, dict]:
@@ -583,6 +599,11 @@ def main(argv=None) -> int:
     p.add_argument("--numerics-micro-batch-size", type=int, default=8)
     p.add_argument("--numerics-global-batch-size", type=int, default=8)
     p.add_argument("--resume-at", type=int, default=200, help="numerics: the checkpoint the resumed run starts from")
+    p.add_argument(
+        "--bf16-again",
+        action="store_true",
+        help="numerics: run bf16 a second time, the same command on the same GPU, for bf16's own spread",
+    )
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup", type=int, default=30)
     p.add_argument("--blend", default=None, help="numerics data: a blend.json of GPT-2 ids (default: the chain corpus)")
@@ -620,7 +641,7 @@ def main(argv=None) -> int:
         args.micro_batch_size, args.global_batch_size, args.steps, args.warmup_steps = 2, 4, 4, 1
         args.log_interval, args.numerics_log_interval, args.lr_warmup, args.lr = 1, 2, 2, 3e-3
         args.numerics_steps, args.numerics_micro_batch_size, args.numerics_global_batch_size = 8, 2, 4
-        args.resume_at, args.timeout = 4, 300
+        args.resume_at, args.timeout, args.bf16_again = 4, 300, True
         args.workdir = tempfile.mkdtemp(prefix="snakellm-bench-fp8-smoke-")  # removed at the end
     out = Path(args.out or os.environ.get("OUT") or (Path(args.workdir) / "out" if args.smoke else "bench-out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -663,6 +684,9 @@ def run_parts(args, out: Path) -> dict:
     if numerics:
         jobs.append(("numerics-fp8", lambda a: ("numerics", "fp8", numerics_fp8(a, out, nblend))))
         jobs.append(("numerics-bf16", lambda a: ("numerics", "bf16", numerics_bf16(a, out, nblend))))
+        if args.bf16_again:  # after the first, on its GPU
+            again = "numerics-bf16-again"
+            jobs.append(("numerics-bf16", lambda a: ("numerics", "again", numerics_bf16(a, out, nblend, again))))
     gpus = [g for g in (args.gpus or "").split(",") if g][:4] or [None]
     keys = list(dict.fromkeys(k for k, _ in jobs))
     # the longest lanes apart: fp8 numerics + resume ~200 s, hand-written ~95 s + bf16 numerics ~135 s, ours ~130 s
@@ -699,6 +723,10 @@ def run_parts(args, out: Path) -> dict:
             r["gpu"] = gpus[lane_of[lane]] if gpus[lane_of[lane]] is not None else "visible"
         verdict = report_numerics(args, nblend, bf16, fp8, resumed)
         results["numerics"] = {"bf16": bf16, "fp8": fp8, "resumed": resumed, "verdict": verdict}
+        if "again" in got:
+            got["again"]["gpu"] = bf16["gpu"]
+            results["numerics"]["bf16_again"] = got["again"]
+            verdict["bf16_again"] = report_bf16_again(args, bf16, got["again"])
     return results
 
 

@@ -63,6 +63,7 @@ FIGURES: dict[str, list[str]] = {
         rf"final loss \(mean of the last 10 steps\): bf16 {NUM}, fp8 {NUM}",
         rf"loss at step 8 \(issue 30's bar: within 1% of bf16 at step 300\): bf16 {NUM}, fp8 {NUM}",
         r"first resumed step's loss identical .*; every step identical",
+        r"bf16 again \(the same command, GPU visible\): step 8 [\d.]+, \+0\.000% from the first bf16 run",
     ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
