@@ -458,9 +458,8 @@ def report_bf16_again(args, bf16: dict, again: dict) -> dict:
     if bf16["rc"] or again["rc"]:
         print(f"bf16 again: FAILED rc {again['rc']}")
         return {}
-    steps, a, c = args.numerics_steps, bf16["losses"], again["losses"]
-    last, mean = c[steps] / a[steps] - 1, again["final_loss"] / bf16["final_loss"] - 1
-    worst = max(abs(c[s] / a[s] - 1) for s in a if s > steps // 10)
+    steps, c = args.numerics_steps, again["losses"]
+    last, mean, worst = loss_gaps(steps, bf16, again)
     print(
         f"bf16 again (the same command, GPU {again.get('gpu')}): step {steps} {c[steps]:.4f}, {last:+.3%} from the "
         f"first bf16 run; mean of the last 10 steps {mean:+.3%}; largest step difference after step {steps // 10}: "
@@ -480,6 +479,14 @@ def numerics_fp8(args, out: Path, blend: Path) -> tuple[dict, dict]:
     resumed = _resume_run(args, blend, out, fp8, numerics_kw(args), at)
     print(f"  numerics fp8 resumed at {at} (GPU {args.gpu}): rc {resumed['rc']} [{resumed['wall_s']}s]", flush=True)
     return fp8, resumed
+
+
+def loss_gaps(steps: int, base: dict, run: dict) -> tuple[float, float, float]:
+    """``run`` against ``base``: relative difference at the last step, of the final loss (mean of the last 10
+    steps), and the largest at any step after the first tenth."""
+    a, b = base["losses"], run["losses"]
+    worst = max(abs(b[s] / a[s] - 1) for s in a if s > steps // 10)
+    return b[steps] / a[steps] - 1, run["final_loss"] / base["final_loss"] - 1, worst
 
 
 def report_numerics(args, blend: Path, bf16: dict, fp8: dict, resumed: dict) -> dict:
@@ -504,9 +511,8 @@ def report_numerics(args, blend: Path, bf16: dict, fp8: dict, resumed: dict) -> 
             rr = rl.get(s)
             line = f"{s:>5d} {a[s]:>9.4f} {b[s]:>9.4f} {b[s] / a[s] - 1:>+11.2%}"
             print(line + (f" {rr:>9.4f}" if rr is not None else ""))
-    rel = fp8["final_loss"] / bf16["final_loss"] - 1
+    last_rel, rel, worst = loss_gaps(steps, bf16, fp8)
     finite = all(math.isfinite(v) for v in b.values())
-    worst = max(abs(b[s] / a[s] - 1) for s in a if s > steps // 10)
     ok = abs(rel) <= BARS["final_loss_rel"] and finite
     print(
         f"final loss (mean of the last 10 steps): bf16 {bf16['final_loss']:.4f}, fp8 {fp8['final_loss']:.4f}, "
@@ -514,7 +520,6 @@ def report_numerics(args, blend: Path, bf16: dict, fp8: dict, resumed: dict) -> 
         f"largest step difference after step {steps // 10}: {worst:.2%}"
     )
     # the issue's own words: the loss at the last step (the mean above smooths a noisy curve; both are printed)
-    last_rel = b[steps] / a[steps] - 1
     last_ok = abs(last_rel) <= BARS["final_loss_rel"] and finite
     print(
         f"loss at step {steps} (issue 30's bar: within {BARS['final_loss_rel']:.0%} of bf16 at step 300): bf16 "

@@ -289,10 +289,8 @@ def test_the_pre_all_gather_cast_is_torchaos_bit_for_bit():
         scale = torch.tensor(448.0 / 7.5)
         theirs = hp_tensor_and_scale_to_float8(shard, scale, dtype, None, GemmInputRole.WEIGHT)._data
         assert torch.equal(fp8.weight_cast(shard, scale, dtype).view(torch.uint8), theirs.view(torch.uint8))
-    lin = torch.nn.Linear(48, 64, bias=False)
-    lin.weight.data.copy_(shard)
     fp8._fuse_pre_all_gather_cast()
-    w = WeightWithDynamicFloat8CastTensor(lin.weight.data, None, torch.float8_e4m3fn)
+    w = WeightWithDynamicFloat8CastTensor(shard.clone(), None, torch.float8_e4m3fn)
     assert w.fsdp_pre_all_gather(None)[1][0].numel() == 1  # no precomputed scale: torchao's dynamic cast
     w._precomputed_scale = torch.tensor(2.0)
     (data,), (scale,) = w.fsdp_pre_all_gather(None)

@@ -307,11 +307,11 @@ def float8_all_gather(module: Any) -> int:
 
 def weight_cast(shard: Any, scale: Any, dtype: Any) -> Any:
     """The float8 bytes of an fp32 weight shard at its precomputed scale: torchao's cast (``_ToFloat8ConstrFunc``:
-    ``to_fp8_saturated(tensor.float() * scale)``), the same operations in the same order."""
+    its own ``to_fp8_saturated(tensor.float() * scale)``), without the tensor subclass around the result."""
     import torch
+    from torchao.float8.float8_utils import to_fp8_saturated
 
-    fmax = torch.finfo(dtype).max
-    return (shard.to(torch.float32) * scale).clamp(min=-fmax, max=fmax).to(dtype)
+    return to_fp8_saturated(shard.to(torch.float32) * scale, dtype)
 
 
 def _fuse_pre_all_gather_cast() -> None:
