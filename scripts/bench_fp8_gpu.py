@@ -25,23 +25,33 @@ memory, beside the anchors measured on one H200 (issue 30). Bars: ours FP8 >=
 
 **numerics** (``--part numerics``): llama-1b, 300 steps, bf16 vs FP8 with the
 same data, seed and schedule: the loss curve side by side, the final loss
-(mean of the last 10 steps) within 1% of bf16's, no divergence; then a resume:
-the FP8 run's checkpoint at step 200 moved into a run directory of its own
-and trained on to step 300 must continue as the uninterrupted FP8 run did (the
-first resumed step's loss bit for bit: weights, optimizer state and data
-position restored exactly; the later steps differ only by the GPU's
-non-deterministic backward kernels, whose size is printed). Micro and global
-batch 8 by default (16K tokens a step) so that the part fits ~4-5 minutes. Its
-data: ``--blend`` (a tokenized blend of GPT-2 ids), else a synthetic corpus
-with structure to learn (each token followed by one of 4 successors with
-probabilities 0.55/0.25/0.12/0.08: the loss falls from ln 50257 = 10.8 toward
-its entropy, 1.16).
+(mean of the last 10 steps) and the loss at step 300 within 1% of bf16's, no
+divergence; then a resume: the FP8 run's checkpoint at step 200 moved into a
+run directory of its own and trained on to step 300 must continue as the
+uninterrupted FP8 run did (the first resumed step's loss bit for bit: weights,
+optimizer state and data position restored exactly; the later steps differ only
+by the GPU's non-deterministic backward kernels, whose size is printed).
+``--bf16-again`` and ``--fp8-again`` run the same command a second time: each
+precision's own run-to-run spread, the noise floor the 1% bar is read against.
+Micro and global batch 8 by default (16K tokens a step) so that the part fits
+~4-5 minutes. Its data (``--data``): **text** (default), the repository's
+English text (``resources/``: the Wikipedia excerpt, WikiText-2's test split and
+Botchan, 0.99M GPT-2 tokens, so 300 steps are ~5 epochs) tokenized by the
+workflow itself (``snakemake ... data/tokens/gpt2/blend.json`` in
+``--text-data``; where snakemake is not installed, build it elsewhere with
+``--make-text-data DIR`` and bring DIR); or **chain**, a synthetic corpus with
+a known entropy (each token followed by one of 4 successors with probabilities
+0.55/0.25/0.12/0.08: the loss falls from ln 50257 = 10.8 toward 1.13, through a
+plateau whose exit time varies from run to run by a few steps, which moves the
+step-300 loss of two identical bf16 runs ~2% apart); or ``--blend`` (any
+blend.json of GPT-2 ids).
 
     python scripts/bench_fp8_gpu.py --gpus 0,1,2,3          # both parts, four lanes side by side: ~3.5 min
     python scripts/bench_fp8_gpu.py --gpus 0,1,2            # three lanes: ~4 min
     python scripts/bench_fp8_gpu.py --part speed            # one GPU, one run after another: ~4 min
     python scripts/bench_fp8_gpu.py --part numerics         # one GPU: ~6 min
-    python scripts/bench_fp8_gpu.py --part numerics --gpus 0,1 --bf16-again   # and bf16's own spread: ~4 min
+    python scripts/bench_fp8_gpu.py --part numerics --gpus 0,1,2,3 --bf16-again --fp8-again   # and each one's spread
+    python scripts/bench_fp8_gpu.py --make-text-data .bench/text-gpt2   # the text data, where snakemake is installed
     python scripts/bench_fp8_gpu.py --smoke                 # CPU, tiny-llama: the same code paths
 
 With ``--gpus`` the runs go to lanes, one per GPU (see :func:`run_parts`): ours bf16 and FP8 share a
@@ -117,6 +127,61 @@ def make_chain_data(root: Path, tokens: int, vocab: int = VOCAB, seed: int = 0) 
     tok = {"name": "gpt2", "kind": "gpt2-bpe", "vocab_size": vocab, "eod_id": vocab - 1}
     blend.write_text(json.dumps({"data_prefix": [1.0, str(prefix)], "tokenizer": tok, "tokens": tokens}))
     return blend
+
+
+TEXT_CONFIG = """\
+# bench_fp8_gpu.py's numerics data: the repository's English text, GPT-2 BPE
+sources:
+  wikipedia: {kind: local, path: resources/wikipedia/enwiki-pages-articles-excerpt.xml.bz2, format: mediawiki,
+              shards_per_chunk: 1}
+  wikitext: {kind: local, path: "resources/corpus/wikitext/chunk*/example_train_*.jsonl.zst", format: jsonl.zst,
+             shards_per_chunk: 16}
+  botchan: {kind: local, path: "resources/corpus/botchan/*.jsonl", format: jsonl, shards_per_chunk: 1}
+tokenizers:
+  gpt2: {kind: gpt2-bpe, vocab_file: resources/tokenizers/gpt2/vocab.json,
+         merges_file: resources/tokenizers/gpt2/merges.txt, vocab_size: 50257}
+tokenize: {tokenizers: [gpt2]}
+runs: {}
+"""
+
+
+def make_text_data(root: Path) -> Path:
+    """The repository's English text (``resources/``) tokenized with GPT-2 BPE by the workflow itself, in ``root``
+    (built once); returns a copy of its blend.json with the prefixes made absolute (train runs in the repo)."""
+    blend = root / "data" / "tokens" / "gpt2" / "blend.json"
+    if not blend.exists():
+        bindir = str(Path(sys.executable).parent)
+        snakemake = shutil.which("snakemake", path=os.pathsep.join([bindir, os.environ.get("PATH", "")]))
+        if snakemake is None:
+            raise SystemExit(
+                f"{blend} is missing and snakemake, which builds it, is not installed here: run "
+                "`python scripts/bench_fp8_gpu.py --make-text-data DIR` where it is and pass --text-data DIR "
+                "(or --data chain)"
+            )
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "config.yaml").write_text(TEXT_CONFIG)
+        if not (root / "resources").exists():
+            (root / "resources").symlink_to(REPO / "resources")
+        env = {**os.environ, "PATH": os.pathsep.join([bindir, os.environ.get("PATH", "")])}
+        cmd = [snakemake, "data/tokens/gpt2/blend.json", "-s", str(REPO / "Snakefile"), "-d", str(root)]
+        cmd += ["--configfile", str(root / "config.yaml"), "--replace-workflow-config", "-c", "2", "--nocolor"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"building the text data in {root} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    obj = json.loads(blend.read_text())
+    dp = obj["data_prefix"]
+    obj["data_prefix"] = [x if i % 2 == 0 else str((root / x).resolve()) for i, x in enumerate(dp)]
+    absolute = root / "blend.abs.json"
+    absolute.write_text(json.dumps(obj, indent=1))
+    return absolute
+
+
+def data_label(args, blend: Path) -> str:
+    if args.blend:
+        return str(blend)
+    if args.data == "text":
+        return f"text data: the repository's English text, {json.loads(blend.read_text())['tokens']:,} GPT-2 tokens"
+    return f"chain data: entropy {chain_entropy():.3f}"
 
 
 def chain_entropy() -> float:
@@ -371,6 +436,8 @@ def speed_data(args) -> Path:
 def numerics_data(args) -> Path:
     if args.blend:
         return Path(args.blend)
+    if args.data == "text":
+        return make_text_data(Path(args.text_data or Path(args.workdir) / "data-text").resolve())
     steps, gbs = args.numerics_steps, args.numerics_global_batch_size
     root = Path(args.workdir) / f"data-chain-{args.vocab}"
     return make_chain_data(root, int(steps * gbs * (args.seq_length + 1) * 1.05), vocab=args.vocab)
@@ -448,22 +515,31 @@ def numerics_extra(args, *extra: str) -> list[str]:
 
 def numerics_bf16(args, out: Path, blend: Path, name: str = "numerics-bf16") -> dict:
     r = train(args, name, blend, out, "bf16", **numerics_kw(args), extra=numerics_extra(args, "--no-checkpoints"))
-    print(f"  {name} {args.numerics_steps} steps (GPU {args.gpu}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
+    print(f"  {name} {args.numerics_steps} steps (GPU {_gpu(args)}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
     return r
 
 
-def report_bf16_again(args, bf16: dict, again: dict) -> dict:
-    """bf16's own run-to-run spread: the same command again, against the first bf16 run (the noise floor of
-    the FP8 comparison; the GPU's non-deterministic kernels are all that differs)."""
-    if bf16["rc"] or again["rc"]:
-        print(f"bf16 again: FAILED rc {again['rc']}")
+def numerics_fp8_again(args, out: Path, blend: Path) -> dict:
+    """FP8's numerics run a second time, the same command without the checkpoint (which changes nothing else)."""
+    name = "numerics-fp8-again"
+    r = train(args, name, blend, out, "fp8", **numerics_kw(args), extra=numerics_extra(args, "--no-checkpoints"))
+    print(f"  {name} {args.numerics_steps} steps (GPU {_gpu(args)}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
+    return r
+
+
+def report_again(args, precision: str, first: dict, again: dict) -> dict:
+    """A precision's own run-to-run spread: the same command again, against its first run (the noise floor of
+    the FP8 comparison: the GPU's non-deterministic kernels, and the GPU where the lanes differ, are all that
+    differs)."""
+    if first["rc"] or again["rc"]:
+        print(f"{precision} again: FAILED rc {again['rc']}\n{again.get('error', '')}")
         return {}
     steps, c = args.numerics_steps, again["losses"]
-    last, mean, worst = loss_gaps(steps, bf16, again)
+    last, mean, worst = loss_gaps(steps, first, again)
     print(
-        f"bf16 again (the same command, GPU {again.get('gpu')}): step {steps} {c[steps]:.4f}, {last:+.3%} from the "
-        f"first bf16 run; mean of the last 10 steps {mean:+.3%}; largest step difference after step {steps // 10}: "
-        f"{worst:.2%} (bf16's own spread: the noise floor of fp8's figures above)"
+        f"{precision} again (the same command, GPU {again.get('gpu')}): step {steps} {c[steps]:.4f}, {last:+.3%} "
+        f"from the first {precision} run; mean of the last 10 steps {mean:+.3%}; largest step difference after "
+        f"step {steps // 10}: {worst:.2%} ({precision}'s own spread: the noise floor of fp8's figures above)"
     )
     return {"last_step_rel": last, "final_rel": mean, "worst_step_rel": worst}
 
@@ -473,11 +549,13 @@ def numerics_fp8(args, out: Path, blend: Path) -> tuple[dict, dict]:
     at = args.resume_at
     extra = numerics_extra(args, "--save-interval", str(at), "--keep-last", "2")
     fp8 = train(args, "numerics-fp8", blend, out, "fp8", **numerics_kw(args), extra=extra)
-    print(f"  numerics fp8 {args.numerics_steps} steps (GPU {args.gpu}): rc {fp8['rc']} [{fp8['wall_s']}s]", flush=True)
+    print(
+        f"  numerics fp8 {args.numerics_steps} steps (GPU {_gpu(args)}): rc {fp8['rc']} [{fp8['wall_s']}s]", flush=True
+    )
     if fp8["rc"]:
         return fp8, {"name": "numerics-fp8-resumed", "rc": -1, "wall_s": 0, "error": "the FP8 run failed"}
     resumed = _resume_run(args, blend, out, fp8, numerics_kw(args), at)
-    print(f"  numerics fp8 resumed at {at} (GPU {args.gpu}): rc {resumed['rc']} [{resumed['wall_s']}s]", flush=True)
+    print(f"  numerics fp8 resumed at {at} (GPU {_gpu(args)}): rc {resumed['rc']} [{resumed['wall_s']}s]", flush=True)
     return fp8, resumed
 
 
@@ -502,7 +580,7 @@ def report_numerics(args, blend: Path, bf16: dict, fp8: dict, resumed: dict) -> 
     every = max(1, steps // 30)
     print(
         f"\nloss curve ({args.preset}, seq {args.seq_length}, micro {mbs} / global batch {gbs}, lr {args.lr}, "
-        f"{f'chain data: entropy {chain_entropy():.3f}' if not args.blend else blend}, {_device_name()}; "
+        f"{data_label(args, blend)}, {_device_name()}; "
         f"bf16 on GPU {bf16.get('gpu')}, fp8 and resumed on GPU {fp8.get('gpu')})"
     )
     print(f"{'step':>5s} {'bf16':>9s} {'fp8':>9s} {'fp8/bf16-1':>11s}" + (f" {'resumed':>9s}" if rl else ""))
@@ -579,6 +657,10 @@ def _timeout(args) -> float:
     return max(1.0, min(args.timeout, args.deadline - time.time()))
 
 
+def _gpu(args) -> str:
+    return "visible" if args.gpu is None else str(args.gpu)
+
+
 def _device_name() -> str:
     import torch
 
@@ -607,11 +689,18 @@ def main(argv=None) -> int:
     p.add_argument(
         "--bf16-again",
         action="store_true",
-        help="numerics: run bf16 a second time, the same command on the same GPU, for bf16's own spread",
+        help="numerics: run bf16 a second time (the same command; its own GPU where --gpus has one free, else after "
+        "the first on that one): bf16's own spread",
     )
+    p.add_argument("--fp8-again", action="store_true", help="numerics: run fp8 a second time, likewise")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup", type=int, default=30)
-    p.add_argument("--blend", default=None, help="numerics data: a blend.json of GPT-2 ids (default: the chain corpus)")
+    p.add_argument("--data", choices=("text", "chain"), default="text", help="numerics data (see above)")
+    p.add_argument(
+        "--text-data", default=None, help="numerics: where the text data is, or is built (None: WORKDIR/data-text)"
+    )
+    p.add_argument("--make-text-data", metavar="DIR", default=None, help="build the text data in DIR and stop")
+    p.add_argument("--blend", default=None, help="numerics data: a blend.json of GPT-2 ids instead of --data")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="leave out torch.compile")
     p.add_argument("--vocab", type=int, default=VOCAB, help="ids of the data (GPT-2's vocabulary)")
     p.add_argument("--device", default="cuda")
@@ -641,12 +730,16 @@ def main(argv=None) -> int:
     if args.reference_worker:
         print(json.dumps(reference_worker(json.loads(args.reference_worker))), flush=True)
         return 0
+    if args.make_text_data:
+        blend = make_text_data(Path(args.make_text_data).resolve())
+        print(f"{blend}: {json.loads(blend.read_text())['tokens']:,} GPT-2 tokens")
+        return 0
     if args.smoke:
         args.device, args.compile, args.preset, args.seq_length, args.vocab = "cpu", False, "tiny-llama", 128, 256
         args.micro_batch_size, args.global_batch_size, args.steps, args.warmup_steps = 2, 4, 4, 1
         args.log_interval, args.numerics_log_interval, args.lr_warmup, args.lr = 1, 2, 2, 3e-3
         args.numerics_steps, args.numerics_micro_batch_size, args.numerics_global_batch_size = 8, 2, 4
-        args.resume_at, args.timeout, args.bf16_again = 4, 300, True
+        args.resume_at, args.timeout, args.bf16_again, args.fp8_again = 4, 300, True, True
         args.workdir = tempfile.mkdtemp(prefix="snakellm-bench-fp8-smoke-")  # removed at the end
     out = Path(args.out or os.environ.get("OUT") or (Path(args.workdir) / "out" if args.smoke else "bench-out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -666,13 +759,29 @@ def main(argv=None) -> int:
     return 0 if ran and all(v.get("pass") for v in parts) else 1
 
 
+BASE_LANE = {"bf16-again": "numerics-bf16", "fp8-again": "numerics-fp8"}
+
+
+def plan_lanes(keys: list[str], n: int) -> dict[str, int]:
+    """Lane (GPU index) of each kind of run: a GPU each while there are enough; else the fixed plans below,
+    a second run of a precision after its first, on the first's GPU."""
+    if len(keys) <= n:
+        return {k: i for i, k in enumerate(keys)}
+    # the longest lanes apart: fp8 numerics + resume ~200 s, hand-written ~95 s + bf16 numerics ~135 s, ours ~130 s
+    plan = {1: (0, 0, 0, 0), 2: (0, 1, 1, 0), 3: (0, 1, 2, 1)}.get(n, (0, 1, 2, 3))
+    lane_of = {
+        k: plan[("ours", "reference", "numerics-fp8", "numerics-bf16").index(k)] for k in keys if k not in BASE_LANE
+    }
+    return {k: lane_of[BASE_LANE.get(k, k)] for k in keys}
+
+
 def run_parts(args, out: Path) -> dict:
     """The runs of the parts asked for, in lanes: one lane per GPU of ``--gpus`` (or all in one lane).
 
-    With four GPUs: ours bf16 and fp8 on the first (their ratio on one device), the two hand-written
-    runs on the second, the FP8 numerics run and its resumed run on the third (the resume is compared
-    on the device of the uninterrupted run), bf16's numerics run on the fourth; with three, bf16's
-    numerics run follows the hand-written runs; with two, lanes share further.
+    Kinds of run: ours bf16 and fp8 (one lane: their ratio on one device), the two hand-written runs, the
+    FP8 numerics run and its resumed run (the resume is compared on the device of the uninterrupted run),
+    bf16's numerics run, and the second bf16 and fp8 numerics runs. A GPU each where there are enough
+    (--part numerics --bf16-again --fp8-again on four GPUs); else :func:`plan_lanes` shares them.
     """
     import copy
     from concurrent.futures import ThreadPoolExecutor
@@ -689,21 +798,26 @@ def run_parts(args, out: Path) -> dict:
     if numerics:
         jobs.append(("numerics-fp8", lambda a: ("numerics", "fp8", numerics_fp8(a, out, nblend))))
         jobs.append(("numerics-bf16", lambda a: ("numerics", "bf16", numerics_bf16(a, out, nblend))))
-        if args.bf16_again:  # after the first, on its GPU
+        if args.bf16_again:
             again = "numerics-bf16-again"
-            jobs.append(("numerics-bf16", lambda a: ("numerics", "again", numerics_bf16(a, out, nblend, again))))
-    gpus = [g for g in (args.gpus or "").split(",") if g][:4] or [None]
+            jobs.append(("bf16-again", lambda a: ("numerics", "bf16-again", numerics_bf16(a, out, nblend, again))))
+        if args.fp8_again:
+            jobs.append(("fp8-again", lambda a: ("numerics", "fp8-again", numerics_fp8_again(a, out, nblend))))
+    gpus = [g for g in (args.gpus or "").split(",") if g][:6] or [None]
     keys = list(dict.fromkeys(k for k, _ in jobs))
-    # the longest lanes apart: fp8 numerics + resume ~200 s, hand-written ~95 s + bf16 numerics ~135 s, ours ~130 s
-    plan = {1: (0, 0, 0, 0), 2: (0, 1, 1, 0), 3: (0, 1, 2, 1), 4: (0, 1, 2, 3)}[len(gpus)]
-    lane_of = {k: plan[("ours", "reference", "numerics-fp8", "numerics-bf16").index(k)] for k in keys}
+    lane_of = plan_lanes(keys, len(gpus))
+
+    def gpu_label(key: str) -> str:
+        g = gpus[lane_of[key]]
+        return "visible" if g is None else g
+
     lanes: dict[int, list] = {}
     for k, job in jobs:
         lanes.setdefault(lane_of[k], []).append(job)
     print(
         f"== {args.part}: {args.preset}; lanes: "
         + "; ".join(
-            f"GPU {gpus[i] if gpus[i] is not None else 'visible'}: {', '.join(k for k in keys if lane_of[k] == i)}"
+            f"GPU {'visible' if gpus[i] is None else gpus[i]}: {', '.join(k for k in keys if lane_of[k] == i)}"
             for i in sorted(lanes)
         ),
         flush=True,
@@ -724,14 +838,16 @@ def run_parts(args, out: Path) -> dict:
     if numerics:
         got = {n: r for part, n, r in done if part == "numerics"}
         (fp8, resumed), bf16 = got["fp8"], got["bf16"]
-        for r, lane in ((fp8, "numerics-fp8"), (resumed, "numerics-fp8"), (bf16, "numerics-bf16")):
-            r["gpu"] = gpus[lane_of[lane]] if gpus[lane_of[lane]] is not None else "visible"
+        for r, key in ((fp8, "numerics-fp8"), (resumed, "numerics-fp8"), (bf16, "numerics-bf16")):
+            r["gpu"] = gpu_label(key)
         verdict = report_numerics(args, nblend, bf16, fp8, resumed)
         results["numerics"] = {"bf16": bf16, "fp8": fp8, "resumed": resumed, "verdict": verdict}
-        if "again" in got:
-            got["again"]["gpu"] = bf16["gpu"]
-            results["numerics"]["bf16_again"] = got["again"]
-            verdict["bf16_again"] = report_bf16_again(args, bf16, got["again"])
+        for precision, first in (("bf16", bf16), ("fp8", fp8)):
+            if f"{precision}-again" in got:
+                again = got[f"{precision}-again"]
+                again["gpu"] = gpu_label(f"{precision}-again")
+                results["numerics"][f"{precision}_again"] = again
+                verdict[f"{precision}_again"] = report_again(args, precision, first, again)
     return results
 
 

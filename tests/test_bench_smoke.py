@@ -64,6 +64,8 @@ FIGURES: dict[str, list[str]] = {
         rf"loss at step 8 \(issue 30's bar: within 1% of bf16 at step 300\): bf16 {NUM}, fp8 {NUM}",
         r"first resumed step's loss identical .*; every step identical",
         r"bf16 again \(the same command, GPU visible\): step 8 [\d.]+, \+0\.000% from the first bf16 run",
+        r"fp8 again \(the same command, GPU visible\): step 8 [\d.]+, \+0\.000% from the first fp8 run",
+        r"text data: the repository's English text, 988,608 GPT-2 tokens",
     ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
