@@ -205,7 +205,7 @@ def train(
     cmd += ["--global-batch-size", str(gbs), "--precision", precision, "--fp8-recipe", args.recipe]
     cmd += ["--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--warmup-steps", str(warmup)]
     cmd += ["--log-interval", str(args.log_interval), "--eval-iters", "0", "--split", "100,0,0"]
-    cmd += ["--no-tensorboard", "--no-progress", "--seed", "1234"]
+    cmd += ["--no-tensorboard", "--no-progress", "--seed", str(args.seed)]
     cmd += ["--loss", "compiled" if args.device != "cpu" else "eager"]
     cmd += ["--compile"] if args.compile else []
     cmd += list(extra)
@@ -633,6 +633,29 @@ def report_numerics(args, blend: Path, bf16: dict, fp8: dict, resumed: dict) -> 
     return verdict
 
 
+def report_both_runs(args, runs: dict[str, list[dict]]) -> dict:
+    """With two runs a side: fp8 against bf16 as the mean of each side's two runs, and the range over the four
+    cross pairs (each fp8 run against each bf16 run)."""
+    if any(r["rc"] for rs in runs.values() for r in rs):
+        return {}
+    steps = args.numerics_steps
+    side = {
+        p: (statistics.mean(r["losses"][steps] for r in rs), statistics.mean(r["final_loss"] for r in rs))
+        for p, rs in runs.items()
+    }
+    last, final = side["fp8"][0] / side["bf16"][0] - 1, side["fp8"][1] / side["bf16"][1] - 1
+    pairs = [loss_gaps(steps, b, f)[:2] for f in runs["fp8"] for b in runs["bf16"]]
+    ok = abs(last) <= BARS["final_loss_rel"] and abs(final) <= BARS["final_loss_rel"]
+    print(
+        f"two runs a side, their means: step {steps} bf16 {side['bf16'][0]:.4f}, fp8 {side['fp8'][0]:.4f}, "
+        f"{last:+.3%}; final loss (mean of the last 10 steps) {final:+.3%} (bar within "
+        f"{BARS['final_loss_rel']:.0%}): {'PASS' if ok else 'FAIL'}; the four cross pairs: step {steps} "
+        f"{min(p[0] for p in pairs):+.3%} to {max(p[0] for p in pairs):+.3%}, final loss "
+        f"{min(p[1] for p in pairs):+.3%} to {max(p[1] for p in pairs):+.3%}"
+    )
+    return {"last_step_rel": last, "final_rel": final, "pass": ok, "pairs": pairs}
+
+
 def _resume_run(args, blend: Path, out: Path, fp8: dict, kw: dict, at: int) -> dict:
     """Move the uninterrupted FP8 run's checkpoint at ``at`` into a run directory of its own and train on."""
     src = Path(fp8["run_dir"]) / "checkpoints"
@@ -693,6 +716,7 @@ def main(argv=None) -> int:
         "the first on that one): bf16's own spread",
     )
     p.add_argument("--fp8-again", action="store_true", help="numerics: run fp8 a second time, likewise")
+    p.add_argument("--seed", type=int, default=1234, help="every run's seed (initialisation and data order)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--lr-warmup", type=int, default=30)
     p.add_argument("--data", choices=("text", "chain"), default="text", help="numerics data (see above)")
@@ -848,6 +872,9 @@ def run_parts(args, out: Path) -> dict:
                 again["gpu"] = gpu_label(f"{precision}-again")
                 results["numerics"][f"{precision}_again"] = again
                 verdict[f"{precision}_again"] = report_again(args, precision, first, again)
+        if "bf16-again" in got and "fp8-again" in got:
+            both = {"bf16": [bf16, got["bf16-again"]], "fp8": [fp8, got["fp8-again"]]}
+            verdict["two_runs_a_side"] = report_both_runs(args, both)
     return results
 
 

@@ -66,6 +66,8 @@ FIGURES: dict[str, list[str]] = {
         r"bf16 again \(the same command, GPU visible\): step 8 [\d.]+, \+0\.000% from the first bf16 run",
         r"fp8 again \(the same command, GPU visible\): step 8 [\d.]+, \+0\.000% from the first fp8 run",
         r"text data: the repository's English text, 988,608 GPT-2 tokens",
+        r"two runs a side, their means: step 8 bf16 [\d.]+, fp8 [\d.]+, [-+][\d.]+%; final loss .*: PASS; "
+        r"the four cross pairs: step 8 ",
     ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
