@@ -52,6 +52,7 @@ blend.json of GPT-2 ids).
     python scripts/bench_fp8_gpu.py --part numerics         # one GPU: ~6 min
     python scripts/bench_fp8_gpu.py --part numerics --gpus 0,1,2,3 --bf16-again --fp8-again   # and each one's spread
     python scripts/bench_fp8_gpu.py --make-text-data .bench/text-gpt2   # the text data, where snakemake is installed
+    python scripts/bench_fp8_gpu.py --pool seed*/bench-fp8.json   # several runs' numerics as one sample a side
     python scripts/bench_fp8_gpu.py --smoke                 # CPU, tiny-llama: the same code paths
 
 With ``--gpus`` the runs go to lanes, one per GPU (see :func:`run_parts`): ours bf16 and FP8 share a
@@ -656,6 +657,46 @@ def report_both_runs(args, runs: dict[str, list[dict]]) -> dict:
     return {"last_step_rel": last, "final_rel": final, "pass": ok, "pairs": pairs}
 
 
+def report_pool(paths: list[Path]) -> dict:
+    """Several numerics results (``bench-fp8.json`` of runs with other seeds or machines) as one sample a side:
+    every run's final loss and step-``steps`` loss, each side's mean and spread, fp8 against bf16 with the
+    standard error of the difference."""
+    runs: dict[str, list[tuple[str, float, float]]] = {"bf16": [], "fp8": []}
+    for path in paths:
+        got = json.loads(Path(path).read_text())
+        num, a = got.get("numerics"), got.get("args", {})
+        if not num:
+            raise SystemExit(f"{path}: no numerics part")
+        steps = str(a.get("numerics_steps"))
+        for key in ("bf16", "bf16_again", "fp8", "fp8_again"):
+            r = num.get(key)
+            if r and not r["rc"]:
+                label = f"{path} seed {a.get('seed', 1234)} {key}"
+                runs[key.split("_")[0]].append((label, r["final_loss"], r["losses"][steps]))
+    if not runs["bf16"] or not runs["fp8"]:
+        raise SystemExit("--pool: no finished bf16 and fp8 runs")
+    print(f"\npooled numerics: {len(paths)} result files, {len(runs['bf16'])} bf16 and {len(runs['fp8'])} fp8 runs")
+    for p_, rs in runs.items():
+        for label, final, last in rs:
+            print(f"  {p_:4s} final {final:.4f}  step {steps} {last:.4f}  {label}")
+    out: dict = {"runs": runs}
+    for i, what in ((1, "final loss (mean of the last 10 steps)"), (2, f"loss at step {steps}")):
+        b, f = ([r[i] for r in runs[p_]] for p_ in ("bf16", "fp8"))
+        mb, mf = statistics.mean(b), statistics.mean(f)
+        sd = {
+            p_: statistics.stdev(v) / statistics.mean(v) if len(v) > 1 else 0.0 for p_, v in (("bf16", b), ("fp8", f))
+        }
+        var = sum(statistics.variance(v) / len(v) if len(v) > 1 else 0.0 for v in (b, f))
+        rel, se = mf / mb - 1, math.sqrt(var) / mb
+        ok = abs(rel) <= BARS["final_loss_rel"]
+        print(
+            f"{what}: bf16 {mb:.4f} (runs spread {sd['bf16']:.2%}), fp8 {mf:.4f} ({sd['fp8']:.2%}): fp8 {rel:+.3%} "
+            f"(standard error {se:.2%}; bar within {BARS['final_loss_rel']:.0%}): {'PASS' if ok else 'FAIL'}"
+        )
+        out["final" if i == 1 else "last_step"] = {"rel": rel, "se": se, "pass": ok}
+    return out
+
+
 def _resume_run(args, blend: Path, out: Path, fp8: dict, kw: dict, at: int) -> dict:
     """Move the uninterrupted FP8 run's checkpoint at ``at`` into a run directory of its own and train on."""
     src = Path(fp8["run_dir"]) / "checkpoints"
@@ -745,6 +786,13 @@ def main(argv=None) -> int:
         help="stop every run this long after the start, so that the tables of what finished print before an outer "
         "time limit",
     )
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="print the numerics of several bench-fp8.json (other seeds: --seed) as one sample a side, and stop",
+    )
     p.add_argument("--reference-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.deadline = time.time() + args.budget_s if args.budget_s else None
@@ -753,6 +801,9 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", module=r"megatron\..*")  # "Transformer Engine and Apex are not installed"
     if args.reference_worker:
         print(json.dumps(reference_worker(json.loads(args.reference_worker))), flush=True)
+        return 0
+    if args.pool:
+        report_pool([Path(x) for x in args.pool])
         return 0
     if args.make_text_data:
         blend = make_text_data(Path(args.make_text_data).resolve())
@@ -773,6 +824,8 @@ def main(argv=None) -> int:
         results["args"] = vars(args)
         (out / "bench-fp8.json").write_text(json.dumps(results, indent=1, default=str))
         print(f"\ntotal {time.time() - t0:.0f}s; results in {out / 'bench-fp8.json'}")
+        if args.smoke:  # the pooled report on this run's own results
+            report_pool([out / "bench-fp8.json"])
     finally:
         if args.smoke:
             shutil.rmtree(args.workdir, ignore_errors=True)

@@ -68,6 +68,8 @@ FIGURES: dict[str, list[str]] = {
         r"text data: the repository's English text, 988,608 GPT-2 tokens",
         r"two runs a side, their means: step 8 bf16 [\d.]+, fp8 [\d.]+, [-+][\d.]+%; final loss .*: PASS; "
         r"the four cross pairs: step 8 ",
+        r"^pooled numerics: 1 result files, 2 bf16 and 2 fp8 runs$",
+        r"^loss at step 8: bf16 [\d.]+ \(runs spread 0\.00%\), fp8 [\d.]+ \(0\.00%\): fp8 [-+][\d.]+% .*: PASS$",
     ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
@@ -177,3 +179,18 @@ def test_the_gpu_8b_wrapper_smoke(tmp_path):
         rf"evaluation-shaped prompts through the engine: {NUM} examples/s",
     ):
         assert re.search(line, summary), (line, summary)
+
+
+def test_fp8_numerics_lanes_give_each_run_a_gpu_where_there_are_enough():
+    """bench_fp8_gpu's lanes: a GPU per kind of run while they last; else a precision's second run follows
+    its first on that GPU (the FP8 resume always stays with the FP8 run: one kind)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_fp8_gpu import plan_lanes
+
+    numerics = ["numerics-fp8", "numerics-bf16", "bf16-again", "fp8-again"]
+    assert plan_lanes(numerics, 4) == {"numerics-fp8": 0, "numerics-bf16": 1, "bf16-again": 2, "fp8-again": 3}
+    assert plan_lanes(numerics, 2) == {"numerics-fp8": 1, "numerics-bf16": 0, "bf16-again": 0, "fp8-again": 1}
+    assert set(plan_lanes(numerics, 1).values()) == {0}
+    every = ["ours", "reference", *numerics[:3]]
+    assert plan_lanes(every, 4) == {"ours": 0, "reference": 1, "numerics-fp8": 2, "numerics-bf16": 3, "bf16-again": 3}
+    assert plan_lanes(every[:4], 3) == {"ours": 0, "reference": 1, "numerics-fp8": 2, "numerics-bf16": 1}
