@@ -514,16 +514,10 @@ def numerics_extra(args, *extra: str) -> list[str]:
     return ["--log-interval", str(args.numerics_log_interval), *extra]
 
 
-def numerics_bf16(args, out: Path, blend: Path, name: str = "numerics-bf16") -> dict:
-    r = train(args, name, blend, out, "bf16", **numerics_kw(args), extra=numerics_extra(args, "--no-checkpoints"))
-    print(f"  {name} {args.numerics_steps} steps (GPU {_gpu(args)}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
-    return r
-
-
-def numerics_fp8_again(args, out: Path, blend: Path) -> dict:
-    """FP8's numerics run a second time, the same command without the checkpoint (which changes nothing else)."""
-    name = "numerics-fp8-again"
-    r = train(args, name, blend, out, "fp8", **numerics_kw(args), extra=numerics_extra(args, "--no-checkpoints"))
+def numerics_plain(args, out: Path, blend: Path, precision: str, name: str) -> dict:
+    """A numerics run without checkpoints: bf16's, and each precision's second run (``--bf16-again``,
+    ``--fp8-again``: the same command; the FP8 run's checkpoint at --resume-at changes nothing else)."""
+    r = train(args, name, blend, out, precision, **numerics_kw(args), extra=numerics_extra(args, "--no-checkpoints"))
     print(f"  {name} {args.numerics_steps} steps (GPU {_gpu(args)}): rc {r['rc']} [{r['wall_s']}s]", flush=True)
     return r
 
@@ -773,7 +767,8 @@ def main(argv=None) -> int:
         "--gpus",
         default=None,
         help="comma-separated GPU ids to run lanes side by side (4: ours | hand-written | fp8 numerics + resume | "
-        "bf16 numerics); default: everything on the visible GPU, one run after another",
+        "bf16 numerics; up to 6 with --bf16-again and --fp8-again, a lane each: see run_parts); default: "
+        "everything on the visible GPU, one run after another",
     )
     p.add_argument("--peak-tflops", type=float, default=PEAK, help="bf16 dense peak per GPU for MFU (also for FP8)")
     p.add_argument("--workdir", default="/tmp/snakellm-bench-fp8")
@@ -874,12 +869,18 @@ def run_parts(args, out: Path) -> dict:
             jobs.append(("reference", lambda a, n=name: ("speed", n, speed_run(a, out, sblend, n))))
     if numerics:
         jobs.append(("numerics-fp8", lambda a: ("numerics", "fp8", numerics_fp8(a, out, nblend))))
-        jobs.append(("numerics-bf16", lambda a: ("numerics", "bf16", numerics_bf16(a, out, nblend))))
-        if args.bf16_again:
-            again = "numerics-bf16-again"
-            jobs.append(("bf16-again", lambda a: ("numerics", "bf16-again", numerics_bf16(a, out, nblend, again))))
-        if args.fp8_again:
-            jobs.append(("fp8-again", lambda a: ("numerics", "fp8-again", numerics_fp8_again(a, out, nblend))))
+        jobs.append(
+            ("numerics-bf16", lambda a: ("numerics", "bf16", numerics_plain(a, out, nblend, "bf16", "numerics-bf16")))
+        )
+        for p in ("bf16", "fp8"):
+            if getattr(args, f"{p}_again"):
+                name = f"numerics-{p}-again"
+                jobs.append(
+                    (
+                        f"{p}-again",
+                        lambda a, p=p, n=name: ("numerics", f"{p}-again", numerics_plain(a, out, nblend, p, n)),
+                    )
+                )
     gpus = [g for g in (args.gpus or "").split(",") if g][:6] or [None]
     keys = list(dict.fromkeys(k for k, _ in jobs))
     lane_of = plan_lanes(keys, len(gpus))
