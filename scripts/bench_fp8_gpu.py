@@ -459,7 +459,7 @@ def speed_run(args, out: Path, blend: Path, name: str) -> dict:
     else:
         r = reference(args, name, out, fp8=name.endswith("fp8"))
     r["label"] = SPEED_LABELS[name] + (f" ({args.recipe})" if name.endswith("fp8") else "")
-    r["gpu"] = args.gpu if args.gpu is not None else "visible"
+    r["gpu"] = _gpu(args)
     ok = f"{r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else f"FAILED rc={r['rc']}\n{r.get('error', '')}"
     print(f"  {r['label']} (GPU {r['gpu']}): {ok} [{r['wall_s']}s]", flush=True)
     return r
@@ -628,33 +628,46 @@ def report_numerics(args, blend: Path, bf16: dict, fp8: dict, resumed: dict) -> 
     return verdict
 
 
+def side_gap(bf16: list[float], fp8: list[float]) -> dict:
+    """fp8 against bf16 over the runs of each side (one loss a run): each side's mean and spread (relative
+    standard deviation), fp8's relative difference, its standard error, and whether it is within the bar."""
+    mb, mf = statistics.mean(bf16), statistics.mean(fp8)
+    sd = {p: statistics.stdev(v) / statistics.mean(v) if len(v) > 1 else 0.0 for p, v in (("bf16", bf16), ("fp8", fp8))}
+    var = sum(statistics.variance(v) / len(v) if len(v) > 1 else 0.0 for v in (bf16, fp8))
+    rel = mf / mb - 1
+    return {
+        "bf16": mb,
+        "fp8": mf,
+        "sd": sd,
+        "rel": rel,
+        "se": math.sqrt(var) / mb,
+        "pass": abs(rel) <= BARS["final_loss_rel"],
+    }
+
+
 def report_both_runs(args, runs: dict[str, list[dict]]) -> dict:
     """With two runs a side: fp8 against bf16 as the mean of each side's two runs, and the range over the four
     cross pairs (each fp8 run against each bf16 run)."""
     if any(r["rc"] for rs in runs.values() for r in rs):
         return {}
     steps = args.numerics_steps
-    side = {
-        p: (statistics.mean(r["losses"][steps] for r in rs), statistics.mean(r["final_loss"] for r in rs))
-        for p, rs in runs.items()
-    }
-    last, final = side["fp8"][0] / side["bf16"][0] - 1, side["fp8"][1] / side["bf16"][1] - 1
+    at = side_gap(*([r["losses"][steps] for r in runs[p]] for p in ("bf16", "fp8")))
+    final = side_gap(*([r["final_loss"] for r in runs[p]] for p in ("bf16", "fp8")))
     pairs = [loss_gaps(steps, b, f)[:2] for f in runs["fp8"] for b in runs["bf16"]]
-    ok = abs(last) <= BARS["final_loss_rel"] and abs(final) <= BARS["final_loss_rel"]
+    ok = at["pass"] and final["pass"]
     print(
-        f"two runs a side, their means: step {steps} bf16 {side['bf16'][0]:.4f}, fp8 {side['fp8'][0]:.4f}, "
-        f"{last:+.3%}; final loss (mean of the last 10 steps) {final:+.3%} (bar within "
-        f"{BARS['final_loss_rel']:.0%}): {'PASS' if ok else 'FAIL'}; the four cross pairs: step {steps} "
+        f"two runs a side, their means: step {steps} bf16 {at['bf16']:.4f}, fp8 {at['fp8']:.4f}, {at['rel']:+.3%}; "
+        f"final loss (mean of the last 10 steps) {final['rel']:+.3%} (bar within {BARS['final_loss_rel']:.0%}): "
+        f"{'PASS' if ok else 'FAIL'}; the four cross pairs: step {steps} "
         f"{min(p[0] for p in pairs):+.3%} to {max(p[0] for p in pairs):+.3%}, final loss "
         f"{min(p[1] for p in pairs):+.3%} to {max(p[1] for p in pairs):+.3%}"
     )
-    return {"last_step_rel": last, "final_rel": final, "pass": ok, "pairs": pairs}
+    return {"last_step_rel": at["rel"], "final_rel": final["rel"], "pass": ok, "pairs": pairs}
 
 
 def report_pool(paths: list[Path]) -> dict:
     """Several numerics results (``bench-fp8.json`` of runs with other seeds or machines) as one sample a side:
-    every run's final loss and step-``steps`` loss, each side's mean and spread, fp8 against bf16 with the
-    standard error of the difference."""
+    every run's final loss and step-``steps`` loss, and :func:`side_gap` of each."""
     runs: dict[str, list[tuple[str, float, float]]] = {"bf16": [], "fp8": []}
     for path in paths:
         got = json.loads(Path(path).read_text())
@@ -675,19 +688,13 @@ def report_pool(paths: list[Path]) -> dict:
             print(f"  {p_:4s} final {final:.4f}  step {steps} {last:.4f}  {label}")
     out: dict = {"runs": runs}
     for i, what in ((1, "final loss (mean of the last 10 steps)"), (2, f"loss at step {steps}")):
-        b, f = ([r[i] for r in runs[p_]] for p_ in ("bf16", "fp8"))
-        mb, mf = statistics.mean(b), statistics.mean(f)
-        sd = {
-            p_: statistics.stdev(v) / statistics.mean(v) if len(v) > 1 else 0.0 for p_, v in (("bf16", b), ("fp8", f))
-        }
-        var = sum(statistics.variance(v) / len(v) if len(v) > 1 else 0.0 for v in (b, f))
-        rel, se = mf / mb - 1, math.sqrt(var) / mb
-        ok = abs(rel) <= BARS["final_loss_rel"]
+        g = side_gap(*([r[i] for r in runs[p_]] for p_ in ("bf16", "fp8")))
         print(
-            f"{what}: bf16 {mb:.4f} (runs spread {sd['bf16']:.2%}), fp8 {mf:.4f} ({sd['fp8']:.2%}): fp8 {rel:+.3%} "
-            f"(standard error {se:.2%}; bar within {BARS['final_loss_rel']:.0%}): {'PASS' if ok else 'FAIL'}"
+            f"{what}: bf16 {g['bf16']:.4f} (runs spread {g['sd']['bf16']:.2%}), fp8 {g['fp8']:.4f} "
+            f"({g['sd']['fp8']:.2%}): fp8 {g['rel']:+.3%} (standard error {g['se']:.2%}; bar within "
+            f"{BARS['final_loss_rel']:.0%}): {'PASS' if g['pass'] else 'FAIL'}"
         )
-        out["final" if i == 1 else "last_step"] = {"rel": rel, "se": se, "pass": ok}
+        out["final" if i == 1 else "last_step"] = {k: g[k] for k in ("rel", "se", "pass")}
     return out
 
 
@@ -715,8 +722,13 @@ def _timeout(args) -> float:
     return max(1.0, min(args.timeout, args.deadline - time.time()))
 
 
+def _gpu_name(gpu: str | None) -> str:
+    """A lane's GPU as printed: its id, or "visible" (no --gpus: the visible device(s))."""
+    return "visible" if gpu is None else str(gpu)
+
+
 def _gpu(args) -> str:
-    return "visible" if args.gpu is None else str(args.gpu)
+    return _gpu_name(args.gpu)
 
 
 def _device_name() -> str:
@@ -886,8 +898,7 @@ def run_parts(args, out: Path) -> dict:
     lane_of = plan_lanes(keys, len(gpus))
 
     def gpu_label(key: str) -> str:
-        g = gpus[lane_of[key]]
-        return "visible" if g is None else g
+        return _gpu_name(gpus[lane_of[key]])
 
     lanes: dict[int, list] = {}
     for k, job in jobs:
@@ -895,8 +906,7 @@ def run_parts(args, out: Path) -> dict:
     print(
         f"== {args.part}: {args.preset}; lanes: "
         + "; ".join(
-            f"GPU {'visible' if gpus[i] is None else gpus[i]}: {', '.join(k for k in keys if lane_of[k] == i)}"
-            for i in sorted(lanes)
+            f"GPU {_gpu_name(gpus[i])}: {', '.join(k for k in keys if lane_of[k] == i)}" for i in sorted(lanes)
         ),
         flush=True,
     )
