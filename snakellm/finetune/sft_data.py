@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.errors import UsageError
+from snakellm.finetune.preference import KEYS as PREFERENCE_KEYS
 from snakellm.io.atomic import atomic_group
 
 SPLITS = ("train", "validation", "test")
@@ -105,6 +106,74 @@ def jsonl_records(
     path: str, input_key: str, output_key: str, template: str | None
 ) -> Iterator[tuple[str, dict | None, str | None, Any]]:
     """Records of a jsonl file with configurable keys; ``output`` may be a string or a list of gold answers."""
+    for place, obj, reason, raw in _json_lines(path):
+        if obj is None:
+            yield place, None, reason, raw
+            continue
+        if input_key not in obj or output_key not in obj:
+            missing = [k for k in (input_key, output_key) if k not in obj]
+            yield place, None, f"missing key {', '.join(missing)}", obj
+            continue
+        inp, out = obj[input_key], obj[output_key]
+        answers = out if isinstance(out, list) else [out]
+        if not _nonempty_str(inp):
+            yield place, None, f"empty or non-string {input_key}", obj
+            continue
+        if not answers or not all(_nonempty_str(a) for a in answers):
+            yield place, None, f"empty or non-string {output_key}", obj
+            continue
+        if template:
+            fields = {k: v for k, v in obj.items() if isinstance(v, str)}
+            try:
+                inp = template.format_map(_Format(fields))
+            except KeyError as e:
+                raise SFTDataError(
+                    f"{place}: prompt template {template!r} names field {e}, not in the record"
+                ) from None
+        rec = {"input": inp, "output": answers[0], "answers": answers}
+        yield place, rec, None, None
+
+
+def preference_records(path: str) -> Iterator[tuple[str, dict | None, str | None, Any]]:
+    """Preference pairs ``{prompt, chosen, rejected}`` (TRL's explicit-prompt form) of a jsonl file.
+
+    A bad pair is quarantined with its place and reason: a missing or non-string field, an empty
+    completion, chosen equal to rejected (nothing to prefer). The prompt may be empty; other keys are kept.
+    """
+    for place, obj, reason, raw in _json_lines(path):
+        if obj is None:
+            yield place, None, reason, raw
+            continue
+        missing = [k for k in PREFERENCE_KEYS if k not in obj]
+        if missing:
+            yield place, None, f"missing key {', '.join(missing)}", obj
+            continue
+        if any(isinstance(obj[k], list) for k in PREFERENCE_KEYS):
+            raise SFTDataError(
+                f"{place}: conversational preference pairs (message lists) need the run's chat template, which "
+                "this version does not render yet: give prompt, chosen and rejected as strings"
+            )
+        bad = [k for k in PREFERENCE_KEYS if not isinstance(obj[k], str)]
+        if bad:
+            yield place, None, f"non-string {', '.join(bad)}", obj
+            continue
+        empty = [k for k in ("chosen", "rejected") if not obj[k].strip()]
+        if empty:
+            yield place, None, f"empty {', '.join(empty)}", obj
+            continue
+        if obj["chosen"] == obj["rejected"]:
+            yield place, None, "chosen equals rejected", obj
+            continue
+        yield (
+            place,
+            {k: obj[k] for k in PREFERENCE_KEYS} | {k: v for k, v in obj.items() if k not in PREFERENCE_KEYS},
+            None,
+            None,
+        )
+
+
+def _json_lines(path: str) -> Iterator[tuple[str, dict | None, str | None, Any]]:
+    """(place, object or None, reject reason, raw) for each line of a jsonl file."""
     try:
         fh = open(path, "rb")
     except OSError as e:
@@ -128,28 +197,7 @@ def jsonl_records(
             if not isinstance(obj, dict):
                 yield place, None, "not a JSON object", obj
                 continue
-            if input_key not in obj or output_key not in obj:
-                missing = [k for k in (input_key, output_key) if k not in obj]
-                yield place, None, f"missing key {', '.join(missing)}", obj
-                continue
-            inp, out = obj[input_key], obj[output_key]
-            answers = out if isinstance(out, list) else [out]
-            if not _nonempty_str(inp):
-                yield place, None, f"empty or non-string {input_key}", obj
-                continue
-            if not answers or not all(_nonempty_str(a) for a in answers):
-                yield place, None, f"empty or non-string {output_key}", obj
-                continue
-            if template:
-                fields = {k: v for k, v in obj.items() if isinstance(v, str)}
-                try:
-                    inp = template.format_map(_Format(fields))
-                except KeyError as e:
-                    raise SFTDataError(
-                        f"{place}: prompt template {template!r} names field {e}, not in the record"
-                    ) from None
-            rec = {"input": inp, "output": answers[0], "answers": answers}
-            yield place, rec, None, None
+            yield place, obj, None, None
 
 
 def split_counts(n: int, split: list[float]) -> list[int]:
@@ -188,8 +236,10 @@ def prepare(
         it = squad_records(source, template or DEFAULT_SQUAD_TEMPLATE)
     elif fmt == "jsonl":
         it = jsonl_records(source, input_key, output_key, template)
+    elif fmt == "preference":
+        it = preference_records(source)
     else:
-        raise SFTDataError(f"unknown format {fmt!r} (squad, jsonl)")
+        raise SFTDataError(f"unknown format {fmt!r} (squad, jsonl, preference)")
     shares = parse_split(split)
     good: list[dict] = []
     rejected: list[dict] = []
