@@ -112,7 +112,14 @@ class DPORecipe(FinetuneRecipe):
             raise ds.SFTFormatError(
                 f"{f}: computed for tokenization {doc.get('tokenization')}, this fine-tune has {want}"
             )
-        for split, path_ in (("train", self.train_path), ("validation", self.valid_path)):
+        self.test_path = self.train_path.parent / "test.jsonl"
+        splits = [("train", self.train_path), ("validation", self.valid_path)]
+        if self.test_path.is_file() and "test" in doc.get("splits", {}):
+            self.pairs["test"], self.pair_stats["test"] = pref.encode_pairs(
+                self.tok, ds.read_jsonl(self.test_path, pref.KEYS), self.trunc
+            )
+            splits.append(("test", self.test_path))
+        for split, path_ in splits:
             got = doc.get("splits", {}).get(split)
             if got is None or got.get("sha256") != sha256(path_):
                 raise ds.SFTFormatError(f"{f}: computed for other {split} pairs than {path_} (stale: rebuild it)")
@@ -212,6 +219,44 @@ class DPORecipe(FinetuneRecipe):
                 yield self._pairs_batch("validation", padded[k : k + a.micro_batch_size])
 
         return batches
+
+    def finish(self, done: assembly.Done) -> None:
+        """SFT's artifacts and summary, then the held-out evaluation: the test split's reward accuracy and
+        margins, and the chosen completions' log-probability against the reference's."""
+        super().finish(done)
+        test = self.test_path if hasattr(self, "test_path") else self.train_path.parent / "test.jsonl"
+        if "test" not in self.pairs and test.is_file() and (self.inline_ref or self.ref_free):
+            self.pairs["test"], self.pair_stats["test"] = pref.encode_pairs(
+                self.tok, ds.read_jsonl(test, pref.KEYS), self.trunc
+            )
+        if not self.pairs.get("test"):
+            return
+        result = self.evaluate_split(done.session, "test")
+        if done.session.rank0:
+            path = Path(self.a.out_dir) / "finetune_summary.json"
+            write_json(path, json.loads(path.read_text()) | {"test": result})
+
+    def evaluate_split(self, s: assembly.Session, split: str) -> dict[str, Any]:
+        """TRL's metrics over a split's pairs with the policy as it is (eval mode, no gradients)."""
+        import torch
+
+        model, pairs = self.ft, self.pairs[split]
+        model.eval()
+        sums: dict[str, float] = {}
+        with torch.no_grad():
+            for k in range(0, len(pairs), self.a.micro_batch_size):
+                idx = list(range(k, min(k + self.a.micro_batch_size, len(pairs))))
+                b = s.to_device(self._pairs_batch(split, idx))
+                loss, stats = self.loss(model, b)
+                for name, v in {"loss": loss, **stats}.items():
+                    sums[name] = sums.get(name, 0.0) + float(v) * len(idx)
+                if not self.ref_free:
+                    rc = b["ref_chosen"] if "ref_chosen" in b else None
+                    if rc is not None:
+                        sums["reference_logps/chosen"] = sums.get("reference_logps/chosen", 0.0) + float(rc.sum())
+        model.train()
+        out = {k: v / len(pairs) for k, v in sums.items()}
+        return {"pairs": len(pairs), **dict(sorted(out.items()))}
 
     def meta(self) -> dict[str, Any]:
         return {"method": "dpo", "dpo_policy": self.kind}
