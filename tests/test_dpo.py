@@ -160,3 +160,115 @@ def test_one_step_equals_trl_dpotrainer(tiny, tmp_path, loss):
     assert (g_ours - g_theirs).abs().max().item() < 1e-5
     g_norm = gpt.decoder.final_layernorm.weight.grad
     assert (g_norm - hf.model.norm.weight.grad).abs().max().item() < 1e-5
+
+
+# ---------------------------------------------------------------- the workflow
+
+SIX = PAIRS + [
+    {"prompt": "Say something about the lake.\n", "chosen": "The lake is pleasant.", "rejected": "The lake is nasty."},
+    {"prompt": "And the farm?\n", "chosen": "The farm looks delightful today.", "rejected": "It looks horrible."},
+]
+
+
+def _dpo_config() -> dict:
+    return {
+        "import_hf": {"tl": {"hf_dir": "models/random/tl", "random": {"preset": "tiny-llama", "seed": 3}}},
+        "sft_data": {"prefs": {"path": "prefs.jsonl", "format": "preference", "split": "4,1,1", "seed": 1}},
+        "finetune": {
+            "dpo": {
+                "run": "tl",
+                "data": "prefs",
+                "method": "dpo",
+                "dpo": {"beta": 0.1, "loss": "sigmoid"},
+                "lora": {"rank": 4, "targets": ["linear_qkv", "linear_fc2"]},
+                "train": {"steps": 2, "micro_batch_size": 2, "global_batch_size": 4, "precision": "fp32"},
+                "parallel": {"threads": 1},
+            }
+        },
+        "export_hf": {"enabled": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def dpo_ws(tmp_path_factory):
+    import shutil
+
+    from conftest import Workspace
+
+    root = tmp_path_factory.mktemp("dpo-workflow")
+    shutil.copytree(REPO / "resources" / "tokenizers", root / "resources" / "tokenizers")
+    (root / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SIX))
+    ws = Workspace(root)
+    ws.write_config(_dpo_config())
+    ws.run("runs/tl/finetune/dpo/finetune_summary.json", timeout=600)
+    return ws
+
+
+@pytest.mark.slow  # a random tiny Llama imported, its reference log-probs, two DPO steps: about a minute
+def test_first_workflow_step_is_trls_with_transformers_logps(dpo_ws):
+    """Policy = reference at step 1: loss ln 2, rewards 0, logps/* = transformers' log-probabilities of the four
+    training pairs under TRL's tokenization (the mean over the global batch) within 1e-3."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from snakellm.finetune.preference import tokenize
+
+    ws = dpo_ws
+    first = json.loads(ws.path("runs/tl/finetune/dpo/metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["loss"] - math.log(2)) < 1e-5
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(first[k]) < 1e-5, k
+    assert {"rewards/accuracies", "logps/chosen", "logps/rejected"} <= set(first)
+    train = [json.loads(x) for x in ws.path("data/sft/prefs/train.jsonl").read_text().splitlines()]
+    assert len(train) == 4
+    hf = AutoModelForCausalLM.from_pretrained(ws.path("models/random/tl"), dtype=torch.float32).eval()
+    at = AutoTokenizer.from_pretrained(ws.path("models/random/tl"))
+
+    class Tok:  # transformers' own tokenizer through TRL's rule
+        eod_id, eod_token = at.eos_token_id, at.eos_token
+
+        @staticmethod
+        def encode(text: str) -> list[int]:
+            return at(text)["input_ids"]
+
+    sums = {"chosen": [], "rejected": []}
+    for r in train:
+        p, c, rj = tokenize(Tok, r)
+        for side, comp in (("chosen", c), ("rejected", rj)):
+            ids = torch.tensor([p + comp])
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1)
+            tgt = ids[0, 1:]
+            sums[side].append(lp[torch.arange(len(tgt)), tgt][max(len(p) - 1, 0) :].sum().item())
+    for side in ("chosen", "rejected"):
+        assert abs(first[f"logps/{side}"] - sum(sums[side]) / 4) < 1e-3, side
+    summary = json.loads(ws.path("runs/tl/finetune/dpo/finetune_summary.json").read_text())
+    assert summary["test"]["pairs"] == 1 and "rewards/accuracies" in summary["test"]
+
+
+@pytest.mark.slow
+def test_reference_is_not_rebuilt_for_beta_loss_lr_or_steps_only_for_its_inputs(dpo_ws):
+    """Snakemake's own -n: a new beta, loss, learning rate or step count reruns the fine-tune only; a new
+    truncation (the pairs' tokens) or reference model rebuilds the reference_logprobs target too."""
+    ws = dpo_ws
+    base = _dpo_config()
+    ft = base["finetune"]["dpo"]
+    ref_rule = "reference_logprobs"
+    changes = [
+        ("dpo", {"beta": 0.5, "loss": "sigmoid"}, False),
+        ("dpo", {"beta": 0.1, "loss": "hinge"}, False),
+        ("train", {**ft["train"], "lr": 1.0e-3, "steps": 5}, False),
+        ("dpo", {"beta": 0.1, "loss": "sigmoid", "max_length": 20}, True),
+    ]
+    try:
+        for key, value, rebuilt in changes:
+            cfg = copy.deepcopy(base)
+            cfg["finetune"]["dpo"][key] = value
+            ws.write_config(cfg)
+            out = ws.run("-n", "runs/tl/finetune/dpo/finetune_summary.json")
+            plan = out.stdout + out.stderr
+            assert "rule finetune:" in plan, (key, value)
+            assert (f"rule {ref_rule}:" in plan) == rebuilt, (key, value, plan[-2000:])
+    finally:
+        ws.write_config(base)
+    assert ws.nothing_to_do("runs/tl/finetune/dpo/finetune_summary.json")
