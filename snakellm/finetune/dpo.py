@@ -79,7 +79,7 @@ class DPORecipe(FinetuneRecipe):
         self.pairs: dict[str, list[pref.Pair]] = {}
         self.pair_stats: dict[str, dict[str, int]] = {}
         for split, path in (("train", self.train_path), ("validation", self.valid_path)):
-            recs = ds.read_jsonl(path, pref.KEYS)
+            recs = ds.read_jsonl(path, pref.KEYS) if split == "train" or path.read_text().strip() else []
             self.pairs[split], self.pair_stats[split] = pref.encode_pairs(self.tok, recs, self.trunc)
         if not self.pairs["train"]:
             raise ds.SFTFormatError(f"{self.train_path}: no pair left after truncation ({self.pair_stats['train']})")
@@ -120,6 +120,9 @@ class DPORecipe(FinetuneRecipe):
             )
             splits.append(("test", self.test_path))
         for split, path_ in splits:
+            if not self.pairs[split] and split not in doc.get("splits", {}):  # an empty split (share 0)
+                self.ref[split] = {"chosen": [], "rejected": []}
+                continue
             got = doc.get("splits", {}).get(split)
             if got is None or got.get("sha256") != sha256(path_):
                 raise ds.SFTFormatError(f"{f}: computed for other {split} pairs than {path_} (stale: rebuild it)")

@@ -59,7 +59,7 @@ def compute(
         splits: dict[str, Any] = {}
         for split in SPLITS:
             path = Path(data_dir) / f"{split}.jsonl"
-            if not path.is_file():
+            if not path.is_file() or not path.read_text().strip():  # a split of share 0
                 continue
             pairs, stats = pref.encode_pairs(tok, ds.read_jsonl(path, pref.KEYS), trunc)
             chosen: list[float] = []
