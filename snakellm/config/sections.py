@@ -177,7 +177,7 @@ class SourceSettings:
     """``sources.<name>``: one corpus; its shards are sorted naturally and sliced into chunks."""
 
     kind: str = setting(REQUIRED, "local files or http URLs", choices=("local", "http"), cli=False)
-    path: str | list[str] | None = setting(None, "glob(s) of local shard files; `**` recurses", cli=False)
+    path: str | list[str] | None = setting(None, "glob(s) of local shard files; `**` recurses", cli=False, path="glob")
     url: str | list[str] | None = setting(None, "URL template(s) with shell-style braces", cli=False)
     urls: list[str] | None = setting(None, "explicit URLs (added to those from `url`)", cli=False)
     format: str = setting(
@@ -254,10 +254,10 @@ class TokenizerSettings:
     """``tokenizers.<name>``: how `snakellm tokenize` loads a tokenizer."""
 
     kind: str = setting(REQUIRED, "tokenizer kind", choices=TOKENIZER_KINDS)
-    vocab_file: str | None = setting(None, "gpt2-bpe: vocab.json (Megatron --vocab-file)")
-    merges_file: str | None = setting(None, "gpt2-bpe: merges.txt (Megatron --merge-file)")
-    model_file: str | None = setting(None, "sentencepiece: the .model file")
-    tokenizer_file: str | None = setting(None, "huggingface: a tokenizer.json")
+    vocab_file: str | None = setting(None, "gpt2-bpe: vocab.json (Megatron --vocab-file)", path="file")
+    merges_file: str | None = setting(None, "gpt2-bpe: merges.txt (Megatron --merge-file)", path="file")
+    model_file: str | None = setting(None, "sentencepiece: the .model file", path="file")
+    tokenizer_file: str | None = setting(None, "huggingface: a tokenizer.json", path="file")
     eod: str | None = setting(
         None,
         "end-of-document token appended to every document (gpt2-bpe: <|endoftext|>; sentencepiece: the model's "
@@ -526,7 +526,7 @@ class RunSettings:
 class SftDataSettings:
     """``sft_data.<name>``: `snakellm prepare-sft` of one data set."""
 
-    path: str = setting(REQUIRED, "a SQuAD-format .json or a .jsonl file", cli=False)
+    path: str = setting(REQUIRED, "a SQuAD-format .json or a .jsonl file", cli=False, path="file")
     format: str = setting(
         "squad",
         "squad: answerable questions, first answer as output; jsonl: records with input_key/output_key",
@@ -740,7 +740,9 @@ class RandomHfSettings:
     preset: str = setting(REQUIRED, "the shape: a preset (llama3-8b, llama2-7b, tiny-llama, ...)")
     seed: int = setting(0, "seed of the weights")
     tokenizer_dir: str = setting(
-        "resources/tokenizers/gpt2", "GPT-2's vocab.json and merges.txt (the model's tokenizer, copied in)"
+        "resources/tokenizers/gpt2",
+        "GPT-2's vocab.json and merges.txt (the model's tokenizer, copied in)",
+        path="dir",
     )
     max_shard_size: str = setting("5GB", "largest safetensors shard")
 
@@ -749,7 +751,7 @@ class RandomHfSettings:
 class ImportHfSettings:
     """``import_hf.<name>``: a Hugging Face GPT-2 / Llama directory turned into a run."""
 
-    hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False)
+    hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False, path="dir", path_unless="random")
     make_vocab_size_divisible_by: int = setting(128, "embedding padding (Megatron-LM's)")
     random: dict[str, Any] | None = setting(
         None,
@@ -814,6 +816,7 @@ class LmEvalSuiteSettings:
         [],
         "more directories of lm-eval task YAMLs over local files (the evaluation runs offline); the workflow "
         "always adds data/lm_eval/tasks, the shipped suite",
+        path="dir",
     )
 
 
