@@ -34,3 +34,7 @@ rule all:
     default_target: True
     input:
         get_all_targets(),
+
+
+onsuccess:
+    on_success()
