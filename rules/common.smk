@@ -139,6 +139,12 @@ def get_chunk_shards_option(wildcards):
     return f"--shard-list {shard_list_path(wildcards.source, wildcards.chunk)}"
 
 
+def get_download_token_option(wildcards):
+    """`--token-env VAR ` (config: sources.NAME.token_env): the variable's name only, never its value."""
+    var = SOURCES[wildcards.source].get("token_env")
+    return f"--token-env {var} " if var else ""
+
+
 def get_download_url_list(wildcards):
     return shard_list_path(wildcards.source, wildcards.chunk)
 

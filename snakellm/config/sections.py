@@ -192,6 +192,9 @@ class SourceSettings:
     columns: list[str] | None = setting(
         None, "parquet, arrow: the other columns kept in each record (default: all of them)"
     )
+    token_env: str | None = setting(
+        None, "http: environment variable of a bearer token sent to the URLs' own host only (HF_TOKEN)", cli=False
+    )
     weight: float = setting(1.0, "sampling weight in the blend (multiplied by the source's token count)", cli=False)
     shards_per_chunk: int | None = setting(
         None, "shards concatenated into one chunk (one job per chunk); this or row_groups_per_chunk", cli=False
