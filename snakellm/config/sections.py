@@ -26,7 +26,8 @@ from typing import Any
 from snakellm.config.settings import REQUIRED, setting
 from snakellm.models.architecture import ModelSettings
 
-SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki")
+SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki", "parquet", "arrow", "warc")
+COLUMNAR_FORMATS = ("parquet", "arrow")  # read by snakellm.data.columnar: `id_key`, `columns`
 TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LORA_INITS = ("xavier", "normal", "kaiming", "zero")
@@ -186,9 +187,23 @@ class SourceSettings:
         choices=SOURCE_FORMATS,
         cli_default="jsonl",
     )
-    key: str = setting("text", "JSON key holding the document text")
+    key: str = setting("text", "JSON key (parquet, arrow: column) holding the document text")
+    id_key: str = setting("id", "parquet, arrow: column of the document id (a file without it: `{shard}/{row}`)")
+    columns: list[str] | None = setting(
+        None, "parquet, arrow: the other columns kept in each record (default: all of them)"
+    )
+    token_env: str | None = setting(
+        None, "http: environment variable of a bearer token sent to the URLs' own host only (HF_TOKEN)", cli=False
+    )
     weight: float = setting(1.0, "sampling weight in the blend (multiplied by the source's token count)", cli=False)
-    shards_per_chunk: int = setting(REQUIRED, "shards concatenated into one chunk (one job per chunk)", cli=False)
+    shards_per_chunk: int | None = setting(
+        None, "shards concatenated into one chunk (one job per chunk); this or row_groups_per_chunk", cli=False
+    )
+    row_groups_per_chunk: int | None = setting(
+        None,
+        "local parquet: each file sliced into chunks of up to N of its row groups (planned from footers)",
+        cli=False,
+    )
     # flags of `snakellm chunk` whose command-line default is "no limit" (steps/chunk.py); the rule passes these
     max_document_bytes: int = setting(
         67108864, "a longer document is quarantined as too_long, never held whole in memory", cli=False
