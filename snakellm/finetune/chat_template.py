@@ -85,8 +85,8 @@ class ChatTemplateError(DataError):
     """A template that is missing, does not render, or whose assistant turns cannot be located."""
 
 
-class _TemplateRaised(Exception):
-    pass
+class _TemplateRaised(ChatTemplateError):
+    """The template called raise_exception (rephrased with the template's source)."""
 
 
 _TRACK: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("chat_generation_spans", default=None)
