@@ -544,8 +544,9 @@ class SftDataSettings:
     path: str = setting(REQUIRED, "a SQuAD-format .json or a .jsonl file", cli=False, path="file")
     format: str = setting(
         "squad",
-        "squad: answerable questions, first answer as output; jsonl: records with input_key/output_key",
-        choices=("squad", "jsonl"),
+        "squad: answerable questions, first answer as output; jsonl: records with input_key/output_key; "
+        "messages: OpenAI-style {role, content} lists; sharegpt: {from, value} lists (human, gpt, system)",
+        choices=("squad", "jsonl", "messages", "sharegpt"),
     )
     template: str | None = setting(
         None,
@@ -554,6 +555,9 @@ class SftDataSettings:
     )
     input_key: str = setting("input", "jsonl: key of the prompt")
     output_key: str = setting("output", "jsonl: key of the answer (a string or a list of gold answers)")
+    messages_key: str | None = setting(
+        None, "messages/sharegpt: key of the conversation list (null: messages, or conversations for sharegpt)"
+    )
     split: str = setting("80,10,10", "train,validation,test shares after a seeded shuffle")
     seed: int = setting(1234, "seed of the shuffle before splitting")
     limit: int | None = setting(None, "use only this many records (after the shuffle)")
@@ -617,6 +621,19 @@ class ExamplesSettings:
         choices=("left", "right"),
     )
     packing: bool = setting(False, "several examples per sequence (block-diagonal attention)", trajectory=True)
+    chat_template: str | None = setting(
+        None,
+        "conversations: the chat template, a built-in (chatml, llama3, mistral) or a Jinja file "
+        "(null: the model's own, from its tokenizer)",
+        trajectory=True,
+    )
+    train_on: str = setting(
+        "all_assistant",
+        "conversations: the tokens trained (every assistant turn's content and end-of-turn token, the last "
+        "turn's only, or every token)",
+        trajectory=True,
+        choices=("all_assistant", "last_assistant", "all"),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
