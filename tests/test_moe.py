@@ -31,35 +31,29 @@ SHAPE = dict(
 def _configs():
     from transformers import MixtralConfig
 
+    from transformers import Qwen3MoeConfig
+
     out = {
         "mixtral": MixtralConfig(**SHAPE, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3-moe": Qwen3MoeConfig(
+            **SHAPE,
+            head_dim=32,  # not hidden_size / heads (16): Qwen3's own head width
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+        ),
+        "qwen3-moe-unnormalised": Qwen3MoeConfig(
+            **SHAPE,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+        ),
     }
-    try:
-        from transformers import Qwen3MoeConfig
-
-        from snakellm.models import families
-
-        if "qwen3_moe" in families.FAMILIES:
-            out["qwen3-moe"] = Qwen3MoeConfig(
-                **SHAPE,
-                head_dim=32,  # not hidden_size / heads (16): Qwen3's own head width
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                num_experts=8,
-                num_experts_per_tok=3,
-                norm_topk_prob=True,
-            )
-            out["qwen3-moe-unnormalised"] = Qwen3MoeConfig(
-                **SHAPE,
-                head_dim=16,
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                num_experts=8,
-                num_experts_per_tok=2,
-                norm_topk_prob=False,
-            )
-    except ImportError:
-        pass
     return out
 
 
@@ -156,6 +150,10 @@ def test_moe_settings_resolve_and_refuse_with_the_key():
     big = resolve("mixtral-8x7b")
     assert round(param_count(big, 32000) / 1e9, 1) == 46.7
     assert round(param_count(big, 32000, active=True) / 1e9, 1) == 12.9
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (Qwen's model card)
+    qwen = resolve("qwen3-30b-a3b")
+    assert round(param_count(qwen, 151936) / 1e9, 1) == 30.5
+    assert round(param_count(qwen, 151936, active=True) / 1e9, 1) == 3.4  # 3.35: the card rounds down
 
 
 def test_export_refuses_a_router_the_hf_class_does_not_have():

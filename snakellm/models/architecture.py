@@ -116,8 +116,14 @@ def resolve(preset: str | None, overrides: dict[str, Any] | None = None) -> dict
     if cfg["num_query_groups"] is None:
         cfg["num_query_groups"] = cfg["num_attention_heads"]
     h, n, g = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_query_groups"]
-    if h % n:
+    own_heads = "kv_channels" in cfg and cfg["kv_channels"] is not None  # a head size of its own (Qwen3)
+    if h % n and not own_heads:
         raise ModelConfigError(f"hidden_size {h} is not divisible by num_attention_heads {n}")
+    if "kv_channels" in cfg:
+        if cfg["kv_channels"] is None:
+            cfg["kv_channels"] = h // n
+        if not isinstance(cfg["kv_channels"], int) or cfg["kv_channels"] < 1:
+            raise ModelConfigError(f"model kv_channels must be a positive integer, got {cfg['kv_channels']!r}")
     if n % g:
         raise ModelConfigError(f"num_attention_heads {n} is not divisible by num_query_groups {g}")
     for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):

@@ -187,7 +187,7 @@ def _place(model: Any, cfg: dict[str, Any], family: families.Family, *, bf16: bo
     if rot is not None:
         # the family's frequencies (Llama 3.x's scaling with any of its values; megatron-core's own
         # rope_scaling takes the factor only), set before the first forward (its embeddings are cached)
-        rot.inv_freq = family.rope_inv_freq(cfg, cfg["hidden_size"] // cfg["num_attention_heads"], rot.inv_freq.device)
+        rot.inv_freq = family.rope_inv_freq(cfg, families.head_dim(cfg), rot.inv_freq.device)
     if bf16:
         # what Megatron-LM's Float16Module does: every parameter in bf16, norms included
         # (torch's LayerNorm/RMSNorm are created in fp32 whatever params_dtype says)
@@ -271,18 +271,27 @@ def _layer_spec(
     )
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    qk = bool(tcfg.qk_layernorm)  # the family's QK-norm (Qwen3): q_layernorm and k_layernorm over each head
     experts = cfg.get("num_experts") or None  # megatron-core's MoE layer as every layer's MLP
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=experts is not None, normalization=cfg["normalization"]
+            num_experts=experts,
+            moe_grouped_gemm=experts is not None,
+            normalization=cfg["normalization"],
+            qk_layernorm=qk,
         )
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization=cfg["normalization"])
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, normalization=cfg["normalization"], qk_layernorm=qk
+    )
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class(attention_backend)
     if not sequence_parallel:
         return spec
     norm = _norm_class()
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
+    if qk:  # per head, inside the tensor-parallel region: megatron-core sums their gradients over tp itself
+        spec.submodules.self_attention.submodules.q_layernorm = norm
+        spec.submodules.self_attention.submodules.k_layernorm = norm
     # this stage's (or chunk's) layers: a block spec lists exactly the layers it builds
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage), layer_norm=norm)
 

@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from snakellm.models.families.base import head_dim
+
 GiB = 1024**3
 RECOMPUTE = ("none", "selective", "full")
 
@@ -99,13 +101,14 @@ def layer_params(arch: dict[str, Any], tp: int = 1) -> tuple[float, float]:
     replicated); norms are replicated.
     """
     h, f = arch["hidden_size"], arch["ffn_hidden_size"]
-    kv = h // arch["num_attention_heads"] * arch["num_query_groups"]
+    d = head_dim(arch)
+    q, kv = arch["num_attention_heads"] * d, arch["num_query_groups"] * d
     bias = bool(arch["bias"])
     qkv_bias = bool(arch.get("qkv_bias", bias))
     norm = 2 * h if arch["normalization"] == "LayerNorm" else h
     up = 2 * f if arch["activation"] == "swiglu" else f
-    sharded = h * (h + 2 * kv) + h * h + h * up + f * h + ((h + 2 * kv) if qkv_bias else 0) + (up if bias else 0)
-    replicated = 2 * norm + (2 * h if bias else 0)
+    sharded = h * (q + 2 * kv) + q * h + h * up + f * h + ((q + 2 * kv) if qkv_bias else 0) + (up if bias else 0)
+    replicated = 2 * norm + (2 * h if bias else 0) + (2 * d if arch.get("qk_norm") else 0)
     return sharded / tp, float(replicated)
 
 
@@ -129,7 +132,7 @@ def layer_activation_bytes(
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     s, b, e = seq_length or arch["seq_length"], micro_batch_size, bytes_per_element
     h, f, a = arch["hidden_size"], arch["ffn_hidden_size"], arch["num_attention_heads"]
-    kv = h // a * arch["num_query_groups"]
+    q, kv = a * head_dim(arch), head_dim(arch) * arch["num_query_groups"]  # q = h unless the head size is its own
     sbh = s * b * h
     hidden_dropout = (arch.get("hidden_dropout") or 0) > 0
     attn_dropout = (arch.get("attention_dropout") or 0) > 0
@@ -146,7 +149,7 @@ def layer_activation_bytes(
     # keeps 24 layers' activations); on a GPU megatron-core's fused SwiGLU keeps only its input
     swiglu = arch["activation"] == "swiglu"
     up = 2 * f if swiglu else f
-    sharded = e * s * b * (h + kv) + e * s * b * kv + e * sbh + e * s * b * up + e * s * b * f
+    sharded = e * s * b * (q + kv) + e * s * b * kv + e * s * b * q + e * s * b * up + e * s * b * f
     if swiglu and not fused_swiglu:
         sharded += e * s * b * f
     if flash_attention:
@@ -368,10 +371,15 @@ LORA_TARGET_DIMS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 def lora_params(arch: dict[str, Any], rank: int, targets: tuple[str, ...] | list[str], tp: int = 1) -> float:
     """LoRA adapter parameters on one tensor-parallel rank: ``rank x (in + out)`` per targeted linear and layer."""
     h, f = arch["hidden_size"], arch["ffn_hidden_size"]
-    d = h // arch["num_attention_heads"]
+    d = head_dim(arch)
     qkv = d * (arch["num_attention_heads"] + 2 * arch["num_query_groups"])
     up = 2 * f if arch["activation"] == "swiglu" else f
-    dims = {"linear_qkv": (h, qkv), "linear_proj": (h, h), "linear_fc1": (h, up), "linear_fc2": (f, h)}
+    dims = {
+        "linear_qkv": (h, qkv),
+        "linear_proj": (d * arch["num_attention_heads"], h),
+        "linear_fc1": (h, up),
+        "linear_fc2": (f, h),
+    }
     per_layer = sum(rank * sum(dims[t]) for t in targets if t in dims)
     return arch["num_layers"] * per_layer / tp
 

@@ -209,6 +209,10 @@ class Decoder:
                         ("fc1_b", "mlp.linear_fc1.bias"),
                         ("fc2_w", "mlp.linear_fc2.weight"),
                         ("fc2_b", "mlp.linear_fc2.bias"),
+                        ("qn_w", "self_attention.q_layernorm.weight"),  # QK-norm (Qwen3): None without
+                        ("qn_b", "self_attention.q_layernorm.bias"),
+                        ("kn_w", "self_attention.k_layernorm.weight"),
+                        ("kn_b", "self_attention.k_layernorm.bias"),
                     )
                 }
             )
@@ -220,7 +224,7 @@ class Decoder:
         self.final_b = w.get("decoder.final_layernorm.bias")
         self.n = arch["num_attention_heads"]
         self.g = arch["num_query_groups"]
-        self.d = arch["hidden_size"] // self.n
+        self.d = families.head_dim(arch)
         self.eps = arch["layernorm_epsilon"]
         self.rope = arch["position_embedding"] == "rope"
         if self.rope:  # the family's frequencies (rope scaling changes them), as megatron-core computes them
@@ -281,6 +285,18 @@ class Decoder:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
 
+    def qk_norm(self, qkv, L):
+        """``qkv`` [..., g, per + 2, d] with each query head and the key normalised over the head (QK-norm,
+        megatron-core's ``q_layernorm`` / ``k_layernorm``, before RoPE); as it is for a model without."""
+        import torch
+
+        if L["qn_w"] is None:
+            return qkv
+        per = qkv.shape[-2] - 2
+        q = self._norm(qkv[..., :per, :], L["qn_w"], L["qn_b"])
+        k = self._norm(qkv[..., per : per + 1, :], L["kn_w"], L["kn_b"])
+        return torch.cat((q, k, qkv[..., per + 1 :, :]), dim=-2)
+
     def _rotate(self, t, cos, sin):
         import torch
 
@@ -325,7 +341,7 @@ class Decoder:
         swiglu = self.arch["activation"] == "swiglu"
         for li, L in enumerate(self.layers):
             h = self._norm(x, L["ln1_w"], L["ln1_b"])
-            qkv = F.linear(h, L["qkv_w"], L["qkv_b"]).view(b, t, g, per + 2, d)
+            qkv = self.qk_norm(F.linear(h, L["qkv_w"], L["qkv_b"]).view(b, t, g, per + 2, d), L)
             q = qkv[:, :, :, :per].reshape(b, t, n, d)
             k = qkv[:, :, :, per]
             v = qkv[:, :, :, per + 1]

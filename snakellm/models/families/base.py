@@ -62,10 +62,16 @@ class Sizes:
     padded_vocab: int  # megatron-core's (a multiple of make_vocab_size_divisible_by)
 
 
+def head_dim(arch: Arch) -> int:
+    """The size of one attention head: the family's ``kv_channels`` (Qwen3's 128 at d=1024 and 16 heads),
+    else ``hidden_size / num_attention_heads`` as in every earlier family."""
+    return int(arch.get("kv_channels") or arch["hidden_size"] // arch["num_attention_heads"])
+
+
 def _heads(s: Sizes) -> tuple[int, int, int]:
     """(query heads, query groups, head dim)."""
     n, g = s.arch["num_attention_heads"], s.arch["num_query_groups"]
-    return n, g, s.arch["hidden_size"] // n
+    return n, g, head_dim(s.arch)
 
 
 def qkv_split(t: Any, s: Sizes) -> tuple[Any, Any, Any]:
