@@ -29,9 +29,7 @@ SHAPE = dict(
 
 
 def _configs():
-    from transformers import MixtralConfig
-
-    from transformers import Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen3MoeConfig
 
     out = {
         "mixtral": MixtralConfig(**SHAPE, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
@@ -164,3 +162,24 @@ def test_export_refuses_a_router_the_hf_class_does_not_have():
         families.for_arch(arch)
     with pytest.raises(families.FamilyError, match="num_experts=4: LlamaForCausalLM is dense"):
         families.for_arch({**resolve("tiny-mixtral"), "style": "llama"})
+
+
+def test_memory_counts_experts_sharded_by_ep_and_the_plan_names_ep():
+    from snakellm.models import memory, moe, param_count, resolve
+
+    arch = resolve("qwen3-30b-a3b")
+    vocab = 151936
+    one = memory.estimate(arch, vocab, dp=8)
+    eight = memory.estimate(arch, vocab, dp=8, ep=8)
+    assert one.params == param_count(arch, vocab)  # every expert on one GPU
+    experts = arch["num_layers"] * arch["num_experts"] * moe.expert_params(arch)
+    assert one.params - eight.params == experts - experts // 8  # an eighth of them at ep 8
+    assert eight.weights == eight.params * 2 and eight.optimizer == eight.params * 12
+    assert "experts over ep 8" in eight.lines()[0]
+    # a MoE layer keeps each token's top-k copies through its experts (input, up-projection, down input and the
+    # dispatcher's permuted copy), whatever the number of experts: k x (2 h + 3 f) per token in bf16
+    s, h, f = arch["seq_length"], arch["hidden_size"], arch["moe_ffn_hidden_size"]
+    two = dict(arch, moe_router_topk=2)
+    per_k = (memory.layer_activation_bytes(arch, 1) - memory.layer_activation_bytes(two, 1)) / 6
+    assert per_k == 2 * s * (2 * h + 3 * f)
+    assert memory.layer_activation_bytes(dict(arch, num_experts=64), 1) < memory.layer_activation_bytes(arch, 1)

@@ -265,6 +265,14 @@ def parallel_conflict(par: dict[str, Any], name: Callable[[str], str] = str) -> 
             "fp8_all_gather",
             f"casts each FSDP shard to float8 before FSDP's all-gather: it needs {name('fsdp')}",
         )
+    ep = par.get("ep", 1)
+    if ep > 1 and (par.get("fsdp") or distopt):
+        key = "fsdp" if par.get("fsdp") else "distributed_optimizer"
+        return (
+            "ep",
+            f"expert parallelism is not composed with {name(key)} yet (the experts' gradients and Adam states "
+            f"live on their expert-parallel ranks): use {name('ep')} 1 or drop {name(key)}",
+        )
     if par.get("fsdp") and pp > 1:
         return "fsdp", f"shards over the data-parallel ranks of one pipeline stage: it needs {name('pp')} 1 (got {pp})"
     if distopt and vpp > 1:
@@ -280,8 +288,15 @@ def describe(cfg: dict[str, Any], vocab: int) -> str:
     from snakellm.models.counts import param_count
 
     n = param_count(cfg, vocab)
+    experts = ""
+    if cfg.get("num_experts"):  # MFU counts the active parameters (flops_per_token)
+        active = param_count(cfg, vocab, active=True)
+        experts = (
+            f" ({active / 1e6:.1f}M active: {cfg['moe_router_topk']} of {cfg['num_experts']} experts of "
+            f"ffn {cfg['moe_ffn_hidden_size']} per token)"
+        )
     return (
-        f"{cfg['style']} {n / 1e6:.1f}M params: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
+        f"{cfg['style']} {n / 1e6:.1f}M params{experts}: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
         f"{cfg['num_attention_heads']} heads ({cfg['num_query_groups']} KV groups), ffn {cfg['ffn_hidden_size']}, "
         f"seq {cfg['seq_length']}, vocab {vocab}"
     )

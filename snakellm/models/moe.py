@@ -87,6 +87,19 @@ def check_ep(arch: dict[str, Any], ep: int, world: int | None = None, tp: int = 
     return None
 
 
+def scale_aux_losses(scale: float) -> None:
+    """The factor megatron-core's MoE auxiliary losses' gradients get (``MoEAuxLossAutoScaler``): 1 / micro-batches
+    in a step, as megatron-core's own schedules set it (a no-op for a dense model)."""
+    import sys
+
+    if "megatron.core.transformer.moe.moe_utils" not in sys.modules:
+        return
+    import torch
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
+
+
 def install_cpu_shim() -> None:
     """Two places megatron-core 0.16.1's MoE layer needs CUDA or Transformer Engine, for the CPU (gloo).
 
