@@ -408,6 +408,12 @@ class ParallelSettings:
         "smaller pipeline bubble for more point-to-point traffic (> 1 needs pp > 1 and micro batches per step "
         "divisible by pp)",
     )
+    ep: int = setting(
+        1,
+        "expert-parallel size (mixture of experts): each layer's experts split over ep of the data-parallel ranks, "
+        "tokens exchanged by megatron-core's alltoall dispatcher (num_experts divisible by ep; ep divides the "
+        "data-parallel size)",
+    )
     recompute: str = setting(
         "none",
         "megatron-core activation recomputation: selective (core attention, recomputed in the backward pass) or "
