@@ -298,7 +298,11 @@ def get_train_data(wildcards):
 
 def get_train_flags(wildcards):
     """Every `snakellm train` setting of the run (snakellm.config.resolve.train_flags): reruns on its own settings."""
-    return resolvemod.train_flags(RUNS[wildcards.run], RUN_MODELS[wildcards.run])
+    run = RUNS[wildcards.run]
+    return flagmod.join(
+        resolvemod.train_flags(run, RUN_MODELS[wildcards.run]),
+        flagmod.tracking_flags(config.get("tracking"), run.get("tracking")),
+    )
 
 
 def get_train_threads(wildcards):
