@@ -30,7 +30,7 @@ from snakellm.steps import train as train_step
 
 def _tracker(tmp_path: Path, settings: TrackingSettings, *, fresh: bool = True, budget: float = 30.0, **kw):
     warnings: list[str] = []
-    run = tracking.RunInfo(name="t1", kind="pretrain", dir=tmp_path / "ckpt", files_dir=tmp_path, **kw)
+    run = tracking.RunInfo(name="t1", kind="pretrain", dir=tmp_path / "checkpoints", files_dir=tmp_path, **kw)
     run.params = {**run.params, **tracking.code_version()}
     t = tracking.Tracker(settings, run, fresh=fresh, budget_s=budget, warn=warnings.append)
     return t, warnings
@@ -125,6 +125,59 @@ def test_a_server_that_never_answers_costs_the_budget_and_one_warning(tmp_path):
     assert len(warnings) == 1 and "gave up" in warnings[0] and "metrics.jsonl is the record" in warnings[0]
 
 
+def test_track_data_sums_each_stage_per_source_and_names_a_bad_file(tmp_path):
+    from snakellm.errors import UsageError
+    from snakellm.steps import track_data
+
+    files = {
+        "a0.stats.json": {
+            "source": "a",
+            "lines_read": 10,
+            "documents": 8,
+            "rejected": 2,
+            "skipped": 0,
+            "rejected_by_reason": {"invalid_json": 2},
+        },
+        "a1.stats.json": {
+            "source": "a",
+            "lines_read": 5,
+            "documents": 5,
+            "rejected": 0,
+            "skipped": 0,
+            "rejected_by_reason": {},
+        },
+        "b0.stats.json": {
+            "source": "b",
+            "lines_read": 3,
+            "documents": 2,
+            "rejected": 1,
+            "skipped": 0,
+            "rejected_by_reason": {"empty_text": 1},
+        },
+        "a0.curated.stats.json": {
+            "source": "a",
+            "documents_in": 8,
+            "documents": 6,
+            "removed": 2,
+            "removed_by_reason": {"exact_duplicate": 1, "near_duplicate": 1},
+        },
+    }
+    for name, obj in files.items():
+        (tmp_path / name).write_text(json.dumps(obj))
+    paths = [str(tmp_path / n) for n in files]
+    out = tmp_path / "out" / "data.json"
+    assert track_data.main([*paths, "--state-dir", str(tmp_path / "state"), "--output", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["backends"] == []  # nothing configured: the counts are written, no client is imported
+    c = got["counts"]
+    assert c["chunk/a/documents"] == 13 and c["chunk/b/documents"] == 2 and c["chunk/documents"] == 15
+    assert c["chunk/rejected/invalid_json"] == 2 and c["chunk/b/rejected/empty_text"] == 1 and c["chunk/chunks"] == 3
+    assert c["curate/a/documents_in"] == 8 and c["curate/documents"] == 6 and c["curate/removed/near_duplicate"] == 1
+    (tmp_path / "bad.stats.json").write_text('{"source": "a"}')
+    with pytest.raises(UsageError, match="bad.stats.json: neither"):
+        track_data.counts([str(tmp_path / "bad.stats.json")])
+
+
 # ---------------------------------------------------------------- slow: a real MLflow server, W&B offline
 
 
@@ -150,7 +203,7 @@ def test_records_reach_mlflow_and_wandb_and_a_resumed_job_continues_the_same_run
     first.log([{"step": s, "loss": 3.0 - 0.1 * s, "lr": 0.003} for s in range(6, 8)])  # killed after step 7
     first.close("stopped")
     assert warnings == []
-    state = json.loads((tmp_path / "ckpt" / tracking.STATE).read_text())
+    state = json.loads((tmp_path / "checkpoints" / tracking.STATE).read_text())
 
     # requeued: resumes from the checkpoint at step 5, repeats 6 and 7, goes on to 10
     second, warnings = _tracker(tmp_path, settings, fresh=False, params=dict(params), tags={"slurm_job_id": "42"})
@@ -159,7 +212,7 @@ def test_records_reach_mlflow_and_wandb_and_a_resumed_job_continues_the_same_run
     second.summary({"final_loss": 2.0, "run": "t1", "best": {"val_loss": 2.1}})
     second.close("completed")
     assert warnings == []
-    again = json.loads((tmp_path / "ckpt" / tracking.STATE).read_text())
+    again = json.loads((tmp_path / "checkpoints" / tracking.STATE).read_text())
     assert again["mlflow"]["run_id"] == state["mlflow"]["run_id"] and again["wandb"]["id"] == state["wandb"]["id"]
 
     (run,) = mlflow_server.runs("unit")
@@ -187,6 +240,15 @@ def test_records_reach_mlflow_and_wandb_and_a_resumed_job_continues_the_same_run
     assert "unit" in wtags and "slurm_job_id=42" in wtags
     assert not (tmp_path / "wandb").exists()  # WANDB_DIR is honoured
 
+    # an evaluation of the run (any metrics dict an evaluation step writes) lands in the same runs' summaries
+    assert tracking.log_results(tmp_path, "tuned", {"model": "t1", "squad_f1": 0.625, "by_task": {"a": {"em": 0.5}}})
+    assert mlflow_server.history(run_id, "eval/tuned/squad_f1") == [(0, 0.625)]
+    assert mlflow_server.history(run_id, "eval/tuned/by_task.a.em") == [(0, 0.5)]
+    assert len(mlflow_server.runs("unit")) == 1
+    _, summary, _ = wandb_run(wdir)
+    assert summary["eval/tuned/squad_f1"] == 0.625 and summary["final_loss"] == 2.0
+    assert not tracking.log_results(tmp_path / "untracked", "tuned", {"squad_f1": 1.0})  # nothing to attach to
+
 
 def _default_run_config(ws: Workspace, tracking_cfg: dict) -> None:
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
@@ -206,40 +268,70 @@ def default_run_data(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_the_default_run_is_tracked_and_completes_when_the_server_is_gone(default_run_data, mlflow_server, monkeypatch):
+def test_the_default_run_is_tracked_in_mlflow_and_wandb(default_run_data, mlflow_server, monkeypatch):
+    """The bar: the default `tiny` run's per-step loss in MLflow exactly as in metrics.jsonl, its config as
+    parameters, a W&B offline run directory under WANDB_DIR; and the data stages' counts as one data run."""
     ws = default_run_data
-    (ws.root / "wandb-files").mkdir()
     monkeypatch.setenv("WANDB_DIR", str(ws.root / "wandb-files"))
-    tracked = {
-        "mlflow": {"tracking_uri": mlflow_server.uri, "experiment": "default-run"},
-        "wandb": {"mode": "offline", "project": "snakellm-default"},
-    }
-    _default_run_config(ws, tracked)
-    ws.run("runs/tiny/train_summary.json")
+    (ws.root / "wandb-files").mkdir(exist_ok=True)
+    _default_run_config(ws, _tracked(mlflow_server.uri))
+    ws.run("runs/tiny/train_summary.json", "results/tracking/data.json")
     recs = [json.loads(line) for line in ws.path("runs/tiny/metrics.jsonl").read_text().splitlines()]
     losses = [(r["step"], r["loss"]) for r in recs if "loss" in r]
     assert len(losses) == 300
-    (run,) = mlflow_server.runs("default-run")
-    run_id = run["info"]["run_id"]
+    runs = {r["info"]["run_name"]: r["info"]["run_id"] for r in mlflow_server.runs("default-run")}
+    assert set(runs) == {"tiny", "data"}
+    run_id = runs["tiny"]
     assert mlflow_server.history(run_id, "loss") == losses  # exactly metrics.jsonl's
     assert mlflow_server.history(run_id, "val_loss") == [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    assert mlflow_server.history(run_id, "tokens") == [(r["step"], r["tokens"]) for r in recs if "tokens" in r]
     params = mlflow_server.params(run_id)
     assert params["lr"] == "0.003" and params["steps"] == "300" and params["global_batch_size"] == "16"
     summary = json.loads(ws.path("runs/tiny/train_summary.json").read_text())
     assert params["fingerprint"] == summary["fingerprint"]
     assert mlflow_server.history(run_id, "final_loss") == [(0, summary["final_loss"])]
     offline = list((ws.root / "wandb-files" / "wandb").glob("offline-run-*"))
-    assert len(offline) == 1
-    assert wandb_history(offline[0])["loss"] == losses
+    assert len(offline) == 2  # the run's and the data run's
+    by_id = {d.name.rsplit("-", 1)[1]: d for d in offline}
+    state = json.loads(ws.path("runs/tiny/checkpoints/tracking.json").read_text())
+    assert wandb_history(by_id[state["wandb"]["id"]])["loss"] == losses
     assert "warning" not in ws.path("logs/pretrain/tiny.log").read_text()
 
-    # the same run with the tracking server gone: it completes, metrics.jsonl is the record, one warning
+    # the data run: every stage's counts, equal to the stats files'
+    chunks = [json.loads(p.read_text()) for p in ws.root.glob("data/jsonl/*/*.stats.json")]
+    curated = [json.loads(p.read_text()) for p in ws.root.glob("data/curated/*/*.stats.json")]
+    data_id = runs["data"]
+    assert mlflow_server.history(data_id, "chunk/documents") == [(0, sum(c["documents"] for c in chunks))]
+    assert mlflow_server.history(data_id, "curate/documents") == [(0, sum(c["documents"] for c in curated))]
+    removed = sum(c["removed"] for c in curated)
+    assert removed > 0 and mlflow_server.history(data_id, "curate/removed") == [(0, removed)]
+    reasons: dict[str, int] = {}
+    for c in curated:
+        for k, v in c["removed_by_reason"].items():
+            reasons[k] = reasons.get(k, 0) + v
+    for k, v in reasons.items():
+        assert mlflow_server.history(data_id, f"curate/removed/{k}") == [(0, v)]
+
+
+@pytest.mark.slow
+def test_the_default_run_completes_when_the_tracking_server_is_gone(default_run_data, mlflow_server, monkeypatch):
+    ws = default_run_data
+    monkeypatch.setenv("WANDB_DIR", str(ws.root / "wandb-files"))
+    (ws.root / "wandb-files").mkdir(exist_ok=True)
+    _default_run_config(ws, _tracked(mlflow_server.uri))
     mlflow_server.stop()
-    shutil.rmtree(ws.path("runs/tiny"))
-    t0 = time.time()
+    shutil.rmtree(ws.path("runs/tiny"), ignore_errors=True)
     ws.run("runs/tiny/train_summary.json")
     log = ws.path("logs/pretrain/tiny.log").read_text()
-    assert [line for line in log.splitlines() if "warning: tracking" in line and "mlflow" in line].__len__() == 1, log
-    again = [json.loads(line) for line in ws.path("runs/tiny/metrics.jsonl").read_text().splitlines()]
-    assert len([r for r in again if "loss" in r]) == 300
-    assert time.time() - t0 < 600
+    warnings = [line for line in log.splitlines() if "warning: tracking" in line]
+    assert len(warnings) == 1 and "mlflow" in warnings[0] and "metrics.jsonl is the record" in warnings[0], log
+    recs = [json.loads(line) for line in ws.path("runs/tiny/metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in recs if "loss" in r]) == 300
+    assert json.loads(ws.path("runs/tiny/train_summary.json").read_text())["status"] == "completed"
+
+
+def _tracked(uri: str) -> dict:
+    return {
+        "mlflow": {"tracking_uri": uri, "experiment": "default-run"},
+        "wandb": {"mode": "offline", "project": "snakellm-default"},
+    }

@@ -74,6 +74,13 @@ def tracking(*layers: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+def tracked(*layers: dict[str, Any] | None) -> bool:
+    """Whether the layers configure a tracker: a W&B project (not disabled) or an MLflow URI or experiment."""
+    t = tracking(*layers)
+    w, m = t["wandb"], t["mlflow"]
+    return bool(w.get("project") and w.get("mode") != "disabled" or m.get("tracking_uri") or m.get("experiment"))
+
+
 def tracking_flags(*layers: dict[str, Any] | None) -> str:
     """`--wandb-*` and `--mlflow-*` flags of a job (:func:`tracking`); empty when nothing is tracked."""
     t = tracking(*layers)

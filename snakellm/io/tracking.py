@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from snakellm.config.flags import tracked
 from snakellm.config.sections import MlflowSettings, TrackingSettings, WandbSettings
 from snakellm.config.settings import from_namespace
 
@@ -81,13 +82,11 @@ def add_arguments(parser: Any) -> None:
 
 
 def wandb_on(t: TrackingSettings) -> bool:
-    w = t.wandb
-    return bool(w.get("project")) and w.get("mode") != "disabled"
+    return tracked({"wandb": t.wandb})
 
 
 def mlflow_on(t: TrackingSettings) -> bool:
-    m = t.mlflow
-    return bool(m.get("tracking_uri") or m.get("experiment"))
+    return tracked({"mlflow": t.mlflow})
 
 
 def configured(t: TrackingSettings | None) -> bool:
@@ -197,6 +196,12 @@ class _Wandb:
         self.run.finish(exit_code=0 if status in ("completed", "stopped") else 1)
 
 
+def _mlflow_key(key: str) -> str:
+    """A metric or parameter name MLflow accepts (letters, digits, ``_ - . /`` and spaces): lm-eval's ``acc,none``
+    becomes ``acc_none``."""
+    return re.sub(r"[^\w\-. /]", "_", key)
+
+
 class _Mlflow:
     name = "mlflow"
 
@@ -220,7 +225,7 @@ class _Mlflow:
         self.run_id = state["run_id"] = made.info.run_id
         state["experiment_id"] = exp_id
         params = [
-            self.Param(k[:250], json.dumps(v, default=str) if not isinstance(v, str) else v)
+            self.Param(_mlflow_key(k)[:250], json.dumps(v, default=str) if not isinstance(v, str) else v)
             for k, v in run.params.items()
         ]
         for i in range(0, len(params), 100):  # MLflow's batch limit
@@ -229,7 +234,7 @@ class _Mlflow:
 
     def _metrics(self, items: Iterable[tuple[str, float, int]]) -> None:
         now = int(time.time() * 1000)
-        ms = [self.Metric(k, v, now, step) for k, v, step in items]
+        ms = [self.Metric(_mlflow_key(k), v, now, step) for k, v, step in items]
         for i in range(0, len(ms), 1000):
             self.client.log_batch(self.run_id, metrics=ms[i : i + 1000])
 
@@ -322,6 +327,7 @@ class Tracker:
             if not on(self.settings):
                 continue
             sub = self.state.setdefault(name, {})
+            sub["settings"] = _storable(name, getattr(self.settings, name))
             try:
                 self.backends.append(cls(getattr(self.settings, name), sub, self.run, self.budget - (time.time() - t0)))
             except Exception as e:  # a tracker never stops the job
@@ -385,6 +391,14 @@ class Tracker:
                 self.warn(f"tracking: {self.state_path} not written ({e}); a resumed job starts new tracker runs")
 
 
+def _storable(name: str, s: dict[str, Any]) -> dict[str, Any]:
+    """A back end's settings as kept in tracking.json (a URI without user-info: no secret lands in a file)."""
+    out = {k: v for k, v in s.items() if v is not None}
+    if name == "mlflow" and out.get("tracking_uri"):
+        out["tracking_uri"] = show_uri(out["tracking_uri"])
+    return out
+
+
 def _read_state(path: Path) -> dict[str, Any]:
     try:
         obj = json.loads(path.read_text())
@@ -401,3 +415,41 @@ def open_tracker(settings: TrackingSettings | None, run: RunInfo, *, fresh: bool
     run.tags = {**slurm_tags(), **run.tags}
     run.params = {**run.params, **code_version()}
     return Tracker(settings, run, fresh=fresh)
+
+
+# ---------------------------------------------------------------- evaluation results
+
+
+def add_results_argument(parser: Any) -> None:
+    """``--track-run DIR``: an evaluation step's results go to that training run's tracker runs."""
+    parser.add_argument(
+        "--track-run",
+        default=None,
+        metavar="DIR",
+        help="the evaluated training run (runs/RUN or runs/RUN/finetune/FT): when its job was tracked "
+        "(DIR/checkpoints/tracking.json), these results become summary values of the same W&B and MLflow runs",
+    )
+
+
+def log_results(track_run: str | os.PathLike | None, name: str, results: dict[str, Any]) -> bool:
+    """An evaluation's numbers (any metrics dict, nested keys flattened) as ``eval/<name>/<key>`` summary values
+    of the runs the training job logged to; the back ends and run ids come from its ``tracking.json``.
+
+    Returns whether a tracker was opened (False: the run was not tracked, nothing to attach to).
+    """
+    if not track_run:
+        return False
+    run_dir = Path(track_run)
+    state = _read_state(run_dir / "checkpoints" / STATE)
+    settings = TrackingSettings(
+        wandb=(state.get("wandb") or {}).get("settings", {}), mlflow=(state.get("mlflow") or {}).get("settings", {})
+    )
+    if not configured(settings):
+        return False
+    t = open_tracker(
+        settings, RunInfo(name=run_dir.name, kind="evaluate", dir=run_dir / "checkpoints", files_dir=run_dir)
+    )
+    assert t is not None
+    t.summary({f"eval/{name}/{k}": v for k, v in flatten(results).items()})
+    t.close("completed")
+    return True
