@@ -529,6 +529,51 @@ class ResourcesSettings:
     )
 
 
+# ---------------------------------------------------------------- experiment tracking (docs/tracking.md)
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbSettings:
+    """``tracking.wandb``: a Weights & Biases run per job (the key only from WANDB_API_KEY; files under WANDB_DIR)."""
+
+    project: str | None = setting(None, "the W&B project (unset: no W&B run)", flag="wandb_project")
+    entity: str | None = setting(None, "the W&B team or user (unset: the API key's default)", flag="wandb_entity")
+    mode: str | None = setting(
+        None,
+        "online: stream to the server; offline: files only, upload later with `wandb sync`; disabled: no run "
+        "(unset: WANDB_MODE, else online)",
+        choices=WANDB_MODES,
+        flag="wandb_mode",
+    )
+    group: str | None = setting(None, "the W&B group of the run", flag="wandb_group")
+    tags: list[str] | None = setting(None, "W&B tags of the run", flag="wandb_tag")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlflowSettings:
+    """``tracking.mlflow``: an MLflow run per job (the token only from MLFLOW_TRACKING_TOKEN and MLflow's variables)."""
+
+    tracking_uri: str | None = setting(
+        None,
+        "the MLflow tracking server or store (unset: MLFLOW_TRACKING_URI; with neither this nor experiment: no MLflow run)",
+        flag="mlflow_tracking_uri",
+    )
+    experiment: str | None = setting(
+        None, "the MLflow experiment (created if missing; unset: Default)", flag="mlflow_experiment"
+    )
+    tags: dict[str, str] | None = setting(None, "MLflow tags of the run", flag="mlflow_tag")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingSettings:
+    """``tracking`` (and ``runs.<name>.tracking``, ``finetune.<name>.tracking``, which override the keys they set)."""
+
+    wandb: dict[str, Any] = setting({}, "Weights & Biases", section=WandbSettings)
+    mlflow: dict[str, Any] = setting({}, "MLflow", section=MlflowSettings)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """``runs.<name>``: one pretraining run."""
@@ -538,6 +583,7 @@ class RunSettings:
     train: dict[str, Any] = setting(REQUIRED, "steps, batch, optimizer, checkpoints", section=TrainSettings)
     parallel: dict[str, Any] = setting({}, "how the ranks split the work", section=ParallelSettings)
     resources: dict[str, Any] = setting({}, "the job's allocation", section=JobResourceSettings)
+    tracking: dict[str, Any] = setting({}, "W&B and MLflow, over the global tracking", section=TrackingSettings)
 
 
 # ---------------------------------------------------------------- fine-tuning stage
@@ -743,6 +789,7 @@ class FinetuneSettings:
     )
     evaluate: dict[str, Any] = setting({}, "evaluation", section=EvaluateSettings)
     resources: dict[str, Any] = setting({}, "the fine-tuning job's allocation", section=JobResourceSettings)
+    tracking: dict[str, Any] = setting({}, "W&B and MLflow, over the global tracking", section=TrackingSettings)
 
 
 # ---------------------------------------------------------------- export, import, generation
@@ -906,6 +953,15 @@ SECTIONS: dict[str, type] = {
     "lm_eval": LmEvalSettings,
     "lm_eval.suites.*": LmEvalSuiteSettings,
     "resources": ResourcesSettings,
+    "tracking": TrackingSettings,
+    "tracking.wandb": WandbSettings,
+    "tracking.mlflow": MlflowSettings,
+    "runs.*.tracking": TrackingSettings,
+    "runs.*.tracking.wandb": WandbSettings,
+    "runs.*.tracking.mlflow": MlflowSettings,
+    "finetune.*.tracking": TrackingSettings,
+    "finetune.*.tracking.wandb": WandbSettings,
+    "finetune.*.tracking.mlflow": MlflowSettings,
 }
 # the job resources and their container, wherever they occur
 for _where in (
