@@ -66,12 +66,26 @@ def check_finetunes(config: dict[str, Any]) -> None:
         check_parallel_conflict(f"finetune.{name}", {**ft.get("parallel", {}), "method": kind})
 
 
+def dpo_conflict(loss: str, beta: float, label_smoothing: float, reference: str, policy: str) -> str | None:
+    """Why these dpo settings cannot be honoured (the setting named), or None."""
+    if beta <= 0:
+        return f"dpo.beta {beta}: must be positive"
+    if label_smoothing and loss not in ("robust", "simpo"):
+        return (
+            f"dpo.label_smoothing {label_smoothing}: TRL's DPOTrainer uses it only with loss robust (and CPO's with "
+            f"simpo), not {loss}"
+        )
+    if loss == "robust" and not 0 <= label_smoothing < 0.5:
+        return f"dpo.label_smoothing {label_smoothing}: robust needs it in [0, 0.5)"
+    if reference == "adapter-off" and policy != "lora":
+        return "dpo.reference adapter-off: needs dpo.policy lora (a full policy has no adapters to turn off)"
+    return None
+
+
 def check_dpo(name: str, ft: dict[str, Any], config: dict[str, Any]) -> None:
     """The dpo block's settings against each other and the config (snakellm.finetune.preference's rules)."""
-    from snakellm.finetune.preference import check_settings
-
     d = ft.get("dpo", {})
-    why = check_settings(d["loss"], d["beta"], d["label_smoothing"], d["reference"], d["policy"])
+    why = dpo_conflict(d["loss"], d["beta"], d["label_smoothing"], d["reference"], d["policy"])
     if why:
         raise ConfigError(f"config key finetune.{name}.{why}")
     ref = d["reference"]

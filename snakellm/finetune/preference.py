@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from snakellm.config.checks import dpo_conflict as check_settings  # noqa: F401  (the config check's rule)
 from snakellm.errors import DataError
 
 KEYS = ("prompt", "chosen", "rejected")
@@ -36,7 +37,6 @@ METRICS = (
     "logps/rejected",
 )
 REFERENCE_FREE = ("simpo",)
-SMOOTHED = ("robust", "simpo")
 
 
 class PreferenceError(DataError):
@@ -247,19 +247,3 @@ def preference_loss(
         "logps/rejected": mean(pr.detach()),
     }
     return mean(per), stats
-
-
-def check_settings(loss: str, beta: float, label_smoothing: float, reference: str, policy: str) -> str | None:
-    """Why these dpo settings cannot be honoured (the setting named), or None."""
-    if beta <= 0:
-        return f"dpo.beta {beta}: must be positive"
-    if label_smoothing and loss not in SMOOTHED:
-        return (
-            f"dpo.label_smoothing {label_smoothing}: TRL's DPOTrainer uses it only with loss robust (and CPO's with "
-            f"simpo), not {loss}"
-        )
-    if loss == "robust" and not 0 <= label_smoothing < 0.5:
-        return f"dpo.label_smoothing {label_smoothing}: robust needs it in [0, 0.5)"
-    if reference == "adapter-off" and policy != "lora":
-        return "dpo.reference adapter-off: needs dpo.policy lora (a full policy has no adapters to turn off)"
-    return None
