@@ -293,3 +293,64 @@ def test_tiny_dpo_example_learns_the_held_out_preference(default_workflow):
     assert abs(summary["first_step"]["loss"] - math.log(2)) < 1e-5
     assert summary["test"]["pairs"] == 16
     assert summary["test"]["rewards/accuracies"] >= 0.9 and summary["test"]["rewards/margins"] > 0
+
+
+CONV = [
+    {
+        "prompt": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "How is the garden?"}],
+        "chosen": [{"role": "assistant", "content": "The garden is lovely."}],
+        "rejected": [{"role": "assistant", "content": "The garden is awful."}],
+    },
+    {
+        "prompt": [{"role": "user", "content": "And the river?"}],
+        "chosen": [{"role": "assistant", "content": "Charming, truly."}],
+        "rejected": [{"role": "assistant", "content": "Dismal."}],
+    },
+]
+
+
+def test_conversational_pairs_are_prepared_and_bad_ones_quarantined(tmp_path):
+    from snakellm.finetune.sft_data import prepare
+
+    bad = [
+        dict(CONV[0], chosen=[]),
+        dict(CONV[0], rejected=CONV[0]["chosen"]),
+        dict(CONV[0], chosen=[{"role": "wizard", "content": "x"}]),
+        dict(CONV[0], prompt="a string"),
+    ]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in CONV * 3 + bad))
+    stats = prepare(str(src), str(tmp_path / "out"), fmt="preference", split="4,1,1")
+    assert stats["accepted"] == 6 and stats["rejected"] == 4
+    assert set(stats["rejected_by_reason"]) == {
+        "empty chosen",
+        "chosen equals rejected",
+        "chosen: unknown role 'wizard' (message 2)",  # counted over prompt + chosen
+        "mixed forms: prompt, chosen and rejected must all be message lists (or all strings)",
+    }
+
+
+@pytest.mark.slow  # TRL's import and the tiny model's export (shared with the test above)
+def test_conversational_tokenization_equals_trl(tiny, tmp_path):
+    """The conversational form through the run's chat template (here the built-in chatml): TRL's ids."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from snakellm.finetune import conversations as conv
+    from snakellm.finetune import preference as pref
+    from snakellm.finetune.chat_template import load_template
+    from snakellm.finetune.runtime import load_tokenizer
+
+    loaded, hf_dir = tiny
+    at = AutoTokenizer.from_pretrained(hf_dir)
+    at.pad_token = at.eos_token
+    at.chat_template = load_template("chatml", None).text
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir)
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False)
+    trainer = DPOTrainer(model=hf, args=args, train_dataset=Dataset.from_list(CONV), processing_class=at)
+    tok = load_tokenizer(loaded.tokenizer)
+    chat = conv.chat_encoder(loaded.tokenizer, tok, "chatml", 128, "all_assistant")
+    ours = [pref.tokenize(tok, r, chat) for r in CONV]
+    theirs = [(d["prompt_ids"], d["chosen_ids"], d["rejected_ids"]) for d in trainer.train_dataset]
+    assert theirs == [tuple(o) for o in ours]

@@ -79,6 +79,7 @@ def reference_flags(ft: dict[str, Any], model: str) -> str:
         shlex.join(["--model", model]),
         to_flags(S.DpoSettings, {k: dpo.get(k) for k in S.DPO_TOKENIZATION}),
         f"--max-seq-length {int(seq)}" if seq else "",
+        shlex.join(["--chat-template", examples["chat_template"]]) if examples.get("chat_template") else "",
         f"--precision {precision}",
     )
 

@@ -95,7 +95,10 @@ def read_jsonl(path: str | Path, keys: tuple[str, ...] = ("input", "output")) ->
                 raise SFTFormatError(f"{path}:{n}: not valid JSON: {e}") from None
             if isinstance(rec, dict) and keys == ("input", "output") and isinstance(rec.get("messages"), list):
                 pass  # a conversation (prepare-sft's messages/sharegpt formats)
-            elif not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in keys):
+            elif not isinstance(rec, dict) or not all(
+                isinstance(rec.get(k), str) or (keys != ("input", "output") and isinstance(rec.get(k), list))
+                for k in keys
+            ):
                 want = " and ".join(repr(k) for k in keys)
                 raise SFTFormatError(
                     f"{path}:{n}: expected an object with string {want}"

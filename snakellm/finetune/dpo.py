@@ -50,6 +50,15 @@ def truncation(d: dict[str, Any], seq_length: int) -> pref.Truncation:
     return pref.Truncation(d["max_length"] or limit, d["max_prompt_length"], d["truncation_mode"])
 
 
+def chat_encoder(tok_info: dict, tok: Any, chat_template: str | None, seq: int, records: list[list[dict]]) -> Any:
+    """The run's chat template and tokenizer where the pairs are conversational (else None)."""
+    if not any(pref.is_conversational(r) for r in records):
+        return None
+    from snakellm.finetune import conversations as conv
+
+    return conv.chat_encoder(tok_info, tok, chat_template, seq + 1, "all_assistant")
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -78,9 +87,17 @@ class DPORecipe(FinetuneRecipe):
         self.trunc = truncation(self.dpo, self.seq)
         self.pairs: dict[str, list[pref.Pair]] = {}
         self.pair_stats: dict[str, dict[str, int]] = {}
-        for split, path in (("train", self.train_path), ("validation", self.valid_path)):
-            recs = ds.read_jsonl(path, pref.KEYS) if split == "train" or path.read_text().strip() else []
-            self.pairs[split], self.pair_stats[split] = pref.encode_pairs(self.tok, recs, self.trunc)
+        read = {
+            split: ds.read_jsonl(path, pref.KEYS) if split == "train" or path.read_text().strip() else []
+            for split, path in (("train", self.train_path), ("validation", self.valid_path))
+        }
+        self.chat = chat_encoder(
+            self.tok_info, self.tok, getattr(a, "chat_template", None), self.seq, list(read.values())
+        )
+        if self.chat is not None:
+            self.is_chat, self.chat_template = True, self.chat.template.source
+        for split, recs in read.items():
+            self.pairs[split], self.pair_stats[split] = pref.encode_pairs(self.tok, recs, self.trunc, self.chat)
         if not self.pairs["train"]:
             raise ds.SFTFormatError(f"{self.train_path}: no pair left after truncation ({self.pair_stats['train']})")
         self.ref: dict[str, dict[str, list[float]]] = {}
@@ -116,7 +133,7 @@ class DPORecipe(FinetuneRecipe):
         splits = [("train", self.train_path), ("validation", self.valid_path)]
         if self.test_path.is_file() and "test" in doc.get("splits", {}):
             self.pairs["test"], self.pair_stats["test"] = pref.encode_pairs(
-                self.tok, ds.read_jsonl(self.test_path, pref.KEYS), self.trunc
+                self.tok, ds.read_jsonl(self.test_path, pref.KEYS), self.trunc, self.chat
             )
             splits.append(("test", self.test_path))
         for split, path_ in splits:
@@ -230,7 +247,7 @@ class DPORecipe(FinetuneRecipe):
         test = self.test_path if hasattr(self, "test_path") else self.train_path.parent / "test.jsonl"
         if "test" not in self.pairs and test.is_file() and (self.inline_ref or self.ref_free):
             self.pairs["test"], self.pair_stats["test"] = pref.encode_pairs(
-                self.tok, ds.read_jsonl(test, pref.KEYS), self.trunc
+                self.tok, ds.read_jsonl(test, pref.KEYS), self.trunc, self.chat
             )
         if not self.pairs.get("test"):
             return

@@ -81,13 +81,30 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def tokenize(tok: Any, rec: dict) -> tuple[list[int], list[int], list[int]]:
-    """(prompt, chosen, rejected) ids as TRL's DPOTrainer tokenizes a plain-text pair.
+def tokenize(tok: Any, rec: dict, chat: Any = None) -> tuple[list[int], list[int], list[int]]:
+    """(prompt, chosen, rejected) ids as TRL's DPOTrainer tokenizes a pair.
+
+    Conversational (message lists): the prompt rendered by the run's chat template with the generation prompt,
+    and prompt + each completion rendered without it, no EOS added (``chat``: a
+    :class:`snakellm.finetune.conversations.ChatEncoder`, its template and tokenizer). Plain text:
 
     TRL appends the EOS text to each completion and tokenizes it; every tokenizer here encodes
     that text as the EOD id after the rest (GPT-2's encoder splits at it, as Hugging Face's does),
     so the id is appended instead (SentencePiece would spell ``</s>`` out).
     """
+    if isinstance(rec["prompt"], list):
+        if chat is None:
+            raise PreferenceError("conversational pairs need the run's chat template")
+        from snakellm.finetune.chat_template import ChatTemplateError
+
+        try:
+            prompt = chat.tok.encode(chat.template.render(rec["prompt"], add_generation_prompt=True))[0]
+            pc = chat.tok.encode(chat.template.render(rec["prompt"] + rec["chosen"]))[0]
+            pr = chat.tok.encode(chat.template.render(rec["prompt"] + rec["rejected"]))[0]
+        except ChatTemplateError as e:
+            raise PreferenceError(f"line {rec.get('_line', '?')}: {e}") from None
+        n = min(common_prefix_length(prompt, pc), common_prefix_length(prompt, pr))
+        return list(prompt[:n]), list(pc[n:]), list(pr[n:])
     eod, eod_text = int(tok.eod_id), getattr(tok, "eod_token", None)
 
     def with_eos(text: str) -> list[int]:
@@ -114,11 +131,17 @@ def truncate(prompt: list[int], completion: list[int], t: Truncation) -> Side:
     return Side(ids, first)
 
 
-def encode_pairs(tok: Any, records: Sequence[dict], t: Truncation) -> tuple[list[Pair], dict[str, int]]:
+def is_conversational(records: Sequence[dict]) -> bool:
+    return any(isinstance(r.get("prompt"), list) for r in records)
+
+
+def encode_pairs(
+    tok: Any, records: Sequence[dict], t: Truncation, chat: Any = None
+) -> tuple[list[Pair], dict[str, int]]:
     """The pairs that keep a completion token (TRL's filter), and counts of what was cut or dropped."""
     pairs, stats = [], {"pairs": len(records), "dropped_prompt_fills_max_length": 0, "truncated": 0}
     for i, rec in enumerate(records):
-        p, c, r = tokenize(tok, rec)
+        p, c, r = tokenize(tok, rec, chat)
         if t.max_prompt_length is not None and len(p) > t.max_prompt_length:
             stats["truncated"] += 1
         pl = min(len(p), t.max_prompt_length) if t.max_prompt_length is not None else len(p)

@@ -36,13 +36,14 @@ def compute(
     batch_size: int = 8,
     threads: int | None = None,
     max_seq_length: int | None = None,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Write ``out`` (JSON) and return it."""
     import torch
 
     from snakellm import models
     from snakellm.finetune import runtime
-    from snakellm.finetune.dpo import truncation
+    from snakellm.finetune.dpo import chat_encoder, truncation
     from snakellm.models.loading import describe_run
 
     t0 = time.time()
@@ -57,11 +58,14 @@ def compute(
         tok = runtime.load_tokenizer(info["tokenizer"])
         pref.mask_padded_vocab(gpt, int(info["tokenizer"]["vocab_size"]))
         splits: dict[str, Any] = {}
-        for split in SPLITS:
+        paths = [Path(data_dir) / f"{s}.jsonl" for s in SPLITS]
+        read = {
+            p.stem: ds.read_jsonl(p, pref.KEYS) for p in paths if p.is_file() and p.read_text().strip()
+        }  # a split of share 0 is empty
+        chat = chat_encoder(info["tokenizer"], tok, chat_template, seq, list(read.values()))
+        for split, recs in read.items():
             path = Path(data_dir) / f"{split}.jsonl"
-            if not path.is_file() or not path.read_text().strip():  # a split of share 0
-                continue
-            pairs, stats = pref.encode_pairs(tok, ds.read_jsonl(path, pref.KEYS), trunc)
+            pairs, stats = pref.encode_pairs(tok, recs, trunc, chat)
             chosen: list[float] = []
             rejected: list[float] = []
             with torch.no_grad():
@@ -84,6 +88,7 @@ def compute(
             "iteration": info["iteration"],
             "precision": "bf16" if bf16 else "fp32",
             "tokenization": {k: tokenization[k] for k in ("max_length", "max_prompt_length", "truncation_mode")},
+            "chat_template": chat.template.source if chat is not None else None,
             "seconds": round(time.time() - t0, 2),
             "splits": splits,
         }

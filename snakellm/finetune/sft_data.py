@@ -120,11 +120,13 @@ def preference_records(path: str) -> Iterator[tuple[str, dict | None, str | None
         if missing:
             yield place, None, f"missing key {', '.join(missing)}", obj
             continue
-        if any(isinstance(obj[k], list) for k in PREFERENCE_KEYS):
-            raise SFTDataError(
-                f"{place}: conversational preference pairs (message lists) need the run's chat template, which "
-                "this version does not render yet: give prompt, chosen and rejected as strings"
-            )
+        if any(isinstance(obj[k], list) for k in PREFERENCE_KEYS):  # the conversational form
+            rec, why = conversational_pair(obj)
+            if rec is None:
+                yield place, None, why, obj
+            else:
+                yield place, rec, None, None
+            continue
         bad = [k for k in PREFERENCE_KEYS if not isinstance(obj[k], str)]
         if bad:
             yield place, None, f"non-string {', '.join(bad)}", obj
@@ -142,6 +144,28 @@ def preference_records(path: str) -> Iterator[tuple[str, dict | None, str | None
             None,
             None,
         )
+
+
+def conversational_pair(obj: dict) -> tuple[dict | None, str | None]:
+    """TRL's conversational preference pair: ``prompt`` messages, ``chosen``/``rejected`` message lists (each
+    with an assistant turn), normalised to ``{role, content}``; (None, reason) for a bad one."""
+    from snakellm.finetune.conversations import normalize
+
+    if not all(isinstance(obj[k], list) for k in PREFERENCE_KEYS):
+        return None, "mixed forms: prompt, chosen and rejected must all be message lists (or all strings)"
+    out: dict[str, Any] = {}
+    for k in ("chosen", "rejected"):
+        if not obj[k]:
+            return None, f"empty {k}"
+        msgs, why = normalize(obj["prompt"] + obj[k], "messages")
+        if msgs is None:
+            return None, f"{k}: {why}"
+        if not any(m["role"] == "assistant" for m in msgs[len(obj["prompt"]) :]):
+            return None, f"{k}: no assistant turn"
+        out["prompt"], out[k] = msgs[: len(obj["prompt"])], msgs[len(obj["prompt"]) :]
+    if out["chosen"] == out["rejected"]:
+        return None, "chosen equals rejected"
+    return out | {k: v for k, v in obj.items() if k not in PREFERENCE_KEYS}, None
 
 
 def json_objects(path: str) -> Iterator[tuple[str, dict | None, str | None, Any]]:

@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument_group("tokenization (config: finetune.NAME.dpo)"), DpoSettings, exclude=NOT_TOKENIZATION
     )
     p.add_argument("--max-seq-length", type=int, default=None, help="the fine-tune's examples.max_seq_length")
+    p.add_argument("--chat-template", default=None, help="conversational pairs: the fine-tune's examples.chat_template")
     p.add_argument(
         "--precision", default="auto", choices=("auto", "fp32", "bf16"), help="auto: bf16 on GPU, fp32 on CPU"
     )
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=a.batch_size,
             threads=a.threads,
             max_seq_length=a.max_seq_length,
+            chat_template=a.chat_template,
         )
     except (SFTFormatError, PreferenceError, BaseModelError, LoadError, ValueError) as e:
         print(f"snakellm reference-logprobs: error: {e}", file=sys.stderr)
