@@ -354,3 +354,60 @@ def test_conversational_tokenization_equals_trl(tiny, tmp_path):
     ours = [pref.tokenize(tok, r, chat) for r in CONV]
     theirs = [(d["prompt_ids"], d["chosen_ids"], d["rejected_ids"]) for d in trainer.train_dataset]
     assert theirs == [tuple(o) for o in ours]
+
+
+@pytest.mark.slow  # TRL's CPOTrainer on the tiny model (shared fixture)
+def test_simpo_equals_trl_cpotrainer(tiny, tmp_path):
+    """SimPO (reference-free, length-normalised, margin gamma, CPO's label smoothing) = TRL's CPOTrainer with
+    loss_type simpo and cpo_alpha 0 on our models' average completion log-probabilities."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    from snakellm.finetune import preference as pref
+    from snakellm.finetune.runtime import load_tokenizer
+
+    loaded, hf_dir = tiny
+    at = AutoTokenizer.from_pretrained(hf_dir)
+    at.pad_token = at.eos_token
+    args = CPOConfig(
+        output_dir=str(tmp_path / "cpo"),
+        loss_type="simpo",
+        cpo_alpha=0.0,
+        beta=2.0,
+        simpo_gamma=0.7,
+        label_smoothing=0.1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir)
+    trainer = CPOTrainer(model=hf, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=at)
+    tok = load_tokenizer(loaded.tokenizer)
+    gpt = loaded.model.eval()
+    hook = pref.mask_padded_vocab(gpt, int(loaded.tokenizer["vocab_size"]))
+    try:
+        pairs, _ = pref.encode_pairs(tok, PAIRS, pref.Truncation())
+        b = pref.collate(pairs, tok.eod_id)
+        with torch.no_grad():
+            lp = pref.sequence_logps(gpt, b)
+    finally:
+        if hook is not None:
+            hook.remove()
+    n, mt = len(pairs), b["loss_mask"].sum(1)
+    mine, stats = pref.preference_loss(
+        lp[:n],
+        lp[n:],
+        None,
+        None,
+        loss="simpo",
+        beta=2.0,
+        label_smoothing=0.1,
+        simpo_gamma=0.7,
+        predicted_tokens=(mt[:n], mt[n:]),
+    )
+    losses, chosen_r, rejected_r = trainer.cpo_loss(lp[:n] / mt[:n], lp[n:] / mt[n:])
+    assert abs(mine.item() - losses.mean().item()) < 1e-6
+    assert abs(stats["rewards/chosen"].item() - chosen_r.mean().item()) < 1e-6
+    assert abs(stats["rewards/margins"].item() - (chosen_r - rejected_r).mean().item()) < 1e-6
