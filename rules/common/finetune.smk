@@ -115,9 +115,14 @@ def get_finetune_threads(wildcards):
     return FINETUNES[wildcards.ft]["parallel"]["threads"]
 
 
+def _trains(ft):
+    """What a fine-tune's weights are: lora | full | ptuning (a DPO fine-tune: its policy's)."""
+    return ft["dpo"]["policy"] if ft["method"] == "dpo" else ft["method"]
+
+
 def get_export_peft_input(wildcards):
     ft = _ft(wildcards)
-    if ft["method"] == "full":
+    if _trains(ft) == "full":
         raise WorkflowError(
             f"finetune {wildcards.ft} is a full fine-tune: its exports are hf/ and {wildcards.ft}.nemo"
         )
@@ -133,17 +138,14 @@ def get_export_peft_input(wildcards):
 
 def get_export_peft_source(wildcards):
     d = f"runs/{wildcards.run}/finetune/{wildcards.ft}"
-    if FINETUNES[wildcards.ft]["method"] in (
-        "lora",
-        "dpo",
-    ):  # a DPO fine-tune here: a LoRA policy
+    if _trains(FINETUNES[wildcards.ft]) == "lora":
         return f"--adapter {d}/adapter"
     return f"--prompt {d}/prompt"
 
 
 def get_full_finetune_summary(wildcards):
     ft = _ft(wildcards)
-    if ft["method"] != "full":
+    if _trains(ft) != "full":
         raise WorkflowError(
             f"finetune {wildcards.ft} ({ft['method']}) has no model of its own: see its hf_peft/ export"
         )
@@ -222,8 +224,12 @@ def get_finetune_targets():
         if (
             ft["method"] == "dpo"
         ):  # evaluated in the fine-tune itself: held-out reward accuracy
-            if ft["dpo"]["policy"] == "lora":
+            if _trains(ft) == "lora":
                 out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
+                if config["export_hf"]["enabled"]:
+                    out.append(f"{d}/finetune/{name}/hf_merged")
+            else:
+                out += [f"{d}/finetune/{name}/hf", f"{d}/finetune/{name}/{name}.nemo"]
             continue
         out += [f"{d}/eval/{name}/tuned/{f}" for f in EVAL_FILES]
         out += [f"{base_eval_dir(name)}/{f}" for f in EVAL_FILES]
