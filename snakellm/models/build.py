@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from snakellm.models import families
+from snakellm.models import families, moe
 from snakellm.models.architecture import ModelConfigError
 from snakellm.models.attention import sdpa_attention_class
 from snakellm.models.loss import cross_entropy, vocab_parallel_cross_entropy
@@ -249,6 +249,7 @@ def _transformer_config(
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
     )
+    args.update(moe.megatron_config(cfg, ps.get_expert_model_parallel_world_size()))  # MoE layers (none: {})
     args.update(family.megatron_config(cfg))  # the family's own (and overriding) arguments, e.g. add_qkv_bias
     args.update(extra or {})  # activation recomputation, Transformer Engine's FP8 recipe
     return TransformerConfig(**args)
@@ -271,9 +272,17 @@ def _layer_spec(
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     qk = bool(tcfg.qk_layernorm)  # the family's QK-norm (Qwen3): q_layernorm and k_layernorm over each head
+    experts = cfg.get("num_experts") or None  # megatron-core's MoE layer as every layer's MLP
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(normalization=cfg["normalization"], qk_layernorm=qk)
-    spec = get_gpt_layer_local_spec(normalization=cfg["normalization"], qk_layernorm=qk)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts,
+            moe_grouped_gemm=experts is not None,
+            normalization=cfg["normalization"],
+            qk_layernorm=qk,
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, normalization=cfg["normalization"], qk_layernorm=qk
+    )
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class(attention_backend)
     if not sequence_parallel:
         return spec

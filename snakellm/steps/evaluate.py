@@ -8,6 +8,7 @@ import sys
 from snakellm.config.sections import EvaluateSettings, ExamplesSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.eval.evaluate import evaluate
+from snakellm.io import tracking
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     examples = p.add_argument_group("examples, as in training (config: finetune.NAME.examples)")
     add_arguments(examples, ExamplesSettings, exclude=("packing",))
+    tracking.add_results_argument(p)
     return p
 
 
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({m['examples']} examples)",
         file=sys.stderr,
     )
+    tracking.log_results(a.track_run, a.label or "eval", m)
     return 0
 
 
