@@ -84,6 +84,7 @@ def test_secrets_are_never_parameters_and_uris_are_shown_without_user_info():
     params = tracking.flatten({"lr": 0.1, "wandb_api_key": "k", "x": {"token": "t", "password": "p", "n": 2}})
     assert params == {"lr": 0.1, "x.n": 2}
     assert tracking.show_uri("https://alice:s3cret@mlflow.example:5000/x") == "https://mlflow.example:5000/x"
+    assert tracking.show_uri("request to https://a:b@h/x failed: e@mail") == "request to https://h/x failed: e@mail"
     tags = tracking.slurm_tags({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-04]"})
     assert tags == {"slurm_job_id": "42", "slurm_nodelist": "gpu[01-04]"}
     assert tracking.slurm_tags({}) == {}
@@ -192,6 +193,9 @@ def mlflow_server(tmp_path_factory):
 def test_records_reach_mlflow_and_wandb_and_a_resumed_job_continues_the_same_runs(tmp_path, mlflow_server, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
     (tmp_path / "wandb-dir").mkdir()
+    secrets = {"WANDB_API_KEY": "a" * 32 + "SECRETW", "MLFLOW_TRACKING_TOKEN": "tok-SECRET-M"}
+    for k, v in secrets.items():  # credentials come from the environment only, and go nowhere else
+        monkeypatch.setenv(k, v)
     settings = TrackingSettings(
         wandb={"project": "snakellm-test", "mode": "offline", "tags": ["unit"]},
         mlflow={"tracking_uri": mlflow_server.uri, "experiment": "unit", "tags": {"team": "llm"}},
@@ -248,6 +252,12 @@ def test_records_reach_mlflow_and_wandb_and_a_resumed_job_continues_the_same_run
     _, summary, _ = wandb_run(wdir)
     assert summary["eval/tuned/squad_f1"] == 0.625 and summary["final_loss"] == 2.0
     assert not tracking.log_results(tmp_path / "untracked", "tuned", {"squad_f1": 1.0})  # nothing to attach to
+
+    for f in tmp_path.rglob("*"):  # no credential in any file the trackers wrote, nor in MLflow's run
+        if f.is_file():
+            data = f.read_bytes()
+            assert not any(v.encode() in data for v in secrets.values()), f
+    assert not any(v in json.dumps(mlflow_server.get("runs/get", run_id=run_id)) for v in secrets.values())
 
 
 def _default_run_config(ws: Workspace, tracking_cfg: dict) -> None:
