@@ -35,3 +35,7 @@ rule all:
     default_target: True
     input:
         get_all_targets(),
+
+
+onsuccess:
+    on_success()

@@ -51,7 +51,7 @@ SOURCES = config["sources"]
 def _plan_all():
     plans = {}
     for name, spec in SOURCES.items():
-        chunks = planmod.plan_source(spec)
+        chunks = planmod.plan_source(spec, cache_dir=f"data/plan/{name}")
         if not chunks:
             where = spec.get("path") or spec.get("url") or spec.get("urls")
             raise WorkflowError(
@@ -139,13 +139,21 @@ def get_chunk_shards_option(wildcards):
     return f"--shard-list {shard_list_path(wildcards.source, wildcards.chunk)}"
 
 
+def get_download_token_option(wildcards):
+    """`--token-env VAR ` (config: sources.NAME.token_env): the variable's name only, never its value."""
+    var = SOURCES[wildcards.source].get("token_env")
+    return f"--token-env {var} " if var else ""
+
+
 def get_download_url_list(wildcards):
     return shard_list_path(wildcards.source, wildcards.chunk)
 
 
 def get_source_flags(wildcards):
-    """The source's `--format` and `--key` (config: sources.NAME)."""
-    return flags(S.SourceSettings, SOURCES[wildcards.source])
+    """The source's `--format` and `--key` (parquet, arrow: `--id-key`, `--columns`) (config: sources.NAME)."""
+    spec = SOURCES[wildcards.source]
+    columnar = spec["format"] in S.COLUMNAR_FORMATS
+    return flags(S.SourceSettings, spec, () if columnar else ("id_key", "columns"))
 
 
 def get_chunk_limits(wildcards):

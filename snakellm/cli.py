@@ -42,6 +42,10 @@ STEPS: dict[str, tuple[str, str]] = {
     "blend": ("snakellm.steps.blend", "write Megatron's data_prefix blend for a tokenizer"),
     "train": ("snakellm.steps.train", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
     "prepare-sft": ("snakellm.steps.prepare_sft", "SQuAD json / jsonl -> {input, output} train/validation/test splits"),
+    "render-sft": (
+        "snakellm.steps.render_sft",
+        "the token ids and labels finetune trains on (chat template, loss mask), with --show",
+    ),
     "finetune": (
         "snakellm.steps.finetune",
         "LoRA, full SFT or p-tuning of a pretrained run (answer-only loss, resumable)",

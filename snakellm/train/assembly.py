@@ -85,6 +85,7 @@ class Job:
     tp: int = 1
     pp: int = 1
     virtual_pp: int = 1  # model chunks per pipeline rank (the interleaved schedule)
+    ep: int = 1  # expert-parallel ranks (mixture of experts), within the data-parallel ones
     threads: int | None = None
     seed: int = 1234
     precision: str = "auto"
@@ -292,7 +293,7 @@ def open_session(job: Job) -> Session:
     precision = job.precision if job.precision != "auto" else ("bf16" if cuda else "fp32")
     s = Session(torch, device, cuda, d, precision, dp, num_micro, stop, wd, stop_group)
     try:
-        runtime.init_model_parallel(job.tp, job.pp, cuda=cuda, vpp=job.virtual_pp)
+        runtime.init_model_parallel(job.tp, job.pp, cuda=cuda, vpp=job.virtual_pp, ep=job.ep)
         s.lock = _lock_run_dir(job.run_dir, rank0)
         s.barrier()
     except BaseException:
@@ -664,6 +665,7 @@ def _trainer(
         dp_size=s.dp,
         tensorboard_dir=job.run_dir / "tensorboard" if job.tensorboard else None,
         start_step=start,
+        router=_router_stats(parts, s.num_micro),
         tracker=tracker,
     )
     return Trainer(
@@ -704,17 +706,43 @@ def _trainer(
     )
 
 
+def _router_stats(parts: Parts, num_micro: int) -> Any:
+    """A mixture of experts' router health per step (snakellm.train.router_stats); None for a dense model."""
+    from snakellm.train.router_stats import RouterStats
+
+    cfg = parts.config
+    if not getattr(cfg, "num_moe_experts", None):
+        return None
+    return RouterStats(parts.chunks or [parts.module], cfg.moe_router_topk, num_micro)
+
+
 def replica_digests(module: Any) -> list[str]:
     """sha256 of this rank's weights, gathered over its data-parallel group (all must be equal)."""
     import torch
     from megatron.core import parallel_state
 
-    h = hashlib.sha256()
-    for name, p in sorted(module.named_parameters()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    def digest(expert: bool) -> str:
+        h = hashlib.sha256()
+        for name, p in sorted(module.named_parameters()):
+            if (not getattr(p, "allreduce", True)) == expert:
+                h.update(name.encode())
+                h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        # a mixture of experts split over expert-parallel ranks: the experts are replicas only over the expert
+        # data-parallel ranks (the same experts); the dense weights over all data-parallel ranks
+        group = parallel_state.get_expert_data_parallel_group()
+        experts: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(experts, digest(True), group=group)
+        if len(set(experts)) != 1:
+            raise RuntimeError(f"expert data-parallel replicas hold different experts: {experts}")
+        mine = digest(False)
+    else:  # every weight a replica (a dense model: the digest of all of them, as before experts existed)
+        has_experts = any(not getattr(p, "allreduce", True) for p in module.parameters())
+        mine = digest(False) + (digest(True) if has_experts else "")
     out: list[Any] = [None] * parallel_state.get_data_parallel_world_size()
-    torch.distributed.all_gather_object(out, h.hexdigest()[:16], group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_gather_object(out, mine, group=parallel_state.get_data_parallel_group())
     return out
 
 

@@ -52,6 +52,7 @@ class MetricsLogger:
         dp_size: int,
         tensorboard_dir: Path | None = None,
         start_step: int = 0,
+        router: Any = None,
         tracker: Any = None,
     ):
         self.live_path = live_path
@@ -64,6 +65,8 @@ class MetricsLogger:
         self.dp_group = dp_group
         self.dp_size = dp_size
         self.pending: list[tuple[int, float, Any, Any]] = []
+        self.router = router  # a mixture of experts' RouterStats (snakellm.train.router_stats), or None
+        self.pending_router: list[Any] = []
         self.last_losses: list[float] = []
         self.window_t0, self.window_steps = time.time(), 0
         self.tb: Any = None
@@ -76,6 +79,8 @@ class MetricsLogger:
     def record(self, step: int, lr: float, loss: Any, grad_norm: Any) -> None:
         """A finished optimizer step (loss and norm are device tensors: no sync here)."""
         self.pending.append((step, lr, loss, grad_norm))
+        if self.router is not None:
+            self.pending_router.append(self.router.take())
         self.window_steps += 1
 
     def restart_window(self) -> None:
@@ -109,11 +114,21 @@ class MetricsLogger:
             }
             for (s, lr, _, _), loss, gn in zip(self.pending, losses, norms)
         ]
+        routed = [p for p in self.pending_router if p is not None]
+        if routed and len(routed) == len(recs):
+            from snakellm.train.router_stats import reduce
+
+            for r, moe in zip(recs, reduce(routed, self.dp_group, self.dp_size)):
+                r.update(moe)
+        self.pending_router = []
         self._write(recs)
         if self.tb is not None:
             for r in recs:
                 for k in ("loss", "lr", "grad_norm"):
                     self.tb.add_scalar(f"train/{k}", r[k], r["step"])
+                for k in ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped_tokens"):
+                    if r.get(k) is not None:
+                        self.tb.add_scalar(f"router/{k[4:]}", r[k], r["step"])
             self.tb.add_scalar("perf/tokens_per_s", tps, recs[-1]["step"])
             if mfu is not None:
                 self.tb.add_scalar("perf/mfu", mfu, recs[-1]["step"])

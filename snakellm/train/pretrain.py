@@ -78,6 +78,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
         tp=par.tp,
         pp=par.pp,
         virtual_pp=par.virtual_pp,
+        ep=par.ep,
         threads=par.threads,
         seed=t.seed,
         precision=t.precision,
