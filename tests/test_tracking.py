@@ -80,6 +80,19 @@ def test_config_layers_become_flags_that_parse_back_into_the_settings():
     assert not tracking.configured(off)
 
 
+def test_the_config_has_no_place_for_credentials():
+    from snakellm.config import validate as cfgmod
+
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    schema = cfgmod.load_schema(REPO / "config" / "schema.yaml")
+    cfg["runs"]["tiny"]["tracking"] = {"wandb": {"project": "p", "mode": "offline"}, "mlflow": {"experiment": "e"}}
+    cfgmod.validate(cfg, schema)
+    for backend, key in (("wandb", "api_key"), ("mlflow", "token")):
+        bad = {**cfg, "tracking": {backend: {key: "s3cret"}}}
+        with pytest.raises(cfgmod.ConfigError, match=f"tracking.{backend}: unknown key '{key}'"):
+            cfgmod.validate(bad, schema)
+
+
 def test_secrets_are_never_parameters_and_uris_are_shown_without_user_info():
     params = tracking.flatten({"lr": 0.1, "wandb_api_key": "k", "x": {"token": "t", "password": "p", "n": 2}})
     assert params == {"lr": 0.1, "x.n": 2}
