@@ -1,4 +1,4 @@
-"""W&B and MLflow tracking (snakellm.io.tracking): real clients, a real MLflow server, W&B offline files.
+"""W&B and MLflow tracking (snakellm.tracking): real clients, a real MLflow server, W&B offline files.
 
 Fast: the settings (config -> flags -> the step's settings), what is never sent
 (secrets, user-info in URIs), the resume bookkeeping, and the budget against a
@@ -22,9 +22,9 @@ import yaml
 from conftest import REPO, Workspace
 from tracking_helpers import MlflowServer, wandb_history, wandb_run
 
+from snakellm import tracking
 from snakellm.config import flags as flagmod
 from snakellm.config.sections import TrackingSettings
-from snakellm.io import tracking
 from snakellm.steps import train as train_step
 
 

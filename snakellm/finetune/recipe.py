@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from snakellm import tracking
 from snakellm.config.sections import ExamplesSettings, FinetuneTrainSettings
 from snakellm.config.settings import trajectory_keys
 from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
-from snakellm.io import tracking
 from snakellm.io.atomic import write_json, write_text
 from snakellm.models import fp8
 from snakellm.train import assembly

@@ -5,7 +5,7 @@ before evaluations and saves), so logging costs one host sync per interval, not
 per step. Rank 0 appends the records to the checkpoint directory's live file
 (``metrics.live.jsonl``, truncated to the checkpoint's step on resume), to
 TensorBoard and to the W&B/MLflow tracker if one is configured
-(:mod:`snakellm.io.tracking`: the same records, queued, never waited for); :func:`merge_metrics` turns the live file into the run's
+(:mod:`snakellm.tracking`: the same records, queued, never waited for); :func:`merge_metrics` turns the live file into the run's
 ``metrics.jsonl`` at the end. The throughput window excludes evaluation and
 checkpoint time (:meth:`MetricsLogger.restart_window`).
 """
