@@ -239,7 +239,18 @@ class TokenizerTrainSettings:
 
     model_type: str = setting("bpe", "SentencePiece model type", choices=("bpe", "unigram", "char", "word"))
     character_coverage: float = setting(1.0, "share of characters covered by the vocabulary")
-    byte_fallback: bool = setting(False, "decompose unknown characters into UTF-8 byte pieces instead of <unk>")
+    normalization: str = setting(
+        "preserve",
+        "preserve: the text as it is, as Llama's and Gemma's models (identity normalization, whitespace runs and "
+        "newlines kept, digits split, byte fallback); sentencepiece: SentencePiece's own defaults (nmt_nfkc, "
+        "extra whitespace removed: newlines lost)",
+        choices=("preserve", "sentencepiece"),
+    )
+    byte_fallback: bool | None = setting(
+        None,
+        "decompose unknown characters into UTF-8 byte pieces instead of <unk> (unset: the normalization's, "
+        "preserve: true, sentencepiece: false)",
+    )
     user_defined_symbols: list[str] = setting(
         [], "a piece that is never split (e.g. a special marker)", flag="user_defined_symbol"
     )
