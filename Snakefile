@@ -28,6 +28,7 @@ include: "rules/export.smk"
 include: "rules/finetune.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
+include: "rules/tracking.smk"
 
 
 rule all:

@@ -254,6 +254,32 @@ def curate_indexes(config: dict[str, Any]) -> dict[str, list[str]]:
     return out
 
 
+def check_sources(config: dict[str, Any]) -> None:
+    """A source slices into chunks one way (``shards_per_chunk`` or, local parquet only, ``row_groups_per_chunk``);
+    ``id_key`` and ``columns`` are settings of the columnar formats only."""
+    from snakellm.config.sections import COLUMNAR_FORMATS
+
+    for name, spec in (config.get("sources") or {}).items():
+        where = f"config key sources.{name}"
+        per_shard, per_rg = spec.get("shards_per_chunk"), spec.get("row_groups_per_chunk")
+        if (per_shard is None) == (per_rg is None):
+            raise ConfigError(
+                f"{where}: set exactly one of shards_per_chunk (whole shards per chunk) and row_groups_per_chunk "
+                "(local parquet: row groups of one file per chunk)"
+            )
+        if per_rg is not None and (spec.get("format") != "parquet" or spec.get("kind") != "local"):
+            raise ConfigError(
+                f"{where}.row_groups_per_chunk: only local parquet files are sliced by row group (their footers are "
+                f"read at planning time); this source is {spec.get('kind')} {spec.get('format')}: use shards_per_chunk"
+            )
+        if spec.get("format") not in COLUMNAR_FORMATS:
+            for k in ("columns",):
+                if spec.get(k) is not None:
+                    raise ConfigError(f"{where}.{k}: only parquet and arrow sources have columns to keep")
+            if spec.get("id_key", "id") != "id":
+                raise ConfigError(f"{where}.id_key: only parquet and arrow sources have an id column")
+
+
 def check_curate(config: dict[str, Any]) -> None:
     """Sources sharing a duplicate index hash alike (the same exact and near settings), and an index named after
     a source is that source's own."""
@@ -314,6 +340,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
     ``env``: the environment whose site defaults the job allocations take (under the Slurm profile).
     """
     check_paths(config)
+    check_sources(config)
     check_curate(config)
     check_tokenizers(config)
     run_models = resolve_runs(config)

@@ -357,6 +357,11 @@ def run_plan(
     why = arch_mod.check_pipeline_batches(pp, vpp, gbs // (mbs * dp))
     if why:
         raise ValueError(f"global batch size {gbs}: {why}")
+    from snakellm.models import moe
+
+    why = moe.check_ep(arch, int(par.get("ep", 1)), world, tp, pp)
+    if why:
+        raise ValueError(f"parallel.ep {par.get('ep', 1)}: {why}")
     tok = (cfg.get("tokenizers") or {}).get(run.get("tokenizer"), {})
     out = [
         f"run {name}: {plural(world, 'rank')} = {plural(nodes, 'node')} x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "
@@ -385,6 +390,7 @@ def run_plan(
             virtual_pp=vpp,
             fsdp=bool(par.get("fsdp", False)),
             grad_reduce_in_fp32=par.get("grad_reduce_dtype", "fp32") == "fp32",
+            ep=int(par.get("ep", 1)),
         )
     ]
     return out

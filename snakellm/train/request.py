@@ -27,7 +27,7 @@ from snakellm.errors import UsageError
 from snakellm.io import checkpoint as ckpt
 from snakellm.io.log import plural
 from snakellm.launch import distributed as distmod
-from snakellm.models import fp8
+from snakellm.models import fp8, moe
 from snakellm.train.dataset import Blend, check_splits, read_blend
 from snakellm.train.resume import check_required, decide_resume, fingerprint
 from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
@@ -127,6 +127,9 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     if conflict:
         raise RequestError(f"{flags[conflict[0]]} {conflict[1]}")
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
+    why = moe.check_ep(model, par.ep, dist.world_size, par.tp, par.pp)
+    if why:
+        raise RequestError(f"--ep {par.ep}: {why}")
     why = models.check_pipeline_batches(par.pp, par.virtual_pp, num_micro)
     if why:
         raise RequestError(f"--global-batch-size {t.global_batch_size}: {why}")
@@ -204,6 +207,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
             ("sequence parallel", par.sequence_parallel),
             ("distributed optimizer", par.distributed_optimizer),
             (f"{par.virtual_pp} virtual pipeline stages", par.virtual_pp > 1),
+            (f"experts over ep {par.ep}", par.ep > 1),
             (f"recompute {par.recompute}", par.recompute != "none"),
             ("FSDP", par.fsdp),
             ("float8 all-gather", par.fp8_all_gather),
@@ -241,6 +245,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
                 virtual_pp=par.virtual_pp,
                 fsdp=par.fsdp,
                 grad_reduce_in_fp32=par.grad_reduce_dtype == "fp32",
+                ep=par.ep,
             )
         ),
     ]
