@@ -26,6 +26,10 @@ from typing import Any
 from snakellm.config.settings import REQUIRED, setting
 from snakellm.models.architecture import ModelSettings
 
+# the built-in chat templates (snakellm.finetune.chat_template.BUILTIN; a test keeps the two equal): a
+# fine-tune's chat_template names one of them or a file
+CHAT_TEMPLATE_NAMES = ("chatml", "llama3", "mistral")
+
 SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki", "parquet", "arrow", "warc")
 COLUMNAR_FORMATS = ("parquet", "arrow")  # read by snakellm.data.columnar: `id_key`, `columns`
 TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
@@ -689,6 +693,8 @@ class ExamplesSettings:
         "conversations: the chat template, a built-in (chatml, llama3, mistral) or a Jinja file "
         "(null: the model's own, from its tokenizer)",
         trajectory=True,
+        path="file",
+        path_names=CHAT_TEMPLATE_NAMES,
     )
     train_on: str = setting(
         "all_assistant",
