@@ -105,9 +105,9 @@ def check_paths(config: dict[str, Any]) -> None:
         if not fields:
             continue
         for key, section in _instances(config, where.split(".")):
-            for name, (kind, unless) in fields.items():
+            for name, (kind, unless, names) in fields.items():
                 value = section.get(name)
-                if value is None or (unless and section.get(unless)):
+                if value is None or (unless and section.get(unless)) or value in names:
                     continue
                 for i, item in enumerate(value if isinstance(value, list) else [value]):
                     at = f"{key}.{name}" + (f"[{i}]" if isinstance(value, list) else "")
