@@ -387,7 +387,11 @@ class ChatTokenizer:
                     char_at[pos] = i
                     pos += 1
             char_at[len(raw)] = b - a
-            for p in sp.encode(text[a:b], out_type="immutable_proto").pieces:
+            try:
+                proto = sp.encode(text[a:b], return_type="proto")  # sentencepiece >= 0.2.1
+            except TypeError:
+                proto = sp.encode(text[a:b], out_type="immutable_proto")
+            for p in proto.pieces:
                 ids.append(int(p.id))
                 end = char_at[p.end - 1] + 1 if p.end > p.begin else char_at[p.begin]
                 offs.append((a + char_at[p.begin], a + end))
