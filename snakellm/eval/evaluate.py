@@ -162,7 +162,8 @@ def _chat_examples(a: argparse.Namespace, tok_info: dict, tok, seq: int, conf: d
         e = enc.encode(r, where)
         if e is None:
             raise ds.SFTFormatError(f"{where}: the conversation's last turn does not fit {seq} tokens")
-        ids, reply, end = enc.prompt_and_reply(r, where)
+        ids, reply, end, text = enc.prompt_and_reply(r, where)
+        r["input"] = text  # predictions.jsonl's input: the rendered prompt
         exs.append(e)
         prompts.append(ids)
         labels.append(reply)
@@ -238,8 +239,7 @@ def evaluate(a: argparse.Namespace) -> dict:
             },
         }
         if rt.rank == 0:
-            inputs = [tok.decode(p) for p in prompts] if records and "input" not in records[0] else None
-            write_outputs(Path(a.out_dir), metrics, records, preds, labels, golds, inputs)
+            write_outputs(Path(a.out_dir), metrics, records, preds, labels, golds)
         return metrics
     finally:
         runtime.stop()
@@ -252,11 +252,8 @@ def write_outputs(
     preds: list[str],
     labels: list[str],
     golds: list[list[str]],
-    inputs: list[str] | None = None,
 ) -> None:
     """metrics.json, our predictions.jsonl and NeMo's predictions file, all three or none (atomic)."""
-    if inputs is not None:  # conversations: the rendered prompt is the input
-        records = [{**r, "input": i} for r, i in zip(records, inputs, strict=True)]
     rows = list(zip(records, preds, labels, golds, strict=True))
     with atomic_group(*(out / f for f in OUTPUTS)) as (m_tmp, p_tmp, n_tmp):
         p_tmp.write_text(
