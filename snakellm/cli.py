@@ -64,6 +64,7 @@ STEPS: dict[str, tuple[str, str]] = {
         "merge a LoRA adapter into its base, or write it in Hugging Face PEFT format",
     ),
     "plan": ("snakellm.steps.plan", "print the chunk plan of the configured sources"),
+    "track-data": ("snakellm.steps.track_data", "the data stages' counts as one W&B / MLflow data run"),
     "export-nemo": ("snakellm.steps.export_nemo", "write a .nemo (NeMo 1.x mcore GPT) that NeMo's restore_from loads"),
     "import-nemo": (
         "snakellm.steps.import_nemo",

@@ -30,11 +30,18 @@ FIGURES: dict[str, list[str]] = {
         rf"zstd -dc > /dev/null\s+{NUM} MB/s",
         rf"snakellm chunk -t1\s+{NUM} MB/s",
         rf"snakellm chunk -t2\s+{NUM} MB/s\s+\({NUM} s, {NUM} documents validated, {NUM}x zstd's time\)",
+        rf"pyarrow text column -> str\s+{NUM} MB/s per core",
+        rf"snakellm chunk -t1\s+{NUM} MB/s per core .*; {NUM}x pyarrow's read, {NUM}x datatrove\)",
+        rf"datatrove Parquet->Jsonl\s+{NUM} MB/s per core",
+        rf"snakellm chunk -t1\s+{NUM} documents/s\s+\({NUM} in {NUM} s, {NUM}x datatrove\)",
+        rf"datatrove Warc\+Trafilatura\s+{NUM} documents/s",
     ],
     "bench_plan": [
         rf"http: snakemake -n\s+{NUM} s \(\s*{NUM} s CPU\)\s+{NUM} MB peak",
         rf"local: snakemake -n\s+{NUM} s",
         rf"local source jobs: \{{'chunk': {NUM},",
+        rf"parquet plan, cold \(every footer read\)\s+{NUM} s",
+        rf"parquet plan, warm \(nothing changed\)\s+{NUM} s",
     ],
     "bench_curate": [
         rf"recall: {NUM}% of {NUM} pairs at Jaccard >= 0.85 found",
@@ -71,6 +78,11 @@ FIGURES: dict[str, list[str]] = {
         r"^pooled numerics: 1 result files, 2 bf16 and 2 fp8 runs$",
         r"^loss at step 8: bf16 [\d.]+ \(runs spread 0\.00%\), fp8 [\d.]+ \(0\.00%\): fp8 [-+][\d.]+% .*: PASS$",
     ],
+    "bench_moe_gpu": [
+        rf"^snakellm train\s+{NUM} tokens/s  MFU \(active\)",
+        rf"^hand-written compiled MoE\s+{NUM} tokens/s",
+        rf"^snakellm / hand-written: {NUM}x",
+    ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
     "bench_finetune_gpu": [
@@ -93,9 +105,11 @@ FIGURES: dict[str, list[str]] = {
 # smokes of more than ~10 s on 2 cores (measured): 3 to 5 processes that import torch and megatron-core
 SLOW = {
     "bench_fp8_gpu",
+    "bench_moe_gpu",
     "bench_pipeline_gpu",
     "bench_train_8b_gpu",
     "bench_convert",
+    "bench_chunk",  # datatrove's ParquetReader and WarcReader + Trafilatura (its extractor's child process) beside ours
     "bench_curate",  # datatrove's four-stage pipeline in its own processes beside ours: ~7 s of CPU
     "bench_generate_gpu",
     "bench_train_gpu",

@@ -35,7 +35,7 @@ def test_embedded_default_config_is_valid():
         (lambda c: c.update(sourcs={}), "<top level>: unknown key 'sourcs'"),
         (
             lambda c: c["sources"]["web"].update(shards_per_chunk="many"),
-            "sources.web.shards_per_chunk: 'many' is not of type integer",
+            "sources.web.shards_per_chunk: 'many' is not of type ['integer', 'null']",
         ),
         (lambda c: c["sources"]["web"].update(shards_per_chunk=0), "sources.web.shards_per_chunk"),
         (lambda c: c["sources"]["web"].update(format="parquet"), "sources.web.format: 'parquet' is not one of"),
@@ -96,7 +96,20 @@ def test_http_source_needs_url_or_urls():
         (lambda c: c["sources"]["botchan"].update(colour="red"), "unknown key 'colour'"),
         (
             lambda c: c["sources"]["botchan"].update(path="resources/corpus/missing/*.jsonl"),
-            "sources.botchan: no shards found",
+            "sources.botchan.path: no file matches",
+        ),
+        (  # issue 42: this once dropped the gpt2 tokenize and blend jobs from the graph without a word
+            lambda c: c.update(
+                tokenizers={
+                    "gpt2": {
+                        "kind": "gpt2-bpe",
+                        "vocab_file": "resources/tokenizers/gpt2/vocab-missing.json",
+                        "merges_file": "resources/tokenizers/gpt2/merges.txt",
+                    }
+                }
+            ),
+            "invalid config: config key tokenizers.gpt2.vocab_file: resources/tokenizers/gpt2/vocab-missing.json: "
+            "no such file",
         ),
     ],
 )

@@ -33,6 +33,7 @@ from snakellm.config.sections import ExamplesSettings, FinetuneTrainSettings
 from snakellm.config.settings import trajectory_keys
 from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
+from snakellm.io import tracking
 from snakellm.io.atomic import write_json, write_text
 from snakellm.models import fp8
 from snakellm.train import assembly
@@ -113,6 +114,8 @@ def job_of(a: argparse.Namespace) -> assembly.Job:
         progress=a.progress,
         overlap_grad_reduce=False,
         profile_steps=a.profile_steps,
+        tracking=tracking.settings_from_args(a),
+        params=vars(a),
     )
 
 
@@ -398,6 +401,7 @@ class FinetuneRecipe:
             "fingerprint": done.fingerprint,
         }
         write_json(out / "finetune_summary.json", summary)
+        done.trainer.metrics.summary(summary)
 
 
 def _peak_gib(s: assembly.Session) -> float | None:
