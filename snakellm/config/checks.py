@@ -58,6 +58,8 @@ def check_finetunes(config: dict[str, Any]) -> None:
 # the string fields of prepare-sft's records, by source format: what a fine-tune's template may name
 RECORD_FIELDS = {"squad": ("input", "output", "context", "question", "title"), "jsonl": ("input", "output")}
 SQUAD_PROMPT_FIELDS = ("context", "question", "title")
+CHAT_FORMATS = ("messages", "sharegpt")
+CHAT_BUILTINS = ("chatml", "llama3", "mistral")  # snakellm.finetune.chat_template.BUILTIN (torch-free here)
 
 
 def template_fields(template: str, key: str) -> list[str]:
@@ -140,6 +142,14 @@ def check_sft_data(config: dict[str, Any]) -> None:
 def check_example_template(name: str, ft: dict[str, Any], data: dict[str, Any]) -> None:
     """The fine-tune's prompt template ends with its one {output} and names only fields its records have."""
     ex = ft.get("examples", {})
+    if data.get("format", "squad") in CHAT_FORMATS:  # conversations: the chat template, not a prompt template
+        chat = ex.get("chat_template")
+        if chat and chat not in CHAT_BUILTINS and not os.path.isfile(chat):
+            raise ConfigError(
+                f"config key finetune.{name}.examples.chat_template: {chat!r} is neither a built-in "
+                f"({', '.join(CHAT_BUILTINS)}) nor a file (relative to {os.getcwd()})"
+            )
+        return
     template, key = ex.get("template", "{input} {output}"), f"finetune.{name}.examples.template"
     fields = template_fields(template, key)
     if fields.count("output") != 1 or not template.rstrip().endswith("{output}"):

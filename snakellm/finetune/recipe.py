@@ -141,6 +141,7 @@ class FinetuneRecipe:
         self.virtual = mcfg.virtual_tokens if a.method == "ptuning" else 0
         self.is_chat = False
         self.chat_template: str | None = None
+        self.chat_text: str | None = None
         self._encode()
         self.extra: Any = None
         self.ft: Any = None
@@ -189,6 +190,7 @@ class FinetuneRecipe:
                 e.context = prefix + e.context
                 e.mask = [0] * len(prefix) + (e.mask or [])
             self.chat_template = enc.template.source
+            self.chat_text = enc.template.text
             self.is_chat = True
             return exs, enc.stats.as_dict() | {"context_truncated": enc.stats.shortened}
 
@@ -354,7 +356,8 @@ class FinetuneRecipe:
             "base": str(self.base_checkpoint),
             "model": self.arch,
             "padded_vocab": self.vocab,
-            "tokenizer": self.tok_info,
+            # the template a chat fine-tune trained with travels with what it wrote (exports, merges, serving)
+            "tokenizer": {**self.tok_info, "chat_template": self.chat_text} if self.is_chat else self.tok_info,
             "examples": done.config["examples"],
             "fingerprint": done.fingerprint,
         }
