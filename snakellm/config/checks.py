@@ -203,8 +203,8 @@ def check_export_nemo(config: dict[str, Any], run_models: dict[str, dict[str, An
                 f"tokenizers, {run['tokenizer']!r} is {kind} (set export_nemo.enabled: false to skip the .nemo)"
             )
         arch = (run_models or {}).get(name)
-        why = arch and families.get(arch["style"]).nemo_refuses(arch)
-        if why:
+        why = families.get(arch["style"]).nemo_refuses(arch) if arch else None
+        if arch and why:
             raise ConfigError(
                 f"config key runs.{name}.model: NeMo 1.x cannot represent this {arch['style']} model: {why} "
                 "(set export_nemo.enabled: false to skip the .nemo)"
