@@ -197,10 +197,13 @@ def check_resources(config: dict[str, Any], env: Mapping[str, str] | None = None
             jobs.check_allocation(jobs.allocation(config, stage, None, env), slurm=env is not None)
 
 
-def check_export_nemo(config: dict[str, Any]) -> None:
-    """A .nemo packs only gpt2-bpe or sentencepiece tokenizers: an export that cannot work fails before training."""
+def check_export_nemo(config: dict[str, Any], run_models: dict[str, dict[str, Any]] | None = None) -> None:
+    """A .nemo packs only gpt2-bpe or sentencepiece tokenizers, and only models NeMo 1.x represents (not Qwen3's
+    QK-norm, not mixtures of experts): an export that cannot work fails before training."""
     if not config.get("export_nemo", {}).get("enabled", True):
         return
+    from snakellm.models import families
+
     tokenizers = config.get("tokenizers", {})
     for name, run in config.get("runs", {}).items():
         kind = tokenizers[run["tokenizer"]]["kind"]
@@ -208,6 +211,13 @@ def check_export_nemo(config: dict[str, Any]) -> None:
             raise ConfigError(
                 f"config key runs.{name}.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece "
                 f"tokenizers, {run['tokenizer']!r} is {kind} (set export_nemo.enabled: false to skip the .nemo)"
+            )
+        arch = (run_models or {}).get(name)
+        why = families.get(arch["style"]).nemo_refuses(arch) if arch else None
+        if arch and why:
+            raise ConfigError(
+                f"config key runs.{name}.model: NeMo 1.x cannot represent this {arch['style']} model: {why} "
+                "(set export_nemo.enabled: false to skip the .nemo)"
             )
 
 
@@ -359,7 +369,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
     check_resources(config, env)
     check_fp8(config, run_models)
     check_grad_reduce(config)
-    check_export_nemo(config)
+    check_export_nemo(config, run_models)
     check_imports(config)
     check_hf_exports(config, run_models)
     return run_models
