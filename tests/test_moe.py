@@ -237,3 +237,19 @@ def test_the_training_page_draws_router_health_only_for_a_mixture_of_experts(tmp
     dense = [{k: v for k, v in r.items() if not k.startswith("moe_")} for r in recs]
     assert router_figure("d", dense) is None
     assert "Router health" not in summary_page("d", dense, {"status": "done"}, str(tmp_path / "s.json"))
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_the_engine_generates_the_eager_decoders_tokens_for_moe(preset):
+    """The serving engine's decode step (every row's experts, capturable) and prefill give the eager decoder's
+    greedy tokens and log-probabilities (which gathers each token's routed experts)."""
+    from hf_helpers import tokenizer_block
+    from test_engine import PROMPTS, build_gen, engine, greedy
+
+    gen = build_gen(preset, tokenizer_block("gpt2-bpe"))
+    params = greedy(12, stop_at_eod=False, logprobs=True)
+    fast = engine(gen).generate(PROMPTS, params)
+    eager = gen.generate(PROMPTS, params)
+    assert [o.ids for o in fast] == [o.ids for o in eager]
+    for f, e in zip(fast, eager, strict=True):
+        assert f.logprobs == pytest.approx(e.logprobs, abs=1e-4)
