@@ -16,10 +16,11 @@ rule download:
         dest=get_raw_dir,
         flags=DOWNLOAD_FLAGS,
         format=lambda w: SOURCES[w.source]["format"],
+        token=get_download_token_option,
     shell:
         "snakellm download --dest {params.dest} --manifest {output.manifest} "
         "--source {wildcards.source} --chunk {wildcards.chunk} --format {params.format} {params.flags} "
-        "--url-file {input.urls} 2> {log}"
+        "{params.token}--url-file {input.urls} 2> {log}"
 
 
 rule chunk:

@@ -96,7 +96,20 @@ def test_http_source_needs_url_or_urls():
         (lambda c: c["sources"]["botchan"].update(colour="red"), "unknown key 'colour'"),
         (
             lambda c: c["sources"]["botchan"].update(path="resources/corpus/missing/*.jsonl"),
-            "sources.botchan: no shards found",
+            "sources.botchan.path: no file matches",
+        ),
+        (  # issue 42: this once dropped the gpt2 tokenize and blend jobs from the graph without a word
+            lambda c: c.update(
+                tokenizers={
+                    "gpt2": {
+                        "kind": "gpt2-bpe",
+                        "vocab_file": "resources/tokenizers/gpt2/vocab-missing.json",
+                        "merges_file": "resources/tokenizers/gpt2/merges.txt",
+                    }
+                }
+            ),
+            "invalid config: config key tokenizers.gpt2.vocab_file: resources/tokenizers/gpt2/vocab-missing.json: "
+            "no such file",
         ),
     ],
 )

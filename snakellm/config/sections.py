@@ -26,7 +26,8 @@ from typing import Any
 from snakellm.config.settings import REQUIRED, setting
 from snakellm.models.architecture import ModelSettings
 
-SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki")
+SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki", "parquet", "arrow", "warc")
+COLUMNAR_FORMATS = ("parquet", "arrow")  # read by snakellm.data.columnar: `id_key`, `columns`
 TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LORA_INITS = ("xavier", "normal", "kaiming", "zero")
@@ -177,7 +178,7 @@ class SourceSettings:
     """``sources.<name>``: one corpus; its shards are sorted naturally and sliced into chunks."""
 
     kind: str = setting(REQUIRED, "local files or http URLs", choices=("local", "http"), cli=False)
-    path: str | list[str] | None = setting(None, "glob(s) of local shard files; `**` recurses", cli=False)
+    path: str | list[str] | None = setting(None, "glob(s) of local shard files; `**` recurses", cli=False, path="glob")
     url: str | list[str] | None = setting(None, "URL template(s) with shell-style braces", cli=False)
     urls: list[str] | None = setting(None, "explicit URLs (added to those from `url`)", cli=False)
     format: str = setting(
@@ -186,9 +187,23 @@ class SourceSettings:
         choices=SOURCE_FORMATS,
         cli_default="jsonl",
     )
-    key: str = setting("text", "JSON key holding the document text")
+    key: str = setting("text", "JSON key (parquet, arrow: column) holding the document text")
+    id_key: str = setting("id", "parquet, arrow: column of the document id (a file without it: `{shard}/{row}`)")
+    columns: list[str] | None = setting(
+        None, "parquet, arrow: the other columns kept in each record (default: all of them)"
+    )
+    token_env: str | None = setting(
+        None, "http: environment variable of a bearer token sent to the URLs' own host only (HF_TOKEN)", cli=False
+    )
     weight: float = setting(1.0, "sampling weight in the blend (multiplied by the source's token count)", cli=False)
-    shards_per_chunk: int = setting(REQUIRED, "shards concatenated into one chunk (one job per chunk)", cli=False)
+    shards_per_chunk: int | None = setting(
+        None, "shards concatenated into one chunk (one job per chunk); this or row_groups_per_chunk", cli=False
+    )
+    row_groups_per_chunk: int | None = setting(
+        None,
+        "local parquet: each file sliced into chunks of up to N of its row groups (planned from footers)",
+        cli=False,
+    )
     # flags of `snakellm chunk` whose command-line default is "no limit" (steps/chunk.py); the rule passes these
     max_document_bytes: int = setting(
         67108864, "a longer document is quarantined as too_long, never held whole in memory", cli=False
@@ -254,10 +269,10 @@ class TokenizerSettings:
     """``tokenizers.<name>``: how `snakellm tokenize` loads a tokenizer."""
 
     kind: str = setting(REQUIRED, "tokenizer kind", choices=TOKENIZER_KINDS)
-    vocab_file: str | None = setting(None, "gpt2-bpe: vocab.json (Megatron --vocab-file)")
-    merges_file: str | None = setting(None, "gpt2-bpe: merges.txt (Megatron --merge-file)")
-    model_file: str | None = setting(None, "sentencepiece: the .model file")
-    tokenizer_file: str | None = setting(None, "huggingface: a tokenizer.json")
+    vocab_file: str | None = setting(None, "gpt2-bpe: vocab.json (Megatron --vocab-file)", path="file")
+    merges_file: str | None = setting(None, "gpt2-bpe: merges.txt (Megatron --merge-file)", path="file")
+    model_file: str | None = setting(None, "sentencepiece: the .model file", path="file")
+    tokenizer_file: str | None = setting(None, "huggingface: a tokenizer.json", path="file")
     eod: str | None = setting(
         None,
         "end-of-document token appended to every document (gpt2-bpe: <|endoftext|>; sentencepiece: the model's "
@@ -521,6 +536,51 @@ class ResourcesSettings:
     )
 
 
+# ---------------------------------------------------------------- experiment tracking (docs/tracking.md)
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbSettings:
+    """``tracking.wandb``: a Weights & Biases run per job (the key only from WANDB_API_KEY; files under WANDB_DIR)."""
+
+    project: str | None = setting(None, "the W&B project (unset: no W&B run)", flag="wandb_project")
+    entity: str | None = setting(None, "the W&B team or user (unset: the API key's default)", flag="wandb_entity")
+    mode: str | None = setting(
+        None,
+        "online: stream to the server; offline: files only, upload later with `wandb sync`; disabled: no run "
+        "(unset: WANDB_MODE, else online)",
+        choices=WANDB_MODES,
+        flag="wandb_mode",
+    )
+    group: str | None = setting(None, "the W&B group of the run", flag="wandb_group")
+    tags: list[str] | None = setting(None, "W&B tags of the run", flag="wandb_tag")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlflowSettings:
+    """``tracking.mlflow``: an MLflow run per job (the token only from MLFLOW_TRACKING_TOKEN and MLflow's variables)."""
+
+    tracking_uri: str | None = setting(
+        None,
+        "the MLflow tracking server or store (unset: MLFLOW_TRACKING_URI; with neither this nor experiment: no MLflow run)",
+        flag="mlflow_tracking_uri",
+    )
+    experiment: str | None = setting(
+        None, "the MLflow experiment (created if missing; unset: Default)", flag="mlflow_experiment"
+    )
+    tags: dict[str, str] | None = setting(None, "MLflow tags of the run", flag="mlflow_tag")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingSettings:
+    """``tracking`` (and ``runs.<name>.tracking``, ``finetune.<name>.tracking``, which override the keys they set)."""
+
+    wandb: dict[str, Any] = setting({}, "Weights & Biases", section=WandbSettings)
+    mlflow: dict[str, Any] = setting({}, "MLflow", section=MlflowSettings)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """``runs.<name>``: one pretraining run."""
@@ -530,6 +590,7 @@ class RunSettings:
     train: dict[str, Any] = setting(REQUIRED, "steps, batch, optimizer, checkpoints", section=TrainSettings)
     parallel: dict[str, Any] = setting({}, "how the ranks split the work", section=ParallelSettings)
     resources: dict[str, Any] = setting({}, "the job's allocation", section=JobResourceSettings)
+    tracking: dict[str, Any] = setting({}, "W&B and MLflow, over the global tracking", section=TrackingSettings)
 
 
 # ---------------------------------------------------------------- fine-tuning stage
@@ -539,11 +600,12 @@ class RunSettings:
 class SftDataSettings:
     """``sft_data.<name>``: `snakellm prepare-sft` of one data set."""
 
-    path: str = setting(REQUIRED, "a SQuAD-format .json or a .jsonl file", cli=False)
+    path: str = setting(REQUIRED, "a SQuAD-format .json or a .jsonl file", cli=False, path="file")
     format: str = setting(
         "squad",
-        "squad: answerable questions, first answer as output; jsonl: records with input_key/output_key",
-        choices=("squad", "jsonl"),
+        "squad: answerable questions, first answer as output; jsonl: records with input_key/output_key; "
+        "messages: OpenAI-style {role, content} lists; sharegpt: {from, value} lists (human, gpt, system)",
+        choices=("squad", "jsonl", "messages", "sharegpt"),
     )
     template: str | None = setting(
         None,
@@ -552,6 +614,9 @@ class SftDataSettings:
     )
     input_key: str = setting("input", "jsonl: key of the prompt")
     output_key: str = setting("output", "jsonl: key of the answer (a string or a list of gold answers)")
+    messages_key: str | None = setting(
+        None, "messages/sharegpt: key of the conversation list (null: messages, or conversations for sharegpt)"
+    )
     split: str = setting("80,10,10", "train,validation,test shares after a seeded shuffle")
     seed: int = setting(1234, "seed of the shuffle before splitting")
     limit: int | None = setting(None, "use only this many records (after the shuffle)")
@@ -615,6 +680,19 @@ class ExamplesSettings:
         choices=("left", "right"),
     )
     packing: bool = setting(False, "several examples per sequence (block-diagonal attention)", trajectory=True)
+    chat_template: str | None = setting(
+        None,
+        "conversations: the chat template, a built-in (chatml, llama3, mistral) or a Jinja file "
+        "(null: the model's own, from its tokenizer)",
+        trajectory=True,
+    )
+    train_on: str = setting(
+        "all_assistant",
+        "conversations: the tokens trained (every assistant turn's content and end-of-turn token, the last "
+        "turn's only, or every token)",
+        trajectory=True,
+        choices=("all_assistant", "last_assistant", "all"),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -718,6 +796,7 @@ class FinetuneSettings:
     )
     evaluate: dict[str, Any] = setting({}, "evaluation", section=EvaluateSettings)
     resources: dict[str, Any] = setting({}, "the fine-tuning job's allocation", section=JobResourceSettings)
+    tracking: dict[str, Any] = setting({}, "W&B and MLflow, over the global tracking", section=TrackingSettings)
 
 
 # ---------------------------------------------------------------- export, import, generation
@@ -753,7 +832,9 @@ class RandomHfSettings:
     preset: str = setting(REQUIRED, "the shape: a preset (llama3-8b, llama2-7b, tiny-llama, ...)")
     seed: int = setting(0, "seed of the weights")
     tokenizer_dir: str = setting(
-        "resources/tokenizers/gpt2", "GPT-2's vocab.json and merges.txt (the model's tokenizer, copied in)"
+        "resources/tokenizers/gpt2",
+        "GPT-2's vocab.json and merges.txt (the model's tokenizer, copied in)",
+        path="dir",
     )
     max_shard_size: str = setting("5GB", "largest safetensors shard")
 
@@ -762,7 +843,7 @@ class RandomHfSettings:
 class ImportHfSettings:
     """``import_hf.<name>``: a Hugging Face GPT-2 / Llama directory turned into a run."""
 
-    hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False)
+    hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False, path="dir", path_unless="random")
     make_vocab_size_divisible_by: int = setting(128, "embedding padding (Megatron-LM's)")
     random: dict[str, Any] | None = setting(
         None,
@@ -827,6 +908,7 @@ class LmEvalSuiteSettings:
         [],
         "more directories of lm-eval task YAMLs over local files (the evaluation runs offline); the workflow "
         "always adds data/lm_eval/tasks, the shipped suite",
+        path="dir",
     )
 
 
@@ -878,6 +960,15 @@ SECTIONS: dict[str, type] = {
     "lm_eval": LmEvalSettings,
     "lm_eval.suites.*": LmEvalSuiteSettings,
     "resources": ResourcesSettings,
+    "tracking": TrackingSettings,
+    "tracking.wandb": WandbSettings,
+    "tracking.mlflow": MlflowSettings,
+    "runs.*.tracking": TrackingSettings,
+    "runs.*.tracking.wandb": WandbSettings,
+    "runs.*.tracking.mlflow": MlflowSettings,
+    "finetune.*.tracking": TrackingSettings,
+    "finetune.*.tracking.wandb": WandbSettings,
+    "finetune.*.tracking.mlflow": MlflowSettings,
 }
 # the job resources and their container, wherever they occur
 for _where in (

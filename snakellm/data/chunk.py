@@ -35,8 +35,8 @@ from typing import BinaryIO
 
 import orjson
 
-from snakellm.config.sections import SOURCE_FORMATS
-from snakellm.data.planning import shard_identity
+from snakellm.config.sections import COLUMNAR_FORMATS, SOURCE_FORMATS
+from snakellm.data.planning import describe, shard_identity, split_slice
 from snakellm.errors import DataError, StepFailed
 from snakellm.io.atomic import atomic_group
 from snakellm.io.progress import progress
@@ -63,6 +63,11 @@ REASONS = (
     "not_string",
     "empty_text",
     "too_long",
+    # parquet, arrow, warc (docs/data.md)
+    "null_text",
+    "unreadable_file",
+    "damaged_file",
+    "extraction_failed",
 )
 
 
@@ -238,6 +243,14 @@ def _count_lines(path: Path) -> int:
 
 
 @dataclass(frozen=True)
+class Fields:
+    """What a columnar shard's record keeps (``sources.<name>.id_key`` / ``columns``; None: every column)."""
+
+    id_key: str = "id"
+    columns: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Limits:
     """Per-source limits (``sources.<name>.max_document_bytes`` / ``max_rejected_fraction``; None: none)."""
 
@@ -272,6 +285,19 @@ class _Tally:
             "content": raw.decode("utf-8", "backslashreplace"),
         }
         self.fr.write(orjson.dumps(rec) + b"\n")
+
+    def reject_at(self, where: dict, reason: str, content: str, **extra: object) -> None:
+        """Quarantine a record that is no line (a parquet row, a WARC record): ``where`` says which."""
+        self.reasons[reason] += 1
+        rec = {"shard": self.label, **where, "reason": reason, **extra, "content": content}
+        self.fr.write(orjson.dumps(rec, default=_jsonable) + b"\n")
+
+
+def _jsonable(v: object) -> object:
+    """A column value orjson has no type for (bytes, Decimal, a time delta ...) as JSON can hold it."""
+    if isinstance(v, bytes | bytearray | memoryview):
+        return bytes(v).decode("utf-8", "backslashreplace")
+    return str(v)
 
 
 def _jsonl_lines(t: _Tally, lines: Iterator[bytes], key: str, fo: BinaryIO) -> None:
@@ -361,6 +387,95 @@ def _text_shard(
         t.docs += 1
 
 
+def _columnar_shard(
+    t: _Tally, entry: str, fmt: str, key: str, fo: BinaryIO, lim: Limits, fields: Fields, downloaded: bool
+) -> dict:
+    """The rows of a parquet file (or of a row-group slice of one) or an Arrow shard as jsonl records.
+
+    Each record: the text under ``key``, ``id`` (the ``id_key`` column; ``{shard}/{row}`` where the file has none,
+    as datatrove does), then the other columns (``columns``: only those). A file that cannot be opened (no footer)
+    is quarantined as one ``unreadable_file`` record; one damaged past its start fails the job naming it.
+    """
+    from snakellm.data import columnar as col
+
+    path, units = split_slice(entry)
+    try:
+        c = col.open_columnar(path, fmt)
+    except DamagedShardError as e:
+        if downloaded:
+            raise
+        t.lines += 1
+        t.reject_at({"row_groups": list(units) if units else None}, "unreadable_file", str(e))
+        print(f"snakellm chunk: warning: {e}; quarantined as unreadable_file", file=sys.stderr)
+        return {"schema": None}
+    try:
+        col.check_columns(c, key, list(fields.columns) if fields.columns is not None else None)
+        names = c.names
+        id_key = fields.id_key
+        keep = [n for n in (fields.columns if fields.columns is not None else names) if n not in (key, id_key)]
+        if "id" in keep:
+            raise col.ColumnError(
+                f"{display(path)}: column 'id' would overwrite the record's id (id_key is {id_key!r}); "
+                "list the columns to keep (sources.NAME.columns) without it"
+            )
+        has_id = id_key in names
+        read = [key, *([id_key] if has_id else []), *keep]
+        first_other = 1 + has_id
+        limit = lim.max_document_bytes
+        dumps, label, write, reject = orjson.dumps, t.label, fo.write, t.reject_at
+        last_unit, row = -1, 0
+        for unit, batch in c.batches(read, units):
+            if fmt == "parquet" and unit != last_unit:
+                row, last_unit = c.offsets[unit], unit
+            t.bytes_in += batch.nbytes
+            cols = [batch.column(j).to_pylist() for j in range(len(read))]
+            texts, ids, others = cols[0], cols[1] if has_id else None, cols[first_other:]
+            for i, text in enumerate(texts):
+                r = row + i
+                t.lines += 1
+                if (
+                    type(text) is not str
+                    or not text
+                    or text.isspace()
+                    or (limit is not None and len(text) * 4 > limit and len(text.encode("utf-8")) > limit)
+                ):
+                    rec_all = {n: v[i] for n, v in zip(read, cols, strict=True)}
+                    where = {"row": r, **({"row_group": unit} if fmt == "parquet" else {"batch": unit})}
+                    if text is None:
+                        reject(where, "null_text", dumps(rec_all, default=_jsonable).decode())
+                    elif type(text) is not str:
+                        reject(where, "not_string", dumps(rec_all, default=_jsonable).decode())
+                    elif not text or text.isspace():
+                        reject(where, "empty_text", dumps(rec_all, default=_jsonable).decode())
+                    else:
+                        size = len(text.encode("utf-8"))
+                        reject(where, "too_long", text[:1024], bytes=size, content_truncated_to=1024)
+                    continue
+                doc_id = ids[i] if ids is not None else None
+                if doc_id is None:
+                    doc_id = f"{label}/{r}"
+                    t.counts["ids_generated"] += 1
+                rec = {key: text, "id": doc_id}
+                for name, v in zip(keep, others, strict=True):
+                    rec[name] = v[i]
+                line = dumps(rec, default=_jsonable, option=orjson.OPT_APPEND_NEWLINE)
+                write(line)
+                t.bytes_out += len(line)
+                t.docs += 1
+            row += len(texts)
+        return {"schema": col.schema_of(c)}
+    finally:
+        c.close()
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while buf := fh.read(1 << 22):
+            h.update(buf)
+    return h.hexdigest()
+
+
 def _remove_download(shard: str) -> str:
     """Remove a downloaded shard (and its sidecar) so that the next run fetches it again."""
     for p in [shard, *_sidecars(shard)]:
@@ -369,8 +484,44 @@ def _remove_download(shard: str) -> str:
     return "; removed it: the next run downloads it again"
 
 
-def _read_shard(t: _Tally, shard: str, fmt: str, key: str, fo: BinaryIO, lim: Limits, exp: Expected | None) -> dict:
+def _read_columnar(
+    t: _Tally, entry: str, fmt: str, key: str, fo: BinaryIO, lim: Limits, fields: Fields, exp: Expected | None
+) -> dict:
+    """A parquet/Arrow shard (or row-group slice) read by pyarrow; its identity, sha256 (of the slice) and schema."""
+    from snakellm.data.columnar import slice_sha256
+
+    path, units = split_slice(entry)
+    before = stat_shard(path)
+    try:
+        got = _columnar_shard(t, entry, fmt, key, fo, lim, fields, exp is not None)
+    except DamagedShardError as e:
+        if exp is None:
+            raise
+        raise DamagedShardError(f"{e} (downloaded from {exp.url}){_remove_download(path)}") from None
+    digest = _sha256_file(path) if units is None else slice_sha256(path, units)
+    after = stat_shard(path)
+    was, now = shard_identity(before), shard_identity(after)
+    if was != now:
+        diff = ", ".join(f"{k} {was[k]} -> {v}" for k, v in now.items() if was[k] != v)
+        raise ShardFileError(f"shard {describe(entry)} changed while it was read ({diff}): run again")
+    if exp is not None and digest != exp.sha256:
+        raise ManifestMismatchError(
+            f"shard {display(path)} ({exp.url}) has sha256 {digest}, the manifest recorded {exp.sha256}"
+            f"{_remove_download(path)}"
+        )
+    return {"compression": "none", "stat": was, "sha256": digest, **got}
+
+
+def _read_shard(
+    t: _Tally, shard: str, fmt: str, key: str, fo: BinaryIO, lim: Limits, exp: Expected | None, fields: Fields
+) -> dict:
     """Read one shard through to its last byte; return its compression, identity and sha256."""
+    if fmt in COLUMNAR_FORMATS:
+        return _read_columnar(t, shard, fmt, key, fo, lim, fields, exp)
+    if fmt == "warc":
+        from snakellm.data.warc import read_warc
+
+        return read_warc(t, shard, key, fo, exp)
     before = stat_shard(shard)
     with open_local(shard) as raw:
         try:
@@ -431,6 +582,7 @@ def _process_shard(
     fr: BinaryIO,
     expected: Expected | None = None,
     limits: Limits = Limits(),
+    fields: Fields = Fields(),
 ) -> dict:
     """Validate one shard, writing accepted lines to ``fo`` and quarantined ones to ``fr``.
 
@@ -442,11 +594,16 @@ def _process_shard(
     """
     if expected is not None:
         check_against_manifest(shard, expected, hash_it=False)
-    t = _Tally(shard, fr)
-    ident = _read_shard(t, shard, fmt, key, fo, limits, expected)
+    path, units = split_slice(shard)
+    t = _Tally(path, fr)
+    ident = _read_shard(t, shard, fmt, key, fo, limits, expected, fields)
     _alarm(t, shard, fmt, limits)
+    extra = {"row_groups": list(units)} if units is not None else {}
+    if "schema" in ident:
+        extra["schema"] = ident["schema"]
     return {
-        "shard": shard,
+        "shard": path,
+        **extra,
         "compression": ident["compression"],
         "lines": t.lines,
         "documents": t.docs,
@@ -460,11 +617,11 @@ def _process_shard(
     }
 
 
-def _shard_to_parts(job: tuple[str, str, str, str, str, Expected | None, Limits]) -> dict:
+def _shard_to_parts(job: tuple[str, str, str, str, str, Expected | None, Limits, Fields]) -> dict:
     """Worker: one shard into its own part files (concatenated in shard order afterwards)."""
-    shard, fmt, key, part_out, part_rej, exp, limits = job
+    shard, fmt, key, part_out, part_rej, exp, limits, fields = job
     with open(part_out, "wb", buffering=1 << 22) as fo, open(part_rej, "wb") as fr:
-        return _process_shard(shard, fmt, key, fo, fr, exp, limits)
+        return _process_shard(shard, fmt, key, fo, fr, exp, limits, fields)
 
 
 def _append_file(src: str, dst: BinaryIO) -> None:
@@ -474,7 +631,7 @@ def _append_file(src: str, dst: BinaryIO) -> None:
 
 
 def _shards_in_parallel(
-    jobs: list[tuple[str, str, str, Expected | None, Limits]],
+    jobs: list[tuple[str, str, str, Expected | None, Limits, Fields]],
     workers: int,
     tmp_out: str,
     tmp_rej: str,
@@ -488,7 +645,8 @@ def _shards_in_parallel(
     """
     parts = [(f"{tmp_out}.{i}.part", f"{tmp_rej}.{i}.part") for i in range(len(jobs))]
     full = [
-        (s, fmt, key, po, pr, exp, limits) for (s, fmt, key, exp, limits), (po, pr) in zip(jobs, parts, strict=True)
+        (s, fmt, key, po, pr, exp, limits, fields)
+        for (s, fmt, key, exp, limits, fields), (po, pr) in zip(jobs, parts, strict=True)
     ]
     try:
         with ProcessPoolExecutor(workers) as pool:
@@ -528,7 +686,7 @@ def _note_compression_mismatches(shards: list[str], per_shard: list[dict], fmt: 
 
     They are read as what they are; the note tells the user the source's config or names are off.
     """
-    declared = {s: compression_of(s, fmt) for s in shards}
+    declared = {split_slice(s)[0]: compression_of(split_slice(s)[0], fmt) for s in shards}
     mismatched = [r["shard"] for r in per_shard if r["compression"] != declared[r["shard"]]]
     for s in mismatched[:10]:
         print(
@@ -537,6 +695,34 @@ def _note_compression_mismatches(shards: list[str], per_shard: list[dict], fmt: 
             file=sys.stderr,
         )
     return mismatched
+
+
+def _columnar_stats(per_shard: list[dict], fmt: str) -> dict:
+    """parquet/arrow: ids made up for rows without one, and files whose schema is not the chunk's first file's
+    (each named with the columns added, removed or retyped: their records carry other fields)."""
+    if fmt not in COLUMNAR_FORMATS:
+        return {}
+    changes = []
+    first: dict | None = None
+    for r in per_shard:
+        sch = r.get("schema")
+        if sch is None:
+            continue
+        if first is None:
+            first = sch
+            continue
+        if sch != first:
+            changes.append(
+                {
+                    "shard": r["shard"],
+                    "added": sorted(set(sch) - set(first)),
+                    "removed": sorted(set(first) - set(sch)),
+                    "retyped": sorted(k for k in set(sch) & set(first) if sch[k] != first[k]),
+                }
+            )
+    for ch in changes[:10]:
+        print(f"snakellm chunk: note: {display(ch['shard'])} has another schema than the chunk's first file: {ch}")
+    return {"ids_generated": sum(r.get("ids_generated", 0) for r in per_shard), "schema_changes": changes}
 
 
 def build_chunk(
@@ -553,6 +739,7 @@ def build_chunk(
     show_progress: bool = True,
     expected: dict[str, Expected] | None = None,
     limits: Limits = Limits(),
+    fields: Fields = Fields(),
 ) -> dict:
     """Concatenate and validate ``shards`` into ``out``; return the stats dict.
 
@@ -568,7 +755,7 @@ def build_chunk(
     rej_p = Path(rejected) if rejected else out_p.with_name(out_p.name.removesuffix(".jsonl") + ".rejected.jsonl")
     stats_p = Path(stats) if stats else out_p.with_name(out_p.name.removesuffix(".jsonl") + ".stats.json")
     expected = expected or {}
-    sizes = {s: expected[s].size if s in expected else stat_shard(s).st_size for s in shards}
+    sizes = {s: expected[s].size if s in expected else stat_shard(split_slice(s)[0]).st_size for s in shards}
 
     t0 = time.perf_counter()
     total_size = sum(sizes.values())
@@ -585,13 +772,13 @@ def build_chunk(
         ):
             if workers == 1:
                 for shard in shards:
-                    per_shard.append(_process_shard(shard, fmt, key, fo, fr, expected.get(shard), limits))
+                    per_shard.append(_process_shard(shard, fmt, key, fo, fr, expected.get(shard), limits, fields))
                     bar.update(sizes[shard])
             else:
-                jobs = [(s, fmt, key, expected.get(s), limits) for s in shards]
-                for res in _shards_in_parallel(jobs, workers, str(tmp_out), str(tmp_rej), fo, fr):
+                jobs = [(s, fmt, key, expected.get(s), limits, fields) for s in shards]
+                for shard, res in zip(shards, _shards_in_parallel(jobs, workers, str(tmp_out), str(tmp_rej), fo, fr)):
                     per_shard.append(res)
-                    bar.update(sizes[res["shard"]])
+                    bar.update(sizes[shard])
 
         reasons, skipped, repaired = _sum_shard_counts(per_shard)
         mismatched = _note_compression_mismatches(shards, per_shard, fmt)
@@ -626,6 +813,7 @@ def build_chunk(
             "boms_stripped": repaired["boms_stripped"],
             "line_endings_normalized": repaired["line_endings_normalized"],
             "compression": dict(sorted(Counter(r["compression"] for r in per_shard).items())),
+            **_columnar_stats(per_shard, fmt),
             "compression_mismatches": len(mismatched),
             "bytes_in_compressed": total_size,
             "bytes_in": bytes_in,

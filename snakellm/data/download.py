@@ -84,6 +84,7 @@ class Options:
     deadline: float = 7200.0  # a shard not complete this long after its first request fails (0: no deadline)
     min_rate: float = 1024.0  # bytes/s an attempt must average over each `timeout` window (0: no minimum)
     format: str = ""  # the source's format: with the URL's suffix, the compression a body must have
+    token_env: str = ""  # the environment variable of a bearer token for the URLs' own host (HF_TOKEN)
 
 
 @dataclass
@@ -460,7 +461,7 @@ def _fetch_locked(
 
 
 @contextlib.contextmanager
-def _open(req: Request, timeout: float) -> Iterator[http.client.HTTPResponse]:
+def _open(req: Request, timeout: float, token_env: str = "") -> Iterator[http.client.HTTPResponse]:
     """``urlopen`` that sorts failures into _Retryable (worth another try), _Restart and ShardError (final)."""
     try:
         resp = urlopen(req, timeout=timeout)
@@ -482,7 +483,15 @@ def _open(req: Request, timeout: float) -> Iterator[http.client.HTTPResponse]:
             raise _Restart(f"{msg} for {req.get_header('Range')} ({crange or 'no Content-Range'})") from None
         if _is_retryable_status(status):
             raise _Retryable(msg + (f" (Retry-After {ra:g}s)" if ra is not None else ""), ra) from None
-        raise ShardError(req.full_url, f"{msg} (not retried: a client error will not go away)") from None
+        hint = ""
+        if status in (401, 403):  # names the variable, never its value
+            if req.has_header("Authorization"):
+                hint = f"; the bearer token from ${token_env} was sent: is it valid for this repository?"
+            elif token_env:
+                hint = f"; no token was sent: ${token_env} is not set"
+            else:
+                hint = "; no token was sent (a gated dataset: sources.NAME.token_env: HF_TOKEN)"
+        raise ShardError(req.full_url, f"{msg} (not retried: a client error will not go away){hint}") from None
     except http.client.InvalidURL as e:
         raise ShardError(req.full_url, f"invalid URL: {e}") from None
     except (URLError, OSError, http.client.HTTPException) as e:
@@ -564,9 +573,14 @@ def _attempt(st: _Part, opts: Options, stop: threading.Event, started: float | N
         if st.validator:
             headers["If-Range"] = st.validator
     req = Request(st.url, headers=headers)
+    token = os.environ.get(opts.token_env) if opts.token_env else None
+    if token:
+        # unredirected: urllib copies ordinary headers onto a redirect's request, whatever its host; this one
+        # goes to the URL's own host only (the Hub's resolve URL, not the storage host it redirects to)
+        req.add_unredirected_header("Authorization", f"Bearer {token}")
     rate = _Rate(opts, time.monotonic() if started is None else started)
     try:
-        with _open(req, opts.timeout) as resp:
+        with _open(req, opts.timeout, opts.token_env) as resp:
             _start_body(st, resp, opts)
             while True:
                 if stop.is_set():

@@ -129,16 +129,144 @@ def slice_chunks(shards: list[str], shards_per_chunk: int) -> list[list[str]]:
     return [shards[i : i + shards_per_chunk] for i in range(0, len(shards), shards_per_chunk)]
 
 
-def plan_source(spec: dict, base: str | os.PathLike = ".") -> dict[str, list[str]]:
-    """``{chunk_name: [shard, ...]}`` for one source config entry, in chunk order."""
+# A row-group slice of a parquet file, as a shard list holds it: the path, a NUL (which no file name can hold,
+# so no path is ever taken for a slice) and the half-open range of row groups.
+_SLICE = "\0row_groups="
+DIR_SUFFIXES = {"parquet": (".parquet",), "arrow": (".arrow",)}  # a directory given for these: its files so named
+
+
+def make_slice(path: str, first: int, end: int) -> str:
+    """The shard-list entry for row groups ``first`` .. ``end - 1`` of the parquet file ``path``."""
+    return f"{path}{_SLICE}{first}-{end}"
+
+
+def split_slice(entry: str) -> tuple[str, tuple[int, int] | None]:
+    """A shard-list entry's file and row-group range (None: the whole file)."""
+    path, sep, rng = entry.partition(_SLICE)
+    if not sep:
+        return entry, None
+    a, _, b = rng.partition("-")
+    return path, (int(a), int(b))
+
+
+def describe(entry: str) -> str:
+    """A shard-list entry as a message names it: the file, and its row groups where it is a slice."""
+    path, rg = split_slice(entry)
+    return display(path) if rg is None else f"{display(path)} (row groups {rg[0]}..{rg[1] - 1})"
+
+
+def list_source_files(spec: dict, base: str | os.PathLike = ".") -> list[str]:
+    """A local source's files: the glob hits, a directory standing for its files of a columnar format."""
+    pats = spec["path"] if isinstance(spec["path"], list) else [spec["path"]]
+    suffixes = DIR_SUFFIXES.get(spec.get("format", ""))
+    if not suffixes:
+        return list_local_shards(pats, base)
+    found: set[str] = set(list_local_shards(pats, base))
+    for pat in pats:
+        full = pat if os.path.isabs(pat) else os.path.join(base, pat)
+        for hit in glob.iglob(full, recursive=True):
+            if not os.path.isdir(hit):
+                continue
+            for root, _dirs, files in os.walk(hit):
+                for f in files:
+                    if f.endswith(suffixes):
+                        p = os.path.join(root, f)
+                        found.add(p if os.path.isabs(pat) else os.path.relpath(p, base))
+    return natural_sorted(found)
+
+
+FOOTERS = "footers.json"  # the footer cache of a source planned by row group, in its plan directory
+
+
+def _footer_row_groups(path: str) -> int | None:
+    """The row-group count a parquet file's footer gives (None: no readable footer; its chunk job says why)."""
+    import pyarrow.parquet as pq  # only sources planned by row group pay for it
+
+    try:
+        return int(pq.read_metadata(path).num_row_groups)
+    except (OSError, ValueError, Exception):  # pyarrow's ArrowInvalid is a ValueError; be broad: parse time
+        return None
+
+
+def row_group_counts(files: list[str], cache: str | os.PathLike | None = None) -> dict[str, int | None]:
+    """Each parquet file's row-group count, from its footer or from ``cache`` (path -> [size, mtime_ns, inode,
+    ctime_ns, count]) where the file's stat is the one recorded; the cache is rewritten only when it changed.
+
+    10,000 footers take seconds to read; the stats of unchanged files take a fraction of one.
+    """
+    old: dict[str, Any] = {}
+    if cache is not None:
+        try:
+            with open(cache, "rb") as fh:
+                old = json.load(fh)
+        except (OSError, ValueError):
+            old = {}
+    new: dict[str, list[int]] = {}
+    out: dict[str, int | None] = {}
+    for f in files:
+        try:
+            st = os.stat(f)
+        except OSError:
+            out[f] = None
+            continue
+        ident = [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+        rec = old.get(f)
+        if isinstance(rec, list) and rec[:4] == ident:
+            n = rec[4]
+        else:
+            n = _footer_row_groups(f)
+        out[f] = n
+        if n is not None:  # a file without a footer is read again next time (it may be complete by then)
+            new[f] = [*ident, n]
+    if cache is not None and new != old:
+        cache = Path(cache)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(new, separators=(",", ":")), encoding="utf-8")
+        os.replace(tmp, cache)
+    return out
+
+
+def slice_row_groups(counts: dict[str, int | None], per_chunk: int) -> list[list[str]]:
+    """One chunk per ``per_chunk`` row groups of each file, in file order; never two files in one chunk.
+
+    A file with no readable footer (cut short, not parquet) is one chunk of the whole file: its job quarantines it
+    as ``unreadable_file``. A file of no row groups is one chunk of none (it is read and has no rows).
+    """
+    if per_chunk < 1:
+        raise ValueError("row_groups_per_chunk must be >= 1")
+    chunks: list[list[str]] = []
+    for f, n in counts.items():
+        if n is None:
+            chunks.append([f])
+            continue
+        for a in range(0, max(n, 1), per_chunk):
+            chunks.append([make_slice(f, a, min(a + per_chunk, n))])
+    return chunks
+
+
+def plan_source(
+    spec: dict, base: str | os.PathLike = ".", cache_dir: str | os.PathLike | None = None
+) -> dict[str, list[str]]:
+    """``{chunk_name: [shard, ...]}`` for one source config entry, in chunk order.
+
+    ``cache_dir``: where a source planned by row group keeps its footer cache (the workflow's data/plan/{source}).
+    """
     kind = spec["kind"]
     if kind == "local":
-        shards = list_local_shards(spec["path"], base)
+        shards = list_source_files(spec, base)
     elif kind == "http":
         shards = list_http_shards(spec)
     else:  # the schema rejects this earlier; keep the message for direct callers
         raise ValueError(f"unknown source kind {kind!r}")
-    chunks = slice_chunks(shards, int(spec["shards_per_chunk"]))
+    if spec.get("row_groups_per_chunk"):
+        if kind != "local":
+            raise ValueError("row_groups_per_chunk needs local parquet files (http: use shards_per_chunk)")
+        full = shards if os.path.abspath(base) == os.getcwd() else [os.path.join(base, s) for s in shards]
+        counts = row_group_counts(full, None if cache_dir is None else Path(cache_dir) / FOOTERS)
+        chunks = slice_row_groups(dict(zip(shards, counts.values(), strict=True)), int(spec["row_groups_per_chunk"]))
+    else:
+        chunks = slice_chunks(shards, int(spec["shards_per_chunk"]))
     return {chunk_name(i): c for i, c in enumerate(chunks)}
 
 
@@ -242,9 +370,14 @@ def stale_local_chunk(stats: str | os.PathLike, shards: list[str]) -> str | None
         return None
     except (OSError, ValueError, AttributeError) as e:
         return f"{stats} is unreadable ({e})"
-    by_path = {r.get("shard"): r for r in recorded if isinstance(r, dict)}
-    for s in shards:
-        rec = by_path.get(s) or {}
+    by_path = {
+        (r.get("shard"), tuple(r["row_groups"]) if r.get("row_groups") else None): r
+        for r in recorded
+        if isinstance(r, dict)
+    }
+    for entry in shards:
+        s, units = split_slice(entry)
+        rec = by_path.get((s, units)) or {}
         was = rec.get("stat")
         if was is None:
             continue
@@ -252,13 +385,15 @@ def stale_local_chunk(stats: str | os.PathLike, shards: list[str]) -> str | None
             now = shard_identity(os.stat(s))
         except OSError as e:
             return f"shard {display(s)}: {e.strerror}"
-        if now != was and not _same_content_moved(s, now, was, rec.get("sha256")):
+        if now != was and not _same_content_moved(s, now, was, rec.get("sha256"), units):
             diff = ", ".join(f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v)
-            return f"shard {display(s)} changed since its chunk was built ({diff})"
+            return f"shard {describe(entry)} changed since its chunk was built ({diff})"
     return None
 
 
-def _same_content_moved(shard: str, now: dict[str, int], was: dict[str, Any], sha256: Any) -> bool:
+def _same_content_moved(
+    shard: str, now: dict[str, int], was: dict[str, Any], sha256: Any, units: tuple[int, int] | None = None
+) -> bool:
     """A shard whose size and mtime are as recorded but whose inode/ctime are not: the same bytes, copied?
 
     A workspace copied or moved with its timestamps (``cp -a``, ``rsync -a``,
@@ -269,6 +404,13 @@ def _same_content_moved(shard: str, now: dict[str, int], was: dict[str, Any], sh
     """
     if not isinstance(sha256, str) or any(now[k] != was.get(k) for k in ("size", "mtime_ns")):
         return False
+    if units is not None:  # a row-group slice recorded the sha256 of its row groups and the footer
+        from snakellm.data.columnar import slice_sha256
+
+        try:
+            return slice_sha256(shard, units) == sha256
+        except Exception:  # not parquet any more, or cut short: not the same content
+            return False
     h = hashlib.sha256()
     try:
         with open(shard, "rb") as fh:

@@ -231,6 +231,27 @@ class Decoder:
             self.inv_freq = families.get(arch["style"]).rope_inv_freq(arch, self.d, self.device)
         self.max_len = arch["seq_length"]
 
+    def cast(self, dtype) -> Decoder:
+        """This decoder over its weights in ``dtype`` (a copy, each tensor cast once: tied ones stay shared),
+        e.g. the fp32 reference of a bf16 model: the same values, computed without bf16's rounding."""
+        import copy
+
+        out = copy.copy(self)
+        done: dict[int, Any] = {}
+
+        def c(t):
+            if t is None:
+                return None
+            if id(t) not in done:
+                done[id(t)] = t.to(dtype)
+            return done[id(t)]
+
+        out.emb, out.pos_emb, out.out, out.virtual = c(self.emb), c(self.pos_emb), c(self.out), c(self.virtual)
+        out.final_w, out.final_b = c(self.final_w), c(self.final_b)
+        out.layers = [{k: c(v) for k, v in L.items()} for L in self.layers]
+        out.dtype = dtype
+        return out
+
     def route(self, x, router_w):
         """megatron-core's TopKRouter on tokens ``x`` [n, h]: (probabilities [n, k], expert ids [n, k]), fp32 scores."""
         import torch.nn.functional as F

@@ -10,6 +10,7 @@ from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.data.chunk import (
     ALARM_MIN_LINES,
     Expected,
+    Fields,
     Limits,
     ManifestMismatchError,
     RejectedFractionError,
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsHelpFormatter,
         prog="snakellm chunk",
         description="Concatenate a chunk's shards (zstd, gzip, bz2, xz or plain, told apart by their magic bytes; "
-        "or MediaWiki XML dumps) into one validated jsonl file, quarantining bad lines with their shard, line number "
+        "MediaWiki XML dumps, parquet files or row-group slices of them, Arrow IPC shards, WARC files) into one validated jsonl file, quarantining bad lines with their shard, line number "
         "and reason. A truncated or corrupt shard fails the job naming the shard.",
     )
     p.add_argument(
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             show_progress=not a.no_progress,
             expected=expected,
             limits=Limits(a.max_document_bytes, a.max_rejected_fraction),
+            fields=Fields(a.id_key, tuple(a.columns) if a.columns else None),
         )
     except (
         FileNotFoundError,

@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the source's format (jsonl.zst, mediawiki, ...): with each URL's suffix, the compression its body "
         "must have; an HTML/text body or Content-Type for a compressed shard is retried, then fails",
     )
+    p.add_argument(
+        "--token-env",
+        default="",
+        metavar="VAR",
+        help="environment variable holding a bearer token (HF_TOKEN for a gated Hub dataset): sent as "
+        "`Authorization: Bearer ...` to each URL's own host only, never to the host a redirect leads to, and never "
+        "written to a log, the manifest or an error (config: sources.NAME.token_env)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -63,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--concurrency must be >= 1, --retries/--backoff/--max-backoff/--deadline/--min-rate >= 0 and --timeout > 0"
         )
-    opts = Options(a.concurrency, a.retries, a.backoff, a.max_backoff, a.timeout, a.deadline, a.min_rate, a.format)
+    opts = Options(
+        a.concurrency, a.retries, a.backoff, a.max_backoff, a.timeout, a.deadline, a.min_rate, a.format, a.token_env
+    )
     try:
         man = download_chunk(
             urls, a.dest, a.manifest, opts=opts, source=a.source, chunk=a.chunk, show_progress=not a.no_progress

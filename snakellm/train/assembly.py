@@ -110,6 +110,8 @@ class Job:
     dropout: bool = False
     sequence_parallel: bool = False
     overlap_grad_reduce: bool = True  # on GPUs with more than one data-parallel rank
+    tracking: Any = None  # snakellm.config.sections.TrackingSettings: W&B and MLflow (snakellm.io.tracking)
+    params: dict[str, Any] = field(default_factory=dict)  # the step's resolved settings: the trackers' parameters
 
     @property
     def ckpt_dir(self) -> Path:
@@ -224,6 +226,7 @@ class Recipe(Protocol):
 def run(job: Job, recipe: Recipe) -> int:
     """Run ``recipe`` to its last step (EXIT_OK) or to a clean stop (EXIT_STOPPED, 75)."""
     s = open_session(job)
+    tracker = None
     try:
         cfg = recipe.trajectory(s)
         fp = fingerprint(cfg)
@@ -239,7 +242,8 @@ def run(job: Job, recipe: Recipe) -> int:
         early = _early_stopping(job)
         start = _restore(job, s, manager, resume_it, parts, opt, fp, early, holder) if action == "resume" else 0
         s.barrier()
-        trainer = _trainer(job, s, recipe, parts, model, opt, sched, manager, early, start)
+        tracker = _tracker(job, s, fp, cfg, recipe.record(), fresh=start == 0)
+        trainer = _trainer(job, s, recipe, parts, model, opt, sched, manager, early, start, tracker)
         holder["trainer"], holder["early"] = trainer, early
         status = trainer.fit()
         if s.watchdog is not None:
@@ -253,8 +257,11 @@ def run(job: Job, recipe: Recipe) -> int:
             wall = time.time() - s.stop.started_at
             recipe.finish(Done(s, parts, trainer, manager, fp, cfg, wall, digests))
             s.barrier()
+        trainer.metrics.finish("completed" if status == EXIT_OK else "stopped")
         return status
     finally:
+        if tracker is not None:
+            tracker.close("failed")  # after an error (a finished tracker is not closed twice)
         if s.watchdog is not None:
             s.watchdog.stop()
         runtime.shutdown()
@@ -579,6 +586,32 @@ def _restore(
     return it
 
 
+def _tracker(job: Job, s: Session, fp: str, cfg: dict[str, Any], record: dict[str, Any], *, fresh: bool) -> Any:
+    """Rank 0's W&B/MLflow tracker (:mod:`snakellm.io.tracking`), or None when none is configured.
+
+    Its state (the run ids) lives beside the checkpoints: a resumed job continues the same runs, a fresh
+    start (no checkpoint to resume, or old ones moved aside) begins new ones.
+    """
+    from snakellm.io import tracking
+
+    if not s.rank0 or not tracking.configured(job.tracking):
+        return None
+    kind = "finetune" if "finetune" in job.prog else "pretrain"
+    params = {
+        **job.params,
+        "fingerprint": fp,
+        "trajectory": cfg,
+        **{k: v for k, v in record.items() if isinstance(v, (str, int, float))},
+        "world_size": s.dist.world_size,
+        "precision": s.precision,
+    }
+    return tracking.open_tracker(
+        job.tracking,
+        tracking.RunInfo(name=job.run_name, kind=kind, dir=job.ckpt_dir, files_dir=job.run_dir, params=params),
+        fresh=fresh,
+    )
+
+
 def _trainer(
     job: Job,
     s: Session,
@@ -590,6 +623,7 @@ def _trainer(
     manager: ckpt.CheckpointManager,
     early: Any,
     start: int,
+    tracker: Any = None,
 ) -> Trainer:
     """Metrics, validation and the loop over the recipe's batches."""
     from megatron.core import parallel_state as ps
@@ -632,6 +666,7 @@ def _trainer(
         tensorboard_dir=job.run_dir / "tensorboard" if job.tensorboard else None,
         start_step=start,
         router=_router_stats(parts, s.num_micro),
+        tracker=tracker,
     )
     return Trainer(
         model=pipeline or model,

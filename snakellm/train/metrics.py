@@ -3,8 +3,9 @@
 Losses stay on the device until a flush (every ``log_interval`` steps and
 before evaluations and saves), so logging costs one host sync per interval, not
 per step. Rank 0 appends the records to the checkpoint directory's live file
-(``metrics.live.jsonl``, truncated to the checkpoint's step on resume) and to
-TensorBoard; :func:`merge_metrics` turns the live file into the run's
+(``metrics.live.jsonl``, truncated to the checkpoint's step on resume), to
+TensorBoard and to the W&B/MLflow tracker if one is configured
+(:mod:`snakellm.io.tracking`: the same records, queued, never waited for); :func:`merge_metrics` turns the live file into the run's
 ``metrics.jsonl`` at the end. The throughput window excludes evaluation and
 checkpoint time (:meth:`MetricsLogger.restart_window`).
 """
@@ -52,6 +53,7 @@ class MetricsLogger:
         tensorboard_dir: Path | None = None,
         start_step: int = 0,
         router: Any = None,
+        tracker: Any = None,
     ):
         self.live_path = live_path
         self.rank0 = rank0
@@ -68,6 +70,7 @@ class MetricsLogger:
         self.last_losses: list[float] = []
         self.window_t0, self.window_steps = time.time(), 0
         self.tb: Any = None
+        self.tracker = tracker if rank0 else None
         if rank0 and tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -147,6 +150,18 @@ class MetricsLogger:
         if self.rank0:
             with open(self.live_path, "a") as fh:
                 fh.write("".join(json.dumps(r) + "\n" for r in recs))
+            if self.tracker is not None:  # scalars only: a MoE's tokens per expert stay in metrics.jsonl
+                self.tracker.log([{k: v for k, v in r.items() if not isinstance(v, list)} for r in recs])
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """The run's final summary (train_summary.json, finetune_summary.json) for the tracker."""
+        if self.tracker is not None:
+            self.tracker.summary(values)
+
+    def finish(self, status: str) -> None:
+        """Close the tracker's runs (completed | stopped), waiting at most its budget."""
+        if self.tracker is not None:
+            self.tracker.close(status)
 
     def close(self) -> None:
         if self.tb is not None:

@@ -25,6 +25,7 @@ from snakellm import models
 from snakellm.config.settings import from_namespace, option
 from snakellm.errors import UsageError
 from snakellm.io import checkpoint as ckpt
+from snakellm.io.log import plural
 from snakellm.launch import distributed as distmod
 from snakellm.models import fp8, moe
 from snakellm.train.dataset import Blend, check_splits, read_blend
@@ -189,9 +190,9 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
     t, par, d = req.train, req.parallel, req.dist
     precision = t.precision if t.precision != "auto" else ("fp32" if req.args.device == "cpu" else "bf16")
     ranks = (
-        f"{d.world_size} ranks = {nodes or 1} nodes x {per_node or 1}"
+        f"{plural(d.world_size, 'rank')} = {plural(nodes or 1, 'node')} x {per_node or 1}"
         if nodes or per_node
-        else f"{d.world_size} ranks ({d.launcher})"
+        else f"{plural(d.world_size, 'rank')} ({d.launcher})"
     )
     cfg = run_config(req, precision)
     action, it, why = decide_resume(req.ckpt_dir, t, cfg, fingerprint(cfg))
