@@ -253,3 +253,17 @@ def test_the_engine_generates_the_eager_decoders_tokens_for_moe(preset):
     assert [o.ids for o in fast] == [o.ids for o in eager]
     for f, e in zip(fast, eager, strict=True):
         assert f.logprobs == pytest.approx(e.logprobs, abs=1e-4)
+
+
+def test_lora_adapts_a_moe_models_attention_and_names_what_it_cannot():
+    from snakellm.finetune.lora import LoRAAdapters, LoRAConfig
+    from snakellm.launch import runtime
+    from snakellm.models import resolve
+    from snakellm.models.build import build_model
+
+    runtime.ensure_single_process("cpu")
+    model, _ = build_model(resolve("tiny-mixtral", {"seq_length": 32}), 256, seed=1)
+    with pytest.raises(ValueError, match="LoRA on linear_fc1: layer 1's MLP is a mixture of experts .*4 experts"):
+        LoRAAdapters(model, LoRAConfig(rank=4, alpha=8, targets=("linear_qkv", "linear_fc1")))
+    lora = LoRAAdapters(model, LoRAConfig(rank=4, alpha=8, targets=("linear_qkv", "linear_proj")))
+    assert len(dict(lora.named_adapters())) == 4  # 2 layers x 2 attention linears
