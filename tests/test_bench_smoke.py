@@ -82,6 +82,7 @@ FIGURES: dict[str, list[str]] = {
         rf"^snakellm train\s+{NUM} tokens/s  MFU \(active\)",
         rf"^hand-written compiled MoE\s+{NUM} tokens/s",
         rf"^snakellm / hand-written: {NUM}x",
+        rf"^grouped experts / megatron-core's SequentialMLP: {NUM}x",
     ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],

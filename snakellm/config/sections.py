@@ -429,6 +429,13 @@ class ParallelSettings:
         "tokens exchanged by megatron-core's alltoall dispatcher (num_experts divisible by ep; ep divides the "
         "data-parallel size)",
     )
+    moe_experts: str = setting(
+        "grouped",
+        "mixture of experts without Transformer Engine: grouped (each layer's local experts as two grouped matrix "
+        "products, torch._grouped_mm) or sequential (megatron-core's SequentialMLP, one matmul per expert); the "
+        "same parameters and checkpoints",
+        choices=("grouped", "sequential"),
+    )
     recompute: str = setting(
         "none",
         "megatron-core activation recomputation: selective (core attention, recomputed in the backward pass) or "

@@ -150,8 +150,8 @@ class MetricsLogger:
         if self.rank0:
             with open(self.live_path, "a") as fh:
                 fh.write("".join(json.dumps(r) + "\n" for r in recs))
-            if self.tracker is not None:
-                self.tracker.log(recs)
+            if self.tracker is not None:  # scalars only: a MoE's tokens per expert stay in metrics.jsonl
+                self.tracker.log([{k: v for k, v in r.items() if not isinstance(v, list)} for r in recs])
 
     def summary(self, values: dict[str, Any]) -> None:
         """The run's final summary (train_summary.json, finetune_summary.json) for the tracker."""

@@ -143,6 +143,7 @@ class PretrainRecipe:
                 recompute_num_layers=par.recompute_num_layers,
                 seed=t.seed,  # the same initial weights at any tp x pp layout
                 fp8=t.fp8_recipe if s.precision == "fp8" else None,
+                moe_experts=par.moe_experts,
             )
 
         chunks: list[Any] | None = None
