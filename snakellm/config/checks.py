@@ -45,14 +45,59 @@ def check_finetunes(config: dict[str, Any]) -> None:
             raise ConfigError(
                 f"config key finetune.{name}.data: unknown sft_data {ft['data']!r} (sft_data: {_names(sft)})"
             )
-        check_example_template(name, ft, config["sft_data"][ft["data"]])
+        preference = config["sft_data"][ft["data"]].get("format") == "preference"
+        if preference != (ft["method"] == "dpo"):
+            raise ConfigError(
+                f"config key finetune.{name}.method: {ft['method']} on sft_data {ft['data']} of format "
+                f"{config['sft_data'][ft['data']].get('format', 'squad')} (method dpo reads, and only it, "
+                "format preference)"
+            )
+        if preference:
+            check_dpo(name, ft, config)
+        else:
+            check_example_template(name, ft, config["sft_data"][ft["data"]])
         t = ft["train"]
         if t["global_batch_size"] % t["micro_batch_size"]:
             raise ConfigError(
                 f"config key finetune.{name}.train: global_batch_size {t['global_batch_size']} is not "
                 f"a multiple of micro_batch_size {t['micro_batch_size']}"
             )
-        check_parallel_conflict(f"finetune.{name}", {**ft.get("parallel", {}), "method": ft["method"]})
+        kind = ft.get("dpo", {}).get("policy", "lora") if ft["method"] == "dpo" else ft["method"]
+        check_parallel_conflict(f"finetune.{name}", {**ft.get("parallel", {}), "method": kind})
+
+
+def dpo_conflict(loss: str, beta: float, label_smoothing: float, reference: str, policy: str) -> str | None:
+    """Why these dpo settings cannot be honoured (the setting named), or None."""
+    if beta <= 0:
+        return f"dpo.beta {beta}: must be positive"
+    if label_smoothing and loss not in ("robust", "simpo"):
+        return (
+            f"dpo.label_smoothing {label_smoothing}: TRL's DPOTrainer uses it only with loss robust (and CPO's with "
+            f"simpo), not {loss}"
+        )
+    if loss == "robust" and not 0 <= label_smoothing < 0.5:
+        return f"dpo.label_smoothing {label_smoothing}: robust needs it in [0, 0.5)"
+    if reference == "adapter-off" and policy != "lora":
+        return "dpo.reference adapter-off: needs dpo.policy lora (a full policy has no adapters to turn off)"
+    return None
+
+
+def check_dpo(name: str, ft: dict[str, Any], config: dict[str, Any]) -> None:
+    """The dpo block's settings against each other and the config (snakellm.finetune.preference's rules)."""
+    d = ft.get("dpo", {})
+    why = dpo_conflict(d["loss"], d["beta"], d["label_smoothing"], d["reference"], d["policy"])
+    if why:
+        raise ConfigError(f"config key finetune.{name}.{why}")
+    ref = d["reference"]
+    fts = config.get("finetune") or {}
+    known = (
+        ref in ("base", "adapter-off") or ref in (config.get("runs") or {}) or ref in (config.get("import_hf") or {})
+    )
+    if not known and not (ref in fts and fts[ref]["method"] == "full"):
+        raise ConfigError(
+            f"config key finetune.{name}.dpo.reference: {ref!r} is not base, adapter-off, a key of runs or "
+            "import_hf, or a full fine-tune's name"
+        )
 
 
 # the string fields of prepare-sft's records, by source format: what a fine-tune's template may name
