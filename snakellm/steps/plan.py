@@ -94,7 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name, chunks in plans.items():
         n = sum(map(len, chunks.values()))
-        print(f"{name}: {n} shards -> {len(chunks)} chunks of <= {cfg['sources'][name]['shards_per_chunk']}")
+        spec = cfg["sources"][name]
+        if spec.get("row_groups_per_chunk"):
+            files = len({plan.split_slice(s)[0] for c in chunks.values() for s in c})
+            print(f"{name}: {files} files -> {len(chunks)} chunks of <= {spec['row_groups_per_chunk']} row groups")
+        else:
+            print(f"{name}: {n} shards -> {len(chunks)} chunks of <= {spec['shards_per_chunk']}")
         items = list(chunks.items())
         shown: list[tuple[str, list[str]] | None] = list(items) if len(items) <= 3 else [*items[:2], None, items[-1]]
         for item in shown:
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  ... {len(items) - 3} more")
                 continue
             c, shards = item
-            print(f"  {c}: {len(shards)} shards, {shards[0]} .. {shards[-1]}")
+            print(f"  {c}: {len(shards)} shards, {plan.describe(shards[0])} .. {plan.describe(shards[-1])}")
     for line in curate_plan(cfg, plans, a.docs_per_shard, a.dup_fraction):
         print(line)
     status = 0
