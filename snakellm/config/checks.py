@@ -103,6 +103,8 @@ def check_dpo(name: str, ft: dict[str, Any], config: dict[str, Any]) -> None:
 # the string fields of prepare-sft's records, by source format: what a fine-tune's template may name
 RECORD_FIELDS = {"squad": ("input", "output", "context", "question", "title"), "jsonl": ("input", "output")}
 SQUAD_PROMPT_FIELDS = ("context", "question", "title")
+CHAT_FORMATS = ("messages", "sharegpt")
+CHAT_BUILTINS = ("chatml", "llama3", "mistral")  # snakellm.finetune.chat_template.BUILTIN (torch-free here)
 
 
 def template_fields(template: str, key: str) -> list[str]:
@@ -150,9 +152,9 @@ def check_paths(config: dict[str, Any]) -> None:
         if not fields:
             continue
         for key, section in _instances(config, where.split(".")):
-            for name, (kind, unless) in fields.items():
+            for name, (kind, unless, names) in fields.items():
                 value = section.get(name)
-                if value is None or (unless and section.get(unless)):
+                if value is None or (unless and section.get(unless)) or value in names:
                     continue
                 for i, item in enumerate(value if isinstance(value, list) else [value]):
                     at = f"{key}.{name}" + (f"[{i}]" if isinstance(value, list) else "")
@@ -185,6 +187,14 @@ def check_sft_data(config: dict[str, Any]) -> None:
 def check_example_template(name: str, ft: dict[str, Any], data: dict[str, Any]) -> None:
     """The fine-tune's prompt template ends with its one {output} and names only fields its records have."""
     ex = ft.get("examples", {})
+    if data.get("format", "squad") in CHAT_FORMATS:  # conversations: the chat template, not a prompt template
+        chat = ex.get("chat_template")
+        if chat and chat not in CHAT_BUILTINS and not os.path.isfile(chat):
+            raise ConfigError(
+                f"config key finetune.{name}.examples.chat_template: {chat!r} is neither a built-in "
+                f"({', '.join(CHAT_BUILTINS)}) nor a file (relative to {os.getcwd()})"
+            )
+        return
     template, key = ex.get("template", "{input} {output}"), f"finetune.{name}.examples.template"
     fields = template_fields(template, key)
     if fields.count("output") != 1 or not template.rstrip().endswith("{output}"):
@@ -232,10 +242,13 @@ def check_resources(config: dict[str, Any], env: Mapping[str, str] | None = None
             jobs.check_allocation(jobs.allocation(config, stage, None, env), slurm=env is not None)
 
 
-def check_export_nemo(config: dict[str, Any]) -> None:
-    """A .nemo packs only gpt2-bpe or sentencepiece tokenizers: an export that cannot work fails before training."""
+def check_export_nemo(config: dict[str, Any], run_models: dict[str, dict[str, Any]] | None = None) -> None:
+    """A .nemo packs only gpt2-bpe or sentencepiece tokenizers, and only models NeMo 1.x represents (not Qwen3's
+    QK-norm, not mixtures of experts): an export that cannot work fails before training."""
     if not config.get("export_nemo", {}).get("enabled", True):
         return
+    from snakellm.models import families
+
     tokenizers = config.get("tokenizers", {})
     for name, run in config.get("runs", {}).items():
         kind = tokenizers[run["tokenizer"]]["kind"]
@@ -243,6 +256,13 @@ def check_export_nemo(config: dict[str, Any]) -> None:
             raise ConfigError(
                 f"config key runs.{name}.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece "
                 f"tokenizers, {run['tokenizer']!r} is {kind} (set export_nemo.enabled: false to skip the .nemo)"
+            )
+        arch = (run_models or {}).get(name)
+        why = families.get(arch["style"]).nemo_refuses(arch) if arch else None
+        if arch and why:
+            raise ConfigError(
+                f"config key runs.{name}.model: NeMo 1.x cannot represent this {arch['style']} model: {why} "
+                "(set export_nemo.enabled: false to skip the .nemo)"
             )
 
 
@@ -394,7 +414,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
     check_resources(config, env)
     check_fp8(config, run_models)
     check_grad_reduce(config)
-    check_export_nemo(config)
+    check_export_nemo(config, run_models)
     check_imports(config)
     check_hf_exports(config, run_models)
     return run_models

@@ -26,6 +26,10 @@ from typing import Any
 from snakellm.config.settings import REQUIRED, setting
 from snakellm.models.architecture import ModelSettings
 
+# the built-in chat templates (snakellm.finetune.chat_template.BUILTIN; a test keeps the two equal): a
+# fine-tune's chat_template names one of them or a file
+CHAT_TEMPLATE_NAMES = ("chatml", "llama3", "mistral")
+
 SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki", "parquet", "arrow", "warc")
 COLUMNAR_FORMATS = ("parquet", "arrow")  # read by snakellm.data.columnar: `id_key`, `columns`
 TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
@@ -254,7 +258,18 @@ class TokenizerTrainSettings:
 
     model_type: str = setting("bpe", "SentencePiece model type", choices=("bpe", "unigram", "char", "word"))
     character_coverage: float = setting(1.0, "share of characters covered by the vocabulary")
-    byte_fallback: bool = setting(False, "decompose unknown characters into UTF-8 byte pieces instead of <unk>")
+    normalization: str = setting(
+        "preserve",
+        "preserve: the text as it is, as Llama's and Gemma's models (identity normalization, whitespace runs and "
+        "newlines kept, digits split, byte fallback); sentencepiece: SentencePiece's own defaults (nmt_nfkc, "
+        "extra whitespace removed: newlines lost)",
+        choices=("preserve", "sentencepiece"),
+    )
+    byte_fallback: bool | None = setting(
+        None,
+        "decompose unknown characters into UTF-8 byte pieces instead of <unk> (unset: the normalization's, "
+        "preserve: true, sentencepiece: false)",
+    )
     user_defined_symbols: list[str] = setting(
         [], "a piece that is never split (e.g. a special marker)", flag="user_defined_symbol"
     )
@@ -413,6 +428,13 @@ class ParallelSettings:
         "expert-parallel size (mixture of experts): each layer's experts split over ep of the data-parallel ranks, "
         "tokens exchanged by megatron-core's alltoall dispatcher (num_experts divisible by ep; ep divides the "
         "data-parallel size)",
+    )
+    moe_experts: str = setting(
+        "grouped",
+        "mixture of experts without Transformer Engine: grouped (each layer's local experts as two grouped matrix "
+        "products, torch._grouped_mm) or sequential (megatron-core's SequentialMLP, one matmul per expert); the "
+        "same parameters and checkpoints",
+        choices=("grouped", "sequential"),
     )
     recompute: str = setting(
         "none",
@@ -740,6 +762,8 @@ class ExamplesSettings:
         "conversations: the chat template, a built-in (chatml, llama3, mistral) or a Jinja file "
         "(null: the model's own, from its tokenizer)",
         trajectory=True,
+        path="file",
+        path_names=CHAT_TEMPLATE_NAMES,
     )
     train_on: str = setting(
         "all_assistant",

@@ -193,6 +193,12 @@ def target_linears(model, cfg: LoRAConfig) -> list[tuple[str, str, nn.Module]]:
             continue
         for kind in cfg.targets:
             parent = layer.self_attention if kind in ("linear_qkv", "linear_proj") else layer.mlp
+            if not hasattr(parent, kind):
+                raise ValueError(
+                    f"LoRA on {kind}: layer {i}'s MLP is a mixture of experts (a router and "
+                    f"{getattr(getattr(parent, 'experts', None), 'num_local_experts', '?')} experts), which adapters "
+                    "do not cover yet; target the attention: linear_qkv, linear_proj"
+                )
             lin = getattr(parent, kind)
             if type(lin).__name__.startswith("TELayerNorm"):
                 raise ValueError(

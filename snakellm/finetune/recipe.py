@@ -29,11 +29,11 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from snakellm import tracking
 from snakellm.config.sections import ExamplesSettings, FinetuneTrainSettings
 from snakellm.config.settings import trajectory_keys
 from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
-from snakellm.io import tracking
 from snakellm.io.atomic import write_json, write_text
 from snakellm.models import fp8
 from snakellm.train import assembly
@@ -147,6 +147,7 @@ class FinetuneRecipe:
         self.virtual = mcfg.virtual_tokens if a.method == "ptuning" else 0
         self.is_chat = False
         self.chat_template: str | None = None
+        self.chat_text: str | None = None
         self._encode()
         self.extra: Any = None
         self.ft: Any = None
@@ -195,6 +196,7 @@ class FinetuneRecipe:
                 e.context = prefix + e.context
                 e.mask = [0] * len(prefix) + (e.mask or [])
             self.chat_template = enc.template.source
+            self.chat_text = enc.template.text
             self.is_chat = True
             return exs, enc.stats.as_dict() | {"context_truncated": enc.stats.shortened}
 
@@ -360,7 +362,8 @@ class FinetuneRecipe:
             "base": str(self.base_checkpoint),
             "model": self.arch,
             "padded_vocab": self.vocab,
-            "tokenizer": self.tok_info,
+            # the template a chat fine-tune trained with travels with what it wrote (exports, merges, serving)
+            "tokenizer": {**self.tok_info, "chat_template": self.chat_text} if self.is_chat else self.tok_info,
             "examples": done.config["examples"],
             "fingerprint": done.fingerprint,
         }

@@ -231,6 +231,27 @@ class Decoder:
             self.inv_freq = families.get(arch["style"]).rope_inv_freq(arch, self.d, self.device)
         self.max_len = arch["seq_length"]
 
+    def cast(self, dtype) -> Decoder:
+        """This decoder over its weights in ``dtype`` (a copy, each tensor cast once: tied ones stay shared),
+        e.g. the fp32 reference of a bf16 model: the same values, computed without bf16's rounding."""
+        import copy
+
+        out = copy.copy(self)
+        done: dict[int, Any] = {}
+
+        def c(t):
+            if t is None:
+                return None
+            if id(t) not in done:
+                done[id(t)] = t.to(dtype)
+            return done[id(t)]
+
+        out.emb, out.pos_emb, out.out, out.virtual = c(self.emb), c(self.pos_emb), c(self.out), c(self.virtual)
+        out.final_w, out.final_b = c(self.final_w), c(self.final_b)
+        out.layers = [{k: c(v) for k, v in L.items()} for L in self.layers]
+        out.dtype = dtype
+        return out
+
     def route(self, x, router_w):
         """megatron-core's TopKRouter on tokens ``x`` [n, h]: (probabilities [n, k], expert ids [n, k]), fp32 scores."""
         import torch.nn.functional as F
@@ -248,13 +269,15 @@ class Decoder:
             probs, idx = logits.softmax(dim=-1).topk(k, dim=-1)
         return probs.to(x.dtype), idx
 
-    def experts(self, h, L):
+    def experts(self, h, L, capturable: bool = False):
         """The MoE MLP of ``h`` [..., hidden]: each token through its top-k experts, weighted by the router.
 
         Few tokens (a decode step: tokens x k <= experts) read only the routed experts' weights, gathered
         by id (no host synchronisation, so a CUDA graph can capture it): the step's weight bytes are the
         active experts', which is what the bandwidth bound counts. More tokens (a prefill) run each expert
-        once on the tokens routed to it.
+        once on the tokens routed to it; ``capturable`` (the engine's graphed decode step of many rows) runs
+        every expert on every token instead, weighted by the router (zero off the top k): no host sync, each
+        expert's weights read once.
         """
         import torch
         import torch.nn.functional as F
@@ -269,6 +292,11 @@ class Decoder:
             a1, a2 = a.chunk(2, dim=-1)
             y = torch.einsum("nkf,nkhf->nkh", F.silu(a1) * a2, w2[idx])
             return (y * probs[..., None]).sum(dim=1).reshape(shape)
+        if capturable:
+            a1, a2 = torch.einsum("nh,efh->nef", x, w1).chunk(2, dim=-1)
+            y = torch.einsum("nef,ehf->neh", F.silu(a1) * a2, w2)
+            weight = torch.zeros(n, w1.shape[0], dtype=probs.dtype, device=x.device).scatter(1, idx, probs)
+            return torch.einsum("neh,ne->nh", y, weight).reshape(shape)
         out = torch.zeros_like(x)
         for e in range(w1.shape[0]):
             rows, slot = (idx == e).nonzero(as_tuple=True)

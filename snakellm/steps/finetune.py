@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from snakellm import tracking
 from snakellm.config.sections import (
     DpoSettings,
     ExamplesSettings,
@@ -17,7 +18,6 @@ from snakellm.config.sections import (
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.errors import EXIT_FAILED, EXIT_USAGE
 from snakellm.io import checkpoint as ckpt
-from snakellm.io import tracking
 
 
 def add_data_arguments(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:

@@ -5,7 +5,7 @@ before evaluations and saves), so logging costs one host sync per interval, not
 per step. Rank 0 appends the records to the checkpoint directory's live file
 (``metrics.live.jsonl``, truncated to the checkpoint's step on resume), to
 TensorBoard and to the W&B/MLflow tracker if one is configured
-(:mod:`snakellm.io.tracking`: the same records, queued, never waited for); :func:`merge_metrics` turns the live file into the run's
+(:mod:`snakellm.tracking`: the same records, queued, never waited for); :func:`merge_metrics` turns the live file into the run's
 ``metrics.jsonl`` at the end. The throughput window excludes evaluation and
 checkpoint time (:meth:`MetricsLogger.restart_window`).
 """
@@ -158,8 +158,8 @@ class MetricsLogger:
         if self.rank0:
             with open(self.live_path, "a") as fh:
                 fh.write("".join(json.dumps(r) + "\n" for r in recs))
-            if self.tracker is not None:
-                self.tracker.log(recs)
+            if self.tracker is not None:  # scalars only: a MoE's tokens per expert stay in metrics.jsonl
+                self.tracker.log([{k: v for k, v in r.items() if not isinstance(v, list)} for r in recs])
 
     def summary(self, values: dict[str, Any]) -> None:
         """The run's final summary (train_summary.json, finetune_summary.json) for the tracker."""
