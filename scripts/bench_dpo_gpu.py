@@ -109,9 +109,9 @@ def ours(a, root: Path, base: Path, data: Path) -> dict:
     wall = time.time() - t0
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in recs if "tokens_per_s" in r]
-    # the metrics' tokens/s counts global_batch x seq_length a step; a step's pair tokens are those of the pairs
-    seq = a.max_length
-    step_s = [a.global_batch_size * seq / r["tokens_per_s"] for r in steps[a.warmup_steps :] or steps]
+    # the metrics' tokens/s counts global_batch x 2 x seq_length a step (a pair: two sequences of the model's
+    # seq_length, here --max-length); the step's own tokens are those of its pairs (pair_tokens)
+    step_s = [a.global_batch_size * 2 * a.max_length / r["tokens_per_s"] for r in steps[a.warmup_steps :] or steps]
     summary = json.loads((out / "finetune_summary.json").read_text())
     return {
         "side": "ours",

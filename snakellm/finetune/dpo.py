@@ -158,6 +158,8 @@ class DPORecipe(FinetuneRecipe):
 
     def build(self, s: assembly.Session) -> assembly.Parts:
         parts = super().build(s)
+        # a sample is a pair, two sequences of up to seq tokens: tokens_per_s and the FLOP count count both
+        parts.seq_length = 2 * self.seq
         pref.mask_padded_vocab(parts.gpt, int(self.tok_info["vocab_size"]))
         if self.inline_ref and self.extra is None:
             raise ds.SFTFormatError("dpo.reference adapter-off: the policy has no adapters")
