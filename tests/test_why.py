@@ -67,3 +67,6 @@ def test_why_names_the_changed_setting_of_a_built_target(workspace):
         f"{target} (rule chunk): 1 setting differs from its last build:",
         "  --max-rejected-fraction  0.5  ->  0.25",
     ]
+    # and the run that rebuilds it points there (the Snakefile's onstart)
+    rerun = workspace.run(target)
+    assert f"snakellm: chunk reruns for a changed setting; `snakellm why {target}` lists which" in rerun.stderr
