@@ -82,6 +82,7 @@ FIGURES: dict[str, list[str]] = {
         rf"^snakellm train\s+{NUM} tokens/s  MFU \(active\)",
         rf"^hand-written compiled MoE\s+{NUM} tokens/s",
         rf"^snakellm / hand-written: {NUM}x",
+        rf"^grouped experts / megatron-core's SequentialMLP: {NUM}x",
     ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
@@ -89,6 +90,11 @@ FIGURES: dict[str, list[str]] = {
         *(rf'"method": "{m}", "tp": 1, "tokens_per_s": {NUM},' for m in ("lora", "full")),
         # FSDP over 2 gloo ranks, with the one-process run's losses
         rf'^full fsdp 2: {NUM} tokens/s/GPU; MFU .*"fsdp": 2, "tokens_per_s": {NUM},.*"losses_match": true',
+    ],
+    "bench_dpo_gpu": [
+        rf"^ours: snakellm finetune --method dpo \(LoRA\): {NUM} tokens/s \({NUM} s/step, {NUM} tokens a step",
+        rf"^TRL DPOTrainer \+ peft LoRA: {NUM} tokens/s \({NUM} s/step, {NUM} tokens a step",
+        rf"^ours / TRL: {NUM}x \(bar 1.5x\)",
     ],
     "bench_parallel_gpu": [rf"\| tiny \| 1 GPU \| 1 \| {NUM} \|", rf"\| tiny \| DP=2 \| 2 \| {NUM} \| {NUM} \| {NUM}%"],
     "bench_pipeline_gpu": [
@@ -115,6 +121,7 @@ SLOW = {
     "bench_train_gpu",
     "bench_finetune_gpu",
     "bench_parallel_gpu",
+    "bench_dpo_gpu",  # reference-logprobs, finetune and TRL's trainer: three processes importing torch
 }
 
 

@@ -409,6 +409,10 @@ def test_tokenizer_flags_fill_a_trained_model_file_and_options():
             lambda c: c["tokenizers"].update(gpt2={"kind": "huggingface", "tokenizer_file": _ANY_FILE, "eod": "x"}),
             "config key runs.r.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece tokenizers",
         ),
+        (
+            lambda c: c["runs"]["r"].update(model={"preset": "tiny-qwen3"}),
+            "config key runs.r.model: NeMo 1.x cannot represent this qwen3 model: QK-norm",
+        ),
         (lambda c: c["import_hf"].update(r={"hf_dir": str(REPO)}), "config key import_hf.r: a run of that name exists"),
         (lambda c: c["import_hf"].update(h={"hf_dir": "/nonexistent"}), "config key import_hf.h.hf_dir: /nonex"),
         (lambda c: c["import_hf"].update(h={"hf_dir": str(REPO)}), "config key import_hf.h.hf_dir: .* no config.json"),

@@ -43,6 +43,8 @@ def fused_kernels_usable(decoder: Any) -> bool:
     import torch
 
     sixteen = decoder.dtype in (torch.bfloat16, torch.float16)
+    if getattr(decoder, "moe", False):
+        return False  # the kernels fuse a dense MLP; a mixture of experts runs the decoder's routed experts
     return decoder.device.type == "cuda" and sixteen and importlib.util.find_spec("triton") is not None
 
 
@@ -170,6 +172,8 @@ class FastDecoder:
         import torch.nn.functional as F
 
         h = self.dec._norm(x, L["ln2_w"], L["ln2_b"])
+        if self.dec.moe:  # routed experts; the decode step (one token a row) stays capturable in a CUDA graph
+            return x + self.dec.experts(h, L, capturable=h.shape[:-1].numel() <= self.rows)
         h = F.linear(h, L["fc1_w"], L["fc1_b"])
         if self.dec.arch["activation"] == "swiglu":
             a1, a2 = h.chunk(2, dim=-1)
@@ -200,7 +204,9 @@ class FastDecoder:
         """
         import torch
 
-        if self.graphs_on and not want_all and len(prompts) <= 4 and max(map(len, prompts)) <= 512:
+        # a mixture of experts' prefill runs each expert on its tokens (data-dependent shapes): never graphed
+        short = len(prompts) <= 4 and max(map(len, prompts)) <= 512 and not self.dec.moe
+        if self.graphs_on and not want_all and short:
             return self._prefill_graphed(rows, prompts)
         dev = self.device
         tokens = padded(prompts, len(prompts), max(map(len, prompts)))
