@@ -90,6 +90,11 @@ FIGURES: dict[str, list[str]] = {
         *(rf'"method": "{m}", "tp": 1, "tokens_per_s": {NUM},' for m in ("lora", "full")),
         # FSDP over 2 gloo ranks, with the one-process run's losses
         rf'^full fsdp 2: {NUM} tokens/s/GPU; MFU .*"fsdp": 2, "tokens_per_s": {NUM},.*"losses_match": true',
+        # conversations (ChatML, packed, replies trained) beside the SQuAD-style run, in the same run
+        *(
+            rf"^chat {m}: {NUM} tokens/s \(all positions; real {NUM}, trained {NUM}\) vs SQuAD {NUM}: [\d.]+x"
+            for m in ("lora", "full")
+        ),
     ],
     "bench_dpo_gpu": [
         rf"^ours: snakellm finetune --method dpo \(LoRA\): {NUM} tokens/s \({NUM} s/step, {NUM} tokens a step",
