@@ -37,5 +37,9 @@ rule all:
         get_all_targets(),
 
 
+onstart:
+    on_start()
+
+
 onsuccess:
     on_success()

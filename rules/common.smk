@@ -34,6 +34,9 @@ try:
     RUN_MODELS = checkmod.check_config(config, SITE_ENV)  # {run: complete architecture}
 except cfgmod.ConfigError as e:
     raise WorkflowError(f"invalid config: {e}") from None
+if workflow.is_main_process:
+    for _warning in checkmod.llama_cpp_warnings(config, RUN_MODELS):
+        print(f"snakellm: warning: {_warning}", file=sys.stderr)
 
 
 def flags(cls, values, exclude=()):

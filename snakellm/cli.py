@@ -97,6 +97,10 @@ STEPS: dict[str, tuple[str, str]] = {
         "snakellm.steps.dag",
         "draw the workflow's rule graph and job DAG as SVG (Graphviz, else a built-in renderer)",
     ),
+    "why": (
+        "snakellm.steps.why",
+        "the settings that differ between a target's last build and now, key by key",
+    ),
 }
 
 

@@ -633,3 +633,22 @@ def test_the_schema_marks_exactly_the_path_valued_keys(where):
     cls, props = sections.SECTIONS[where], _schema_at(where)["properties"]
     marked = {name for name, prop in props.items() if prop.get("format") == "path"}
     assert marked == set(settings.path_fields(cls)), where
+
+
+def test_a_run_llama_cpp_cannot_convert_is_a_warning_when_planned():
+    """Issue 42: llama.cpp's convert_hf_to_gguf.py refuses a GPT-2 model with a SentencePiece tokenizer
+    (the embedded default's tiny run); its Llama and GPT-2 + GPT-2 BPE exports convert."""
+    cfg = validate.load(REPO / "config/config.yaml", REPO / "config/schema.yaml")
+    models_ = resolve.resolve_runs(cfg)
+    (warning,) = checks.llama_cpp_warnings(cfg, models_)
+    assert warning.startswith("runs.tiny: llama.cpp's convert_hf_to_gguf.py will not convert runs/tiny/hf")
+    assert "'spm2k'" in warning
+    # docs/export-and-serving.md quotes the line rules/common.smk prints
+    assert f"snakellm: warning: {warning}\n" in (REPO / "docs/export-and-serving.md").read_text()
+    cfg["runs"]["tiny"]["tokenizer"] = "gpt2"
+    assert checks.llama_cpp_warnings(cfg, resolve.resolve_runs(cfg)) == []
+    cfg["runs"]["tiny"].update(tokenizer="spm2k", model={"preset": "tiny-llama"})
+    assert checks.llama_cpp_warnings(cfg, resolve.resolve_runs(cfg)) == []
+    cfg["runs"]["tiny"]["model"] = {"preset": "tiny"}
+    cfg["export_hf"]["enabled"] = False  # no export, nothing to convert
+    assert checks.llama_cpp_warnings(cfg, resolve.resolve_runs(cfg)) == []

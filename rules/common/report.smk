@@ -305,3 +305,25 @@ def on_success():
 
     for line in summary.success_lines(list(SOURCES)):
         print(line, file=sys.stderr)
+
+
+def on_start():
+    """Before the jobs run (the Snakefile's onstart): a job that reruns for a changed setting gets a pointer to
+    `snakellm why`, whose answer is the changed keys; Snakemake's reason is both command lines whole.
+    (Snakemake's own DAG and reasons, read defensively: nothing here may stop a run.)"""
+    try:
+        dag = workflow.dag
+        changed = [j for j in dag.needrun_jobs() if dag.reason(j).params_changed]
+    except Exception:  # an internal of another Snakemake version
+        return
+    for job in changed[:3]:
+        target = str(job.output[0]) if job.output else ""
+        print(
+            f"snakellm: {job.rule.name} reruns for a changed setting; `snakellm why {target}` lists which",
+            file=sys.stderr,
+        )
+    if len(changed) > 3:
+        print(
+            f"snakellm: ... and {len(changed) - 3} more jobs for changed settings",
+            file=sys.stderr,
+        )

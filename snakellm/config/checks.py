@@ -399,6 +399,29 @@ def check_grad_reduce(config: dict[str, Any]) -> None:
                 raise ConfigError(f"config key {section}.{name}.parallel.grad_reduce_dtype: {dtype} {why}")
 
 
+def llama_cpp_warnings(config: dict[str, Any], run_models: dict[str, dict[str, Any]]) -> list[str]:
+    """Runs whose Hugging Face export llama.cpp's ``convert_hf_to_gguf.py`` refuses (a warning, not an error).
+
+    llama.cpp pairs a GPT-2 model with byte-level BPE only: a gpt2-style run with a SentencePiece tokenizer
+    (the embedded default's tiny run) stops there with "BPE pre-tokenizer was not recognized". Its Llama and
+    GPT-2 + GPT-2 BPE exports convert and run token for token as transformers does (docs/export-and-serving.md).
+    """
+    if not config.get("export_hf", {}).get("enabled", True):
+        return []
+    tokenizers = config.get("tokenizers", {})
+    out = []
+    for name, arch in run_models.items():
+        tok = config["runs"][name]["tokenizer"]
+        kind = tokenizers.get(tok, {}).get("kind")
+        if arch.get("style") == "gpt2" and kind == "sentencepiece":
+            out.append(
+                f"runs.{name}: llama.cpp's convert_hf_to_gguf.py will not convert runs/{name}/hf (a GPT-2 model "
+                f"with the SentencePiece tokenizer {tok!r}: llama.cpp pairs GPT-2 with byte-level BPE only); "
+                "a llama-style model, or a gpt2-bpe tokenizer, converts"
+            )
+    return out
+
+
 def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Every cross-field check, in the order a reader meets the sections; returns each run's architecture.
 
