@@ -28,9 +28,14 @@ include: "rules/export.smk"
 include: "rules/finetune.smk"
 include: "rules/evaluate.smk"
 include: "rules/report.smk"
+include: "rules/tracking.smk"
 
 
 rule all:
     default_target: True
     input:
         get_all_targets(),
+
+
+onsuccess:
+    on_success()

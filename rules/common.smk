@@ -306,7 +306,11 @@ def get_train_data(wildcards):
 
 def get_train_flags(wildcards):
     """Every `snakellm train` setting of the run (snakellm.config.resolve.train_flags): reruns on its own settings."""
-    return resolvemod.train_flags(RUNS[wildcards.run], RUN_MODELS[wildcards.run])
+    run = RUNS[wildcards.run]
+    return flagmod.join(
+        resolvemod.train_flags(run, RUN_MODELS[wildcards.run]),
+        flagmod.tracking_flags(config.get("tracking"), run.get("tracking")),
+    )
 
 
 def get_train_threads(wildcards):
@@ -315,6 +319,29 @@ def get_train_threads(wildcards):
 
 def get_train_targets():
     return [f"runs/{run}/train_summary.json" for run in RUNS]
+
+
+# ---------------------------------------------------------------- tracking (docs/tracking.md)
+
+
+def get_track_data_stats(wildcards):
+    """Every chunk's and curated chunk's stats: the data run's counts."""
+    return get_report_all_stats(wildcards) + [
+        f"data/curated/{s}/{c}.stats.json" for s in CURATED for c in PLAN[s]
+    ]
+
+
+def get_track_data_flags(wildcards):
+    return flagmod.tracking_flags(config.get("tracking"))
+
+
+def get_tracking_targets():
+    """The data run, when the global tracking configures a tracker (else nothing: the graph is unchanged)."""
+    return (
+        ["results/tracking/data.json"]
+        if flagmod.tracked(config.get("tracking"))
+        else []
+    )
 
 
 # ---------------------------------------------------------------- targets
@@ -334,4 +361,5 @@ def get_all_targets():
         + [f for n in list(RUNS) + list(IMPORTS) for f in lm_eval_finetune_files(n)]
         + get_finetune_targets()
         + get_report_targets()
+        + get_tracking_targets()
     )

@@ -64,7 +64,7 @@ rule evaluate_base:
         out=subpath(output.metrics, parent=True),
     shell:
         "{params.launch} snakellm evaluate --base runs/{wildcards.run} --label base --test {input.test} "
-        "--out-dir {params.out} --threads {threads} {params.flags} 2> {log}"
+        "--out-dir {params.out} --threads {threads} {params.flags} --track-run runs/{wildcards.run} 2> {log}"
 
 
 rule evaluate_finetune:
@@ -88,7 +88,8 @@ rule evaluate_finetune:
         out=subpath(output.metrics, parent=True),
     shell:
         "{params.launch} snakellm evaluate {params.model} --label tuned --test {input.test} "
-        "--out-dir {params.out} --threads {threads} {params.flags} 2> {log}"
+        "--out-dir {params.out} --threads {threads} {params.flags} "
+        "--track-run runs/{wildcards.run}/finetune/{wildcards.ft} 2> {log}"
 
 
 rule compare_finetune:
@@ -106,7 +107,7 @@ rule compare_finetune:
         out=subpath(output[0], parent=True),
     shell:
         "snakellm compare-eval --base {params.base} --tuned {params.tuned} --name {wildcards.ft} "
-        "--out-dir {params.out} 2> {log}"
+        "--out-dir {params.out} --track-run runs/{wildcards.run}/finetune/{wildcards.ft} 2> {log}"
 
 
 # ---------------------------------------------------------------- lm-evaluation-harness (snakellm/eval/lm_harness.py)
@@ -147,9 +148,12 @@ rule evaluate_lm:
     params:
         launch=get_launch_prefix("evaluate"),
         flags=get_lm_eval_flags,
+        # the evaluated run: runs/{run}, or runs/{run}/finetune/{ft} (evaluate_lm_finetune)
+        track=subpath(output[0], ancestor=2),
     shell:
         "{params.launch} snakellm evaluate-lm {input.hf} --out {output} --suite {wildcards.suite} "
-        "--include-path {input.tasks} --device auto --threads {threads} {params.flags} 2> {log}"
+        "--include-path {input.tasks} --device auto --threads {threads} {params.flags} "
+        "--track-run {params.track} 2> {log}"
 
 
 # a fine-tune's own Hugging Face model (LoRA: merged by merge_lora_hf; full SFT: its hf/ export), evaluated

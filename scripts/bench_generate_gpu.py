@@ -24,11 +24,20 @@ time to first token, inter-token latency), and an evaluation-shaped batch
 decoder in batches of 16 (evaluate's default before the engine) and through the
 engine. Bars: batch 1 >= 60% of the bandwidth bound (and >= 1,000 tokens/s for llama-1b);
 batch 32 >= 5x transformers. ``--preset llama3-8b`` (Llama 3.1 8B's shape with GPT-2's
-vocabulary: about 7.4 B parameters, 14.8 GB of bf16 weights read per token) is issue 31's 8B figure.
+vocabulary: about 7.4 B parameters, 14.8 GB of bf16 weights read per token) is issue 31's 8B figure;
+``--preset qwen3-8b`` (QK-norm, heads of 128) holds Qwen3 to the same bars.
+
+Numerics (issue 45): the engine's greedy rows are fed, teacher-forced, through the eager decoder over
+the same weights cast to fp32; against that forward, each bf16 implementation's log-probability of
+every generated token (the engine's as it reported them, the eager decoder's and transformers') and
+whether its choice is the fp32 argmax. The bar (:func:`numerics_bar`) fails only when the engine is
+farther from fp32 than transformers' bf16 is. ``--numerics-only`` runs just that, per batch size.
 
     python scripts/bench_generate_gpu.py                        # llama-1b on cuda
     python scripts/bench_generate_gpu.py --smoke                # tiny-llama on the CPU: proves the script
     python scripts/bench_generate_gpu.py --preset llama3-8b --repeats 2 --clients 0 --eval-prompts 256 --no-eager
+    python scripts/bench_generate_gpu.py --preset qwen3-8b --numerics-only --batch-sizes 8 --new-tokens 64
+    python scripts/bench_generate_gpu.py --smoke --numerics-only --dtype bf16 --preset tiny-qwen3   # CPU, bf16
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--toy", action="store_true", help="tiny-llama, short runs (for the CPU)")
@@ -67,13 +76,29 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="then serve the same model with snakellm serve on 127.0.0.1 and ask it once per API",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="the model's weights (auto: bf16 on cuda, fp32 on the CPU); the numerics bar needs bf16",
+    )
+    p.add_argument(
+        "--numerics-only",
+        action="store_true",
+        help="only the numerics against the fp32 forward (engine, eager, transformers), per batch size; no timing",
+    )
     p.add_argument("--clients-of", default=None, help=argparse.SUPPRESS)  # the HTTP client process (internal)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.smoke:  # seconds: two small batches, a few clients and evaluation prompts
         a.toy, a.device, a.batch_sizes, a.clients, a.eval_prompts = True, "cpu", "1,4", 4, 8
-    if a.toy:
-        a.preset, a.prompt_len, a.new_tokens, a.repeats = "tiny-llama", 16, 16, 1
+    if a.toy:  # a tiny preset of the family asked for (tiny-llama unless it is tiny-*)
+        a.preset = a.preset if a.preset.startswith("tiny-") else "tiny-llama"
+        a.prompt_len, a.new_tokens, a.repeats = 16, 16, 1
         a.clients, a.eval_prompts = min(a.clients, 8), min(a.eval_prompts, 32)
+    if a.dtype == "auto":
+        a.dtype = "bf16" if a.device.startswith("cuda") else "fp32"
+    if a.numerics_only:
+        a.clients, a.eval_prompts, a.serve_check = 0, 0, False
     return a
 
 
@@ -179,7 +204,7 @@ def build(a: argparse.Namespace) -> tuple[Any, ...]:
     torch.manual_seed(0)
     t0 = time.time()
     model = build_for_import(arch, padded, device=a.device).eval()
-    if a.device.startswith("cuda"):
+    if a.dtype == "bf16":
         model.bfloat16()
     nparams = sum(p.numel() for p in model.parameters())
     print(
@@ -223,16 +248,24 @@ def same_rows(x: list[list[int]], y: list[list[int]], n: int = 16) -> int:
     return sum(p[:n] == q[:n] for p, q in zip(x, y, strict=True))
 
 
-def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) -> dict:
-    """One batch size: the engine (and compiled engine), the eager decoder, transformers."""
+def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int, ref: Any) -> dict:
+    """One batch size: the engine (and compiled engine), the eager decoder, transformers; the numerics of each
+    against the fp32 forward ``ref`` (:func:`against_fp32`)."""
     import torch
 
     from snakellm.serve.generate import SamplingParams
 
     prompts = torch.randint(0, vocab, (b, a.prompt_len), generator=torch.Generator().manual_seed(b))
     params = SamplingParams(max_new_tokens=a.new_tokens, greedy=True, stop_at_eod=False)
+    lp_params = SamplingParams(max_new_tokens=a.new_tokens, greedy=True, stop_at_eod=False, logprobs=True)
     rows = prompts.tolist()
     r: dict[str, Any] = {"batch": b, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens}
+    if a.numerics_only:
+        eng = make_engine(gen, a, b, a.prompt_len + a.new_tokens)
+        r.update(against_fp32(ref, gen, eng.generate(rows, lp_params), hf))
+        text, ok = numerics_bar(r["vs_fp32"])
+        print(f"batch {b:>3} numerics: {text}: {'ok' if ok else 'FARTHER'}", flush=True)
+        return r
     times, ids = {}, {}
     # the engine as it runs by default (fused Triton kernels up to fused_max_batch rows), and its PyTorch-ops step
     variants = [("engine", False, True), ("engine_unfused", False, False)]
@@ -247,8 +280,7 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
         r[f"{name}_start_s"] = time.perf_counter() - t0 - times[name] * (a.repeats + 1)
         r[f"{name}_kv_cache_gib"] = eng.fast.cache.nbytes / 2**30
         if name == "engine":
-            lp_params = SamplingParams(max_new_tokens=a.new_tokens, greedy=True, stop_at_eod=False, logprobs=True)
-            r.update(tolerance(gen, eng.generate(rows, lp_params), hf))
+            r.update(against_fp32(ref, gen, eng.generate(rows, lp_params), hf))
         del eng
         torch.cuda.empty_cache() if a.device.startswith("cuda") else None
     if not a.no_eager:
@@ -280,10 +312,9 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
     r["speedup_vs_transformers"] = r["engine_tokens_per_s"] / r["transformers_tokens_per_s"]
     line = " | ".join(f"{k} {b * a.new_tokens / v:,.1f}" for k, v in times.items())
     agree = ", ".join(f"{k.split('_vs_')[1]} {v}/{b}" for k, v in r.items() if k.startswith("rows_same"))
-    agree += (
-        f"; teacher-forced eager: max |d logprob| {r['max_abs_logprob_diff']:.3f}, engine choice at most "
-        f"{r['max_gap_to_eager_top']:.3f} nats below the eager top; transformers vs eager "
-        f"{r.get('hf_vs_eager_logprob_diff', float('nan')):.3f}"
+    vs = r["vs_fp32"]
+    agree += "; teacher-forced against fp32, |d logprob| max/mean: " + ", ".join(
+        f"{k} {vs[k]['max']:.3f}/{vs[k]['mean']:.3f}" for k in IMPLS if k in vs
     )
     print(
         f"batch {b:>3} tokens/s: {line} | engine/transformers {r['speedup_vs_transformers']:.2f}x | peak "
@@ -294,16 +325,20 @@ def bench_batch(b: int, a: argparse.Namespace, gen: Any, hf: Any, vocab: int) ->
     return r
 
 
-def tolerance(gen: Any, outs: list, hf: Any = None) -> dict:
-    """The engine's greedy rows against the eager decoder fed the same tokens (teacher forcing, bf16).
+IMPLS = ("engine", "eager", "transformers")
+FP32_NOISE = 1e-4  # nats: fp32 models (the CPU smoke) part from their fp32 reference by rounding only
 
-    ``max_abs_logprob_diff``: the largest difference between the log-probability the engine reported
-    for a token and the eager decoder's; ``max_gap_to_eager_top``: how far below the eager
-    decoder's likeliest token the engine's choice ever was (0 when every choice is the eager
-    argmax; a small value is a bf16 near-tie, where the two may part). ``hf_vs_eager_logprob_diff``:
-    the same rows through transformers (another bf16 implementation of the same weights), its
-    log-probabilities against the eager decoder's: how far two correct bf16 implementations part
-    on this model, the yardstick beside the output logits' own rounding.
+
+def against_fp32(ref: Any, gen: Any, outs: list, hf: Any = None) -> dict:
+    """Each implementation's log-probabilities of the engine's greedy rows against an fp32 forward of the same
+    weights (teacher forcing: every implementation is fed the same rows, the prompt and the engine's tokens).
+
+    ``ref``: the eager decoder over an fp32 copy of the model (the bf16 weights, exactly, in fp32). For each
+    implementation, at every generated position: ``|log p(token) - log p_fp32(token)|`` (its max, mean and
+    the mean's standard error), and whether its choice is the fp32 argmax (the engine's choice is the token
+    it drew; the eager decoder's and transformers' the argmax of their teacher-forced logits). The engine's
+    log-probabilities are those it reported while generating. ``engine_minus_transformers``: the per-position
+    difference of the engine's and transformers' distances (mean and standard error), for the bar.
     """
     import torch
 
@@ -314,28 +349,81 @@ def tolerance(gen: Any, outs: list, hf: Any = None) -> dict:
     b, t = tokens.shape
     positions = torch.arange(t, device=dec.device)[None].expand(b, t)
     valid = torch.ones(b, t, dtype=torch.bool, device=dec.device)
+    target = tokens[:, n_prompt:, None]
+
+    def scored(logits: Any) -> tuple[Any, Any]:
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+        return lsm.gather(-1, target)[..., 0], lsm.argmax(dim=-1)
+
     with torch.inference_mode():
-        logits = dec.forward(tokens, positions, dec.new_cache(b, t), 0, valid)[:, n_prompt - 1 : -1]
-        lsm = torch.log_softmax(logits, dim=-1)
-        chosen = lsm.gather(-1, tokens[:, n_prompt:, None])[..., 0]
-        gap = (lsm.max(dim=-1).values - chosen).max().item()
-    engine_lp = torch.tensor([o.logprobs for o in outs], device=dec.device)
-    diff = (engine_lp - chosen).abs().max().item()
-    top = logits.abs().max().item()  # the largest logit: its bf16 spacing is the rounding at stake
-    out = {"max_abs_logprob_diff": diff, "max_gap_to_eager_top": gap, "max_abs_logit": top}
-    if hf is not None:
-        with torch.inference_mode():
-            hl = hf(tokens.to(hf.device)).logits[:, n_prompt - 1 : -1].to(lsm.device)
-            hlp = torch.log_softmax(hl.float(), dim=-1).gather(-1, tokens[:, n_prompt:, None])[..., 0]
-        out["hf_vs_eager_logprob_diff"] = (hlp - chosen).abs().max().item()
-    return out
+        lp32, top32 = scored(ref.forward(tokens, positions, ref.new_cache(b, t), 0, valid)[:, n_prompt - 1 : -1])
+        per: dict[str, tuple[Any, Any]] = {
+            "engine": (torch.tensor([o.logprobs for o in outs], device=dec.device), tokens[:, n_prompt:]),
+            "eager": scored(dec.forward(tokens, positions, dec.new_cache(b, t), 0, valid)[:, n_prompt - 1 : -1]),
+        }
+        if hf is not None:
+            hl = hf(tokens.to(hf.device)).logits[:, n_prompt - 1 : -1].to(dec.device)
+            per["transformers"] = scored(hl)
+    out: dict[str, Any] = {}
+    dist: dict[str, Any] = {}
+    for name, (lp, choice) in per.items():
+        d = dist[name] = (lp.float() - lp32).abs().flatten()
+        agree = (choice == top32).float().flatten()
+        out[name] = {
+            "max": d.max().item(),
+            "mean": d.mean().item(),
+            "se": (d.std() / d.numel() ** 0.5).item() if d.numel() > 1 else 0.0,
+            "agree_fp32_argmax": agree.mean().item(),
+            "agree_se": (agree.std() / agree.numel() ** 0.5).item() if agree.numel() > 1 else 0.0,
+            "positions": d.numel(),
+        }
+    if "transformers" in dist:
+        diff = dist["engine"] - dist["transformers"]
+        out["engine_minus_transformers"] = {
+            "mean": diff.mean().item(),
+            "se": (diff.std() / diff.numel() ** 0.5).item() if diff.numel() > 1 else 0.0,
+        }
+    return {"vs_fp32": out}
 
 
-def bf16_step(x: float) -> float:
-    """The spacing of bf16 numbers at magnitude ``x`` (8 significant bits: 2^(e - 7) for x in [2^e, 2^(e+1)))."""
-    import math
+def numerics_bar(vs: dict) -> tuple[str, bool]:
+    """The engine's log-probabilities no farther from the fp32 forward than transformers' bf16 are.
 
-    return 2.0 ** (math.floor(math.log2(max(x, 1e-30))) - 7)
+    Farther means: a mean distance above transformers' by more than twice the standard error of the paired
+    per-position difference and by more than a tenth of transformers' mean (a tiny model's distances are
+    thousandths of a nat: their noise is not a difference of implementations; in fp32, differences below
+    ``FP32_NOISE`` are the order of the sums), or a largest distance above 1.5x transformers' largest (a maximum over a few
+    thousand positions is one draw of a heavy tail), or agreeing with the fp32 argmax less often than
+    transformers by more than twice the agreement's standard error. Rows of random weights carry near-ties
+    where any bf16 implementation may part from fp32: the yardstick is the other bf16 implementation's
+    distance, not the distance to one of them (the former bar's: the eager bf16 decoder's top token).
+    """
+    e, h, d = vs["engine"], vs["transformers"], vs["engine_minus_transformers"]
+    slack = max(2 * d["se"], 0.1 * h["mean"], FP32_NOISE)
+    mean_ok = d["mean"] <= slack
+    max_ok = e["max"] <= max(1.5 * h["max"], FP32_NOISE)
+    agree_ok = e["agree_fp32_argmax"] >= h["agree_fp32_argmax"] - 2 * max(e["agree_se"], h["agree_se"])
+    eager = vs.get("eager")
+    text = (
+        f"engine no farther from the fp32 forward than transformers' bf16 (|d logprob| max/mean: engine "
+        f"{e['max']:.3f}/{e['mean']:.3f}, transformers {h['max']:.3f}/{h['mean']:.3f}"
+        + (f", eager {eager['max']:.3f}/{eager['mean']:.3f}" if eager else "")
+        + f"; mean difference {d['mean']:+.4f} (<= max(2 SE, 10% of transformers') {slack:.4f}); max <= 1.5x "
+        f"transformers'; fp32 argmax "
+        f"agreement engine {e['agree_fp32_argmax']:.1%}, transformers {h['agree_fp32_argmax']:.1%}"
+        + (f", eager {eager['agree_fp32_argmax']:.1%}" if eager else "")
+        + f"; {e['positions']} positions)"
+    )
+    return text, mean_ok and max_ok and agree_ok
+
+
+def fp32_reference(model: Any, arch: dict, vocab: int) -> Any:
+    """The eager decoder over the model's weights cast to fp32 (the same values; one tensor cast at a time)."""
+    import torch
+
+    from snakellm.serve.generate import Decoder
+
+    return Decoder(model, arch, vocab).cast(torch.float32)
 
 
 def graph_check(gen: Any, a: argparse.Namespace, vocab: int) -> dict:
@@ -461,21 +549,23 @@ def bench_eval(a: argparse.Namespace, gen: Any, vocab: int) -> dict:
     return r
 
 
-def main() -> int:
-    a = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     if a.clients_of:
         print(json.dumps(http_clients(a.clients_of, a.clients, a.new_tokens)))
         return 0
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from snakellm.export.hf import export_hf
     from snakellm.models.loading import LoadedModel
     from snakellm.serve.generate import Generator
 
     cuda = a.device.startswith("cuda")
     tok, arch, padded, model = build(a)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
+    results["preset"], results["dtype"] = a.preset, a.dtype
+    ref = fp32_reference(model, arch, tok.vocab_size)
+    if a.numerics_only:
+        return numerics_only(a, model, arch, padded, tok, ref, results)
     bw = copy_bandwidth(a.device)
     wbytes = weight_bytes_per_token(model, arch)
     results["bound"] = {"copy_bytes_per_s": bw, "weight_bytes_per_token": wbytes, "tokens_per_s": bw / wbytes}
@@ -489,10 +579,9 @@ def main() -> int:
     if cuda:
         results["graph_check"] = graph_check(gen, a, tok.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
-        dtype = torch.bfloat16 if cuda else torch.float32
-        out = export_hf(loaded, Path(tmp) / "hf", dtype="bfloat16" if cuda else "float32")
-        hf = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, attn_implementation="sdpa").to(a.device).eval()
-        results["batches"] = {b: bench_batch(int(b), a, gen, hf, tok.vocab_size) for b in a.batch_sizes.split(",")}
+        hf = load_transformers(loaded, a, Path(tmp))
+        batches = a.batch_sizes.split(",")
+        results["batches"] = {b: bench_batch(int(b), a, gen, hf, tok.vocab_size, ref) for b in batches}
         del hf
     if a.clients:
         results["clients"] = bench_clients(a, gen, tok.vocab_size)
@@ -520,21 +609,12 @@ def main() -> int:
         if "engine_compiled_tokens_per_s" in r32:  # --compile: the engine's compile setting
             v = r32["engine_compiled_tokens_per_s"] / r32["transformers_tokens_per_s"]
             bars.append((f"batch 32 with the engine's compile setting >= 5x transformers ({v:.2f}x)", v >= 5))
-    worst = max(max(r["max_abs_logprob_diff"], r["max_gap_to_eager_top"]) for r in results["batches"].values())
-    top = max(r["max_abs_logit"] for r in results["batches"].values())
-    hf_ref = max(r.get("hf_vs_eager_logprob_diff", 0.0) for r in results["batches"].values())
-    allowed = max(2 * bf16_step(top), 1.5 * hf_ref)
-    # the output layer's logits are bf16 (as the eager decoder's and transformers'): two steps of bf16 at the
-    # largest logit (llama-1b's logits are in [16, 32): 0.25), or, where the layers' own bf16 rounding parts two
-    # correct implementations by more (32 layers of random 8B weights: logits up to ~7, rows ~0.25 nats apart),
-    # 1.5x how far transformers' log-probabilities of the same rows are from the eager decoder's
-    bars.append(
-        (
-            f"engine = eager within bf16 tolerance (worst {worst:.3f} nats <= max(two bf16 steps at the largest "
-            f"logit {top:.1f}, 1.5 x transformers' distance from eager {hf_ref:.3f}) = {allowed:.3f})",
-            worst <= allowed,
-        )
-    )
+    # the yardstick is an fp32 forward of the same weights, not another bf16 implementation: against the eager
+    # bf16 decoder's top token the engine "failed" at 8B (0.406 nats, allowed 0.328) while against fp32 it was
+    # as close as transformers' bf16 (max 0.240 vs 0.270, mean 0.063 vs 0.065)
+    bars += [
+        (f"batch {k}: {text}", ok) for k, r in results["batches"].items() for text, ok in [numerics_bar(r["vs_fp32"])]
+    ]
     if "serve" in results:
         v = results["serve"]["speedup"]
         bars.append((f"server: {results['serve']['clients']} concurrent clients >= 8x sequential ({v:.1f}x)", v >= 8))
@@ -543,6 +623,38 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
     return 0 if all(ok for _, ok in bars) or not cuda else 1
+
+
+def load_transformers(loaded: Any, a: argparse.Namespace, tmp: Path) -> Any:
+    """The same weights through our Hugging Face export, loaded by transformers (SDPA) in the model's dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from snakellm.export.hf import export_hf
+
+    bf16 = a.dtype == "bf16"
+    out = export_hf(loaded, tmp / "hf", dtype="bfloat16" if bf16 else "float32")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return AutoModelForCausalLM.from_pretrained(out, dtype=dtype, attn_implementation="sdpa").to(a.device).eval()
+
+
+def numerics_only(a: argparse.Namespace, model: Any, arch: dict, padded: int, tok: Any, ref: Any, results: dict) -> int:
+    """``--numerics-only``: per batch size the engine's greedy rows, and every implementation against fp32."""
+    from snakellm.models.loading import LoadedModel
+    from snakellm.serve.generate import Generator
+
+    loaded = LoadedModel(model, arch, padded, tok.info(), 0, Path("random-init"), Path("random-init"), a.device)
+    gen = Generator(model, arch, tok, tok.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = load_transformers(loaded, a, Path(tmp))
+        batches = a.batch_sizes.split(",")
+        results["batches"] = {b: bench_batch(int(b), a, gen, hf, tok.vocab_size, ref) for b in batches}
+    bars = [numerics_bar(r["vs_fp32"]) for r in results["batches"].values()]
+    for (text, ok), b in zip(bars, results["batches"], strict=True):
+        print(f"bar: batch {b}: {text}: {'PASS' if ok else 'FAIL'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+    return 0 if all(ok for _, ok in bars) else 1
 
 
 def http_clients(url: str, clients: int, max_tokens: int) -> tuple[float, float, list[str], list[str]]:

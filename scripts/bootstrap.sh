@@ -16,7 +16,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     # torch first and pinned: the CPU build that lies on these machines. Any other
     # version pulls several GB of CUDA packages. Override with TORCH_SPEC on a GPU box.
     .venv/bin/python -m pip install "${TORCH_SPEC:-torch==2.13.0}" &&
-    .venv/bin/python -m pip install -e ".[test,lint]" &&
+    .venv/bin/python -m pip install -e ".[test,lint,tracking]" &&
     .venv/bin/python -W ignore -c "import snakellm, snakemake, torch, megatron.core"
   } >"$log" 2>&1 || { tail -n 40 "$log" >&2; echo "bootstrap: install failed (see $log)" >&2; exit 1; }
   touch "$stamp"

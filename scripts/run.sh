@@ -8,4 +8,6 @@ bash scripts/bootstrap.sh
 # afterwards); without it `snakellm dag` draws them itself, so the run goes on either way
 bash scripts/setup-report-tools.sh || echo "run.sh: no Graphviz; the DAG pictures are drawn by snakellm's own renderer" >&2
 export PATH="$PWD/.venv/bin:$PATH"
-exec snakemake --profile profiles/default "$@"
+# Snakemake picks up profiles/default itself (the workflow-specific profile): naming it too made it
+# report the profile twice
+exec snakemake "$@"

@@ -42,6 +42,10 @@ STEPS: dict[str, tuple[str, str]] = {
     "blend": ("snakellm.steps.blend", "write Megatron's data_prefix blend for a tokenizer"),
     "train": ("snakellm.steps.train", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
     "prepare-sft": ("snakellm.steps.prepare_sft", "SQuAD json / jsonl -> {input, output} train/validation/test splits"),
+    "render-sft": (
+        "snakellm.steps.render_sft",
+        "the token ids and labels finetune trains on (chat template, loss mask), with --show",
+    ),
     "finetune": (
         "snakellm.steps.finetune",
         "LoRA, full SFT or p-tuning of a pretrained run (answer-only loss, resumable)",
@@ -60,6 +64,7 @@ STEPS: dict[str, tuple[str, str]] = {
         "merge a LoRA adapter into its base, or write it in Hugging Face PEFT format",
     ),
     "plan": ("snakellm.steps.plan", "print the chunk plan of the configured sources"),
+    "track-data": ("snakellm.steps.track_data", "the data stages' counts as one W&B / MLflow data run"),
     "export-nemo": ("snakellm.steps.export_nemo", "write a .nemo (NeMo 1.x mcore GPT) that NeMo's restore_from loads"),
     "import-nemo": (
         "snakellm.steps.import_nemo",

@@ -78,6 +78,11 @@ FIGURES: dict[str, list[str]] = {
         r"^pooled numerics: 1 result files, 2 bf16 and 2 fp8 runs$",
         r"^loss at step 8: bf16 [\d.]+ \(runs spread 0\.00%\), fp8 [\d.]+ \(0\.00%\): fp8 [-+][\d.]+% .*: PASS$",
     ],
+    "bench_moe_gpu": [
+        rf"^snakellm train\s+{NUM} tokens/s  MFU \(active\)",
+        rf"^hand-written compiled MoE\s+{NUM} tokens/s",
+        rf"^snakellm / hand-written: {NUM}x",
+    ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
     "bench_finetune_gpu": [
@@ -100,6 +105,7 @@ FIGURES: dict[str, list[str]] = {
 # smokes of more than ~10 s on 2 cores (measured): 3 to 5 processes that import torch and megatron-core
 SLOW = {
     "bench_fp8_gpu",
+    "bench_moe_gpu",
     "bench_pipeline_gpu",
     "bench_train_8b_gpu",
     "bench_convert",

@@ -75,10 +75,10 @@ def test_unknown_keys_suggest_the_near_match(mutate, message):
 
 def test_an_unknown_key_far_from_every_known_one_gets_no_guess():
     cfg = copy.deepcopy(BASE)
-    cfg["sources"]["web"]["zebra"] = "red"
+    cfg["sources"]["web"]["zqxj"] = "red"
     with pytest.raises(cfgmod.ConfigError) as e:
         _validate(cfg)
-    assert "unknown key 'zebra' (allowed: " in str(e.value) and "did you mean" not in str(e.value)
+    assert "unknown key 'zqxj' (allowed: " in str(e.value) and "did you mean" not in str(e.value)
 
 
 def test_http_source_needs_url_or_urls():
@@ -96,7 +96,20 @@ def test_http_source_needs_url_or_urls():
         (lambda c: c["sources"]["botchan"].update(colour="red"), "unknown key 'colour'"),
         (
             lambda c: c["sources"]["botchan"].update(path="resources/corpus/missing/*.jsonl"),
-            "sources.botchan: no shards found",
+            "sources.botchan.path: no file matches",
+        ),
+        (  # issue 42: this once dropped the gpt2 tokenize and blend jobs from the graph without a word
+            lambda c: c.update(
+                tokenizers={
+                    "gpt2": {
+                        "kind": "gpt2-bpe",
+                        "vocab_file": "resources/tokenizers/gpt2/vocab-missing.json",
+                        "merges_file": "resources/tokenizers/gpt2/merges.txt",
+                    }
+                }
+            ),
+            "invalid config: config key tokenizers.gpt2.vocab_file: resources/tokenizers/gpt2/vocab-missing.json: "
+            "no such file",
         ),
     ],
 )

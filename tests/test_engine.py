@@ -18,13 +18,14 @@ torch.set_num_threads(1)
 PROMPTS = ["The quick brown fox", "A", "It was the best of times, it was the worst of times"]
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-llama"])
+# Qwen3 (QK-norm, heads of 32 at d=64) in the slow tier: the fast tier's 90 s hold the two older styles
+@pytest.fixture(scope="module", params=["tiny", "tiny-llama", pytest.param("tiny-qwen3", marks=pytest.mark.slow)])
 def gen(request):
     return build_gen(request.param, tokenizer_block("gpt2-bpe"))
 
 
 def build_gen(preset: str, tok: dict):
-    """A random model of ``preset`` (GPT-2 style or Llama style) with non-trivial norms and biases, over
+    """A random model of ``preset`` (GPT-2, Llama or Qwen3 style: QK-norm) with non-trivial norms and biases, over
     the tokenizer block ``tok``, in an eager :class:`Generator`."""
     from snakellm.export.hf import build_for_import
     from snakellm.models.architecture import padded_vocab_size, resolve

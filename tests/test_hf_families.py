@@ -1,9 +1,9 @@
-"""Llama 3.x, Qwen2 and Mistral checkpoints saved by transformers: import, generate and export, against transformers.
+"""Llama 3.x, Qwen2, Qwen3 and Mistral checkpoints saved by transformers: import, generate and export, against transformers.
 
 Each tiny random model carries its family's features: Llama 3.1 RoPE scaling (an original context
 short enough that every branch of the formula is taken) with untied and tied (3.2) embeddings,
 Qwen2's q/k/v-only biases (perturbed away from zero) with tied and untied embeddings and its RoPE
-base, Mistral's sliding window (null, and shorter than max_position_embeddings). Checked: fp32 logits
+base, Qwen3's QK-norm with a head size other than d / heads, Mistral's sliding window (null, and shorter than max_position_embeddings). Checked: fp32 logits
 within 1e-4 of transformers', identical greedy continuations (our KV-cached decoder against
 ``generate``), an export that transformers loads into the same class with identical tensors and
 logits, and the chat template carried from import to export.
@@ -38,7 +38,7 @@ SHAPE = dict(
 
 
 def _configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     return {
         "llama3.1-untied": (
@@ -64,6 +64,25 @@ def _configs():
                 **SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False
             ),
             "Qwen2ForCausalLM",
+        ),
+        # QK-norm, and heads of 32 at d=64 with 4 heads (attention 128 wide): head_dim independent of the width
+        "qwen3-tied": (
+            Qwen3Config(
+                **SHAPE,
+                head_dim=32,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=True,
+            ),
+            "Qwen3ForCausalLM",
+        ),
+        "qwen3-untied": (
+            Qwen3Config(
+                **SHAPE,
+                head_dim=8,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                tie_word_embeddings=False,
+            ),
+            "Qwen3ForCausalLM",
         ),
         "mistral-window": (MistralConfig(**SHAPE, sliding_window=64, head_dim=16), "MistralForCausalLM"),
         "mistral-no-window": (MistralConfig(**SHAPE, sliding_window=None, head_dim=16), "MistralForCausalLM"),
@@ -152,6 +171,8 @@ def test_family_features_in_the_architecture():
     mistral = arch_from_hf(cfgs["mistral-window"][0].to_dict())
     assert (mistral["style"], mistral["sliding_window"], mistral["seq_length"]) == ("mistral", 64, 64)
     assert (llama["style"], qwen["style"]) == ("llama3", "qwen2")
+    qwen3 = arch_from_hf(cfgs["qwen3-tied"][0].to_dict())
+    assert (qwen3["style"], qwen3["kv_channels"], qwen3["qk_norm"], qwen3["bias"]) == ("qwen3", 32, True, False)
 
 
 @pytest.mark.parametrize(
@@ -165,6 +186,8 @@ def test_family_features_in_the_architecture():
         (dict(head_dim=32), "head_dim 32"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16), "use_sliding_window"),
+        (dict(model_type="qwen3", attention_bias=True), "attention_bias true"),
+        (dict(model_type="qwen3", use_sliding_window=True, sliding_window=16), "use_sliding_window"),
         (dict(model_type="phi3"), "model_type 'phi3'"),
     ],
 )
@@ -227,7 +250,22 @@ def test_presets_are_the_real_shapes(preset, hf_cls, params, vocab):
     assert param_count(ours, vocab) == params
 
 
-@pytest.mark.parametrize("preset, over", [("tiny", {}), ("tiny-llama", {"style": "qwen2"})])
+@pytest.mark.parametrize("preset, hf_cls", [("qwen3-0.6b", "Qwen3Config"), ("qwen3-8b", "Qwen3Config")])
+def test_qwen3_presets_count_what_transformers_builds(preset, hf_cls):
+    """The Qwen3 presets' parameter counts (QK-norm, heads of 128 wider than d / heads at 0.6B) are those of
+    transformers' Qwen3ForCausalLM of the exported config, built on the meta device."""
+    from snakellm.models import families, param_count, resolve
+
+    arch = resolve(preset)
+    fam = families.get("qwen3")
+    config = getattr(transformers, hf_cls)(**{**fam.hf_config(arch), "vocab_size": 151936})
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    assert param_count(arch, 151936) == sum(p.numel() for p in hf.parameters())
+    assert fam.arch_from_hf(config.to_dict(), "config.json")["kv_channels"] == 128
+
+
+@pytest.mark.parametrize("preset, over", [("tiny", {}), ("tiny-llama", {"style": "qwen2"}), ("tiny-qwen3", {})])
 def test_streaming_export_of_a_trained_checkpoint_equals_the_in_memory_one(preset, over, tmp_path, spm_model):
     """``snakellm export-hf`` reads a checkpoint megatron-core's own writer saved one layer at a time."""
     from hf_helpers import random_checkpoint, tokenizer_block

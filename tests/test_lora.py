@@ -28,7 +28,8 @@ def rt():
 def _model(style: str, seed: int = 3):
     from megatron.core import tensor_parallel
 
-    arch = models.resolve("tiny" if style == "gpt2" else "tiny-llama", {"seq_length": 32})
+    preset = {"gpt2": "tiny", "llama": "tiny-llama", "qwen3": "tiny-qwen3"}[style]
+    arch = models.resolve(preset, {"seq_length": 32})
     torch.manual_seed(seed)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     from snakellm.models.build import build_model
@@ -58,7 +59,7 @@ def _logits(gpt, tokens):
         return gpt(tokens, pos, None).float()
 
 
-@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("style", ["gpt2", "llama", "qwen3"])
 def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -> None:
     from peft import PeftModel
     from safetensors.torch import save_file
@@ -105,7 +106,9 @@ def test_lora_zero_start_merge_and_peft_logits(rt, style: str, tmp_path: Path) -
     conf = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert conf["peft_type"] == "LORA" and conf["r"] == 4 and conf["lora_alpha"] == 8.0
     assert conf["base_model_name_or_path"] == str(tmp_path / "hf")  # the adapter names its base
-    assert conf["modules_to_save"] == [{"gpt2": "transformer.ln_f", "llama": "model.norm"}[style]]
+    assert conf["modules_to_save"] == [
+        {"gpt2": "transformer.ln_f", "llama": "model.norm", "qwen3": "model.norm"}[style]
+    ]
     peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
     with torch.no_grad():
         peft_logits = peft_model(tokens).logits.float()

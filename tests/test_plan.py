@@ -67,7 +67,7 @@ def test_plan_cli_prints_the_default_plan(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "wikitext: 17 shards -> 3 chunks of <= 6" in out  # 16 WikiText-2 shards and the planted one
     assert "index corpus (sources wikitext, botchan)" in out
-    assert "botchan: 1 shards -> 1 chunks" in out
+    assert "botchan: 1 shard -> 1 chunk of <= 1" in out
 
 
 def test_plan_advises_a_layout_and_micro_batch_for_8b_fine_tuning(capsys, tmp_path):
@@ -82,7 +82,7 @@ def test_plan_advises_a_layout_and_micro_batch_for_8b_fine_tuning(capsys, tmp_pa
     assert plan_cli.main(["--config", str(example)]) == 0
     out = capsys.readouterr().out
     assert "finetune llama3-8b-lora-tp4 (lora rank 32 on linear_qkv, base llama3-8b): 4 ranks; tp 4 x dp 1" in out
-    assert "finetune llama3-8b-lora-tp1 (lora rank 32 on linear_qkv, base llama3-8b): 1 ranks; tp 1 x dp 1" in out
+    assert "finetune llama3-8b-lora-tp1 (lora rank 32 on linear_qkv, base llama3-8b): 1 rank; tp 1 x dp 1" in out
     lora_tp1 = out.split("finetune llama3-8b-lora-tp1", 1)[1]
     assert "gradients        0.04 GiB" in lora_tp1 and "optimizer        0.12 GiB" in lora_tp1  # adapters only
     assert "weights         13.79 GiB  (7,402.2M parameters on this GPU)" in lora_tp1

@@ -54,7 +54,7 @@ def test_generate_prints_only_our_lines_and_verbose_shows_the_libraries(run_dir:
     quiet = snakellm(*args, cwd=run_dir.parent)
     assert '"completion"' in quiet.stdout
     assert foreign_lines(quiet.stderr) == [], quiet.stderr
-    assert re.search(r"^\[\d\d:\d\d:\d\d\] 1 prompts, 4 new tokens in ", quiet.stderr, re.M), quiet.stderr
+    assert re.search(r"^\[\d\d:\d\d:\d\d\] 1 prompt, 4 new tokens in ", quiet.stderr, re.M), quiet.stderr
     loud = snakellm("--verbose", *args, cwd=run_dir.parent)
     assert loud.stdout == quiet.stdout  # the same answer (greedy), only the noise differs
     assert "Transformer Engine and Apex are not installed" in loud.stderr, loud.stderr

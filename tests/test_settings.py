@@ -317,11 +317,22 @@ def test_generate_defaults_are_the_config_ones():
     assert (g["max_new_tokens"]["default"], g["temperature"]["default"], g["top_k"]["default"]) == (48, 0.8, 40)
 
 
+_ANY_FILE = str(REPO / "resources/tokenizers/gpt2/vocab.json")  # a file that exists (what check_paths asks)
+
+
 def _full_config():
     cfg = _config()
-    cfg["tokenizers"]["gpt2"].update(vocab_file="v.json", merges_file="m.txt")
+    gpt2 = REPO / "resources/tokenizers/gpt2"
+    cfg["tokenizers"]["gpt2"].update(vocab_file=str(gpt2 / "vocab.json"), merges_file=str(gpt2 / "merges.txt"))
     cfg.update(
-        sources={"s": {"kind": "local", "path": "x/*.jsonl", "format": "jsonl", "shards_per_chunk": 1}},
+        sources={
+            "s": {
+                "kind": "local",
+                "path": str(REPO / "resources/corpus/botchan/*.jsonl"),
+                "format": "jsonl",
+                "shards_per_chunk": 1,
+            }
+        },
         sft_data={"squad": {"path": str(REPO / "resources/squad/squad-dev-subset.json")}},
         finetune={"ft": {"run": "r", "data": "squad", "method": "lora", "train": {"steps": 2}}},
         import_hf={},
@@ -395,11 +406,12 @@ def test_tokenizer_flags_fill_a_trained_model_file_and_options():
             "config key finetune.ft.train: global_batch_size 8 is not a multiple of micro_batch_size 3",
         ),
         (
-            lambda c: c["tokenizers"].update(gpt2={"kind": "huggingface", "tokenizer_file": "t.json", "eod": "x"}),
+            lambda c: c["tokenizers"].update(gpt2={"kind": "huggingface", "tokenizer_file": _ANY_FILE, "eod": "x"}),
             "config key runs.r.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece tokenizers",
         ),
-        (lambda c: c["import_hf"].update(r={"hf_dir": "x"}), "config key import_hf.r: a run of that name exists"),
-        (lambda c: c["import_hf"].update(h={"hf_dir": "/nonexistent"}), "config key import_hf.h.hf_dir: '/nonex"),
+        (lambda c: c["import_hf"].update(r={"hf_dir": str(REPO)}), "config key import_hf.r: a run of that name exists"),
+        (lambda c: c["import_hf"].update(h={"hf_dir": "/nonexistent"}), "config key import_hf.h.hf_dir: /nonex"),
+        (lambda c: c["import_hf"].update(h={"hf_dir": str(REPO)}), "config key import_hf.h.hf_dir: .* no config.json"),
         (
             lambda c: c["runs"]["r"]["model"].update(position_embedding="rope"),
             "config key runs.r.model: Hugging Face export",
@@ -440,7 +452,7 @@ def test_cross_field_checks_pass_a_good_config_and_resolve_its_runs():
     assert checks.check_config(_full_config())["r"]["hidden_size"] == 64
     cfg = _full_config()
     cfg["export_nemo"]["enabled"] = False
-    cfg["tokenizers"]["gpt2"] = {"kind": "huggingface", "tokenizer_file": "t.json", "eod": "x"}
+    cfg["tokenizers"]["gpt2"] = {"kind": "huggingface", "tokenizer_file": _ANY_FILE, "eod": "x"}
     checks.check_config(cfg)  # no .nemo asked for: any tokenizer kind
 
 
@@ -547,3 +559,66 @@ def test_one_gpu_stages_and_site_defaults_are_checked_before_submitting():
     default["resources"] = {"finetune": {"nodes": 0}}
     with pytest.raises(ConfigError, match=r"config key resources.finetune.nodes: 0 is less than the minimum of 1"):
         validate.validate(default, schema)
+
+
+# ---------------------------------------------------------------- every input path a config names exists
+
+
+def _paths_config(tmp_path):
+    """_full_config with one instance of every section that has a path-valued key (settings ``path=``)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    cfg = _full_config()
+    cfg["tokenizers"].update(
+        spm={"kind": "sentencepiece", "model_file": _ANY_FILE},
+        hf={"kind": "huggingface", "tokenizer_file": _ANY_FILE, "eod": "</s>"},
+    )
+    cfg["import_hf"] = {
+        "imp": {"hf_dir": str(hf)},
+        "rnd": {"hf_dir": "models/random/rnd", "random": {"preset": "tiny-llama"}},
+    }
+    cfg["lm_eval"] = {"suites": {"mine": {"include_path": [str(tmp_path)]}}}
+    return validate.validate(cfg, SCHEMA)
+
+
+def _path_keys(cfg):
+    """(dotted key, section dict, field) of every path-valued key present in ``cfg``."""
+    out = []
+    for where, cls in sections.SECTIONS.items():
+        for name, (_, unless) in settings.path_fields(cls).items():
+            for key, section in checks._instances(cfg, where.split(".")):
+                if section.get(name) is not None and not (unless and section.get(unless)):
+                    out.append((where, f"{key}.{name}", section, name))
+    return out
+
+
+def test_every_path_valued_key_pointed_at_a_missing_file_is_a_config_error_naming_it(tmp_path):
+    """Issue 42: a missing vocab_file once dropped 5 jobs of 33 from the graph without a word."""
+    cfg = _paths_config(tmp_path)
+    checks.check_config(cfg)  # every path exists: fine
+    found = _path_keys(cfg)
+    declared = {where for where, cls in sections.SECTIONS.items() if settings.path_fields(cls)}
+    assert {w for w, *_ in found} == declared, "add an instance of the section to _paths_config"
+    assert len(found) >= 9
+    for _, key, section, name in found:
+        saved = section[name]
+        missing = str(tmp_path / "missing" / ("*.jsonl" if name == "path" and "sources" in key else "x"))
+        section[name] = [missing] if isinstance(saved, list) else missing
+        with pytest.raises(ConfigError) as e:
+            checks.check_config(cfg)
+        named = key + ("[0]" if isinstance(saved, list) else "")
+        assert str(e.value).startswith(f"config key {named}: "), (key, str(e.value))
+        assert "missing" in str(e.value)
+        section[name] = saved
+    # a path that names the wrong kind of thing says so
+    cfg["tokenizers"]["gpt2"]["vocab_file"] = str(tmp_path)
+    with pytest.raises(ConfigError, match=r"tokenizers.gpt2.vocab_file: .*: not a file"):
+        checks.check_config(cfg)
+
+
+@pytest.mark.parametrize("where", list(sections.SECTIONS))
+def test_the_schema_marks_exactly_the_path_valued_keys(where):
+    cls, props = sections.SECTIONS[where], _schema_at(where)["properties"]
+    marked = {name for name, prop in props.items() if prop.get("format") == "path"}
+    assert marked == set(settings.path_fields(cls)), where

@@ -52,7 +52,11 @@ def get_finetune_input(wildcards):
 
 def get_finetune_flags(wildcards):
     """Every `snakellm finetune` setting (snakellm.config.flags.finetune_flags): reruns when one changes."""
-    return flagmod.finetune_flags(_ft(wildcards))
+    ft = _ft(wildcards)
+    return flagmod.join(
+        flagmod.finetune_flags(ft),
+        flagmod.tracking_flags(config.get("tracking"), ft.get("tracking")),
+    )
 
 
 def get_finetune_threads(wildcards):

@@ -295,3 +295,13 @@ def get_report_finetune_input(wildcards):
         "tuned_predictions": f"{ev}/tuned/predictions.jsonl",
         "comparison": f"{ev}/comparison.json",
     }
+
+
+def on_success():
+    """What a successful run ends with (the Snakefile's onsuccess): the data stage's counts by source, the
+    chunk that lost the largest share, and the command that writes the HTML report (snakellm.report.summary).
+    """
+    from snakellm.report import summary
+
+    for line in summary.success_lines(list(SOURCES)):
+        print(line, file=sys.stderr)

@@ -10,6 +10,7 @@ tests call them directly, in milliseconds, without Snakemake. Torch-free.
 
 from __future__ import annotations
 
+import glob
 import os
 import string
 from collections.abc import Mapping
@@ -72,11 +73,59 @@ def template_fields(template: str, key: str) -> list[str]:
     return fields
 
 
+def _instances(node: Any, parts: list[str], key: str = "") -> Any:
+    """(dotted key, section dict) for every place of ``config`` matching a SECTIONS pattern (``*``: any name)."""
+    if not parts:
+        if isinstance(node, Mapping):
+            yield key, node
+        return
+    if not isinstance(node, Mapping):
+        return
+    head, rest = parts[0], parts[1:]
+    for name in node if head == "*" else [head] if head in node else []:
+        yield from _instances(node[name], rest, f"{key}.{name}" if key else str(name))
+
+
+_PATH_KINDS = {"file": ("file", os.path.isfile), "dir": ("directory", os.path.isdir)}
+
+
+def check_paths(config: dict[str, Any]) -> None:
+    """Every input a config names exists: the keys whose settings field says ``path=`` (snakellm.config.settings).
+
+    Snakemake treats an input no rule makes and no file is as a reason to drop the jobs that need it when their
+    outputs exist (a misspelt vocab_file once planned 28 jobs of 33, without a word), so a missing one is a
+    config error naming its key. A new key gets this check by declaring ``path="file"`` (or ``"dir"``,
+    ``"glob"``: at least one match) on its field. Relative paths are relative to the working directory.
+    """
+    from snakellm.config.sections import SECTIONS
+    from snakellm.config.settings import path_fields
+
+    for where, cls in SECTIONS.items():
+        fields = path_fields(cls)
+        if not fields:
+            continue
+        for key, section in _instances(config, where.split(".")):
+            for name, (kind, unless) in fields.items():
+                value = section.get(name)
+                if value is None or (unless and section.get(unless)):
+                    continue
+                for i, item in enumerate(value if isinstance(value, list) else [value]):
+                    at = f"{key}.{name}" + (f"[{i}]" if isinstance(value, list) else "")
+                    if not isinstance(item, str):
+                        continue  # the schema reports the type
+                    if kind == "glob":
+                        if next(glob.iglob(item, recursive=True), None) is None:
+                            raise ConfigError(f"config key {at}: no file matches {item!r} (relative to {os.getcwd()})")
+                        continue
+                    what, test = _PATH_KINDS[kind]
+                    if not test(item):
+                        why = f"not a {what}" if os.path.exists(item) else f"no such {what}"
+                        raise ConfigError(f"config key {at}: {item}: {why} (relative to {os.getcwd()})")
+
+
 def check_sft_data(config: dict[str, Any]) -> None:
-    """A data set's file exists (a missing one once left the old splits in place), its template names its fields."""
+    """A data set's template names its fields (its file: check_paths; a missing one once left the old splits)."""
     for name, d in config.get("sft_data", {}).items():
-        if not os.path.exists(d["path"]):
-            raise ConfigError(f"config key sft_data.{name}.path: {d['path']}: no such file (relative to {os.getcwd()})")
         if d.get("template") is None:
             continue
         fields = template_fields(d["template"], f"sft_data.{name}.template")
@@ -290,6 +339,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
 
     ``env``: the environment whose site defaults the job allocations take (under the Slurm profile).
     """
+    check_paths(config)
     check_sources(config)
     check_curate(config)
     check_tokenizers(config)

@@ -65,6 +65,28 @@ def finetune_flags(ft: dict[str, Any]) -> str:
     )
 
 
+def tracking(*layers: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The tracking settings of a job: the global ``tracking``, then a run's or fine-tune's (keys it sets win)."""
+    out: dict[str, dict[str, Any]] = {"wandb": {}, "mlflow": {}}
+    for layer in layers:
+        for backend in out:
+            out[backend].update({k: v for k, v in ((layer or {}).get(backend) or {}).items() if v is not None})
+    return out
+
+
+def tracked(*layers: dict[str, Any] | None) -> bool:
+    """Whether the layers configure a tracker: a W&B project (not disabled) or an MLflow URI or experiment."""
+    t = tracking(*layers)
+    w, m = t["wandb"], t["mlflow"]
+    return bool(w.get("project") and w.get("mode") != "disabled" or m.get("tracking_uri") or m.get("experiment"))
+
+
+def tracking_flags(*layers: dict[str, Any] | None) -> str:
+    """`--wandb-*` and `--mlflow-*` flags of a job (:func:`tracking`); empty when nothing is tracked."""
+    t = tracking(*layers)
+    return join(to_flags(S.WandbSettings, t["wandb"]), to_flags(S.MlflowSettings, t["mlflow"]))
+
+
 def evaluate_flags(ft: dict[str, Any]) -> str:
     """`snakellm evaluate` settings: the fine-tune's example building (as trained) and its evaluate block."""
     return join(

@@ -178,7 +178,7 @@ class SourceSettings:
     """``sources.<name>``: one corpus; its shards are sorted naturally and sliced into chunks."""
 
     kind: str = setting(REQUIRED, "local files or http URLs", choices=("local", "http"), cli=False)
-    path: str | list[str] | None = setting(None, "glob(s) of local shard files; `**` recurses", cli=False)
+    path: str | list[str] | None = setting(None, "glob(s) of local shard files; `**` recurses", cli=False, path="glob")
     url: str | list[str] | None = setting(None, "URL template(s) with shell-style braces", cli=False)
     urls: list[str] | None = setting(None, "explicit URLs (added to those from `url`)", cli=False)
     format: str = setting(
@@ -269,10 +269,10 @@ class TokenizerSettings:
     """``tokenizers.<name>``: how `snakellm tokenize` loads a tokenizer."""
 
     kind: str = setting(REQUIRED, "tokenizer kind", choices=TOKENIZER_KINDS)
-    vocab_file: str | None = setting(None, "gpt2-bpe: vocab.json (Megatron --vocab-file)")
-    merges_file: str | None = setting(None, "gpt2-bpe: merges.txt (Megatron --merge-file)")
-    model_file: str | None = setting(None, "sentencepiece: the .model file")
-    tokenizer_file: str | None = setting(None, "huggingface: a tokenizer.json")
+    vocab_file: str | None = setting(None, "gpt2-bpe: vocab.json (Megatron --vocab-file)", path="file")
+    merges_file: str | None = setting(None, "gpt2-bpe: merges.txt (Megatron --merge-file)", path="file")
+    model_file: str | None = setting(None, "sentencepiece: the .model file", path="file")
+    tokenizer_file: str | None = setting(None, "huggingface: a tokenizer.json", path="file")
     eod: str | None = setting(
         None,
         "end-of-document token appended to every document (gpt2-bpe: <|endoftext|>; sentencepiece: the model's "
@@ -408,6 +408,12 @@ class ParallelSettings:
         "smaller pipeline bubble for more point-to-point traffic (> 1 needs pp > 1 and micro batches per step "
         "divisible by pp)",
     )
+    ep: int = setting(
+        1,
+        "expert-parallel size (mixture of experts): each layer's experts split over ep of the data-parallel ranks, "
+        "tokens exchanged by megatron-core's alltoall dispatcher (num_experts divisible by ep; ep divides the "
+        "data-parallel size)",
+    )
     recompute: str = setting(
         "none",
         "megatron-core activation recomputation: selective (core attention, recomputed in the backward pass) or "
@@ -523,6 +529,51 @@ class ResourcesSettings:
     )
 
 
+# ---------------------------------------------------------------- experiment tracking (docs/tracking.md)
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbSettings:
+    """``tracking.wandb``: a Weights & Biases run per job (the key only from WANDB_API_KEY; files under WANDB_DIR)."""
+
+    project: str | None = setting(None, "the W&B project (unset: no W&B run)", flag="wandb_project")
+    entity: str | None = setting(None, "the W&B team or user (unset: the API key's default)", flag="wandb_entity")
+    mode: str | None = setting(
+        None,
+        "online: stream to the server; offline: files only, upload later with `wandb sync`; disabled: no run "
+        "(unset: WANDB_MODE, else online)",
+        choices=WANDB_MODES,
+        flag="wandb_mode",
+    )
+    group: str | None = setting(None, "the W&B group of the run", flag="wandb_group")
+    tags: list[str] | None = setting(None, "W&B tags of the run", flag="wandb_tag")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlflowSettings:
+    """``tracking.mlflow``: an MLflow run per job (the token only from MLFLOW_TRACKING_TOKEN and MLflow's variables)."""
+
+    tracking_uri: str | None = setting(
+        None,
+        "the MLflow tracking server or store (unset: MLFLOW_TRACKING_URI; with neither this nor experiment: no MLflow run)",
+        flag="mlflow_tracking_uri",
+    )
+    experiment: str | None = setting(
+        None, "the MLflow experiment (created if missing; unset: Default)", flag="mlflow_experiment"
+    )
+    tags: dict[str, str] | None = setting(None, "MLflow tags of the run", flag="mlflow_tag")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingSettings:
+    """``tracking`` (and ``runs.<name>.tracking``, ``finetune.<name>.tracking``, which override the keys they set)."""
+
+    wandb: dict[str, Any] = setting({}, "Weights & Biases", section=WandbSettings)
+    mlflow: dict[str, Any] = setting({}, "MLflow", section=MlflowSettings)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """``runs.<name>``: one pretraining run."""
@@ -532,6 +583,7 @@ class RunSettings:
     train: dict[str, Any] = setting(REQUIRED, "steps, batch, optimizer, checkpoints", section=TrainSettings)
     parallel: dict[str, Any] = setting({}, "how the ranks split the work", section=ParallelSettings)
     resources: dict[str, Any] = setting({}, "the job's allocation", section=JobResourceSettings)
+    tracking: dict[str, Any] = setting({}, "W&B and MLflow, over the global tracking", section=TrackingSettings)
 
 
 # ---------------------------------------------------------------- fine-tuning stage
@@ -541,11 +593,12 @@ class RunSettings:
 class SftDataSettings:
     """``sft_data.<name>``: `snakellm prepare-sft` of one data set."""
 
-    path: str = setting(REQUIRED, "a SQuAD-format .json or a .jsonl file", cli=False)
+    path: str = setting(REQUIRED, "a SQuAD-format .json or a .jsonl file", cli=False, path="file")
     format: str = setting(
         "squad",
-        "squad: answerable questions, first answer as output; jsonl: records with input_key/output_key",
-        choices=("squad", "jsonl"),
+        "squad: answerable questions, first answer as output; jsonl: records with input_key/output_key; "
+        "messages: OpenAI-style {role, content} lists; sharegpt: {from, value} lists (human, gpt, system)",
+        choices=("squad", "jsonl", "messages", "sharegpt"),
     )
     template: str | None = setting(
         None,
@@ -554,6 +607,9 @@ class SftDataSettings:
     )
     input_key: str = setting("input", "jsonl: key of the prompt")
     output_key: str = setting("output", "jsonl: key of the answer (a string or a list of gold answers)")
+    messages_key: str | None = setting(
+        None, "messages/sharegpt: key of the conversation list (null: messages, or conversations for sharegpt)"
+    )
     split: str = setting("80,10,10", "train,validation,test shares after a seeded shuffle")
     seed: int = setting(1234, "seed of the shuffle before splitting")
     limit: int | None = setting(None, "use only this many records (after the shuffle)")
@@ -617,6 +673,19 @@ class ExamplesSettings:
         choices=("left", "right"),
     )
     packing: bool = setting(False, "several examples per sequence (block-diagonal attention)", trajectory=True)
+    chat_template: str | None = setting(
+        None,
+        "conversations: the chat template, a built-in (chatml, llama3, mistral) or a Jinja file "
+        "(null: the model's own, from its tokenizer)",
+        trajectory=True,
+    )
+    train_on: str = setting(
+        "all_assistant",
+        "conversations: the tokens trained (every assistant turn's content and end-of-turn token, the last "
+        "turn's only, or every token)",
+        trajectory=True,
+        choices=("all_assistant", "last_assistant", "all"),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -720,6 +789,7 @@ class FinetuneSettings:
     )
     evaluate: dict[str, Any] = setting({}, "evaluation", section=EvaluateSettings)
     resources: dict[str, Any] = setting({}, "the fine-tuning job's allocation", section=JobResourceSettings)
+    tracking: dict[str, Any] = setting({}, "W&B and MLflow, over the global tracking", section=TrackingSettings)
 
 
 # ---------------------------------------------------------------- export, import, generation
@@ -755,7 +825,9 @@ class RandomHfSettings:
     preset: str = setting(REQUIRED, "the shape: a preset (llama3-8b, llama2-7b, tiny-llama, ...)")
     seed: int = setting(0, "seed of the weights")
     tokenizer_dir: str = setting(
-        "resources/tokenizers/gpt2", "GPT-2's vocab.json and merges.txt (the model's tokenizer, copied in)"
+        "resources/tokenizers/gpt2",
+        "GPT-2's vocab.json and merges.txt (the model's tokenizer, copied in)",
+        path="dir",
     )
     max_shard_size: str = setting("5GB", "largest safetensors shard")
 
@@ -764,7 +836,7 @@ class RandomHfSettings:
 class ImportHfSettings:
     """``import_hf.<name>``: a Hugging Face GPT-2 / Llama directory turned into a run."""
 
-    hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False)
+    hf_dir: str = setting(REQUIRED, "the Hugging Face model directory", cli=False, path="dir", path_unless="random")
     make_vocab_size_divisible_by: int = setting(128, "embedding padding (Megatron-LM's)")
     random: dict[str, Any] | None = setting(
         None,
@@ -829,6 +901,7 @@ class LmEvalSuiteSettings:
         [],
         "more directories of lm-eval task YAMLs over local files (the evaluation runs offline); the workflow "
         "always adds data/lm_eval/tasks, the shipped suite",
+        path="dir",
     )
 
 
@@ -880,6 +953,15 @@ SECTIONS: dict[str, type] = {
     "lm_eval": LmEvalSettings,
     "lm_eval.suites.*": LmEvalSuiteSettings,
     "resources": ResourcesSettings,
+    "tracking": TrackingSettings,
+    "tracking.wandb": WandbSettings,
+    "tracking.mlflow": MlflowSettings,
+    "runs.*.tracking": TrackingSettings,
+    "runs.*.tracking.wandb": WandbSettings,
+    "runs.*.tracking.mlflow": MlflowSettings,
+    "finetune.*.tracking": TrackingSettings,
+    "finetune.*.tracking.wandb": WandbSettings,
+    "finetune.*.tracking.mlflow": MlflowSettings,
 }
 # the job resources and their container, wherever they occur
 for _where in (

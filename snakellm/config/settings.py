@@ -62,6 +62,8 @@ def setting(
     section: type | None = None,
     parse: Callable[[str], Any] | None = None,
     cli_default: Any = None,
+    path: str | None = None,
+    path_unless: str | None = None,
 ) -> Any:
     """A dataclass field carrying what the CLI, the rule and the resume logic need to know.
 
@@ -72,8 +74,12 @@ def setting(
     repeated. ``section``: the field is a nested config section (its own dataclass,
     never a flag). ``parse``: how one option value (a list item) is read.
     ``cli_default``: what the flag defaults to where the config requires the key
-    (a step run by hand may leave it out).
+    (a step run by hand may leave it out). ``path``: ``"file"``, ``"dir"`` or ``"glob"``, an input that must
+    exist when the config is read; ``path_unless``: a sibling key that, when set, means the workflow writes
+    it instead (``import_hf.<name>.random``).
     """
+    if path not in (None, "file", "dir", "glob"):
+        raise ValueError(f"setting(path=...): {path!r} is not one of file, dir, glob")
     meta = {
         "help": help,
         "trajectory": trajectory,
@@ -84,6 +90,8 @@ def setting(
         "section": section,
         "parse": parse,
         "cli_default": cli_default,
+        "path": path,
+        "path_unless": path_unless,
     }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
@@ -259,3 +267,12 @@ def trajectory_keys(cls: type) -> tuple[str, ...]:
 def sections(cls: type) -> dict[str, type]:
     """Field -> nested settings class, for the fields that are config sections of their own."""
     return {f.name: f.metadata["section"] for f in dataclasses.fields(cls) if f.metadata.get("section")}
+
+
+def path_fields(cls: type) -> dict[str, tuple[str, str | None]]:
+    """Field -> (``file`` | ``dir`` | ``glob``, the sibling key that exempts it) for the fields naming inputs."""
+    return {
+        f.name: (f.metadata["path"], f.metadata.get("path_unless"))
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("path")
+    }

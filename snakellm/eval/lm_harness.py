@@ -9,8 +9,10 @@ offline switches are set before ``datasets`` is imported, so a task that would d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -134,27 +136,34 @@ def run_harness(req: HarnessRequest) -> dict[str, Any]:
     model, model_args = _model(req)
     log(f"lm-eval {lm_eval.__version__}: {model} on {req.model_dir}, tasks {','.join(req.tasks)} (limit {req.limit})")
     try:
-        out = lm_eval.simple_evaluate(
-            model=model,
-            model_args=model_args,
-            tasks=list(req.tasks),
-            num_fewshot=req.num_fewshot,
-            limit=req.limit,
-            batch_size=req.batch_size,
-            bootstrap_iters=req.bootstrap_iters,
-            log_samples=True,
-            task_manager=tm,
-            random_seed=req.seed,
-            numpy_random_seed=req.seed,
-            torch_random_seed=req.seed,
-            fewshot_random_seed=req.seed,
-        )
+        # lm-eval prints progress notes ("bootstrapping for stddev: perplexity") to stdout: they go to the
+        # step's stderr (the job's log) with the rest of lm-eval's logging, so the terminal shows our lines only
+        with contextlib.redirect_stdout(sys.stderr):
+            out = _simple_evaluate(lm_eval, req, model, model_args, tm)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise LmEvalError(f"lm-eval failed on {req.model_dir}: {type(e).__name__}: {e}") from e
     if out is None:
         raise LmEvalError("lm-eval returned no results (a non-zero rank?)")
     out["snakellm"] = {**asdict(req), "offline_env": env, "seconds": round(time.time() - t0, 2)}
     return out
+
+
+def _simple_evaluate(lm_eval: Any, req: HarnessRequest, model: str, model_args: Any, tm: Any) -> Any:
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=list(req.tasks),
+        num_fewshot=req.num_fewshot,
+        limit=req.limit,
+        batch_size=req.batch_size,
+        bootstrap_iters=req.bootstrap_iters,
+        log_samples=True,
+        task_manager=tm,
+        random_seed=req.seed,
+        numpy_random_seed=req.seed,
+        torch_random_seed=req.seed,
+        fewshot_random_seed=req.seed,
+    )
 
 
 def write_results(path: str, result: dict[str, Any]) -> None:

@@ -228,7 +228,7 @@ def model_config(
         raise NemoError(f"NeMo 1.x cannot represent this {family.name} model: {why}")
     cfg: dict[str, Any] = {"mcore_gpt": True, **_NEMO_FIXED}
     cfg.update({key.nemo: key.to_nemo(arch[key.ours]) for key in NEMO_KEYS})
-    cfg["kv_channels"] = arch["hidden_size"] // arch["num_attention_heads"]
+    cfg["kv_channels"] = families.head_dim(arch)
     cfg.update(family.nemo_extra(arch))
     cfg["precision"] = precision
     cfg["transformer_engine"] = transformer_engine
@@ -258,7 +258,7 @@ def _check_config(cfg: dict[str, Any], where: str) -> None:
     h, n = cfg.get("hidden_size"), cfg.get("num_attention_heads")
     if h and n and cfg.get("kv_channels") not in (None, h // n):
         raise NemoError(f"{where}: kv_channels {cfg['kv_channels']} != hidden_size / num_attention_heads")
-    for key in ("headscale", "fp32_residual_connection"):
+    for key in ("headscale", "fp32_residual_connection", "qk_layernorm"):
         if cfg.get(key):
             raise NemoError(f"{where}: {key}: true is not supported")
     if cfg.get("transformer_block_type", "pre_ln") != "pre_ln":

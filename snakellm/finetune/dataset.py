@@ -1,5 +1,7 @@
 """SFT examples as token ids with answer-only loss masks, as NeMo's ``GPTSFTDataset`` builds them.
 
+(Conversations become the same :class:`Example`, with a per-token ``mask``: snakellm.finetune.conversations.)
+
 A record ``{input, output}`` is rendered through ``prompt_template`` (default
 NeMo's ``"{input} {output}"``, which must end with ``{output}``). As in NeMo's
 ``_separate_template``, the template's pieces are tokenized separately and, for
@@ -47,11 +49,22 @@ class Example:
     context: list[int]
     answer: list[int]
     record: dict = field(default_factory=dict)
-    truncated: int = 0  # tokens dropped to fit the sequence
+    truncated: int = 0  # tokens dropped to fit the sequence (a conversation: turns dropped)
+    mask: list[int] | None = None  # per token of ids, 1 = trained (a conversation's assistant spans)
 
     @property
     def ids(self) -> list[int]:
         return self.context + self.answer
+
+    def label_mask(self, answer_only_loss: bool = True) -> list[float]:
+        """Per label position (label j predicts ids[j + 1]): 1.0 where the loss counts."""
+        n = len(self.ids) - 1
+        if not answer_only_loss:
+            return [1.0] * n
+        if self.mask is not None:
+            return [float(m) for m in self.mask[1:]]
+        first = max(len(self.context) - 1, 0)  # the label index of the first answer token
+        return [0.0] * first + [1.0] * (n - first)
 
 
 @dataclass
@@ -79,13 +92,16 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 rec = json.loads(line)
             except ValueError as e:
                 raise SFTFormatError(f"{path}:{n}: not valid JSON: {e}") from None
-            if (
+            if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+                pass  # a conversation (prepare-sft's messages/sharegpt formats)
+            elif (
                 not isinstance(rec, dict)
                 or not isinstance(rec.get("input"), str)
                 or not isinstance(rec.get("output"), str)
             ):
                 raise SFTFormatError(
-                    f"{path}:{n}: expected an object with string 'input' and 'output' (run prepare-sft)"
+                    f"{path}:{n}: expected an object with string 'input' and 'output', or a 'messages' "
+                    "list (run prepare-sft)"
                 )
             rec[LINE] = n
             out.append(rec)
@@ -253,8 +269,7 @@ def collate(
         n = len(ids) - 1
         tokens[r, :n] = torch.tensor(ids[:-1])
         labels[r, :n] = torch.tensor(ids[1:])
-        first = len(e.context) - 1 if answer_only_loss else 0  # label index of the first answer token
-        mask[r, max(first, 0) : n] = 1.0
+        mask[r, :n] = torch.tensor(e.label_mask(answer_only_loss))
     pos = torch.arange(width).unsqueeze(0).expand(b, width).contiguous()
     return {"tokens": tokens, "labels": labels, "loss_mask": mask, "position_ids": pos}
 
@@ -295,8 +310,7 @@ def collate_packed(rows: Sequence[Sequence[Example]], width: int, pad_id: int, a
             n = len(ids) - 1
             tokens[r, at : at + n] = torch.tensor(ids[:-1])
             labels[r, at : at + n] = torch.tensor(ids[1:])
-            first = len(e.context) - 1 if answer_only_loss else 0
-            mask[r, at + max(first, 0) : at + n] = 1.0
+            mask[r, at : at + n] = torch.tensor(e.label_mask(answer_only_loss))
             pos[r, at : at + n] = torch.arange(n)
             seg[r, at : at + n] = k
             at += n

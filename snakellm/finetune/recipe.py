@@ -33,6 +33,7 @@ from snakellm.config.sections import ExamplesSettings, FinetuneTrainSettings
 from snakellm.config.settings import trajectory_keys
 from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
+from snakellm.io import tracking
 from snakellm.io.atomic import write_json, write_text
 from snakellm.models import fp8
 from snakellm.train import assembly
@@ -43,6 +44,7 @@ METHODS = ("lora", "full", "ptuning")
 # the fingerprinted settings: the fields marked trajectory (precision enters resolved, by the session)
 TRAJECTORY = tuple(k for k in trajectory_keys(FinetuneTrainSettings) if k not in ("precision", "fp8_recipe"))
 EXAMPLE_KEYS = trajectory_keys(ExamplesSettings)
+CHAT_KEYS = ("chat_template", "train_on")
 
 
 def finetune(a: argparse.Namespace, mcfg: Any) -> int:
@@ -112,6 +114,8 @@ def job_of(a: argparse.Namespace) -> assembly.Job:
         progress=a.progress,
         overlap_grad_reduce=False,
         profile_steps=a.profile_steps,
+        tracking=tracking.settings_from_args(a),
+        params=vars(a),
     )
 
 
@@ -135,11 +139,14 @@ class FinetuneRecipe:
         self.seq = a.max_seq_length or self.arch["seq_length"]
         self.tok_info = self.base["tokenizer"]  # the base run's own copy (snakellm.io.run_tokenizer)
         self.virtual = mcfg.virtual_tokens if a.method == "ptuning" else 0
+        self.is_chat = False
+        self.chat_template: str | None = None
         self._encode()
         self.extra: Any = None
         self.ft: Any = None
 
     def _encode(self) -> None:
+        from snakellm.finetune import conversations as conv
         from snakellm.finetune.runtime import load_tokenizer
 
         a = self.a
@@ -147,6 +154,9 @@ class FinetuneRecipe:
         prefix = [int(self.tok.eod_id)] * self.virtual
 
         def encode(path: Path) -> tuple[list[ds.Example], dict[str, int]]:
+            records = ds.read_jsonl(path)
+            if any(conv.is_conversation(r) for r in records):
+                return encode_chat(path, records)
             enc = ds.Encoder(
                 self.tok,
                 self.seq + 1,
@@ -157,13 +167,30 @@ class FinetuneRecipe:
                 reserved=self.virtual,
                 truncation_field=a.truncation_field,
             )
-            exs = enc.encode_all(ds.read_jsonl(path))
+            exs = enc.encode_all(records)
             warning = ds.truncation_warning(path, exs, enc)
             if warning:
                 print(f"snakellm finetune: {warning}", file=sys.stderr)
             for e in exs:
                 e.context = prefix + e.context
             return exs, enc.stats.as_dict()
+
+        def encode_chat(path: Path, records: list[dict]) -> tuple[list[ds.Example], dict[str, int]]:
+            if not all(conv.is_conversation(r) for r in records):
+                raise ds.SFTFormatError(f"{path}: conversations and input/output records mixed in one file")
+            enc = conv.chat_encoder(self.tok_info, self.tok, a.chat_template, self.seq + 1, a.train_on, self.virtual)
+            exs = enc.encode_all(records, str(path))
+            warning = conv.length_warning(path, enc)
+            if warning:
+                print(f"snakellm finetune: {warning}", file=sys.stderr)
+            if not exs:
+                raise ds.SFTFormatError(f"{path}: every conversation is longer than {self.seq} tokens")
+            for e in exs:
+                e.context = prefix + e.context
+                e.mask = [0] * len(prefix) + (e.mask or [])
+            self.chat_template = enc.template.source
+            self.is_chat = True
+            return exs, enc.stats.as_dict() | {"context_truncated": enc.stats.shortened}
 
         self.train_ex, self.train_stats = encode(self.train_path)
         self.valid_ex, self.valid_stats = encode(self.valid_path)
@@ -194,7 +221,9 @@ class FinetuneRecipe:
             "model": self.arch,
             "padded_vocab": self.vocab,
             "data": {"train": _sha256(self.train_path), "validation": _sha256(self.valid_path)},
-            "examples": {k: getattr(a, k) for k in EXAMPLE_KEYS} | {"seq": self.seq},
+            # the chat settings enter only for conversations (an input/output fine-tune keeps its fingerprint)
+            "examples": {k: getattr(a, k) for k in EXAMPLE_KEYS if self.is_chat or k not in CHAT_KEYS}
+            | {"seq": self.seq},
             "train": {k: getattr(a, k) for k in TRAJECTORY} | fp8.trajectory(s.precision, a.fp8_recipe),
         }
 
@@ -362,12 +391,14 @@ class FinetuneRecipe:
             "validation_examples": len(self.valid_ex),
             "encode": self.train_stats,
             "encode_validation": self.valid_stats,
+            **({"chat_template": self.chat_template} if self.is_chat else {}),
             "median_tokens_per_s": tps[len(tps) // 2] if tps else None,
             "flops_per_token": done.parts.flops_per_token,
             "peak_gpu_memory_gib": _peak_gib(done.session),
             "fingerprint": done.fingerprint,
         }
         write_json(out / "finetune_summary.json", summary)
+        done.trainer.metrics.summary(summary)
 
 
 def _peak_gib(s: assembly.Session) -> float | None:

@@ -1,4 +1,8 @@
-"""``snakellm prepare-sft``: SQuAD json or any jsonl -> ``{input, output}`` jsonl splits.
+"""``snakellm prepare-sft``: SQuAD json or any jsonl -> ``{input, output}`` (or conversation) jsonl splits.
+
+Conversations (``format: messages`` or ``sharegpt``) become ``{"messages": [{role, content}, ...]}``
+records (snakellm.finetune.conversations.normalize): rendered later, through the model's chat template,
+by ``finetune``, ``render-sft`` and ``evaluate``.
 
 The shape NeMo's SFT datasets read (``GPTSFTDataset``: one JSON object per line,
 ``prompt_template: "{input} {output}"``, ``label_key: output``). From a SQuAD
@@ -101,10 +105,8 @@ def squad_records(path: str, template: str) -> Iterator[tuple[str, dict | None, 
                 yield place, rec, None, None
 
 
-def jsonl_records(
-    path: str, input_key: str, output_key: str, template: str | None
-) -> Iterator[tuple[str, dict | None, str | None, Any]]:
-    """Records of a jsonl file with configurable keys; ``output`` may be a string or a list of gold answers."""
+def json_objects(path: str) -> Iterator[tuple[str, dict | None, str | None, Any]]:
+    """(place, object, None, None) for every JSON object line of a jsonl file; (place, None, reason, raw) else."""
     try:
         fh = open(path, "rb")
     except OSError as e:
@@ -128,28 +130,61 @@ def jsonl_records(
             if not isinstance(obj, dict):
                 yield place, None, "not a JSON object", obj
                 continue
-            if input_key not in obj or output_key not in obj:
-                missing = [k for k in (input_key, output_key) if k not in obj]
-                yield place, None, f"missing key {', '.join(missing)}", obj
-                continue
-            inp, out = obj[input_key], obj[output_key]
-            answers = out if isinstance(out, list) else [out]
-            if not _nonempty_str(inp):
-                yield place, None, f"empty or non-string {input_key}", obj
-                continue
-            if not answers or not all(_nonempty_str(a) for a in answers):
-                yield place, None, f"empty or non-string {output_key}", obj
-                continue
-            if template:
-                fields = {k: v for k, v in obj.items() if isinstance(v, str)}
-                try:
-                    inp = template.format_map(_Format(fields))
-                except KeyError as e:
-                    raise SFTDataError(
-                        f"{place}: prompt template {template!r} names field {e}, not in the record"
-                    ) from None
-            rec = {"input": inp, "output": answers[0], "answers": answers}
-            yield place, rec, None, None
+            yield place, obj, None, None
+
+
+def conversation_records(path: str, fmt: str, key: str | None) -> Iterator[tuple[str, dict | None, str | None, Any]]:
+    """Conversations (``messages`` or ``sharegpt``) as ``{messages: [{role, content}, ...]}`` records."""
+    from snakellm.finetune.conversations import DEFAULT_KEYS, normalize
+
+    key = key or DEFAULT_KEYS[fmt]
+    for place, obj, reason, raw in json_objects(path):
+        if obj is None:
+            yield place, None, reason, raw
+            continue
+        if key not in obj:
+            yield place, None, f"missing key {key}", obj
+            continue
+        messages, why = normalize(obj[key], fmt)
+        if messages is None:
+            yield place, None, why, obj
+            continue
+        rec: dict[str, Any] = {"messages": messages}
+        if isinstance(obj.get("id"), str | int):
+            rec["id"] = obj["id"]
+        yield place, rec, None, None
+
+
+def jsonl_records(
+    path: str, input_key: str, output_key: str, template: str | None
+) -> Iterator[tuple[str, dict | None, str | None, Any]]:
+    """Records of a jsonl file with configurable keys; ``output`` may be a string or a list of gold answers."""
+    for place, obj, reason, raw in json_objects(path):
+        if obj is None:
+            yield place, None, reason, raw
+            continue
+        if input_key not in obj or output_key not in obj:
+            missing = [k for k in (input_key, output_key) if k not in obj]
+            yield place, None, f"missing key {', '.join(missing)}", obj
+            continue
+        inp, out = obj[input_key], obj[output_key]
+        answers = out if isinstance(out, list) else [out]
+        if not _nonempty_str(inp):
+            yield place, None, f"empty or non-string {input_key}", obj
+            continue
+        if not answers or not all(_nonempty_str(a) for a in answers):
+            yield place, None, f"empty or non-string {output_key}", obj
+            continue
+        if template:
+            fields = {k: v for k, v in obj.items() if isinstance(v, str)}
+            try:
+                inp = template.format_map(_Format(fields))
+            except KeyError as e:
+                raise SFTDataError(
+                    f"{place}: prompt template {template!r} names field {e}, not in the record"
+                ) from None
+        rec = {"input": inp, "output": answers[0], "answers": answers}
+        yield place, rec, None, None
 
 
 def split_counts(n: int, split: list[float]) -> list[int]:
@@ -179,6 +214,7 @@ def prepare(
     template: str | None = None,
     input_key: str = "input",
     output_key: str = "output",
+    messages_key: str | None = None,
     split: str = "80,10,10",
     seed: int = 1234,
     limit: int | None = None,
@@ -188,8 +224,10 @@ def prepare(
         it = squad_records(source, template or DEFAULT_SQUAD_TEMPLATE)
     elif fmt == "jsonl":
         it = jsonl_records(source, input_key, output_key, template)
+    elif fmt in ("messages", "sharegpt"):
+        it = conversation_records(source, fmt, messages_key)
     else:
-        raise SFTDataError(f"unknown format {fmt!r} (squad, jsonl)")
+        raise SFTDataError(f"unknown format {fmt!r} (squad, jsonl, messages, sharegpt)")
     shares = parse_split(split)
     good: list[dict] = []
     rejected: list[dict] = []

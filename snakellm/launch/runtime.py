@@ -46,7 +46,8 @@ def install_cpu_megatron_shims() -> None:
       tokens in ``torch.zeros([], device="cuda")``: their module sees :class:`_CpuTorch`;
     * activation recomputation (``tensor_parallel.checkpoint``) saves and restores the CUDA generator's
       state beside the CPU one: on the CPU there is none, so that part is a no-op (the CPU generator
-      and megatron's (inference) RNG tracker are still saved and restored).
+      and megatron's (inference) RNG tracker are still saved and restored);
+    * the MoE layer's dispatcher and router (:func:`snakellm.models.moe.install_cpu_shim`).
     The same schedules and recomputation run unchanged on GPUs.
     """
     import torch
@@ -57,6 +58,9 @@ def install_cpu_megatron_shims() -> None:
         schedules.torch = _CpuTorch(torch)
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
     mrandom._set_cuda_rng_state = lambda *a, **k: None
+    from snakellm.models import moe
+
+    moe.install_cpu_shim()
 
 
 @contextlib.contextmanager
@@ -142,18 +146,23 @@ def init_process_group(torch: Any, dist: DistEnv, device: Any, timeout_s: float 
     )
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int | None = None, cuda: bool = False, vpp: int = 1) -> None:
+def init_model_parallel(
+    tp: int = 1, pp: int = 1, seed: int | None = None, cuda: bool = False, vpp: int = 1, ep: int = 1
+) -> None:
     """megatron-core's parallel groups and its RNG tracker.
 
     On a GPU the tracker is seeded by ``model_parallel_cuda_manual_seed`` (here if
     ``seed`` is given, else by the caller after seeding the other generators); the
     CPU gets megatron's plain (inference) tracker, since the CUDA one needs a GPU,
     and the shims of :func:`install_cpu_megatron_shims`. ``vpp``: virtual pipeline
-    stages (model chunks) per pipeline rank, for the interleaved schedule.
+    stages (model chunks) per pipeline rank, for the interleaved schedule; ``ep``: expert-parallel
+    ranks (megatron-core's expert groups, within the data-parallel ranks of the dense layers).
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    parallel_state.initialize_model_parallel(
+        tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=ep
+    )
 
     if not cuda:  # a CPU job, also on a machine with GPUs (pick_device's shims already point megatron at the CPU)
         install_cpu_megatron_shims()

@@ -56,9 +56,29 @@ class ModelSettings:
     hidden_dropout: float | None = _key("dropout after attention and MLP")
     attention_dropout: float | None = _key("dropout on attention probabilities")
     make_vocab_size_divisible_by: int | None = _key("vocabulary padding (Megatron-LM's; x TP)")
+    # mixture of experts (megatron-core's MoE layer in every layer); unset: a dense MLP
+    num_experts: int | None = _key("routed experts per layer (mixture of experts); unset: a dense MLP")
+    moe_ffn_hidden_size: int | None = _key("MoE: each expert's MLP width; default ffn_hidden_size")
+    moe_router_topk: int | None = _key("MoE: experts each token is routed to")
+    moe_score_function: str | None = _key(
+        "MoE: router scores (sigmoid: top-k always normalised)", ("softmax", "sigmoid")
+    )
+    moe_norm_topk_prob: bool | None = _key("MoE: the top-k scores renormalised to sum to 1 (softmax over the top k)")
+    moe_aux_loss_coeff: float | None = _key("MoE: load-balancing auxiliary loss coefficient (0: none)")
+    moe_z_loss_coeff: float | None = _key("MoE: router z-loss coefficient (0: none)")
 
 
 MODEL_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ModelSettings))
+# kept in a resolved architecture only when num_experts is set: a dense model's dict (and fingerprint) has none
+MOE_KEYS: tuple[str, ...] = tuple(k for k in MODEL_KEYS if k == "num_experts" or k.startswith("moe_"))
+MOE_DEFAULTS: dict[str, Any] = dict(
+    moe_ffn_hidden_size=None,
+    moe_router_topk=2,
+    moe_score_function="softmax",
+    moe_norm_topk_prob=True,
+    moe_aux_loss_coeff=0.0,
+    moe_z_loss_coeff=0.0,
+)
 
 _COMMON_DEFAULTS: dict[str, Any] = dict(
     num_query_groups=None,  # None: one KV head per query head (plain multi-head attention)
@@ -96,8 +116,14 @@ def resolve(preset: str | None, overrides: dict[str, Any] | None = None) -> dict
     if cfg["num_query_groups"] is None:
         cfg["num_query_groups"] = cfg["num_attention_heads"]
     h, n, g = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_query_groups"]
-    if h % n:
+    own_heads = "kv_channels" in cfg and cfg["kv_channels"] is not None  # a head size of its own (Qwen3)
+    if h % n and not own_heads:
         raise ModelConfigError(f"hidden_size {h} is not divisible by num_attention_heads {n}")
+    if "kv_channels" in cfg:
+        if cfg["kv_channels"] is None:
+            cfg["kv_channels"] = h // n
+        if not isinstance(cfg["kv_channels"], int) or cfg["kv_channels"] < 1:
+            raise ModelConfigError(f"model kv_channels must be a positive integer, got {cfg['kv_channels']!r}")
     if n % g:
         raise ModelConfigError(f"num_attention_heads {n} is not divisible by num_query_groups {g}")
     for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length"):
@@ -109,7 +135,38 @@ def resolve(preset: str | None, overrides: dict[str, Any] | None = None) -> dict
         raise ModelConfigError(f"normalization must be LayerNorm or RMSNorm, got {cfg['normalization']!r}")
     if cfg["activation"] not in ("gelu", "swiglu"):
         raise ModelConfigError(f"activation must be gelu or swiglu, got {cfg['activation']!r}")
+    if not cfg.get("num_experts"):
+        given = [k for k in MOE_KEYS if overrides.get(k) is not None and k != "num_experts"]
+        if given:
+            raise ModelConfigError(f"model {', '.join(given)}: mixture-of-experts keys need num_experts")
+        return {k: cfg[k] for k in allowed if k not in MOE_KEYS}
+    _check_moe(cfg)
     return {k: cfg[k] for k in allowed}
+
+
+def _check_moe(cfg: dict[str, Any]) -> None:
+    """Fill the MoE defaults in ``cfg`` and check them against megatron-core's router (torch-free)."""
+    for k, v in MOE_DEFAULTS.items():
+        if cfg.get(k) is None:
+            cfg[k] = v
+    if cfg["moe_ffn_hidden_size"] is None:
+        cfg["moe_ffn_hidden_size"] = cfg["ffn_hidden_size"]
+    e, k = cfg["num_experts"], cfg["moe_router_topk"]
+    for key in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
+            raise ModelConfigError(f"model {key} must be a positive integer, got {cfg[key]!r}")
+    if k > e:
+        raise ModelConfigError(f"model moe_router_topk {k} is more than num_experts {e}")
+    if cfg["moe_score_function"] not in ("softmax", "sigmoid"):
+        raise ModelConfigError(f"moe_score_function must be softmax or sigmoid, got {cfg['moe_score_function']!r}")
+    if cfg["moe_score_function"] == "sigmoid" and k > 1 and not cfg["moe_norm_topk_prob"]:
+        raise ModelConfigError(
+            "moe_norm_topk_prob false with moe_score_function sigmoid: megatron-core's sigmoid router always "
+            "renormalises the top-k scores"
+        )
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if not isinstance(cfg[key], (int, float)) or cfg[key] < 0:
+            raise ModelConfigError(f"model {key} must be a number >= 0, got {cfg[key]!r}")
 
 
 def padded_vocab_size(vocab_size: int, cfg: dict[str, Any], tp: int = 1) -> int:
@@ -208,6 +265,14 @@ def parallel_conflict(par: dict[str, Any], name: Callable[[str], str] = str) -> 
             "fp8_all_gather",
             f"casts each FSDP shard to float8 before FSDP's all-gather: it needs {name('fsdp')}",
         )
+    ep = par.get("ep", 1)
+    if ep > 1 and (par.get("fsdp") or distopt):
+        key = "fsdp" if par.get("fsdp") else "distributed_optimizer"
+        return (
+            "ep",
+            f"expert parallelism is not composed with {name(key)} yet (the experts' gradients and Adam states "
+            f"live on their expert-parallel ranks): use {name('ep')} 1 or drop {name(key)}",
+        )
     if par.get("fsdp") and pp > 1:
         return "fsdp", f"shards over the data-parallel ranks of one pipeline stage: it needs {name('pp')} 1 (got {pp})"
     if distopt and vpp > 1:
@@ -223,8 +288,15 @@ def describe(cfg: dict[str, Any], vocab: int) -> str:
     from snakellm.models.counts import param_count
 
     n = param_count(cfg, vocab)
+    experts = ""
+    if cfg.get("num_experts"):  # MFU counts the active parameters (flops_per_token)
+        active = param_count(cfg, vocab, active=True)
+        experts = (
+            f" ({active / 1e6:.1f}M active: {cfg['moe_router_topk']} of {cfg['num_experts']} experts of "
+            f"ffn {cfg['moe_ffn_hidden_size']} per token)"
+        )
     return (
-        f"{cfg['style']} {n / 1e6:.1f}M params: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
+        f"{cfg['style']} {n / 1e6:.1f}M params{experts}: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, "
         f"{cfg['num_attention_heads']} heads ({cfg['num_query_groups']} KV groups), ffn {cfg['ffn_hidden_size']}, "
         f"seq {cfg['seq_length']}, vocab {vocab}"
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from snakellm.models import families
+from snakellm.models import families, moe
 from snakellm.models.architecture import ModelConfigError
 from snakellm.models.attention import sdpa_attention_class
 from snakellm.models.loss import cross_entropy, vocab_parallel_cross_entropy
@@ -187,7 +187,7 @@ def _place(model: Any, cfg: dict[str, Any], family: families.Family, *, bf16: bo
     if rot is not None:
         # the family's frequencies (Llama 3.x's scaling with any of its values; megatron-core's own
         # rope_scaling takes the factor only), set before the first forward (its embeddings are cached)
-        rot.inv_freq = family.rope_inv_freq(cfg, cfg["hidden_size"] // cfg["num_attention_heads"], rot.inv_freq.device)
+        rot.inv_freq = family.rope_inv_freq(cfg, families.head_dim(cfg), rot.inv_freq.device)
     if bf16:
         # what Megatron-LM's Float16Module does: every parameter in bf16, norms included
         # (torch's LayerNorm/RMSNorm are created in fp32 whatever params_dtype says)
@@ -249,6 +249,7 @@ def _transformer_config(
         gradient_accumulation_fusion=False,
         cross_entropy_loss_fusion=False,
     )
+    args.update(moe.megatron_config(cfg, ps.get_expert_model_parallel_world_size()))  # MoE layers (none: {})
     args.update(family.megatron_config(cfg))  # the family's own (and overriding) arguments, e.g. add_qkv_bias
     args.update(extra or {})  # activation recomputation, Transformer Engine's FP8 recipe
     return TransformerConfig(**args)
@@ -270,15 +271,27 @@ def _layer_spec(
     )
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    qk = bool(tcfg.qk_layernorm)  # the family's QK-norm (Qwen3): q_layernorm and k_layernorm over each head
+    experts = cfg.get("num_experts") or None  # megatron-core's MoE layer as every layer's MLP
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(normalization=cfg["normalization"])
-    spec = get_gpt_layer_local_spec(normalization=cfg["normalization"])
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts,
+            moe_grouped_gemm=experts is not None,
+            normalization=cfg["normalization"],
+            qk_layernorm=qk,
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, normalization=cfg["normalization"], qk_layernorm=qk
+    )
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class(attention_backend)
     if not sequence_parallel:
         return spec
     norm = _norm_class()
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
+    if qk:  # per head, inside the tensor-parallel region: megatron-core sums their gradients over tp itself
+        spec.submodules.self_attention.submodules.q_layernorm = norm
+        spec.submodules.self_attention.submodules.k_layernorm = norm
     # this stage's (or chunk's) layers: a block spec lists exactly the layers it builds
     return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage), layer_norm=norm)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from snakellm.models.families.base import head_dim
+
 # Megatron-LM flags a snakellm checkpoint's args leave to the command line (and why)
 NOT_RECORDED = {
     "tokenizer_type / vocab_file / merge_file / tokenizer_model": "the run carries its tokenizer in RUN_DIR/tokenizer/, "
@@ -43,7 +45,7 @@ def megatron_lm_args(cfg: dict[str, Any], vocab: int, **run: Any) -> dict[str, A
         "num_attention_heads": heads,
         "num_query_groups": groups,
         "group_query_attention": groups != heads,
-        "kv_channels": cfg["hidden_size"] // heads,
+        "kv_channels": head_dim(cfg),
         "seq_length": cfg["seq_length"],
         "max_position_embeddings": cfg["seq_length"],
         "position_embedding_type": "rope" if rope else "learned_absolute",
@@ -61,6 +63,7 @@ def megatron_lm_args(cfg: dict[str, Any], vocab: int, **run: Any) -> dict[str, A
         "squared_relu": False,
         "add_bias_linear": bool(cfg["bias"]),
         "add_qkv_bias": bool(cfg.get("qkv_bias", cfg["bias"])),
+        "qk_layernorm": bool(cfg.get("qk_norm")),
         "untie_embeddings_and_output_weights": not cfg["tie_embeddings"],
         "init_method_std": cfg["init_method_std"],
         "hidden_dropout": cfg["hidden_dropout"],

@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from snakellm.models.families.base import head_dim
+
 GiB = 1024**3
 RECOMPUTE = ("none", "selective", "full")
 
@@ -58,6 +60,7 @@ class MemoryEstimate:
     recompute: str
     virtual_pp: int = 1
     fsdp: bool = False
+    ep: int = 1
 
     @property
     def model_states(self) -> float:
@@ -78,6 +81,7 @@ class MemoryEstimate:
             f"memory per GPU (tp {self.tp} x pp {self.pp} x dp {self.dp}, micro batch {self.micro_batch_size}, "
             f"{opt}, sequence parallel {'on' if self.sequence_parallel else 'off'}, recompute {self.recompute}"
             + (f", {self.virtual_pp} virtual stages" if self.virtual_pp > 1 else "")
+            + (f", experts over ep {self.ep}" if self.ep > 1 else "")
             + "):",
             f"  weights      {self.weights / GiB:8.2f} GiB  ({self.params / 1e6:,.1f}M parameters on this GPU)",
             f"  gradients    {self.grads / GiB:8.2f} GiB",
@@ -91,21 +95,29 @@ class MemoryEstimate:
         return out
 
 
-def layer_params(arch: dict[str, Any], tp: int = 1) -> tuple[float, float]:
+def layer_params(arch: dict[str, Any], tp: int = 1, ep: int = 1) -> tuple[float, float]:
     """``(sharded, replicated)`` parameters of one transformer layer on one tensor-parallel rank.
 
     Column-parallel QKV and up projections and row-parallel output projections are
     split over ``tp`` (with their biases, except the row-parallel ones' which are
-    replicated); norms are replicated.
+    replicated); norms are replicated. A mixture of experts holds ``num_experts / ep`` experts
+    (each split over ``tp``) and the whole router (replicated).
     """
     h, f = arch["hidden_size"], arch["ffn_hidden_size"]
-    kv = h // arch["num_attention_heads"] * arch["num_query_groups"]
+    d = head_dim(arch)
+    q, kv = arch["num_attention_heads"] * d, arch["num_query_groups"] * d
     bias = bool(arch["bias"])
     qkv_bias = bool(arch.get("qkv_bias", bias))
     norm = 2 * h if arch["normalization"] == "LayerNorm" else h
     up = 2 * f if arch["activation"] == "swiglu" else f
-    sharded = h * (h + 2 * kv) + h * h + h * up + f * h + ((h + 2 * kv) if qkv_bias else 0) + (up if bias else 0)
-    replicated = 2 * norm + (2 * h if bias else 0)
+    mlp = h * up + f * h + (up if bias else 0)
+    router = 0
+    if arch.get("num_experts"):
+        from snakellm.models.moe import expert_params
+
+        mlp, router = arch["num_experts"] // ep * expert_params(arch), arch["num_experts"] * h
+    sharded = h * (q + 2 * kv) + q * h + mlp + ((q + 2 * kv) if qkv_bias else 0)
+    replicated = 2 * norm + (2 * h if bias else 0) + (2 * d if arch.get("qk_norm") else 0) + router
     return sharded / tp, float(replicated)
 
 
@@ -129,7 +141,7 @@ def layer_activation_bytes(
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     s, b, e = seq_length or arch["seq_length"], micro_batch_size, bytes_per_element
     h, f, a = arch["hidden_size"], arch["ffn_hidden_size"], arch["num_attention_heads"]
-    kv = h // a * arch["num_query_groups"]
+    q, kv = a * head_dim(arch), head_dim(arch) * arch["num_query_groups"]  # q = h unless the head size is its own
     sbh = s * b * h
     hidden_dropout = (arch.get("hidden_dropout") or 0) > 0
     attn_dropout = (arch.get("attention_dropout") or 0) > 0
@@ -146,7 +158,12 @@ def layer_activation_bytes(
     # keeps 24 layers' activations); on a GPU megatron-core's fused SwiGLU keeps only its input
     swiglu = arch["activation"] == "swiglu"
     up = 2 * f if swiglu else f
-    sharded = e * s * b * (h + kv) + e * s * b * kv + e * sbh + e * s * b * up + e * s * b * f
+    mlp = e * s * b * up + e * s * b * f
+    if arch.get("num_experts"):  # each token's top-k copies: the experts' input, up-projection and down input,
+        k, fe = arch["moe_router_topk"], arch["moe_ffn_hidden_size"]  # and the dispatcher's permuted tokens
+        up, f = (2 * fe if swiglu else fe), fe
+        mlp = e * s * b * k * (2 * h + up + f) + 4 * s * b * arch["num_experts"]  # + fp32 router scores
+    sharded = e * s * b * (q + kv) + e * s * b * kv + e * s * b * q + mlp
     if swiglu and not fused_swiglu:
         sharded += e * s * b * f
     if flash_attention:
@@ -176,6 +193,7 @@ def estimate(
     bf16: bool = True,
     grad_reduce_in_fp32: bool = True,
     fsdp: bool = False,
+    ep: int = 1,
 ) -> MemoryEstimate:
     """Memory per GPU of the fullest pipeline stage (see the module docstring for what is counted).
 
@@ -192,6 +210,8 @@ def estimate(
     gathered at a time: two layers (the one running and the next, prefetched) and the output layer,
     and one unit's 16-bit gradients with their copy for the reduce-scatter (fp32 unless ``grad_reduce_in_fp32``
     is off: parallel.grad_reduce_dtype bf16, which also makes megatron-core DDP's gradient buffers bf16).
+    ``ep``: a mixture of experts' experts split over that many expert-parallel ranks (each GPU holds
+    ``num_experts / ep`` of them: their weights, gradients and optimizer states).
     """
     L, h = arch["num_layers"], arch["hidden_size"]
     if L % (pp * virtual_pp):
@@ -202,7 +222,7 @@ def estimate(
     b = micro_batch_size
     sp = (tp > 1) if sequence_parallel is None else (bool(sequence_parallel) and tp > 1)
     e = 2 if bf16 else 4
-    sharded, replicated = layer_params(arch, tp)
+    sharded, replicated = layer_params(arch, tp, ep)
     norm = 2 * h if arch["normalization"] == "LayerNorm" else h
     stage_layers = L // pp
     layers = stage_layers * (sharded + replicated)
@@ -245,7 +265,7 @@ def estimate(
         params, e, sharded + replicated, head, dp, bf16, grad_reduce_in_fp32, distributed_optimizer, fsdp
     )
     fields = (weights, grads, optimizer, activations, tp, pp, dp, b, distributed_optimizer, sp, recompute)
-    return MemoryEstimate(int(round(params)), *fields, virtual_pp, fsdp)
+    return MemoryEstimate(int(round(params)), *fields, virtual_pp, fsdp, ep)
 
 
 def _stage_activations(
@@ -307,6 +327,7 @@ def report(
     virtual_pp: int = 1,
     fsdp: bool = False,
     grad_reduce_in_fp32: bool = True,
+    ep: int = 1,
 ) -> list[str]:
     """The memory table of a run as configured, and what the options it leaves off would save.
 
@@ -331,6 +352,7 @@ def report(
             virtual_pp=virtual_pp,
             fsdp=sharded,
             grad_reduce_in_fp32=grad_reduce_in_fp32,
+            ep=ep,
         )
 
     out = est(sequence_parallel, distributed_optimizer).lines(gpu_gib)
@@ -368,10 +390,15 @@ LORA_TARGET_DIMS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 def lora_params(arch: dict[str, Any], rank: int, targets: tuple[str, ...] | list[str], tp: int = 1) -> float:
     """LoRA adapter parameters on one tensor-parallel rank: ``rank x (in + out)`` per targeted linear and layer."""
     h, f = arch["hidden_size"], arch["ffn_hidden_size"]
-    d = h // arch["num_attention_heads"]
+    d = head_dim(arch)
     qkv = d * (arch["num_attention_heads"] + 2 * arch["num_query_groups"])
     up = 2 * f if arch["activation"] == "swiglu" else f
-    dims = {"linear_qkv": (h, qkv), "linear_proj": (h, h), "linear_fc1": (h, up), "linear_fc2": (f, h)}
+    dims = {
+        "linear_qkv": (h, qkv),
+        "linear_proj": (d * arch["num_attention_heads"], h),
+        "linear_fc1": (h, up),
+        "linear_fc2": (f, h),
+    }
     per_layer = sum(rank * sum(dims[t]) for t in targets if t in dims)
     return arch["num_layers"] * per_layer / tp
 

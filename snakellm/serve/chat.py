@@ -39,7 +39,7 @@ from snakellm.serve.openai_api import (
     stream_chunk,
     usage_chunk,
 )
-from snakellm.serve.sampling import Fields, is_int, piece
+from snakellm.serve.sampling import Fields, alternative_texts, is_int, token_bytes, token_texts
 
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n{% endfor %}"
@@ -188,12 +188,22 @@ def parse_chat(body: Any, model_name: str, limits: Any, template: ChatTemplate) 
     )
 
 
-def _entry(tok: Any, t: int, lp: float | None, alts: list[tuple[int, float]]) -> dict:
-    def one(i: int, p: float | None) -> dict:
-        s = piece(tok, i)
-        return {"token": s, "logprob": p, "bytes": list(s.encode("utf-8"))}
+def _entry(gen: Any, c: Choice, i: int) -> dict:
+    """Token ``i`` of prompt + completion: its text as :func:`token_texts` spells it (a leading space kept),
+    its bytes, and its alternatives spelt the same way at the same place."""
+    assert c.scored is not None
+    tok, ids, alts = gen.tok, c.scored.ids, c.scored.top[i]
 
-    return {**one(t, lp), "top_logprobs": [one(i, p) for i, p in alts]}
+    def one(s: str, t: int, p: float | None) -> dict:
+        raw = token_bytes(tok, t) if s.startswith("bytes:") else s.encode("utf-8")
+        return {"token": s, "logprob": p, "bytes": list(raw)}
+
+    (text,) = token_texts(tok, ids, i, i + 1)
+    keys = alternative_texts(tok, ids, i, [t for t, _ in alts])
+    return {
+        **one(text, ids[i], c.scored.logprobs[i]),
+        "top_logprobs": [one(k, t, p) for k, (t, p) in zip(keys, alts, strict=True)],
+    }
 
 
 def _logprobs(gen: Any, c: Choice, lo: int, hi: int) -> dict | None:
@@ -201,11 +211,7 @@ def _logprobs(gen: Any, c: Choice, lo: int, hi: int) -> dict | None:
     if c.scored is None:
         return None
     p = len(c.prompt_ids)
-    return {
-        "content": [
-            _entry(gen.tok, c.scored.ids[p + i], c.scored.logprobs[p + i], c.scored.top[p + i]) for i in range(lo, hi)
-        ]
-    }
+    return {"content": [_entry(gen, c, p + i) for i in range(lo, hi)]}
 
 
 def _shown(c: Choice) -> int:

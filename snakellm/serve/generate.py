@@ -209,19 +209,95 @@ class Decoder:
                         ("fc1_b", "mlp.linear_fc1.bias"),
                         ("fc2_w", "mlp.linear_fc2.weight"),
                         ("fc2_b", "mlp.linear_fc2.bias"),
+                        ("qn_w", "self_attention.q_layernorm.weight"),  # QK-norm (Qwen3): None without
+                        ("qn_b", "self_attention.q_layernorm.bias"),
+                        ("kn_w", "self_attention.k_layernorm.weight"),
+                        ("kn_b", "self_attention.k_layernorm.bias"),
                     )
                 }
             )
+        self.moe = bool(arch.get("num_experts"))
+        if self.moe:
+            for i, L in enumerate(self.layers):
+                L.update(_expert_stacks(model, i, arch["num_experts"]))
         self.final_w = w["decoder.final_layernorm.weight"]
         self.final_b = w.get("decoder.final_layernorm.bias")
         self.n = arch["num_attention_heads"]
         self.g = arch["num_query_groups"]
-        self.d = arch["hidden_size"] // self.n
+        self.d = families.head_dim(arch)
         self.eps = arch["layernorm_epsilon"]
         self.rope = arch["position_embedding"] == "rope"
         if self.rope:  # the family's frequencies (rope scaling changes them), as megatron-core computes them
             self.inv_freq = families.get(arch["style"]).rope_inv_freq(arch, self.d, self.device)
         self.max_len = arch["seq_length"]
+
+    def cast(self, dtype) -> Decoder:
+        """This decoder over its weights in ``dtype`` (a copy, each tensor cast once: tied ones stay shared),
+        e.g. the fp32 reference of a bf16 model: the same values, computed without bf16's rounding."""
+        import copy
+
+        out = copy.copy(self)
+        done: dict[int, Any] = {}
+
+        def c(t):
+            if t is None:
+                return None
+            if id(t) not in done:
+                done[id(t)] = t.to(dtype)
+            return done[id(t)]
+
+        out.emb, out.pos_emb, out.out, out.virtual = c(self.emb), c(self.pos_emb), c(self.out), c(self.virtual)
+        out.final_w, out.final_b = c(self.final_w), c(self.final_b)
+        out.layers = [{k: c(v) for k, v in L.items()} for L in self.layers]
+        out.dtype = dtype
+        return out
+
+    def route(self, x, router_w):
+        """megatron-core's TopKRouter on tokens ``x`` [n, h]: (probabilities [n, k], expert ids [n, k]), fp32 scores."""
+        import torch.nn.functional as F
+
+        a, k = self.arch, self.arch["moe_router_topk"]
+        logits = F.linear(x.float(), router_w.float())
+        if a["moe_score_function"] == "sigmoid":
+            probs, idx = logits.sigmoid().topk(k, dim=-1)
+            if k > 1:
+                probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+        elif a["moe_norm_topk_prob"]:  # softmax over the top-k logits = the top k of the softmax, renormalised
+            top, idx = logits.topk(k, dim=-1)
+            probs = top.softmax(dim=-1)
+        else:
+            probs, idx = logits.softmax(dim=-1).topk(k, dim=-1)
+        return probs.to(x.dtype), idx
+
+    def experts(self, h, L):
+        """The MoE MLP of ``h`` [..., hidden]: each token through its top-k experts, weighted by the router.
+
+        Few tokens (a decode step: tokens x k <= experts) read only the routed experts' weights, gathered
+        by id (no host synchronisation, so a CUDA graph can capture it): the step's weight bytes are the
+        active experts', which is what the bandwidth bound counts. More tokens (a prefill) run each expert
+        once on the tokens routed to it.
+        """
+        import torch
+        import torch.nn.functional as F
+
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])
+        probs, idx = self.route(x, L["router_w"])
+        n, k = idx.shape
+        w1, w2 = L["experts_fc1"], L["experts_fc2"]  # [E, 2f, h], [E, h, f]
+        if n * k <= w1.shape[0]:
+            a = torch.einsum("nh,nkfh->nkf", x, w1[idx])
+            a1, a2 = a.chunk(2, dim=-1)
+            y = torch.einsum("nkf,nkhf->nkh", F.silu(a1) * a2, w2[idx])
+            return (y * probs[..., None]).sum(dim=1).reshape(shape)
+        out = torch.zeros_like(x)
+        for e in range(w1.shape[0]):
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            if rows.numel():
+                a1, a2 = F.linear(x[rows], w1[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(a1) * a2, w2[e])
+                out.index_add_(0, rows, y * probs[rows, slot, None])
+        return out.reshape(shape)
 
     def _norm(self, x, w, b):
         import torch.nn.functional as F
@@ -229,6 +305,18 @@ class Decoder:
         if self.arch["normalization"] == "RMSNorm":
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
+
+    def qk_norm(self, qkv, L):
+        """``qkv`` [..., g, per + 2, d] with each query head and the key normalised over the head (QK-norm,
+        megatron-core's ``q_layernorm`` / ``k_layernorm``, before RoPE); as it is for a model without."""
+        import torch
+
+        if L["qn_w"] is None:
+            return qkv
+        per = qkv.shape[-2] - 2
+        q = self._norm(qkv[..., :per, :], L["qn_w"], L["qn_b"])
+        k = self._norm(qkv[..., per : per + 1, :], L["kn_w"], L["kn_b"])
+        return torch.cat((q, k, qkv[..., per + 1 :, :]), dim=-2)
 
     def _rotate(self, t, cos, sin):
         import torch
@@ -274,7 +362,7 @@ class Decoder:
         swiglu = self.arch["activation"] == "swiglu"
         for li, L in enumerate(self.layers):
             h = self._norm(x, L["ln1_w"], L["ln1_b"])
-            qkv = F.linear(h, L["qkv_w"], L["qkv_b"]).view(b, t, g, per + 2, d)
+            qkv = self.qk_norm(F.linear(h, L["qkv_w"], L["qkv_b"]).view(b, t, g, per + 2, d), L)
             q = qkv[:, :, :, :per].reshape(b, t, n, d)
             k = qkv[:, :, :, per]
             v = qkv[:, :, :, per + 1]
@@ -291,6 +379,9 @@ class Decoder:
             )
             x = x + F.linear(o.transpose(1, 2).reshape(b, t, n * d), L["proj_w"], L["proj_b"])
             h = self._norm(x, L["ln2_w"], L["ln2_b"])
+            if self.moe:
+                x = x + self.experts(h, L)
+                continue
             h = F.linear(h, L["fc1_w"], L["fc1_b"])
             if swiglu:
                 a1, a2 = h.chunk(2, dim=-1)
@@ -305,6 +396,28 @@ class Decoder:
 
 
 # ----------------------------------------------------------------------------- sampling
+
+
+def _expert_stacks(model, layer: int, experts: int) -> dict[str, Any]:
+    """Layer ``layer``'s router and its experts' weights stacked ([E, 2f, h], [E, h, f]) for the decoder.
+
+    The stacks become the model's storage: each expert's parameter is re-pointed to its slice, so the
+    decoder holds no second copy of the experts (where training's gradient buffers own the parameters,
+    ``main_grad``, the stacks are copies instead).
+    """
+    import torch
+
+    p = f"decoder.layers.{layer}.mlp."
+    out: dict[str, Any] = {"router_w": model.get_parameter(p + "router.weight")}
+    for key, name in (("experts_fc1", "linear_fc1.weight"), ("experts_fc2", "linear_fc2.weight")):
+        params = [model.get_parameter(f"{p}experts.local_experts.{e}.{name}") for e in range(experts)]
+        with torch.no_grad():
+            stack = torch.stack([q.data for q in params])
+            if not any(hasattr(q, "main_grad") for q in params):
+                for e, q in enumerate(params):
+                    q.data = stack[e]
+        out[key] = stack
+    return out
 
 
 def _filter(logits, top_k: int, top_p: float):

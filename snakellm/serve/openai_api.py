@@ -39,12 +39,13 @@ from snakellm.serve.generate import GenerationError, SamplingParams
 from snakellm.serve.sampling import (
     Fields,
     Scored,
+    alternative_texts,
     is_int,
     is_num,
     is_str_list,
-    piece,
     score,
     text_offsets,
+    token_texts,
     visible,
 )
 
@@ -340,15 +341,17 @@ def _completion_logprobs(gen: Any, c: Choice, echo: bool, lo: int, hi: int) -> d
     start = 0 if echo else len(c.prompt_ids)
     lo = max(lo, start)
     top: list[dict[str, float] | None] = []
+    tokens = token_texts(tok, ids, lo, hi)  # they concatenate to the text (leading spaces kept)
     for i in range(lo, hi):
         if i == 0:
             top.append(None)
             continue
-        alts = {piece(tok, t): lp for t, lp in c.scored.top[i]}
-        alts.setdefault(piece(tok, ids[i]), float(c.scored.logprobs[i] or 0.0))  # the chosen one is always there (vLLM)
+        keys = alternative_texts(tok, ids, i, [t for t, _ in c.scored.top[i]])
+        alts = {k: lp for k, (_, lp) in zip(keys, c.scored.top[i], strict=True)}
+        alts.setdefault(tokens[i - lo], float(c.scored.logprobs[i] or 0.0))  # the chosen one is always there (vLLM)
         top.append(alts)
     return {
-        "tokens": [piece(tok, t) for t in ids[lo:hi]],
+        "tokens": tokens,
         "token_logprobs": c.scored.logprobs[lo:hi],
         "top_logprobs": top,
         "text_offset": offs[lo:hi],

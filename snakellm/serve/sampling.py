@@ -125,8 +125,75 @@ def visible(gen: Any, prompt: Sequence[int], ids: Sequence[int]) -> str:
 
 
 def piece(tok: Any, token_id: int) -> str:
-    """One token's text as OpenAI's ``tokens`` show it (``' the'``, not ``'Ġthe'``)."""
-    return str(tok.decode([int(token_id)]))
+    """One token alone as OpenAI's ``top_logprobs`` keys show an alternative (``' the'``, not ``'Ġthe'``).
+
+    Decoded after a context token, so SentencePiece's leading space stays (``decode`` of one piece drops it);
+    a token that is not whole characters is ``bytes:\\xNN...``, as OpenAI shows it.
+    """
+    return token_texts(tok, [_context_id(tok), int(token_id)], 1, 2)[0]
+
+
+# tokens of context before each token in token_texts: enough for any character's bytes (4) and a word's
+# decoder state (SentencePiece drops one leading space of what it decodes, whatever comes first)
+_WINDOW = 8
+_BYTE_PIECE = __import__("re").compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _context_id(tok: Any) -> int:
+    """A token that decodes to a plain letter: what a lone token is decoded after (see piece)."""
+    key = ("ctx", id(tok))
+    if key not in _CONTEXT:
+        ids = tok.encode_batch(["a"])[0]
+        _CONTEXT[key] = int(ids[-1])
+    return _CONTEXT[key]
+
+
+_CONTEXT: dict[tuple[str, int], int] = {}
+
+
+def token_bytes(tok: Any, token_id: int) -> bytes:
+    """The bytes one token stands for (GPT-2's byte-level symbols mapped back, SentencePiece's ``▁`` a space,
+    a byte-fallback piece ``<0xNN>`` its byte)."""
+    from snakellm.serve.generate import token_strings
+    from snakellm.tokenize.encoders import bytes_to_unicode
+
+    if tok.kind == "gpt2-bpe" and tok.backend == "tiktoken":
+        return bytes(tok._enc.decode_single_token_bytes(int(token_id)))
+    (text,) = token_strings(tok, [int(token_id)])
+    m = _BYTE_PIECE.fullmatch(text)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    u2b = {u: b for b, u in bytes_to_unicode().items()}
+    if tok.kind != "sentencepiece" and "▁" not in text and text and all(ch in u2b for ch in text):
+        return bytes(u2b[ch] for ch in text)
+    return text.replace("▁", " ").encode("utf-8")
+
+
+def token_texts(tok: Any, ids: Sequence[int], lo: int = 0, hi: int | None = None) -> list[str]:
+    """The text each of ``ids[lo:hi]`` adds to the decoded text, as OpenAI's and vLLM's ``tokens`` spell it.
+
+    They concatenate to the text (a word's leading space kept: ``' upon'``, not SentencePiece's
+    ``'upon'``): each is what decoding the token after the tokens before it adds (a few tokens of context,
+    as vLLM's incremental detokenizer does). A token that ends or starts inside a character (a byte of a
+    multi-byte character) is shown as OpenAI shows it: ``bytes:\\xe2\\x80``.
+    """
+    ids = [int(i) for i in ids]
+    return [_added(tok, ids[max(0, i - _WINDOW) : i], ids[i]) for i in range(lo, len(ids) if hi is None else hi)]
+
+
+def alternative_texts(tok: Any, ids: Sequence[int], i: int, alternatives: Sequence[int]) -> list[str]:
+    """What each alternative token would add at position ``i`` of ``ids`` (``top_logprobs``' keys): the same
+    spelling as :func:`token_texts`, so the chosen token's key is its ``tokens`` entry."""
+    ctx = [int(t) for t in ids[max(0, i - _WINDOW) : i]]
+    return [_added(tok, ctx, int(t)) for t in alternatives]
+
+
+def _added(tok: Any, ctx: list[int], token_id: int) -> str:
+    before, after = tok.decode(ctx), tok.decode([*ctx, token_id])
+    added = after[len(before) :]
+    if after.startswith(before) and "\ufffd" not in added and not before.endswith("\ufffd"):
+        return added
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in token_bytes(tok, token_id))
 
 
 def text_offsets(tok: Any, ids: Sequence[int], start: int = 0) -> list[int]:

@@ -51,10 +51,17 @@ def idle_protocol() -> type:
 
 
 def make_server(app: Any, settings: ServeSettings) -> Any:
-    import uvicorn
+    import copy
 
+    import uvicorn
+    import uvicorn.config
+
+    # one stream: uvicorn sends its access log to stdout and everything else to stderr; ours all go to stderr
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     config = uvicorn.Config(
         app,
+        log_config=log_config,
         http=idle_protocol(),
         ws="none",
         lifespan="off",

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from snakellm.config.settings import DefaultsHelpFormatter
+from snakellm.io import tracking
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuned", required=True, help="the fine-tuned model's evaluation directory")
     p.add_argument("--out-dir", required=True, help="where comparison.{json,tsv,md} go")
     p.add_argument("--name", default="", help="the fine-tune's name (in the table's title)")
+    tracking.add_results_argument(p)
     return p
 
 
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     write(c, a.out_dir)
     print(markdown(c), file=sys.stderr)
+    tracking.log_results(a.track_run, "comparison", c)
     return 0
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from snakellm.config.sections import EvaluateSettings, ExamplesSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.eval.evaluate import evaluate
+from snakellm.io import tracking
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     examples = p.add_argument_group("examples, as in training (config: finetune.NAME.examples)")
     add_arguments(examples, ExamplesSettings, exclude=("packing",))
+    tracking.add_results_argument(p)
     return p
 
 
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({m['examples']} examples)",
         file=sys.stderr,
     )
+    # eval/<label>/<data set>/...: a run's base model is evaluated on each fine-tune's data set
+    tracking.log_results(a.track_run, f"{a.label or 'eval'}/{Path(a.test).parent.name}", m)
     return 0
 
 

@@ -13,6 +13,7 @@ from snakellm.config.sections import LmEvalSuiteSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments, from_namespace
 from snakellm.errors import UsageError
 from snakellm.eval.lm_tasks import SQUAD, WIKIPEDIA
+from snakellm.io import tracking
 from snakellm.io.log import log
 
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-length", type=int, default=None, help="context length (default: the model's; give it with --base-url)"
     )
     add_arguments(p.add_argument_group("suite (config: lm_eval.suites.NAME)"), LmEvalSuiteSettings)
+    tracking.add_results_argument(p)
     return p
 
 
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for task, metric, value, n in summary_rows(result):
         log(f"{a.suite}: {task} {metric} {value:.4f} ({n} documents)")
     log(f"wrote {a.out} ({result['snakellm']['seconds']} s)")
+    tracking.log_results(a.track_run, f"lm_eval/{a.suite}", result.get("results", {}))
     return 0
 
 

@@ -16,6 +16,7 @@ from snakellm.config.sections import (
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.errors import EXIT_FAILED, EXIT_USAGE
 from snakellm.io import checkpoint as ckpt
+from snakellm.io import tracking
 
 
 def add_data_arguments(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A:B",
         help="torch.profiler over steps A..B; the kernel table goes to OUT_DIR/profile.txt",
     )
+    tracking.add_arguments(p)
     return p
 
 

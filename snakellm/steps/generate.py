@@ -12,6 +12,7 @@ from snakellm.config.sections import GenerateSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments, defaults, from_namespace
 from snakellm.errors import SnakellmError
 from snakellm.io.atomic import write_text
+from snakellm.io.log import plural
 from snakellm.serve.engine.settings import EngineSettings
 from snakellm.serve.generate import GenerationError, SamplingParams, load_generator, params_summary
 
@@ -139,14 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         md = [
             f"# Samples from `{a.checkpoint}`",
             "",
-            f"{len(prompts)} prompts; {params_summary(params)}; {ntok} tokens in {t2 - t1:.2f} s.",
+            f"{plural(len(prompts), 'prompt')}; {params_summary(params)}; {ntok} tokens in {t2 - t1:.2f} s.",
             "",
         ]
         for i, (pr, o) in enumerate(zip(prompts, outs, strict=True), 1):
             md += [f"## {i}", "", "```text", pr + o.text, "```", "", f"*{len(o.ids)} tokens, {o.finish_reason}*", ""]
         write_text(a.markdown, "\n".join(md))
     print(
-        f"[{time.strftime('%H:%M:%S')}] {len(prompts)} prompts, {ntok} new tokens in {t2 - t1:.2f} s "
+        f"[{time.strftime('%H:%M:%S')}] {plural(len(prompts), 'prompt')}, {ntok} new tokens in {t2 - t1:.2f} s "
         f"({ntok / max(t2 - t1, 1e-9):.1f} tokens/s; loading {t1 - t0:.1f} s)",
         file=sys.stderr,
     )

@@ -26,6 +26,7 @@ from snakellm.config import jobs
 from snakellm.config import validate as cfgmod
 from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.data import planning as plan
+from snakellm.io.log import plural
 
 SCHEMA = Path(__file__).resolve().parents[2] / "config" / "schema.yaml"
 
@@ -97,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         spec = cfg["sources"][name]
         if spec.get("row_groups_per_chunk"):
             files = len({plan.split_slice(s)[0] for c in chunks.values() for s in c})
-            print(f"{name}: {files} files -> {len(chunks)} chunks of <= {spec['row_groups_per_chunk']} row groups")
+            print(
+                f"{name}: {plural(files, 'file')} -> {plural(len(chunks), 'chunk')} of <= "
+                f"{spec['row_groups_per_chunk']} row groups"
+            )
         else:
-            print(f"{name}: {n} shards -> {len(chunks)} chunks of <= {spec['shards_per_chunk']}")
+            print(f"{name}: {plural(n, 'shard')} -> {plural(len(chunks), 'chunk')} of <= {spec['shards_per_chunk']}")
         items = list(chunks.items())
         shown: list[tuple[str, list[str]] | None] = list(items) if len(items) <= 3 else [*items[:2], None, items[-1]]
         for item in shown:
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  ... {len(items) - 3} more")
                 continue
             c, shards = item
-            print(f"  {c}: {len(shards)} shards, {plan.describe(shards[0])} .. {plan.describe(shards[-1])}")
+            print(f"  {c}: {plural(len(shards), 'shard')}, {plan.describe(shards[0])} .. {plan.describe(shards[-1])}")
     for line in curate_plan(cfg, plans, a.docs_per_shard, a.dup_fraction):
         print(line)
     status = 0
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             lines = run_plan(name, run, cfg, nodes, per_node, a.gpu_memory_gib)
             if (nodes, per_node) == (job.nodes, job.gpus_per_node):
                 lines.insert(1, f"  job ({job.where}): {job.describe()}")
-            print("\n".join(lines))
+            print("\n".join(_cpu_note(lines, job.gpus_per_node == 0 and not a.gpus_per_node)))
         except ValueError as e:
             print(f"run {name}: error: {e}")
             status = 2
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         job = jobs.allocation(cfg, "finetune", name, os.environ)
         nodes, per_node = a.nodes or job.nodes, a.gpus_per_node or job.gpus_per_node or 1
         try:
-            print("\n".join(finetune_plan(name, ft, cfg, nodes * per_node, a.gpu_memory_gib)))
+            lines = finetune_plan(name, ft, cfg, nodes * per_node, a.gpu_memory_gib)
+            print("\n".join(_cpu_note(lines, job.gpus_per_node == 0 and not a.gpus_per_node)))
         except ValueError as e:
             print(f"finetune {name}: error: {e}")
             status = 2
@@ -162,6 +167,32 @@ def finetune_base(cfg: dict[str, Any], base: str) -> tuple[dict[str, Any], int |
     return {**arch, "make_vocab_size_divisible_by": spec.get("make_vocab_size_divisible_by", 128)}, hf["vocab_size"]
 
 
+def _has_gpu() -> bool:
+    """Whether this machine shows an NVIDIA GPU (torch-free: the driver's device list)."""
+    try:
+        return bool(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return False
+
+
+def _cpu_note(lines: list[str], cpu_job: bool) -> list[str]:
+    """The fits-in-GPUs verdict says where it applies: a CPU job, or a GPU job planned on a machine without one
+    (the default run trains on the CPU here: "fits in 80 GiB GPUs" alone read as if it needed one)."""
+    if not cpu_job and _has_gpu():
+        return lines
+    where = (
+        "a CPU job (gpus_per_node 0): the figures are host memory"
+        if cpu_job
+        else "this machine has no GPU: run here, the job trains on the CPU and the figures are host memory"
+    )
+    out = []
+    for line in lines:
+        out.append(line)
+        if " GiB GPUs (with 10% + 2 GiB headroom)" in line:
+            out.append(line[: len(line) - len(line.lstrip())] + f"({where})")
+    return out
+
+
 def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int, gpu_gib: float) -> list[str]:
     """A fine-tune's layout, batch check, memory per GPU and the layout / micro batch that fit (torch-free)."""
     from snakellm import models as arch_mod
@@ -184,7 +215,7 @@ def finetune_plan(name: str, ft: dict[str, Any], cfg: dict[str, Any], ranks: int
     rank, targets = int(lora.get("rank", 32)), tuple(lora.get("targets") or ("linear_qkv",))
     what = f"lora rank {rank} on {', '.join(targets)}" if method == "lora" else method
     out = [
-        f"finetune {name} ({what}, base {ft['run']}): {ranks} ranks; tp {tp} x dp {dp}; global batch {gbs} = micro "
+        f"finetune {name} ({what}, base {ft['run']}): {plural(ranks, 'rank')}; tp {tp} x dp {dp}; global batch {gbs} = micro "
         f"batch {mbs} x dp {dp} x {gbs // (mbs * dp)} accumulation steps; sequence {seq}"
         + (" (packed)" if ex.get("packing") else "")
     ]
@@ -289,7 +320,7 @@ def curate_plan(
         gib = 1024**3
         out += [
             "",
-            f"index {name} (sources {', '.join(members)}): {chunks} chunks, {docs:,} documents "
+            f"index {name} (sources {', '.join(members)}): {plural(chunks, 'chunk')}, {plural(docs, 'document')} "
             f"({'from chunk stats' if counted else f'estimated at {per_shard:,.0f} a shard'})",
             f"  signatures: {chunks} jobs, {(3 + perm) * 4} B a document, {docs * (3 + perm) * 4 / gib:.1f} GiB in all",
             f"  buckets: {jobs} job(s) over {total * slices} cells ({bands or 0} bands + exact, {slices} slice(s) "
@@ -331,9 +362,14 @@ def run_plan(
     why = arch_mod.check_pipeline_batches(pp, vpp, gbs // (mbs * dp))
     if why:
         raise ValueError(f"global batch size {gbs}: {why}")
+    from snakellm.models import moe
+
+    why = moe.check_ep(arch, int(par.get("ep", 1)), world, tp, pp)
+    if why:
+        raise ValueError(f"parallel.ep {par.get('ep', 1)}: {why}")
     tok = (cfg.get("tokenizers") or {}).get(run.get("tokenizer"), {})
     out = [
-        f"run {name}: {world} ranks = {nodes} nodes x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "
+        f"run {name}: {plural(world, 'rank')} = {plural(nodes, 'node')} x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "
         f"micro batch {mbs} x dp {dp} x {gbs // (mbs * dp)} accumulation steps"
     ]
     if not tok.get("vocab_size"):
@@ -359,6 +395,7 @@ def run_plan(
             virtual_pp=vpp,
             fsdp=bool(par.get("fsdp", False)),
             grad_reduce_in_fp32=par.get("grad_reduce_dtype", "fp32") == "fp32",
+            ep=int(par.get("ep", 1)),
         )
     ]
     return out

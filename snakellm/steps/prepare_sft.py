@@ -15,8 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         formatter_class=DefaultsHelpFormatter,
         prog="snakellm prepare-sft",
-        description="SQuAD json (or jsonl with configurable keys) -> {input, output} jsonl train/validation/test "
-        "splits for fine-tuning, plus rejected.jsonl and stats.json (bad records quarantined with a count).",
+        description="SQuAD json (or jsonl with configurable keys, or conversations: OpenAI messages or ShareGPT) -> "
+        "{input, output} (or {messages}) jsonl train/validation/test splits for fine-tuning, plus rejected.jsonl and stats.json (bad records quarantined with a count).",
     )
     p.add_argument("source", help="a SQuAD-format .json or a .jsonl file")
     p.add_argument(
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             template=a.template,
             input_key=a.input_key,
             output_key=a.output_key,
+            messages_key=a.messages_key,
             split=a.split,
             seed=a.seed,
             limit=a.limit,

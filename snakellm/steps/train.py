@@ -33,6 +33,7 @@ import sys
 from snakellm import models
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.io import checkpoint as ckpt
+from snakellm.io import tracking
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime
 from snakellm.models.attention import ATTENTION_BACKENDS
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A:B",
         help="torch.profiler over steps A..B; the kernel table goes to RUN_DIR/profile.txt",
     )
+    tracking.add_arguments(p)
     return p
 
 

@@ -85,6 +85,7 @@ class Job:
     tp: int = 1
     pp: int = 1
     virtual_pp: int = 1  # model chunks per pipeline rank (the interleaved schedule)
+    ep: int = 1  # expert-parallel ranks (mixture of experts), within the data-parallel ones
     threads: int | None = None
     seed: int = 1234
     precision: str = "auto"
@@ -109,6 +110,8 @@ class Job:
     dropout: bool = False
     sequence_parallel: bool = False
     overlap_grad_reduce: bool = True  # on GPUs with more than one data-parallel rank
+    tracking: Any = None  # snakellm.config.sections.TrackingSettings: W&B and MLflow (snakellm.io.tracking)
+    params: dict[str, Any] = field(default_factory=dict)  # the step's resolved settings: the trackers' parameters
 
     @property
     def ckpt_dir(self) -> Path:
@@ -223,6 +226,7 @@ class Recipe(Protocol):
 def run(job: Job, recipe: Recipe) -> int:
     """Run ``recipe`` to its last step (EXIT_OK) or to a clean stop (EXIT_STOPPED, 75)."""
     s = open_session(job)
+    tracker = None
     try:
         cfg = recipe.trajectory(s)
         fp = fingerprint(cfg)
@@ -238,7 +242,8 @@ def run(job: Job, recipe: Recipe) -> int:
         early = _early_stopping(job)
         start = _restore(job, s, manager, resume_it, parts, opt, fp, early, holder) if action == "resume" else 0
         s.barrier()
-        trainer = _trainer(job, s, recipe, parts, model, opt, sched, manager, early, start)
+        tracker = _tracker(job, s, fp, cfg, recipe.record(), fresh=start == 0)
+        trainer = _trainer(job, s, recipe, parts, model, opt, sched, manager, early, start, tracker)
         holder["trainer"], holder["early"] = trainer, early
         status = trainer.fit()
         if s.watchdog is not None:
@@ -252,8 +257,11 @@ def run(job: Job, recipe: Recipe) -> int:
             wall = time.time() - s.stop.started_at
             recipe.finish(Done(s, parts, trainer, manager, fp, cfg, wall, digests))
             s.barrier()
+        trainer.metrics.finish("completed" if status == EXIT_OK else "stopped")
         return status
     finally:
+        if tracker is not None:
+            tracker.close("failed")  # after an error (a finished tracker is not closed twice)
         if s.watchdog is not None:
             s.watchdog.stop()
         runtime.shutdown()
@@ -285,7 +293,7 @@ def open_session(job: Job) -> Session:
     precision = job.precision if job.precision != "auto" else ("bf16" if cuda else "fp32")
     s = Session(torch, device, cuda, d, precision, dp, num_micro, stop, wd, stop_group)
     try:
-        runtime.init_model_parallel(job.tp, job.pp, cuda=cuda, vpp=job.virtual_pp)
+        runtime.init_model_parallel(job.tp, job.pp, cuda=cuda, vpp=job.virtual_pp, ep=job.ep)
         s.lock = _lock_run_dir(job.run_dir, rank0)
         s.barrier()
     except BaseException:
@@ -578,6 +586,32 @@ def _restore(
     return it
 
 
+def _tracker(job: Job, s: Session, fp: str, cfg: dict[str, Any], record: dict[str, Any], *, fresh: bool) -> Any:
+    """Rank 0's W&B/MLflow tracker (:mod:`snakellm.io.tracking`), or None when none is configured.
+
+    Its state (the run ids) lives beside the checkpoints: a resumed job continues the same runs, a fresh
+    start (no checkpoint to resume, or old ones moved aside) begins new ones.
+    """
+    from snakellm.io import tracking
+
+    if not s.rank0 or not tracking.configured(job.tracking):
+        return None
+    kind = "finetune" if "finetune" in job.prog else "pretrain"
+    params = {
+        **job.params,
+        "fingerprint": fp,
+        "trajectory": cfg,
+        **{k: v for k, v in record.items() if isinstance(v, (str, int, float))},
+        "world_size": s.dist.world_size,
+        "precision": s.precision,
+    }
+    return tracking.open_tracker(
+        job.tracking,
+        tracking.RunInfo(name=job.run_name, kind=kind, dir=job.ckpt_dir, files_dir=job.run_dir, params=params),
+        fresh=fresh,
+    )
+
+
 def _trainer(
     job: Job,
     s: Session,
@@ -589,6 +623,7 @@ def _trainer(
     manager: ckpt.CheckpointManager,
     early: Any,
     start: int,
+    tracker: Any = None,
 ) -> Trainer:
     """Metrics, validation and the loop over the recipe's batches."""
     from megatron.core import parallel_state as ps
@@ -630,6 +665,8 @@ def _trainer(
         dp_size=s.dp,
         tensorboard_dir=job.run_dir / "tensorboard" if job.tensorboard else None,
         start_step=start,
+        router=_router_stats(parts, s.num_micro),
+        tracker=tracker,
     )
     return Trainer(
         model=pipeline or model,
@@ -669,17 +706,43 @@ def _trainer(
     )
 
 
+def _router_stats(parts: Parts, num_micro: int) -> Any:
+    """A mixture of experts' router health per step (snakellm.train.router_stats); None for a dense model."""
+    from snakellm.train.router_stats import RouterStats
+
+    cfg = parts.config
+    if not getattr(cfg, "num_moe_experts", None):
+        return None
+    return RouterStats(parts.chunks or [parts.module], cfg.moe_router_topk, num_micro)
+
+
 def replica_digests(module: Any) -> list[str]:
     """sha256 of this rank's weights, gathered over its data-parallel group (all must be equal)."""
     import torch
     from megatron.core import parallel_state
 
-    h = hashlib.sha256()
-    for name, p in sorted(module.named_parameters()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    def digest(expert: bool) -> str:
+        h = hashlib.sha256()
+        for name, p in sorted(module.named_parameters()):
+            if (not getattr(p, "allreduce", True)) == expert:
+                h.update(name.encode())
+                h.update(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        # a mixture of experts split over expert-parallel ranks: the experts are replicas only over the expert
+        # data-parallel ranks (the same experts); the dense weights over all data-parallel ranks
+        group = parallel_state.get_expert_data_parallel_group()
+        experts: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(experts, digest(True), group=group)
+        if len(set(experts)) != 1:
+            raise RuntimeError(f"expert data-parallel replicas hold different experts: {experts}")
+        mine = digest(False)
+    else:  # every weight a replica (a dense model: the digest of all of them, as before experts existed)
+        has_experts = any(not getattr(p, "allreduce", True) for p in module.parameters())
+        mine = digest(False) + (digest(True) if has_experts else "")
     out: list[Any] = [None] * parallel_state.get_data_parallel_world_size()
-    torch.distributed.all_gather_object(out, h.hexdigest()[:16], group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_gather_object(out, mine, group=parallel_state.get_data_parallel_group())
     return out
 
 

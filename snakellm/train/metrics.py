@@ -3,8 +3,9 @@
 Losses stay on the device until a flush (every ``log_interval`` steps and
 before evaluations and saves), so logging costs one host sync per interval, not
 per step. Rank 0 appends the records to the checkpoint directory's live file
-(``metrics.live.jsonl``, truncated to the checkpoint's step on resume) and to
-TensorBoard; :func:`merge_metrics` turns the live file into the run's
+(``metrics.live.jsonl``, truncated to the checkpoint's step on resume), to
+TensorBoard and to the W&B/MLflow tracker if one is configured
+(:mod:`snakellm.io.tracking`: the same records, queued, never waited for); :func:`merge_metrics` turns the live file into the run's
 ``metrics.jsonl`` at the end. The throughput window excludes evaluation and
 checkpoint time (:meth:`MetricsLogger.restart_window`).
 """
@@ -51,6 +52,8 @@ class MetricsLogger:
         dp_size: int,
         tensorboard_dir: Path | None = None,
         start_step: int = 0,
+        router: Any = None,
+        tracker: Any = None,
     ):
         self.live_path = live_path
         self.rank0 = rank0
@@ -62,9 +65,12 @@ class MetricsLogger:
         self.dp_group = dp_group
         self.dp_size = dp_size
         self.pending: list[tuple[int, float, Any, Any]] = []
+        self.router = router  # a mixture of experts' RouterStats (snakellm.train.router_stats), or None
+        self.pending_router: list[Any] = []
         self.last_losses: list[float] = []
         self.window_t0, self.window_steps = time.time(), 0
         self.tb: Any = None
+        self.tracker = tracker if rank0 else None
         if rank0 and tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -73,6 +79,8 @@ class MetricsLogger:
     def record(self, step: int, lr: float, loss: Any, grad_norm: Any) -> None:
         """A finished optimizer step (loss and norm are device tensors: no sync here)."""
         self.pending.append((step, lr, loss, grad_norm))
+        if self.router is not None:
+            self.pending_router.append(self.router.take())
         self.window_steps += 1
 
     def restart_window(self) -> None:
@@ -106,11 +114,21 @@ class MetricsLogger:
             }
             for (s, lr, _, _), loss, gn in zip(self.pending, losses, norms)
         ]
+        routed = [p for p in self.pending_router if p is not None]
+        if routed and len(routed) == len(recs):
+            from snakellm.train.router_stats import reduce
+
+            for r, moe in zip(recs, reduce(routed, self.dp_group, self.dp_size)):
+                r.update(moe)
+        self.pending_router = []
         self._write(recs)
         if self.tb is not None:
             for r in recs:
                 for k in ("loss", "lr", "grad_norm"):
                     self.tb.add_scalar(f"train/{k}", r[k], r["step"])
+                for k in ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped_tokens"):
+                    if r.get(k) is not None:
+                        self.tb.add_scalar(f"router/{k[4:]}", r[k], r["step"])
             self.tb.add_scalar("perf/tokens_per_s", tps, recs[-1]["step"])
             if mfu is not None:
                 self.tb.add_scalar("perf/mfu", mfu, recs[-1]["step"])
@@ -132,6 +150,18 @@ class MetricsLogger:
         if self.rank0:
             with open(self.live_path, "a") as fh:
                 fh.write("".join(json.dumps(r) + "\n" for r in recs))
+            if self.tracker is not None:
+                self.tracker.log(recs)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """The run's final summary (train_summary.json, finetune_summary.json) for the tracker."""
+        if self.tracker is not None:
+            self.tracker.summary(values)
+
+    def finish(self, status: str) -> None:
+        """Close the tracker's runs (completed | stopped), waiting at most its budget."""
+        if self.tracker is not None:
+            self.tracker.close(status)
 
     def close(self) -> None:
         if self.tb is not None:

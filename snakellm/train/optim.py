@@ -34,6 +34,25 @@ def _is_tp_duplicate(p) -> bool:
     return parallel_state.get_tensor_model_parallel_rank() != 0
 
 
+def _is_expert(p) -> bool:
+    """A mixture-of-experts weight: megatron-core marks the experts ``allreduce = False`` (each expert-parallel
+    rank holds other experts; their gradients are reduced over the expert data-parallel ranks only)."""
+    return not getattr(p, "allreduce", True)
+
+
+def _expert_sq(grads: list[torch.Tensor], experts: list[bool]) -> torch.Tensor | None:
+    """The experts' squared gradient norm summed over the expert-parallel ranks (None: no experts here)."""
+    from megatron.core import parallel_state as ps
+
+    mine = [g for g, e in zip(grads, experts) if e]
+    if not mine:
+        return None
+    sq = torch.stack(torch._foreach_norm(mine)).square().sum()
+    if ps.get_expert_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(sq, group=ps.get_expert_model_parallel_group())
+    return sq
+
+
 def _sum_over_model_parallel(sq: torch.Tensor) -> None:
     """The squared norm summed over the tensor- and pipeline-parallel ranks (each holds part of the model)."""
     from megatron.core import parallel_state as ps
@@ -84,7 +103,8 @@ class MixedPrecisionAdamW:
             foreach=None if fused else True,
         )
         self._pairs = [(p, m) for pg, mg in zip(self.model_groups, self.master_groups) for p, m in zip(pg, mg)]
-        self._norm_mask = [not _is_tp_duplicate(p) for p, _ in self._pairs]
+        self._experts = [_is_expert(p) for p, _ in self._pairs]
+        self._norm_mask = [not _is_tp_duplicate(p) and not e for (p, _), e in zip(self._pairs, self._experts)]
 
     # ------------------------------------------------------------------ step
 
@@ -97,6 +117,9 @@ class MixedPrecisionAdamW:
             grads.append(m.grad)
         norm_grads = [g for g, keep in zip(grads, self._norm_mask) if keep]
         sq = torch.stack(torch._foreach_norm(norm_grads)).square().sum() if norm_grads else grads[0].new_zeros(())
+        esq = _expert_sq(grads, self._experts)
+        if esq is not None:
+            sq = sq + esq
         _sum_over_model_parallel(sq)
         norm = sq.sqrt()
         if self.clip_grad > 0:

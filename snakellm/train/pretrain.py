@@ -15,6 +15,7 @@ from typing import Any
 
 from snakellm import models
 from snakellm.io import checkpoint as ckpt
+from snakellm.io import tracking
 from snakellm.io.atomic import write_json, write_text
 from snakellm.io.log import log
 from snakellm.train import assembly
@@ -77,6 +78,7 @@ def job_of(req: TrainRequest) -> assembly.Job:
         tp=par.tp,
         pp=par.pp,
         virtual_pp=par.virtual_pp,
+        ep=par.ep,
         threads=par.threads,
         seed=t.seed,
         precision=t.precision,
@@ -95,6 +97,8 @@ def job_of(req: TrainRequest) -> assembly.Job:
         tensorboard=a.tensorboard,
         profile_steps=a.profile_steps,
         peak_tflops=a.peak_tflops,
+        tracking=tracking.settings_from_args(a),
+        params=vars(a),
         cpu_tp=True,
         dropout=bool(req.model["hidden_dropout"] or req.model["attention_dropout"]),
         sequence_parallel=par.sequence_parallel,
@@ -243,7 +247,7 @@ class PretrainRecipe:
             peaks = [None] * s.dist.world_size
             s.torch.distributed.all_gather_object(peaks, peak, group=s.stop_group)
         if s.rank0:
-            write_summary(
+            summary = write_summary(
                 self.req,
                 done.fingerprint,
                 done.manager.best,
@@ -255,6 +259,7 @@ class PretrainRecipe:
                 peak,
                 peaks,
             )
+            done.trainer.metrics.summary(summary)
 
 
 def _count(req: TrainRequest, module: Any, rank0: bool) -> int:
@@ -279,7 +284,7 @@ def write_summary(
     digests: list[str],
     peak_memory: int | None = None,
     peaks: list[int | None] | None = None,
-) -> None:
+) -> dict[str, Any]:
     """``metrics.jsonl`` (one record per step) and ``train_summary.json``: the rule's declared outputs."""
     import json
 
@@ -321,3 +326,4 @@ def write_summary(
         "peak_gpu_memory_gib_ranks": [round(p / 2**30, 3) for p in peaks if p is not None] if peaks else None,
     }
     write_json(req.run_dir / "train_summary.json", summary)
+    return summary

@@ -25,8 +25,9 @@ from snakellm import models
 from snakellm.config.settings import from_namespace, option
 from snakellm.errors import UsageError
 from snakellm.io import checkpoint as ckpt
+from snakellm.io.log import plural
 from snakellm.launch import distributed as distmod
-from snakellm.models import fp8
+from snakellm.models import fp8, moe
 from snakellm.train.dataset import Blend, check_splits, read_blend
 from snakellm.train.resume import check_required, decide_resume, fingerprint
 from snakellm.train.settings import TRAJECTORY_KEYS, ParallelSettings, TrainSettings
@@ -126,6 +127,9 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     if conflict:
         raise RequestError(f"{flags[conflict[0]]} {conflict[1]}")
     dp, num_micro = data_parallel_size(dist.world_size, par.tp, par.pp, t.global_batch_size, t.micro_batch_size)
+    why = moe.check_ep(model, par.ep, dist.world_size, par.tp, par.pp)
+    if why:
+        raise RequestError(f"--ep {par.ep}: {why}")
     why = models.check_pipeline_batches(par.pp, par.virtual_pp, num_micro)
     if why:
         raise RequestError(f"--global-batch-size {t.global_batch_size}: {why}")
@@ -186,9 +190,9 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
     t, par, d = req.train, req.parallel, req.dist
     precision = t.precision if t.precision != "auto" else ("fp32" if req.args.device == "cpu" else "bf16")
     ranks = (
-        f"{d.world_size} ranks = {nodes or 1} nodes x {per_node or 1}"
+        f"{plural(d.world_size, 'rank')} = {plural(nodes or 1, 'node')} x {per_node or 1}"
         if nodes or per_node
-        else f"{d.world_size} ranks ({d.launcher})"
+        else f"{plural(d.world_size, 'rank')} ({d.launcher})"
     )
     cfg = run_config(req, precision)
     action, it, why = decide_resume(req.ckpt_dir, t, cfg, fingerprint(cfg))
@@ -203,6 +207,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
             ("sequence parallel", par.sequence_parallel),
             ("distributed optimizer", par.distributed_optimizer),
             (f"{par.virtual_pp} virtual pipeline stages", par.virtual_pp > 1),
+            (f"experts over ep {par.ep}", par.ep > 1),
             (f"recompute {par.recompute}", par.recompute != "none"),
             ("FSDP", par.fsdp),
             ("float8 all-gather", par.fp8_all_gather),
@@ -240,6 +245,7 @@ def dry_run(req: TrainRequest, nodes: int | None, per_node: int | None, gpu_gib:
                 virtual_pp=par.virtual_pp,
                 fsdp=par.fsdp,
                 grad_reduce_in_fp32=par.grad_reduce_dtype == "fp32",
+                ep=par.ep,
             )
         ),
     ]

@@ -110,6 +110,10 @@ class Trainer:
             self.metrics.record(step, lr, mean, norm)
             return
         total = None
+        if self.num_micro > 1:  # the MoE auxiliary losses' gradients, averaged over micro-batches as the loss is
+            from snakellm.models.moe import scale_aux_losses
+
+            scale_aux_losses(1.0 / self.num_micro)
         for m in range(self.num_micro):
             batch = self.to_device(next(self.batches))
             sync_later = self.overlap and m < self.num_micro - 1

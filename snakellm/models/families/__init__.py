@@ -14,7 +14,7 @@ import importlib
 import pkgutil
 from typing import Any
 
-from snakellm.models.families.base import Arch, Family, FamilyError, HFKey, Weight
+from snakellm.models.families.base import Arch, Family, FamilyError, HFKey, Weight, head_dim
 
 __all__ = [
     "FAMILIES",
@@ -27,6 +27,7 @@ __all__ = [
     "for_features",
     "for_nemo",
     "get",
+    "head_dim",
     "presets",
 ]
 

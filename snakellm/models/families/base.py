@@ -62,10 +62,16 @@ class Sizes:
     padded_vocab: int  # megatron-core's (a multiple of make_vocab_size_divisible_by)
 
 
+def head_dim(arch: Arch) -> int:
+    """The size of one attention head: the family's ``kv_channels`` (Qwen3's 128 at d=1024 and 16 heads),
+    else ``hidden_size / num_attention_heads`` as in every earlier family."""
+    return int(arch.get("kv_channels") or arch["hidden_size"] // arch["num_attention_heads"])
+
+
 def _heads(s: Sizes) -> tuple[int, int, int]:
     """(query heads, query groups, head dim)."""
     n, g = s.arch["num_attention_heads"], s.arch["num_query_groups"]
-    return n, g, s.arch["hidden_size"] // n
+    return n, g, head_dim(s.arch)
 
 
 def qkv_split(t: Any, s: Sizes) -> tuple[Any, Any, Any]:
@@ -106,7 +112,7 @@ def _qkv_cat_merge(parts: tuple[Any, ...], s: Sizes) -> Any:
 
 
 def _gate_up_split(t: Any, s: Sizes) -> tuple[Any, Any]:
-    f = s.arch["ffn_hidden_size"]
+    f = t.shape[0] // 2  # the MLP's width, or an expert's (moe_ffn_hidden_size)
     return t[:f], t[f:]
 
 
@@ -271,6 +277,9 @@ class Family:
         off = {k: arch.get(k) for k, v in self.features.items() if arch.get(k) != v}
         if off:
             return ", ".join(f"{k}={v}" for k, v in off.items())
+        if bool(arch.get("num_experts")) != bool(self.defaults.get("num_experts")):
+            kind = "a mixture of experts" if self.defaults.get("num_experts") else "dense"
+            return f"num_experts={arch.get('num_experts')}: {self.hf_architecture} is {kind}"
         return self.hf_refuses(arch)
 
     def needs(self) -> str:
@@ -308,21 +317,31 @@ class Family:
     def _rows(self, arch: Arch, group: int | None = None) -> list[tuple[Weight, str, tuple[str, ...]]]:
         """Every (row, our name, HF names) of this architecture, layers expanded, in table order.
 
+        ``{i}`` is the layer, ``{e}`` an expert (a row per expert of each layer, experts in order).
         ``group``: only layer ``group``'s rows, or (-1) only those outside the layers (streaming
-        conversions convert one group at a time).
+        conversions convert one group at a time: a mixture-of-experts layer with all its experts).
         """
-        if group is not None:
-            rows = self._rows(arch)
-            if group < 0:
-                return [r for r in rows if not r[0].per_layer]
-            return [r for r in rows if r[0].per_layer and r[1] == r[0].ours.format(i=group)]
         layer = [w for w in self.weights if w.per_layer]
         first = self.weights.index(layer[0]) if layer else len(self.weights)
         head = [w for w in self.weights[:first] if not w.per_layer]
         tail = [w for w in self.weights[first:] if not w.per_layer]
+        outer = [(w, w.ours, w.theirs) for w in head + tail]
+        if group is not None and group < 0:
+            return outer
+        experts = range(arch.get("num_experts") or 0)
+
+        def rows_of(i: int) -> list[tuple[Weight, str, tuple[str, ...]]]:
+            out = []
+            for w in layer:
+                for e in experts if "{e}" in w.ours else (None,):
+                    out.append((w, w.ours.format(i=i, e=e), tuple(t.format(i=i, e=e) for t in w.theirs)))
+            return out
+
+        if group is not None:
+            return rows_of(group)
         out = [(w, w.ours, w.theirs) for w in head]
         for i in range(arch["num_layers"]):  # layer by layer, as the files of transformers are ordered
-            out += [(w, w.ours.format(i=i), tuple(t.format(i=i) for t in w.theirs)) for w in layer]
+            out += rows_of(i)
         return out + [(w, w.ours, w.theirs) for w in tail]
 
     def to_hf(self, arch: Arch, tensors: Any, vocab: int, group: int | None = None) -> dict[str, Any]:

@@ -223,7 +223,7 @@ class FastDecoder:
         g, d, per = dec.g, dec.d, self.per
         for li, L in enumerate(dec.layers):
             h = dec._norm(x, L["ln1_w"], L["ln1_b"])
-            qkv = F.linear(h, L["qkv_w"], L["qkv_b"]).view(n, T, g, per + 2, d)
+            qkv = dec.qk_norm(F.linear(h, L["qkv_w"], L["qkv_b"]).view(n, T, g, per + 2, d), L)
             q = qkv[:, :, :, :per].reshape(n, T, dec.n, d)
             k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]
             if cos is not None:
@@ -371,12 +371,15 @@ class FastDecoder:
         import torch.nn.functional as F
 
         pos = self.pos[:B]
+        g, d, per = self.dec.g, self.dec.d, self.per
+        L = self.dec.layers[li]
+        if L["qn_w"] is not None:  # QK-norm (Qwen3) before RoPE, on the [q, k, v] block of each group
+            qkv = self.dec.qk_norm(qkv.view(B, g, per + 2, d), L).view(B, g * (per + 2) * d)
         if ctx is None:
             from snakellm.serve.engine import kernels as K
 
             return K.attend(qkv, self.cache.data[li], pos, self.cos, self.sin, self.per, Lb)
         cos, sin, mask = ctx
-        g, d, per = self.dec.g, self.dec.d, self.per
         qkv = qkv.view(B, 1, g, per + 2, d)
         if cos is not None:
             flipped = qkv.view(B, 1, g, per + 2, 2, d // 2).flip(-2).view(B, 1, g, per + 2, d)

@@ -1,0 +1,89 @@
+"""Router health of a mixture-of-experts model, per training step, for the one metrics writer.
+
+megatron-core's routers (``TopKRouter``) are observed, not changed: a forward hook adds each training
+forward's routing map (``[tokens, experts]``, true where a token goes) to a per-expert count on the
+device, and megatron-core's own aux-loss tracker holds the load-balancing loss and the z-loss of each
+layer (unscaled by their coefficients: 1.0 is a perfectly balanced router), summed over the step's
+micro-batches. :meth:`RouterStats.take` hands :class:`snakellm.train.metrics.MetricsLogger` one
+step's values (device tensors: no host sync) and starts the next step; the logger sums the counts
+over the data-parallel ranks at its flush and writes ``moe_tokens_per_expert`` (summed over the
+layers), ``moe_max_load`` (the busiest expert's share over the mean), ``moe_aux_loss``,
+``moe_z_loss`` (means over the layers) and ``moe_dropped_tokens`` (routed assignments that did not
+reach an expert: 0 when dropless, the default) to ``metrics.jsonl`` and TensorBoard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RouterStats:
+    def __init__(self, modules: list[Any], topk: int, num_micro: int) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for mod in modules for m in mod.modules() if isinstance(m, TopKRouter)]
+        self.topk, self.num_micro = topk, num_micro
+        self.counts: Any = None
+        self.assigned = 0
+        for r in self.routers:
+            r.register_forward_hook(self._seen)
+
+    def _seen(self, module: Any, args: Any, out: Any) -> None:
+        if not module.training:
+            return  # validation forwards are not the step's routing
+        routing_map = out[1]
+        c = routing_map.sum(dim=0)  # int64 per expert (the layers' counts are summed)
+        self.counts = c if self.counts is None else self.counts + c
+        self.assigned += routing_map.shape[0] * self.topk
+
+    def take(self) -> dict[str, Any] | None:
+        """This step's values (device tensors), and a fresh start for the next; None before any forward."""
+        import torch
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+        if self.counts is None:
+            return None
+        tracker = get_moe_layer_wise_logging_tracker()
+        layers = max(len(self.routers), 1)
+
+        def mean(name: str) -> Any:
+            t = tracker.get(name, {}).get("values")
+            return (
+                t.sum() / (layers * self.num_micro) if t is not None else self.counts.new_zeros((), dtype=torch.float)
+            )
+
+        out = {
+            "counts": self.counts,
+            "assigned": torch.tensor(self.assigned, dtype=torch.long, device=self.counts.device),
+            "aux": mean("load_balancing_loss").float(),
+            "z": mean("z_loss").float(),
+        }
+        clear_aux_losses_tracker()
+        self.counts, self.assigned = None, 0
+        return out
+
+
+def reduce(pending: list[dict[str, Any]], dp_group: Any, dp_size: int) -> list[dict[str, Any]]:
+    """The steps' router records, counts summed and losses averaged over the data-parallel ranks."""
+    import torch
+
+    counts = torch.stack([p["counts"] for p in pending])
+    assigned = torch.stack([p["assigned"] for p in pending])
+    losses = torch.stack([torch.stack([p["aux"], p["z"]]) for p in pending])
+    torch.distributed.all_reduce(counts, group=dp_group)
+    torch.distributed.all_reduce(assigned, group=dp_group)
+    torch.distributed.all_reduce(losses, group=dp_group)
+    losses = losses / dp_size
+    out = []
+    for c, a, (aux, z) in zip(counts.tolist(), assigned.tolist(), losses.tolist()):
+        mean = sum(c) / len(c) if c else 0.0
+        out.append(
+            {
+                "moe_tokens_per_expert": c,
+                "moe_max_load": max(c) / mean if mean else None,
+                "moe_aux_loss": aux,
+                "moe_z_loss": z,
+                "moe_dropped_tokens": a - sum(c),
+            }
+        )
+    return out
