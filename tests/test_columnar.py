@@ -291,3 +291,20 @@ def test_stats_json_is_json(corpus, tmp_path):
     build_chunk([str(p)], str(tmp_path / "o.jsonl"), fmt="parquet", show_progress=False)
     st = json.loads((tmp_path / "o.stats.json").read_text())
     assert st["per_shard"][0]["schema"]["text"] == "string"
+
+
+def test_too_long_and_not_string_texts_are_quarantined(tmp_path):
+    import pyarrow as pa
+
+    from snakellm.data.chunk import Limits
+
+    p = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": ["ok", "y" * 5000, "  \r\n", ""], "id": ["1", "2", "3", "4"]}), p)
+    st = build_chunk([str(p)], str(tmp_path / "o.jsonl"), fmt="parquet", limits=Limits(1000), show_progress=False)
+    assert st["rejected_by_reason"] == {"too_long": 1, "empty_text": 2} and st["documents"] == 1
+    long = next(r for r in _records(tmp_path / "o.rejected.jsonl") if r["reason"] == "too_long")
+    assert long["bytes"] == 5000 and len(long["content"]) == 1024 and long["row"] == 1
+    q = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"text": [1, 2], "id": ["a", "b"]}), q)
+    st = build_chunk([str(q)], str(tmp_path / "n.jsonl"), fmt="parquet", show_progress=False)
+    assert st["rejected_by_reason"] == {"not_string": 2}

@@ -35,7 +35,7 @@ def test_embedded_default_config_is_valid():
         (lambda c: c.update(sourcs={}), "<top level>: unknown key 'sourcs'"),
         (
             lambda c: c["sources"]["web"].update(shards_per_chunk="many"),
-            "sources.web.shards_per_chunk: 'many' is not of type ['integer', 'null']",
+            "sources.web.shards_per_chunk: 'many' is not of type integer",
         ),
         (lambda c: c["sources"]["web"].update(shards_per_chunk=0), "sources.web.shards_per_chunk"),
         (lambda c: c["sources"]["web"].update(format="csv"), "sources.web.format: 'csv' is not one of"),
