@@ -181,8 +181,12 @@ def roofline(batches: dict, a: argparse.Namespace, bw: float, wbytes: int, eleme
 
 def weight_bytes_per_token(model: Any, arch: dict) -> int:
     """Bytes of weights one decode step reads: every parameter but the input embedding (one row of it is read),
-    which is also the output layer when they are tied."""
+    which is also the output layer when they are tied; of a mixture of experts, the active experts' only
+    (top-k of them: batch 1's bound)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if arch.get("num_experts"):  # a mixture of experts' decode step reads only a token's top-k experts
+        experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+        total -= experts - experts * arch["moe_router_topk"] // arch["num_experts"]
     emb = model.embedding.word_embeddings.weight
     if arch.get("untie_embeddings_and_output_weights", True) and getattr(model, "output_layer", None) is not None:
         total -= emb.numel() * emb.element_size()
