@@ -25,7 +25,9 @@ decoder in batches of 16 (evaluate's default before the engine) and through the
 engine. Bars: batch 1 >= 60% of the bandwidth bound (and >= 1,000 tokens/s for llama-1b);
 batch 32 >= 5x transformers. ``--preset llama3-8b`` (Llama 3.1 8B's shape with GPT-2's
 vocabulary: about 7.4 B parameters, 14.8 GB of bf16 weights read per token) is issue 31's 8B figure;
-``--preset qwen3-8b`` (QK-norm, heads of 128) holds Qwen3 to the same bars.
+``--preset qwen3-8b`` (QK-norm, heads of 128) holds Qwen3 to the same bars; ``--preset qwen3-30b-a3b
+--layers 16`` and ``--preset mixtral-8x7b --layers 8`` the mixtures of experts (their bandwidth bound
+counts the active weights: the routed experts a decode step reads).
 
 Numerics (issue 45): the engine's greedy rows are fed, teacher-forced, through the eager decoder over
 the same weights cast to fp32; against that forward, each bf16 implementation's log-probability of
@@ -59,6 +61,9 @@ sys.path.insert(0, str(REPO))
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-1b")
+    p.add_argument(
+        "--layers", type=int, default=None, help="the preset's shape with this many layers (qwen3-30b-a3b's fp32 copy)"
+    )
     p.add_argument("--toy", action="store_true", help="tiny-llama, short runs (for the CPU)")
     p.add_argument("--smoke", action="store_true", help="--toy on the CPU: the same code path in seconds")
     p.add_argument("--device", default="cuda")
@@ -181,12 +186,12 @@ def roofline(batches: dict, a: argparse.Namespace, bw: float, wbytes: int, eleme
 
 def weight_bytes_per_token(model: Any, arch: dict) -> int:
     """Bytes of weights one decode step reads: every parameter but the input embedding (one row of it is read),
-    which is also the output layer when they are tied; of a mixture of experts, the active experts' only
-    (top-k of them: batch 1's bound)."""
+    which is also the output layer when they are tied. A mixture of experts reads only the routed experts: of each
+    layer's experts, ``moe_router_topk`` of ``num_experts`` (the active weights)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if arch.get("num_experts"):  # a mixture of experts' decode step reads only a token's top-k experts
-        experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-        total -= experts - experts * arch["moe_router_topk"] // arch["num_experts"]
+    if arch.get("num_experts"):
+        experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".local_experts." in n)
+        total -= experts * (arch["num_experts"] - arch["moe_router_topk"]) // arch["num_experts"]
     emb = model.embedding.word_embeddings.weight
     if arch.get("untie_embeddings_and_output_weights", True) and getattr(model, "output_layer", None) is not None:
         total -= emb.numel() * emb.element_size()
@@ -202,7 +207,7 @@ def build(a: argparse.Namespace) -> tuple[Any, ...]:
 
     gpt2 = REPO / "resources" / "tokenizers" / "gpt2"
     tok = encoders.load("gpt2-bpe", vocab_file=str(gpt2 / "vocab.json"), merges_file=str(gpt2 / "merges.txt"))
-    arch = resolve(a.preset)
+    arch = resolve(a.preset, {"num_layers": a.layers} if a.layers else None)
     arch["seq_length"] = max(arch["seq_length"], a.prompt_len + a.new_tokens, 256 + 32)
     padded = padded_vocab_size(tok.vocab_size, arch)
     torch.manual_seed(0)

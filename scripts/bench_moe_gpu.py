@@ -6,6 +6,8 @@ Two sides, the same shape, sequence, micro batch and steps, in one run:
 * ``snakellm train`` (the real command: megatron-core's MoE layer with its router, the alltoall
   dispatcher and the experts, bf16 weights with fp32 main gradients and AdamW, each layer compiled)
   on random ids of Qwen3's vocabulary (151,936), no checkpoints, no evaluation;
+* the same command with ``--moe-experts sequential`` (megatron-core's SequentialMLP: one matmul per
+  expert), to choose the experts' implementation on the GPU;
 * a hand-written compiled PyTorch MoE of it (issue 45's reference: torchtitan cannot build a Qwen3-MoE
   of a chosen layer count from its wheel): RMSNorm, GQA attention with QK-norm and RoPE through SDPA,
   a softmax top-8 router renormalised, the experts as ``torch._grouped_mm`` over the tokens sorted by
@@ -15,7 +17,7 @@ Printed: each side's tokens/s (median of the steps after the warm-up ones) and M
 (6 N_active + 12 L h s FLOPs a token over 989.4 TFLOP/s dense bf16, H100/H200 SXM), and the ratio
 (issue 45's bar: >= 1.0x). ``$OUT/bench_moe.json`` holds the figures.
 
-    python scripts/bench_moe_gpu.py                    # 8 layers, seq 4096, micro batch 1, one GPU (~5 min on an H200)
+    python scripts/bench_moe_gpu.py                    # 8 layers, seq 4096, micro batch 1, one GPU (~6 min on an H200)
     python scripts/bench_moe_gpu.py --layers 10
     python scripts/bench_moe_gpu.py --smoke            # CPU, the tiny Qwen3-MoE shape, seconds: the same code path
 """
@@ -45,8 +47,8 @@ def arch_of(args) -> dict:
     return resolve(preset, {"num_layers": args.layers, "seq_length": args.seq})
 
 
-def run_snakellm(args, arch: dict, blend: Path, out: Path) -> dict:
-    run_dir = Path(args.workdir) / "runs" / f"moe-{args.layers}"
+def run_snakellm(args, arch: dict, blend: Path, out: Path, experts: str) -> dict:
+    run_dir = Path(args.workdir) / "runs" / f"moe-{args.layers}-{experts}"
     if run_dir.exists():
         import shutil
 
@@ -57,14 +59,16 @@ def run_snakellm(args, arch: dict, blend: Path, out: Path) -> dict:
         "--seq-length", str(args.seq), "--steps", str(args.steps), "--micro-batch-size", str(args.mbs),
         "--global-batch-size", str(args.mbs), "--log-interval", "1", "--eval-iters", "0", "--no-checkpoints",
         "--no-tensorboard", "--no-progress", "--lr", "3e-4", "--warmup-steps", "2", "--split", "100,0,0",
-        "--moe-aux-loss-coeff", "0.001",
+        "--moe-aux-loss-coeff", "0.001", "--moe-experts", experts,
     ]  # fmt: skip
-    cmd += ["--device", "cpu", "--precision", "fp32"] if args.smoke else ["--precision", "bf16", "--compile"]
-    log = out / "snakellm-train.log"
+    cmd += ["--device", "cpu", "--precision", "fp32"] if args.smoke else ["--precision", "bf16"]
+    cmd += ["--compile"] if args.compile and not args.smoke else []
+    log = out / f"snakellm-train-{experts}.log"
     t0 = time.time()
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    res: dict = {"side": "snakellm train", "rc": proc.returncode, "wall_s": round(time.time() - t0, 1)}
+    side = "snakellm train" if experts == "grouped" else f"snakellm train ({experts})"
+    res: dict = {"side": side, "rc": proc.returncode, "wall_s": round(time.time() - t0, 1)}
     metrics = run_dir / "metrics.jsonl"
     if proc.returncode or not metrics.exists():
         res["error"] = log.read_text()[-3000:]
@@ -154,7 +158,7 @@ def hand_written(args, arch: dict, device: str) -> dict:
             return self.head(self.norm(x))
 
     model = Model().to(device)
-    if cuda:
+    if cuda and args.compile:
         for layer in model.layers:
             layer.compile(dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=cuda)
@@ -198,6 +202,15 @@ def main(argv=None) -> int:
     p.add_argument("--mbs", type=int, default=1, help="sequences per step (both sides)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median (compilation)")
+    p.add_argument(
+        "--no-sequential",
+        dest="sequential",
+        action="store_false",
+        help="skip the run with megatron-core's SequentialMLP experts (--moe-experts sequential)",
+    )
+    p.add_argument(
+        "--no-compile", dest="compile", action="store_false", help="both sides eager (no torch.compile of the layers)"
+    )
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     p.add_argument("--workdir", default="/tmp/snakellm-bench-moe")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
@@ -220,12 +233,13 @@ def main(argv=None) -> int:
         flush=True,
     )
     blend = make_data(Path(args.workdir) / "data", args.seq * args.mbs * (args.steps + 2) * 2, vocab=VOCAB)
-    ours = run_snakellm(args, arch, blend, out)
+    ours = run_snakellm(args, arch, blend, out, "grouped")
+    others = [run_snakellm(args, arch, blend, out, "sequential")] if args.sequential else []
     import torch
 
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     ref = hand_written(args, arch, device)
-    results = [ours, ref]
+    results = [ours, *others, ref]
     for r in results:
         if r.get("tokens_per_s"):
             r["mfu_active"] = r["tokens_per_s"] * fpt / (args.peak_tflops * 1e12)
@@ -239,6 +253,9 @@ def main(argv=None) -> int:
     if ours.get("tokens_per_s") and ref.get("tokens_per_s"):
         ratio = ours["tokens_per_s"] / ref["tokens_per_s"]
         print(f"snakellm / hand-written: {ratio:.3f}x (issue 45's bar: >= 1.0x)")
+    for o in others:
+        if o.get("tokens_per_s") and ours.get("tokens_per_s"):
+            print(f"grouped experts / megatron-core's SequentialMLP: {ours['tokens_per_s'] / o['tokens_per_s']:.2f}x")
     (out / "bench_moe.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0 if ours.get("tokens_per_s") and ref.get("tokens_per_s") else 1
 

@@ -22,8 +22,13 @@ the local case. RedPajama-v2's order, 10^6 shards, with curation (bar: < 60 s an
 `--smoke` (seconds, tests/test_bench_smoke.py): 20 shards in 2 chunks, curated, and the real build and
 no-op rerun of the `data` target only (the chunk jobs), not of the whole default target.
 
+`--parquet N` (default 10,000; 0: skip) adds the row-group case: N local parquet files of 3-7 row groups,
+planned by row group (`row_groups_per_chunk: 2`) as the Snakefile plans them at parse time, first with no
+footer cache (every footer read; bar < 30 s) and then again with nothing changed (the cache's stats; bar
+< 5 s), and once more after one file is rewritten (its footer alone is read again).
+
 usage: .venv/bin/python scripts/bench_plan.py [--shards 60000] [--per-chunk 800] [--curate] [--http-only]
-       [--naive] [--keep DIR] [--smoke]
+       [--naive] [--parquet 10000] [--keep DIR] [--smoke]
 """
 
 from __future__ import annotations
@@ -128,6 +133,39 @@ def line(name: str, seconds: float, mb: float, ref: str, bar_s: float = BAR_S) -
     )
 
 
+def bench_parquet_plan(root: Path, n: int) -> None:
+    """Planning N local parquet files by row group: cold (no footer cache), warm, and after one file changed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from snakellm.data import planning
+
+    t = time.perf_counter()
+    for i in range(n):
+        d = root / "files" / f"{i // 1000:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        k = 3 + i % 5
+        tbl = pa.table({"text": [f"document {i}-{j}" for j in range(k)], "id": [f"{i}-{j}" for j in range(k)]})
+        pq.write_table(tbl, d / f"{i:06d}_00000.parquet", row_group_size=1)
+    print(f"parquet: wrote {n} files of 3-7 row groups in {time.perf_counter() - t:.1f} s")
+    spec = {"kind": "local", "path": str(root / "files" / "*" / "*.parquet"), "format": "parquet",
+            "row_groups_per_chunk": 2}  # fmt: skip
+    cache = root / "plan"
+    for name, bar in (("cold (every footer read)", 30.0), ("warm (nothing changed)", 5.0)):
+        t = time.perf_counter()
+        chunks = planning.plan_source(spec, cache_dir=cache)
+        s = time.perf_counter() - t
+        verdict = "OK " if s < bar else "SLOW"
+        print(
+            f"  {verdict} parquet plan, {name:<26} {s:7.3f} s  ({n} files -> {len(chunks)} chunks; bar < {bar:.0f} s)"
+        )
+    victim = next((root / "files").rglob("*.parquet"))
+    pq.write_table(pa.table({"text": ["a", "b", "c"]}), victim, row_group_size=1)
+    t = time.perf_counter()
+    planning.plan_source(spec, cache_dir=cache)
+    print(f"      parquet plan, one file rewritten        {time.perf_counter() - t:7.3f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=60_000)
@@ -137,10 +175,11 @@ def main() -> None:
     ap.add_argument("--curate", action="store_true", help="curate the source (dedup, filters, language ID)")
     ap.add_argument("--index-jobs", type=int, default=90, help="bucket jobs of the curated source's index")
     ap.add_argument("--http-only", action="store_true", help="only the http case (no local files written)")
+    ap.add_argument("--parquet", type=int, default=10_000, help="local parquet files planned by row group (0: skip)")
     ap.add_argument("--smoke", action="store_true", help="seconds: 20 shards, 10 a chunk, curated, build only `data`")
     a = ap.parse_args()
     if a.smoke:
-        a.shards, a.per_chunk, a.naive, a.curate, a.index_jobs = 20, 10, False, True, 2
+        a.shards, a.per_chunk, a.naive, a.curate, a.index_jobs, a.parquet = 20, 10, False, True, 2, 20
     build = ["data"] if a.smoke else []
     curate = {**CURATE, "near": {**CURATE["near"], "index_jobs": a.index_jobs}} if a.curate else None
     bar_s = 60.0 if a.shards >= 1_000_000 else BAR_S
@@ -172,6 +211,8 @@ def main() -> None:
             lines = p.stdout.splitlines()
             at = next((i for i, x in enumerate(lines) if x.startswith("index")), len(lines))
             print("\n".join("    " + x for x in lines[at : at + 5]))
+        if a.parquet:
+            bench_parquet_plan(base / "parquet", a.parquet)
         if a.http_only:
             return
 

@@ -30,11 +30,18 @@ FIGURES: dict[str, list[str]] = {
         rf"zstd -dc > /dev/null\s+{NUM} MB/s",
         rf"snakellm chunk -t1\s+{NUM} MB/s",
         rf"snakellm chunk -t2\s+{NUM} MB/s\s+\({NUM} s, {NUM} documents validated, {NUM}x zstd's time\)",
+        rf"pyarrow text column -> str\s+{NUM} MB/s per core",
+        rf"snakellm chunk -t1\s+{NUM} MB/s per core .*; {NUM}x pyarrow's read, {NUM}x datatrove\)",
+        rf"datatrove Parquet->Jsonl\s+{NUM} MB/s per core",
+        rf"snakellm chunk -t1\s+{NUM} documents/s\s+\({NUM} in {NUM} s, {NUM}x datatrove\)",
+        rf"datatrove Warc\+Trafilatura\s+{NUM} documents/s",
     ],
     "bench_plan": [
         rf"http: snakemake -n\s+{NUM} s \(\s*{NUM} s CPU\)\s+{NUM} MB peak",
         rf"local: snakemake -n\s+{NUM} s",
         rf"local source jobs: \{{'chunk': {NUM},",
+        rf"parquet plan, cold \(every footer read\)\s+{NUM} s",
+        rf"parquet plan, warm \(nothing changed\)\s+{NUM} s",
     ],
     "bench_curate": [
         rf"recall: {NUM}% of {NUM} pairs at Jaccard >= 0.85 found",
@@ -75,6 +82,7 @@ FIGURES: dict[str, list[str]] = {
         rf"^snakellm train\s+{NUM} tokens/s  MFU \(active\)",
         rf"^hand-written compiled MoE\s+{NUM} tokens/s",
         rf"^snakellm / hand-written: {NUM}x",
+        rf"^grouped experts / megatron-core's SequentialMLP: {NUM}x",
     ],
     "bench_train_8b_gpu": [rf"^\S+: {NUM} tokens/s/GPU, MFU [\d.]+%, peak \S+, {NUM} s/step, loss {NUM} -> {NUM}"],
     "bench_train_gpu": [rf"tiny megatron-loss: {NUM} tokens/s", rf"^megatron-loss\s+16\s+{NUM}\s+{NUM}"],
@@ -82,6 +90,11 @@ FIGURES: dict[str, list[str]] = {
         *(rf'"method": "{m}", "tp": 1, "tokens_per_s": {NUM},' for m in ("lora", "full")),
         # FSDP over 2 gloo ranks, with the one-process run's losses
         rf'^full fsdp 2: {NUM} tokens/s/GPU; MFU .*"fsdp": 2, "tokens_per_s": {NUM},.*"losses_match": true',
+    ],
+    "bench_dpo_gpu": [
+        rf"^ours: snakellm finetune --method dpo \(LoRA\): {NUM} tokens/s \({NUM} s/step, {NUM} tokens a step",
+        rf"^TRL DPOTrainer \+ peft LoRA: {NUM} tokens/s \({NUM} s/step, {NUM} tokens a step",
+        rf"^ours / TRL: {NUM}x \(bar 1.5x\)",
     ],
     "bench_parallel_gpu": [rf"\| tiny \| 1 GPU \| 1 \| {NUM} \|", rf"\| tiny \| DP=2 \| 2 \| {NUM} \| {NUM} \| {NUM}%"],
     "bench_pipeline_gpu": [
@@ -102,11 +115,13 @@ SLOW = {
     "bench_pipeline_gpu",
     "bench_train_8b_gpu",
     "bench_convert",
+    "bench_chunk",  # datatrove's ParquetReader and WarcReader + Trafilatura (its extractor's child process) beside ours
     "bench_curate",  # datatrove's four-stage pipeline in its own processes beside ours: ~7 s of CPU
     "bench_generate_gpu",
     "bench_train_gpu",
     "bench_finetune_gpu",
     "bench_parallel_gpu",
+    "bench_dpo_gpu",  # reference-logprobs, finetune and TRL's trainer: three processes importing torch
 }
 
 

@@ -183,3 +183,87 @@ def test_memory_counts_experts_sharded_by_ep_and_the_plan_names_ep():
     per_k = (memory.layer_activation_bytes(arch, 1) - memory.layer_activation_bytes(two, 1)) / 6
     assert per_k == 2 * s * (2 * h + 3 * f)
     assert memory.layer_activation_bytes(dict(arch, num_experts=64), 1) < memory.layer_activation_bytes(arch, 1)
+
+
+def test_grouped_experts_compute_what_megatron_cores_loop_does():
+    """The grouped matrix products (torch._grouped_mm) against SequentialMLP's loop, one model's weights:
+    the same logits and the same gradients of every expert (fp32), the same checkpoint keys."""
+    from snakellm.launch import runtime
+    from snakellm.models import resolve
+    from snakellm.models.build import build_model
+    from snakellm.models.moe import grouped_experts_class
+
+    runtime.ensure_single_process("cpu")
+    arch = resolve("tiny-qwen3-moe", {"seq_length": 32})
+    grouped, _ = build_model(arch, 256, seed=5, moe_experts="grouped")
+    loop, _ = build_model(arch, 256, seed=5, moe_experts="sequential")
+    assert type(grouped.decoder.layers[0].mlp.experts) is not type(loop.decoder.layers[0].mlp.experts)
+    assert isinstance(grouped.decoder.layers[0].mlp.experts, grouped_experts_class().__mro__[1])
+    assert grouped.state_dict().keys() == loop.state_dict().keys()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(32)[None].expand(2, -1)
+    outs = []
+    for m in (grouped, loop):
+        m.train()
+        loss = m(ids, pos, None, labels=ids).mean()
+        loss.backward()
+        outs.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (la, ga), (lb, gb) = outs
+    assert torch.allclose(la, lb, rtol=1e-6, atol=1e-6)
+    assert ga.keys() == gb.keys() and any("local_experts" in n for n in ga)
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_the_training_page_draws_router_health_only_for_a_mixture_of_experts(tmp_path):
+    from snakellm.report.train import router_figure, summary_page
+
+    recs = [
+        {
+            "step": s,
+            "loss": 5.0 - s / 10,
+            "moe_tokens_per_expert": [100 + s, 90, 80, 130 - s],
+            "moe_max_load": (130 - s) / 100 if s < 15 else (100 + s) / 100,
+            "moe_aux_loss": 1.1 - s / 100,
+            "moe_z_loss": 2.0,
+            "moe_dropped_tokens": 0,
+        }
+        for s in range(1, 21)
+    ]
+    svg = router_figure("mix", recs)
+    assert svg is not None and svg.startswith("<svg") and "router health" in svg
+    page = summary_page("mix", recs, {"status": "done"}, str(tmp_path / "train_summary.json"))
+    assert "Router health (mixture of experts)" in page and "<svg" in page
+    dense = [{k: v for k, v in r.items() if not k.startswith("moe_")} for r in recs]
+    assert router_figure("d", dense) is None
+    assert "Router health" not in summary_page("d", dense, {"status": "done"}, str(tmp_path / "s.json"))
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_the_engine_generates_the_eager_decoders_tokens_for_moe(preset):
+    """The serving engine's decode step (every row's experts, capturable) and prefill give the eager decoder's
+    greedy tokens and log-probabilities (which gathers each token's routed experts)."""
+    from hf_helpers import tokenizer_block
+    from test_engine import PROMPTS, build_gen, engine, greedy
+
+    gen = build_gen(preset, tokenizer_block("gpt2-bpe"))
+    params = greedy(12, stop_at_eod=False, logprobs=True)
+    fast = engine(gen).generate(PROMPTS, params)
+    eager = gen.generate(PROMPTS, params)
+    assert [o.ids for o in fast] == [o.ids for o in eager]
+    for f, e in zip(fast, eager, strict=True):
+        assert f.logprobs == pytest.approx(e.logprobs, abs=1e-4)
+
+
+def test_lora_adapts_a_moe_models_attention_and_names_what_it_cannot():
+    from snakellm.finetune.lora import LoRAAdapters, LoRAConfig
+    from snakellm.launch import runtime
+    from snakellm.models import resolve
+    from snakellm.models.build import build_model
+
+    runtime.ensure_single_process("cpu")
+    model, _ = build_model(resolve("tiny-mixtral", {"seq_length": 32}), 256, seed=1)
+    with pytest.raises(ValueError, match="LoRA on linear_fc1: layer 1's MLP is a mixture of experts .*4 experts"):
+        LoRAAdapters(model, LoRAConfig(rank=4, alpha=8, targets=("linear_qkv", "linear_fc1")))
+    lora = LoRAAdapters(model, LoRAConfig(rank=4, alpha=8, targets=("linear_qkv", "linear_proj")))
+    assert len(dict(lora.named_adapters())) == 4  # 2 layers x 2 attention linears

@@ -583,6 +583,7 @@ def _paths_config(tmp_path):
         "rnd": {"hf_dir": "models/random/rnd", "random": {"preset": "tiny-llama"}},
     }
     cfg["lm_eval"] = {"suites": {"mine": {"include_path": [str(tmp_path)]}}}
+    cfg["finetune"]["ft"]["examples"] = {"chat_template": _ANY_FILE}
     return validate.validate(cfg, SCHEMA)
 
 
@@ -590,7 +591,7 @@ def _path_keys(cfg):
     """(dotted key, section dict, field) of every path-valued key present in ``cfg``."""
     out = []
     for where, cls in sections.SECTIONS.items():
-        for name, (_, unless) in settings.path_fields(cls).items():
+        for name, (_, unless, _names) in settings.path_fields(cls).items():
             for key, section in checks._instances(cfg, where.split(".")):
                 if section.get(name) is not None and not (unless and section.get(unless)):
                     out.append((where, f"{key}.{name}", section, name))
@@ -615,6 +616,12 @@ def test_every_path_valued_key_pointed_at_a_missing_file_is_a_config_error_namin
         assert str(e.value).startswith(f"config key {named}: "), (key, str(e.value))
         assert "missing" in str(e.value)
         section[name] = saved
+    # a chat template may name a built-in instead of a file (the names are chat_template.BUILTIN's)
+    from snakellm.finetune.chat_template import BUILTIN
+
+    assert sections.CHAT_TEMPLATE_NAMES == tuple(BUILTIN)
+    cfg["finetune"]["ft"]["examples"]["chat_template"] = "chatml"
+    checks.check_config(cfg)
     # a path that names the wrong kind of thing says so
     cfg["tokenizers"]["gpt2"]["vocab_file"] = str(tmp_path)
     with pytest.raises(ConfigError, match=r"tokenizers.gpt2.vocab_file: .*: not a file"):

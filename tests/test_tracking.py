@@ -1,4 +1,4 @@
-"""W&B and MLflow tracking (snakellm.io.tracking): real clients, a real MLflow server, W&B offline files.
+"""W&B and MLflow tracking (snakellm.tracking): real clients, a real MLflow server, W&B offline files.
 
 Fast: the settings (config -> flags -> the step's settings), what is never sent
 (secrets, user-info in URIs), the resume bookkeeping, and the budget against a
@@ -22,9 +22,9 @@ import yaml
 from conftest import REPO, Workspace
 from tracking_helpers import MlflowServer, wandb_history, wandb_run
 
+from snakellm import tracking
 from snakellm.config import flags as flagmod
 from snakellm.config.sections import TrackingSettings
-from snakellm.io import tracking
 from snakellm.steps import train as train_step
 
 
@@ -80,10 +80,24 @@ def test_config_layers_become_flags_that_parse_back_into_the_settings():
     assert not tracking.configured(off)
 
 
+def test_the_config_has_no_place_for_credentials():
+    from snakellm.config import validate as cfgmod
+
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    schema = cfgmod.load_schema(REPO / "config" / "schema.yaml")
+    cfg["runs"]["tiny"]["tracking"] = {"wandb": {"project": "p", "mode": "offline"}, "mlflow": {"experiment": "e"}}
+    cfgmod.validate(cfg, schema)
+    for backend, key in (("wandb", "api_key"), ("mlflow", "token")):
+        bad = {**cfg, "tracking": {backend: {key: "s3cret"}}}
+        with pytest.raises(cfgmod.ConfigError, match=f"tracking.{backend}: unknown key '{key}'"):
+            cfgmod.validate(bad, schema)
+
+
 def test_secrets_are_never_parameters_and_uris_are_shown_without_user_info():
     params = tracking.flatten({"lr": 0.1, "wandb_api_key": "k", "x": {"token": "t", "password": "p", "n": 2}})
     assert params == {"lr": 0.1, "x.n": 2}
     assert tracking.show_uri("https://alice:s3cret@mlflow.example:5000/x") == "https://mlflow.example:5000/x"
+    assert tracking.show_uri("request to https://a:b@h/x failed: e@mail") == "request to https://h/x failed: e@mail"
     tags = tracking.slurm_tags({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[01-04]"})
     assert tags == {"slurm_job_id": "42", "slurm_nodelist": "gpu[01-04]"}
     assert tracking.slurm_tags({}) == {}
@@ -192,6 +206,9 @@ def mlflow_server(tmp_path_factory):
 def test_records_reach_mlflow_and_wandb_and_a_resumed_job_continues_the_same_runs(tmp_path, mlflow_server, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
     (tmp_path / "wandb-dir").mkdir()
+    secrets = {"WANDB_API_KEY": "a" * 32 + "SECRETW", "MLFLOW_TRACKING_TOKEN": "tok-SECRET-M"}
+    for k, v in secrets.items():  # credentials come from the environment only, and go nowhere else
+        monkeypatch.setenv(k, v)
     settings = TrackingSettings(
         wandb={"project": "snakellm-test", "mode": "offline", "tags": ["unit"]},
         mlflow={"tracking_uri": mlflow_server.uri, "experiment": "unit", "tags": {"team": "llm"}},
@@ -248,6 +265,12 @@ def test_records_reach_mlflow_and_wandb_and_a_resumed_job_continues_the_same_run
     _, summary, _ = wandb_run(wdir)
     assert summary["eval/tuned/squad_f1"] == 0.625 and summary["final_loss"] == 2.0
     assert not tracking.log_results(tmp_path / "untracked", "tuned", {"squad_f1": 1.0})  # nothing to attach to
+
+    for f in tmp_path.rglob("*"):  # no credential in any file the trackers wrote, nor in MLflow's run
+        if f.is_file():
+            data = f.read_bytes()
+            assert not any(v.encode() in data for v in secrets.values()), f
+    assert not any(v in json.dumps(mlflow_server.get("runs/get", run_id=run_id)) for v in secrets.values())
 
 
 def _default_run_config(ws: Workspace, tracking_cfg: dict) -> None:

@@ -121,9 +121,14 @@ EMPTY_OK_FORMATS = (*S.COLUMNAR_FORMATS, "warc")
 
 def get_tokenize_empty_flag(wildcards):
     """A curated chunk may be empty (every document removed), and so may a parquet, arrow or warc chunk (a file
-    cut short, quarantined whole; a WARC of no HTML): a dataset of no documents, left out of the blend."""
+    cut short, quarantined whole; a WARC of no HTML): a dataset of no documents, left out of the blend.
+    """
     fmt = SOURCES[wildcards.source]["format"]
-    return "--allow-empty" if wildcards.source in CURATED or fmt in EMPTY_OK_FORMATS else ""
+    return (
+        "--allow-empty"
+        if wildcards.source in CURATED or fmt in EMPTY_OK_FORMATS
+        else ""
+    )
 
 
 def curated_outputs(source, chunk):

@@ -52,6 +52,7 @@ def build_model(
     recompute_num_layers: int = 1,
     seed: int | None = None,
     fp8: str | None = None,
+    moe_experts: str = "grouped",
 ):
     """Build a megatron-core GPTModel (model-parallel state must be initialised).
 
@@ -69,6 +70,9 @@ def build_model(
     vocab-parallel cross-entropy). ``sequence_parallel`` needs ``tp > 1``. ``fp8``: a
     recipe of :mod:`snakellm.models.fp8` ("tensorwise" | "rowwise"): the block
     linears' matmuls in float8 (needs ``bf16``; Transformer Engine's FP8 with its spec).
+    ``moe_experts`` (a mixture of experts, local spec): "grouped" (:func:`snakellm.models.moe.grouped_experts_class`:
+    the local experts as two grouped matrix products) or "sequential" (megatron-core's SequentialMLP loop);
+    the parameters and checkpoints are the same.
     """
     import torch
     from megatron.core import parallel_state as ps
@@ -99,7 +103,13 @@ def build_model(
         extra={**recompute_args, **(fp8mod.te_config(fp8) if fp8 and use_te else {})},
     )
     layers = _layer_spec(
-        cfg, tcfg, vp_stage, use_te=use_te, attention_backend=attention_backend, sequence_parallel=sequence_parallel
+        cfg,
+        tcfg,
+        vp_stage,
+        use_te=use_te,
+        attention_backend=attention_backend,
+        sequence_parallel=sequence_parallel,
+        moe_experts=moe_experts,
     )
     loss_fn = _loss_function(fused_loss, cuda=cuda, tp=tp)
 
@@ -128,6 +138,8 @@ def build_model(
     if seed is not None:
         init_weights(model, tcfg, seed)
     _place(model, cfg, family, bf16=bf16, cuda=cuda)
+    if cfg.get("num_experts") and moe_experts == "grouped":
+        moe.pack_experts(model)  # one storage per layer's experts: the grouped products read it without a copy
     if fp8 and not use_te:
         fp8mod.convert(model, fp8)  # the block linears' matmuls in float8 (torchao), before compilation
     if compile_layers:
@@ -263,6 +275,7 @@ def _layer_spec(
     use_te: bool,
     attention_backend: str,
     sequence_parallel: bool,
+    moe_experts: str = "grouped",
 ) -> Any:
     """Transformer Engine's layer spec, or the local one with SDPA core attention (and SP-ready norms)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -284,6 +297,10 @@ def _layer_spec(
         num_experts=experts, moe_grouped_gemm=False, normalization=cfg["normalization"], qk_layernorm=qk
     )
     spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class(attention_backend)
+    if experts is not None and moe_experts == "grouped":
+        spec.submodules.mlp.submodules.experts.module = moe.grouped_experts_class()
+    elif moe_experts not in ("grouped", "sequential"):
+        raise ModelConfigError(f"moe_experts must be grouped or sequential, got {moe_experts!r}")
     if not sequence_parallel:
         return spec
     norm = _norm_class()

@@ -365,8 +365,9 @@ def report(
     ]
     out.append(f"  (activations with parallel.recompute {', '.join(other)})")
     more_sp = tp > 1 and not sequence_parallel
-    more_do = dp > 1 and not distributed_optimizer and not fsdp
-    if dp > 1 and not fsdp:
+    # (expert parallelism is not composed with either yet: parallel_conflict refuses them)
+    more_do = dp > 1 and not distributed_optimizer and not fsdp and ep == 1
+    if dp > 1 and not fsdp and ep == 1:
         sharded = est(sequence_parallel, False, sharded=True)
         out.append(
             f"  (parallel.fsdp: true would make it {sharded.total / GiB:.2f} GiB: weights, gradients and optimizer "

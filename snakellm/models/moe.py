@@ -100,35 +100,120 @@ def scale_aux_losses(scale: float) -> None:
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
 
 
-def install_cpu_shim() -> None:
-    """Two places megatron-core 0.16.1's MoE layer needs CUDA or Transformer Engine, for the CPU (gloo).
+# ----------------------------------------------------------------------------- grouped experts (no TE)
 
-    * the alltoall dispatcher makes a ``torch.cuda.Stream`` for its device-to-host copies of the split
-      sizes and synchronises on its event: on the CPU the sizes are host tensors already, so the class's
-      stream is a placeholder and the copy point only turns them into the numpy arrays the GPU path makes;
-    * ``router_gating_linear`` tests ``te_general_gemm``, which is defined only when Transformer Engine
-      imports: without it the name is None (its own fallback, a plain matmul).
-    The GPU path is megatron-core's, unchanged.
+
+def grouped_usable(config: Any) -> str | None:
+    """Why :class:`GroupedExperts` cannot run these experts (None: it can), megatron-core's loop then runs them."""
+    import torch
+
+    if not hasattr(torch, "_grouped_mm"):
+        return "torch has no _grouped_mm"
+    if config.add_bias_linear or not config.gated_linear_unit:
+        return "experts with biases or without a gated MLP"
+    if config.fp8 or getattr(config, "fp4", None) or config.moe_apply_probs_on_input:
+        return "fp8/fp4 experts or probabilities applied on the input"
+    if config.expert_tensor_parallel_size not in (None, 1):
+        return "expert tensor parallelism"
+    return None
+
+
+def stacked(weights: list[Any]) -> Any:
+    """``[E, out, in]`` over the experts' weights: a view when they are consecutive slices of one storage
+    (:func:`pack_experts`), else a copy (torch.stack)."""
+    import torch
+
+    first = weights[0]
+    n = first.numel()
+    base = first.untyped_storage().data_ptr()
+    if all(
+        w.is_contiguous()
+        and w.untyped_storage().data_ptr() == base
+        and w.storage_offset() == first.storage_offset() + i * n
+        for i, w in enumerate(weights)
+    ):
+        return first.as_strided((len(weights), *first.shape), (n, *first.stride()), first.storage_offset())
+    return torch.stack(weights)
+
+
+def _grouped_linear_fn() -> Any:
+    import torch
+
+    class GroupedLinear(torch.autograd.Function):
+        """``y[rows of expert e] = x[rows of e] @ W_e^T`` for every local expert: two grouped matrix products
+        a pass (torch._grouped_mm; ``offs``: the cumulative tokens per expert), the weights' gradients
+        returned as views of one ``[E, out, in]`` tensor."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, offs: Any, *weights: Any) -> Any:
+            w = stacked(list(weights))
+            ctx.save_for_backward(x, offs, w)
+            return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+        @staticmethod
+        def backward(ctx: Any, dy: Any) -> Any:
+            x, offs, w = ctx.saved_tensors
+            dy = dy.contiguous()
+            dx = torch._grouped_mm(dy, w, offs=offs)
+            dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [E, out, in]; experts with no tokens: zeros
+            return (dx, None, *dw.unbind(0))
+
+    return GroupedLinear
+
+
+def grouped_experts_class() -> Any:
+    """megatron-core's SequentialMLP with its local experts run as grouped matrix products.
+
+    The same modules, parameters and ``sharded_state_dict`` (checkpoints of either load in the other, at
+    any expert-parallel layout); only the forward differs: megatron-core's loop runs one small matmul per
+    expert, with the token counts copied to the host first; here every expert's up-projection is one
+    ``torch._grouped_mm`` and every down-projection another (megatron-core's own grouped experts need
+    Transformer Engine, or the legacy ``GroupedMLP`` the ``grouped_gemm`` CUDA package). Where
+    :func:`grouped_usable` says no, megatron-core's loop runs.
     """
     import torch
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe import token_dispatcher as td
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    cls = td.MoEAlltoAllTokenDispatcher
-    if getattr(cls._maybe_dtoh_and_synchronize, "_snakellm_cpu", False):
-        return
-    if cls.cuda_dtoh_stream is None:
-        cls.cuda_dtoh_stream = object()
+    linear = _grouped_linear_fn()
 
-    def on_cpu(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
-        if not self.drop_and_pad and point == self.cuda_dtoh_point:
-            for name in ("input_splits", "output_splits", "output_splits_tp"):
-                v = getattr(self, name)
-                if torch.is_tensor(v):
-                    setattr(self, name, v.numpy())
-        return tokens_per_expert
+    class GroupedExperts(SequentialMLP):
+        def forward(self, hidden: Any, tokens_per_expert: Any, probs: Any) -> Any:
+            if self.num_local_experts == 1 or grouped_usable(self.config) is not None:
+                return super().forward(hidden, tokens_per_expert, probs)
+            counts = torch.as_tensor(tokens_per_expert).to(device=hidden.device, dtype=torch.int64)
+            offs = counts.cumsum(0).to(torch.int32)
+            fc1 = [e.linear_fc1.weight for e in self.local_experts]
+            fc2 = [e.linear_fc2.weight for e in self.local_experts]
+            a = linear.apply(hidden, offs, *fc1)
+            if self.config.bias_activation_fusion:  # megatron-core's fused weighted SwiGLU (GPU)
+                from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 
-    on_cpu._snakellm_cpu = True  # type: ignore[attr-defined]
-    cls._maybe_dtoh_and_synchronize = on_cpu
+                a = weighted_bias_swiglu_impl(a, None, probs.unsqueeze(-1), False)
+            else:
+                a1, a2 = a.chunk(2, dim=-1)
+                a = (self.config.activation_func(a1) * a2 * probs.unsqueeze(-1)).to(hidden.dtype)
+            return linear.apply(a, offs, *fc2), None
+
+    return GroupedExperts
+
+
+def pack_experts(model: Any) -> int:
+    """Each layer's local experts' fc1 (and fc2) weights moved into one storage, in expert order, so that
+    :func:`stacked` views them without a copy; the parameters stay the same objects. Returns the layers
+    packed. Call after the dtype and device are final (``.bfloat16()`` / ``.cuda()`` make new storage)."""
+    import torch
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    packed = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SequentialMLP) and m.num_local_experts > 1:
+                for name in ("linear_fc1", "linear_fc2"):
+                    params = [getattr(e, name).weight for e in m.local_experts]
+                    if any(hasattr(p, "main_grad") for p in params):
+                        continue  # a gradient buffer owns them already
+                    store = torch.stack([p.data for p in params])
+                    for i, p in enumerate(params):
+                        p.data = store[i]
+                packed += 1
+    return packed

@@ -197,6 +197,46 @@ def checkpoints_kept(ckpt_dir: Path) -> list[dict]:
     return out
 
 
+def router_figure(run: str, recs: list[dict]) -> str | None:
+    """A mixture of experts' router health (inline SVG): the load-balancing loss, the busiest expert's load over
+    the mean and the dropped tokens per step, and each expert's share of the routed tokens over the run's last
+    tenth of steps. None for a dense model (no ``moe_*`` records)."""
+    import io
+
+    moe = [r for r in recs if r.get("moe_tokens_per_expert")]
+    if not moe:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig, axes = plots.figure(height=6.0, rows=2)
+    a1, a2 = axes[0][0], axes[1][0]
+    steps = [r["step"] for r in moe]
+    a1.plot(
+        steps, [r.get("moe_aux_loss") for r in moe], color=plots.COLORS[0], label="load-balancing loss (1: balanced)"
+    )
+    a1.plot(steps, [r.get("moe_max_load") for r in moe], color=plots.COLORS[3], label="busiest expert / mean load")
+    if any(r.get("moe_dropped_tokens") for r in moe):
+        a1.plot(steps, [r.get("moe_dropped_tokens") for r in moe], color=plots.COLORS[5], label="dropped tokens")
+    a1.set_xlabel("step")
+    a1.set_title(f"{run}: router health", loc="left")
+    a1.legend(fontsize=8)
+    _mark_resumes(a1, recs)
+    last = moe[-max(1, len(moe) // 10) :]
+    totals = [sum(c) for c in zip(*(r["moe_tokens_per_expert"] for r in last), strict=True)]
+    share = [100 * t / max(sum(totals), 1) for t in totals]
+    a2.bar(range(len(share)), share, color=plots.COLORS[1])
+    a2.axhline(100 / len(share), color="#57606a", linestyle="--", linewidth=1, label="balanced")
+    a2.set_xlabel(f"expert (steps {last[0]['step']}-{last[-1]['step']}, all layers)")
+    a2.set_ylabel("routed tokens (%)")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": "snakellm (matplotlib)"})
+    plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg") :]
+
+
 def summary_page(run: str, recs: list[dict], summary: dict, summary_path: str) -> str:
     tr = [r for r in recs if r.get("loss") is not None]
     model = summary.get("model") or {}
@@ -271,4 +311,16 @@ def summary_page(run: str, recs: list[dict], summary: dict, summary_path: str) -
             note="megatron.core.dist_checkpointing directories; train.keep_last and the best one are kept.",
         ),
     ]
+    router = router_figure(run, recs)
+    if router is not None:
+        parts.insert(
+            1,
+            H.section(
+                "Router health (mixture of experts)",
+                router,
+                note="From metrics.jsonl's moe_* records: megatron-core's load-balancing loss without its "
+                "coefficient, the busiest expert's routed tokens over the mean, dropped tokens (0 while dropless), "
+                "and each expert's share of the routed tokens.",
+            ),
+        )
     return H.page(f"Training: {run}", *parts)

@@ -269,13 +269,15 @@ class Decoder:
             probs, idx = logits.softmax(dim=-1).topk(k, dim=-1)
         return probs.to(x.dtype), idx
 
-    def experts(self, h, L):
+    def experts(self, h, L, capturable: bool = False):
         """The MoE MLP of ``h`` [..., hidden]: each token through its top-k experts, weighted by the router.
 
         Few tokens (a decode step: tokens x k <= experts) read only the routed experts' weights, gathered
         by id (no host synchronisation, so a CUDA graph can capture it): the step's weight bytes are the
         active experts', which is what the bandwidth bound counts. More tokens (a prefill) run each expert
-        once on the tokens routed to it.
+        once on the tokens routed to it; ``capturable`` (the engine's graphed decode step of many rows) runs
+        every expert on every token instead, weighted by the router (zero off the top k): no host sync, each
+        expert's weights read once.
         """
         import torch
         import torch.nn.functional as F
@@ -290,6 +292,11 @@ class Decoder:
             a1, a2 = a.chunk(2, dim=-1)
             y = torch.einsum("nkf,nkhf->nkh", F.silu(a1) * a2, w2[idx])
             return (y * probs[..., None]).sum(dim=1).reshape(shape)
+        if capturable:
+            a1, a2 = torch.einsum("nh,efh->nef", x, w1).chunk(2, dim=-1)
+            y = torch.einsum("nef,ehf->neh", F.silu(a1) * a2, w2)
+            weight = torch.zeros(n, w1.shape[0], dtype=probs.dtype, device=x.device).scatter(1, idx, probs)
+            return torch.einsum("neh,ne->nh", y, weight).reshape(shape)
         out = torch.zeros_like(x)
         for e in range(w1.shape[0]):
             rows, slot = (idx == e).nonzero(as_tuple=True)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from snakellm import tracking
 from snakellm.config.sections import EvaluateSettings, ExamplesSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.eval.evaluate import evaluate
-from snakellm.io import tracking
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({m['examples']} examples)",
         file=sys.stderr,
     )
-    tracking.log_results(a.track_run, a.label or "eval", m)
+    # eval/<label>/<data set>/...: a run's base model is evaluated on each fine-tune's data set
+    tracking.log_results(a.track_run, f"{a.label or 'eval'}/{Path(a.test).parent.name}", m)
     return 0
 
 

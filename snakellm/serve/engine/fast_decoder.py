@@ -43,6 +43,8 @@ def fused_kernels_usable(decoder: Any) -> bool:
     import torch
 
     sixteen = decoder.dtype in (torch.bfloat16, torch.float16)
+    if getattr(decoder, "moe", False):
+        return False  # the kernels fuse a dense MLP; a mixture of experts runs the decoder's routed experts
     return decoder.device.type == "cuda" and sixteen and importlib.util.find_spec("triton") is not None
 
 
@@ -170,8 +172,8 @@ class FastDecoder:
         import torch.nn.functional as F
 
         h = self.dec._norm(x, L["ln2_w"], L["ln2_b"])
-        if self.dec.moe:  # the eager decoder's routing: a decode step reads only the routed experts
-            return x + self.dec.experts(h, L)
+        if self.dec.moe:  # routed experts; the decode step (one token a row) stays capturable in a CUDA graph
+            return x + self.dec.experts(h, L, capturable=h.shape[:-1].numel() <= self.rows)
         h = F.linear(h, L["fc1_w"], L["fc1_b"])
         if self.dec.arch["activation"] == "swiglu":
             a1, a2 = h.chunk(2, dim=-1)
@@ -202,9 +204,9 @@ class FastDecoder:
         """
         import torch
 
-        # a mixture of experts' prefill groups tokens by expert on the host (nonzero): not capturable
-        small = len(prompts) <= 4 and max(map(len, prompts)) <= 512
-        if self.graphs_on and not want_all and small and not self.dec.moe:
+        # a mixture of experts' prefill runs each expert on its tokens (data-dependent shapes): never graphed
+        short = len(prompts) <= 4 and max(map(len, prompts)) <= 512 and not self.dec.moe
+        if self.graphs_on and not want_all and short:
             return self._prefill_graphed(rows, prompts)
         dev = self.device
         tokens = padded(prompts, len(prompts), max(map(len, prompts)))
@@ -317,8 +319,7 @@ class FastDecoder:
         """
         import torch
 
-        # the fused kernels fold a dense MLP; a mixture of experts' step takes the PyTorch ops
-        logits = self._logits_fused(B, Lb) if B <= self.fused and not self.dec.moe else self._logits(B, Lb)
+        logits = self._logits_fused(B, Lb) if B <= self.fused else self._logits(B, Lb)
         pos, rows = self.pos[:B], self.row_ids[:B]
         nxt, lp = self.sampler.sample(logits, rows, greedy_only, penalty, probs)
         if probs:
@@ -432,7 +433,7 @@ class FastDecoder:
         """
         B = pick(self.batch_buckets, highest_row + 1)
         Lb = pick(self.length_buckets, longest)
-        if not self.graphs_on or not self._capturable(B):
+        if not self.graphs_on:
             self._step(B, Lb, greedy_only, penalty, probs)
             return
         key = (B, Lb, greedy_only, penalty, probs)
@@ -440,13 +441,6 @@ class FastDecoder:
         if graph is None:
             graph = self.graphs[key] = self._capture(key)
         graph.replay()
-
-    def _capturable(self, B: int) -> bool:
-        """A step of ``B`` rows runs in a CUDA graph: always for a dense model; for a mixture of experts while
-        its B x top-k routed experts are at most the experts (the decoder then gathers them by id, on the
-        device; beyond, it groups tokens by expert on the host)."""
-        arch = self.dec.arch
-        return not self.dec.moe or B * arch["moe_router_topk"] <= arch["num_experts"]
 
     def _fn(self, key: tuple[int, int, bool, bool, bool]) -> Any:
         """The step for ``key`` as a function of no arguments (torch.compile'd once per key if asked)."""

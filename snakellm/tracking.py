@@ -60,7 +60,7 @@ _SECRET = re.compile(r"(api_?key|token|password|secret)", re.I)
 
 def show_uri(uri: str | None) -> str:
     """A tracking URI as it may be printed: ``https://user:pw@host`` -> ``https://host``."""
-    return re.sub(r"(//)[^/@]*@", r"\1", uri or "")
+    return re.sub(r"(//)[^/@\s]*@", r"\1", uri or "")
 
 
 def settings_from_args(args: Any) -> TrackingSettings:
@@ -373,7 +373,7 @@ class Tracker:
             if name == "mlflow"
             else f"wandb ({self.settings.wandb.get('project')})"
         )
-        msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        msg = show_uri(str(e).splitlines()[0][:300]) if str(e) else type(e).__name__
         self.warn(
             f"tracking: {what} failed, left off for the rest of the job ({type(e).__name__}: {msg}); "
             "training goes on, metrics.jsonl is the record"
