@@ -67,16 +67,13 @@ def _moe_cpu_shim() -> None:
     * the alltoall dispatcher makes a ``torch.cuda.Stream`` for its device-to-host copies of the split
       sizes and synchronises on its event: on the CPU the sizes are host tensors already, so the class's
       stream is a placeholder and the copy point only turns them into the numpy arrays the GPU path makes;
-    * ``router_gating_linear`` tests ``te_general_gemm``, which is defined only when Transformer Engine
-      imports: without it the name is None (its own fallback, a plain matmul).
+    * ``router_gating_linear``'s ``te_general_gemm`` (:func:`no_te_router_gemm`, on GPUs too).
     The GPU path is megatron-core's, unchanged.
     """
     import torch
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe import token_dispatcher as td
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    no_te_router_gemm()
     cls = td.MoEAlltoAllTokenDispatcher
     if getattr(cls._maybe_dtoh_and_synchronize, "_snakellm_cpu", False):
         return
@@ -150,8 +147,19 @@ def prepare(
     return cuda
 
 
+def no_te_router_gemm() -> None:
+    """megatron-core 0.16.1's ``router_gating_linear`` tests ``te_general_gemm``, a name its module defines only
+    when Transformer Engine imports: without TE (CPU or GPU) the name is set to None, its own fallback (a plain
+    matmul)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def pick_device(torch: Any, requested: str, local_rank: int = 0) -> Any:
     """``auto``/``cpu``/``cuda`` (or ``cuda:N``) -> a torch.device; one GPU per rank, by local rank."""
+    no_te_router_gemm()
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {requested}: no CUDA device is available")
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):

@@ -151,7 +151,36 @@ def compile_each_layer(layers: Any) -> None:
     """``torch.compile`` each transformer layer (static shapes), whole: see :func:`pass_tp_group`."""
     pass_tp_group()
     for layer in layers:
+        eager_dispatcher(layer)
         layer.compile(dynamic=False)
+
+
+DISPATCH_STEPS = (
+    "dispatch_preprocess",
+    "token_dispatch",
+    "dispatch_postprocess",
+    "combine_preprocess",
+    "token_combine",
+    "combine_postprocess",
+)
+
+
+def eager_dispatcher(layer: Any) -> None:
+    """A mixture-of-experts layer's token dispatcher stays eager inside its compiled layer.
+
+    megatron-core's alltoall dispatcher copies the split sizes to the host on a side stream and calls
+    ``Tensor.record_stream``, which Dynamo cannot functionalise (the layer failed to compile on an H200):
+    each dispatch step is a graph break, the router, attention and experts between them are compiled.
+    """
+    import torch
+
+    disp = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
+    if disp is None:
+        return
+    for name in DISPATCH_STEPS:
+        fn = getattr(disp, name, None)
+        if fn is not None and not getattr(fn, "_torchdynamo_disable", False):
+            setattr(disp, name, torch.compiler.disable(fn))
 
 
 def pass_tp_group() -> None:
