@@ -881,7 +881,7 @@ def main(argv=None) -> int:
         results["args"] = vars(args)
         (out / "bench-fp8.json").write_text(json.dumps(results, indent=1, default=str))
         print(f"\ntotal {time.time() - t0:.0f}s; results in {out / 'bench-fp8.json'}")
-        if args.smoke:  # the pooled report on this run's own results
+        if args.smoke and "numerics" in results:  # the pooled report on this run's own results
             report_pool([out / "bench-fp8.json"])
     finally:
         if args.smoke:

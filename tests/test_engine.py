@@ -18,8 +18,12 @@ torch.set_num_threads(1)
 PROMPTS = ["The quick brown fox", "A", "It was the best of times, it was the worst of times"]
 
 
-# Qwen3 (QK-norm, heads of 32 at d=64) in the slow tier: the fast tier's 90 s hold the two older styles
-@pytest.fixture(scope="module", params=["tiny", "tiny-llama", pytest.param("tiny-qwen3", marks=pytest.mark.slow)])
+# Qwen3 (QK-norm, heads of 32 at d=64) and Qwen3-MoE (the engine's steps route like the eager decoder) in the slow
+# tier: the fast tier's 90 s hold the two older styles
+SLOW = [pytest.param(p, marks=pytest.mark.slow) for p in ("tiny-qwen3", "tiny-qwen3-moe")]
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-llama", *SLOW])
 def gen(request):
     return build_gen(request.param, tokenizer_block("gpt2-bpe"))
 

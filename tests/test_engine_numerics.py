@@ -5,7 +5,8 @@ decoder's and transformers' teacher-forced ones) with the eager decoder over the
 and fails only when the engine is farther from fp32 than transformers' bf16 is. The fast tests hold the bar
 to the figures measured on Llama 3.1 8B's shape (one H200, random weights), where the former yardstick (the
 distance to the eager bf16 decoder's top token) failed a correct engine; the slow one runs the benchmark's
-``--numerics-only`` mode in bf16 on the CPU at tiny shapes of Llama and Qwen3 (QK-norm).
+``--numerics-only`` mode in bf16 on the CPU at tiny shapes of Llama, Qwen3 (QK-norm) and the two mixtures of
+experts (Qwen3-MoE, Mixtral: the engine's steps route tokens as the eager decoder does).
 """
 
 from __future__ import annotations

@@ -116,14 +116,8 @@ def _logits(model, ids):
         return model(ids).logits
 
 
-@pytest.mark.slow
-def test_qwen3_lora_and_full_sft_through_the_commands(imported):
-    """LoRA (PEFT adapter on transformers' Qwen3 base = the merged model) and full SFT (exported, loaded by
-    transformers) of the imported model: both train (loss down) and move the logits."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    root, hf = imported
+def _sft_data(root: Path) -> list[str]:
+    """12 {input, output} examples (8 to train on, 4 to validate) and the fine-tunes' common flags."""
     data = root / "sft"
     data.mkdir(exist_ok=True)
     rows = [{"input": f"Question: what is {i} plus {i}? Answer:", "output": f" {2 * i}"} for i in range(12)]
@@ -131,29 +125,51 @@ def test_qwen3_lora_and_full_sft_through_the_commands(imported):
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     common = ["--base", "run", "--data-dir", "sft", "--steps", "6", "--micro-batch-size", "4"]
     common += ["--global-batch-size", "4", "--precision", "fp32", "--device", "cpu", "--threads", "1"]
-    common += ["--no-progress", "--eval-interval", "3", "--lr-decay-style", "constant", "--select", "last"]
-    lora = ["--lora-rank", "4", "--lora-targets", "linear_qkv,linear_proj,linear_fc1,linear_fc2", "--lr", "1e-2"]
-    snakellm("finetune", *common, "--out-dir", "ft-lora", "--method", "lora", *lora, cwd=root)
-    snakellm("finetune", *common, "--out-dir", "ft-full", "--method", "full", "--lr", "1e-3", cwd=root)
-    for d in ("ft-lora", "ft-full"):
-        summary = json.loads((root / d / "finetune_summary.json").read_text())
-        assert summary["final_loss"] < summary["first_loss"], (d, summary)
+    return common + ["--no-progress", "--eval-interval", "3", "--lr-decay-style", "constant", "--select", "last"]
 
-    ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(4))
-    before = _logits(hf, ids)
+
+def _trained(root: Path, out: str) -> None:
+    summary = json.loads((root / out / "finetune_summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"], (out, summary)
+
+
+IDS = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.slow
+def test_qwen3_lora_through_the_commands(imported):
+    """LoRA of the imported model trains; its PEFT adapter on transformers' Qwen3 base gives the merged model's
+    logits, and the merged directory is a Qwen3ForCausalLM."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, hf = imported
+    lora = ["--lora-rank", "4", "--lora-targets", "linear_qkv,linear_proj,linear_fc1,linear_fc2", "--lr", "1e-2"]
+    snakellm("finetune", *_sft_data(root), "--out-dir", "ft-lora", "--method", "lora", *lora, cwd=root)
+    _trained(root, "ft-lora")
+    before = _logits(hf, IDS)
     snakellm("lora", "export-peft", "--adapter", "ft-lora/adapter", "--out", "peft", "--base-model", "src", cwd=root)
     snakellm("lora", "merge-hf", "--base", "run", "--adapter", "ft-lora/adapter", "--out", "merged", cwd=root)
     base = AutoModelForCausalLM.from_pretrained(root / "src", dtype=torch.float32).eval()
-    with_adapter = _logits(PeftModel.from_pretrained(base, root / "peft").eval(), ids)
+    with_adapter = _logits(PeftModel.from_pretrained(base, root / "peft").eval(), IDS)
     merged = AutoModelForCausalLM.from_pretrained(root / "merged", dtype=torch.float32).eval()
     assert type(merged).__name__ == "Qwen3ForCausalLM"
     assert (with_adapter - before).abs().max().item() > 1e-3
-    assert (_logits(merged, ids) - with_adapter).abs().max().item() < 1e-4
+    assert (_logits(merged, IDS) - with_adapter).abs().max().item() < 1e-4
 
+
+@pytest.mark.slow
+def test_qwen3_full_sft_through_the_commands(imported):
+    """Full SFT of the imported model trains; its export loads in transformers as Qwen3 with other logits."""
+    from transformers import AutoModelForCausalLM
+
+    root, hf = imported
+    snakellm("finetune", *_sft_data(root), "--out-dir", "ft-full", "--method", "full", "--lr", "1e-3", cwd=root)
+    _trained(root, "ft-full")
     snakellm("export-hf", "ft-full/model", "full-hf", cwd=root)
     full = AutoModelForCausalLM.from_pretrained(root / "full-hf", dtype=torch.float32).eval()
     assert type(full).__name__ == "Qwen3ForCausalLM"
-    assert (_logits(full, ids) - before).abs().max().item() > 1e-3
+    assert (_logits(full, IDS) - _logits(hf, IDS)).abs().max().item() > 1e-3
 
 
 @pytest.mark.slow
