@@ -34,6 +34,28 @@ rule prepare_sft:
         "snakellm prepare-sft {input} {params.out} {params.flags} 2> {log}"
 
 
+rule reference_logprobs:
+    input:
+        unpack(get_reference_input),
+    output:
+        "runs/{run}/finetune/{ft}/reference_logprobs.json",
+    log:
+        "logs/reference_logprobs/{run}/{ft}.log",
+    benchmark:
+        "benchmarks/reference_logprobs/{run}/{ft}.tsv"
+    conda:
+        "../envs/train.yaml"
+    threads: get_finetune_threads
+    resources:
+        **get_job_resources("evaluate"),
+    params:
+        flags=get_reference_flags,
+        data=subpath(input.train, parent=True),
+    shell:
+        "snakellm reference-logprobs --data-dir {params.data} --out {output} "
+        "--threads {threads} {params.flags} 2> {log}"
+
+
 rule finetune:
     input:
         unpack(get_finetune_input),
@@ -52,11 +74,17 @@ rule finetune:
     params:
         launch=get_launch_prefix("finetune"),
         flags=get_finetune_flags,
+        reference=lambda wc, input: (
+            f"--reference-logprobs {input.reference}"
+            if "reference" in input.keys()
+            else ""
+        ),
         data=subpath(input.train, parent=True),
         out=subpath(output.summary, parent=True),
     shell:
         "{params.launch} snakellm finetune --base runs/{wildcards.run} --data-dir {params.data} "
-        "--out-dir {params.out} --threads {threads} --no-progress {params.flags} 2> {log}"
+        "--out-dir {params.out} --threads {threads} --no-progress {params.flags} "
+        "{params.reference} 2> {log}"
 
 
 rule export_peft:

@@ -16,8 +16,17 @@ figure for the same model, which --pretrain measures in the same run.
     python scripts/bench_finetune_gpu.py --tp 2 --steps 20 --lr 2e-5 --lr-warmup 5   # each method also TP over 2 GPUs
     python scripts/bench_finetune_gpu.py --preset llama3-8b --methods lora-all --seq-length 4096 \
         --micro-batch-size 1 --global-batch-size 8 --steps 8 --warmup-steps 3 --tp 4 --tp-only   # the seed's layout
+    python scripts/bench_finetune_gpu.py --preset llama3-8b --methods lora-all --seq-length 4096 \
+        --micro-batch-size 1 --global-batch-size 8 --steps 12 --warmup-steps 4 --compile --chat  # issue 44's bar
     python scripts/bench_finetune_gpu.py --preset llama3-8b --methods full --seq-length 4096 \
         --micro-batch-size 1 --global-batch-size 8 --steps 8 --warmup-steps 3 --fsdp --nproc 4 --tp-only  # FSDP SFT
+
+With ``--chat`` each method also runs on multi-turn conversations (prepare-sft's ``messages``
+records of a quarter to a whole sequence, the built-in ChatML template over the GPT-2 vocabulary,
+the loss on the assistant turns, packed with block-diagonal attention) right after its SQuAD-style
+run, at the same shape and settings: tokens/s counting every position (as the trainer does; the
+SQuAD rows are padded to the sequence too), the real and the trained tokens' rates beside it, and
+the ratio to the SQuAD run (issue 44's bar: 0.95x).
 
 Each row prints its tokens/s (per GPU), MFU, peak GPU memory and wall time beside the anchor
 for the preset (NeMo AutoModel's Llama 3.1 8B LoRA on one H100 at sequence 4096: 12,473
@@ -76,6 +85,7 @@ METHODS = {
 }
 PEAK_TFLOPS = 989.4  # bf16 dense, H100 / H200 SXM: the MFU of every row (the metrics' own only on those GPUs)
 MFU_BAR = 0.5  # full SFT of the Llama 3.1 8B shape on 4 GPUs (issue 31)
+CHAT_BAR = 0.95  # conversations, packed, against the SQuAD examples at the same shape (issue 44)
 
 
 def make_base(root: Path, preset: str, seq: int, device: str) -> Path:
@@ -126,14 +136,44 @@ def make_data(root: Path, n: int) -> Path:
     return d
 
 
-def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsdp: int = 0) -> dict:
-    """One `snakellm finetune` of method ``name``: on one GPU, tensor parallel over ``tp`` or FSDP over ``fsdp``."""
+def make_chat_data(root: Path, n: int, seq: int) -> Path:
+    """Multi-turn conversations (prepare-sft's messages records) of about a quarter to a whole sequence each:
+    a system prompt, then user/assistant turns of Botchan text of varying lengths (packed by finetune)."""
+    import random
+
+    text = (REPO / "resources/corpus/botchan/botchan.jsonl").read_text()
+    words = " ".join(json.loads(line)["text"] for line in text.splitlines()).split()
+    rng = random.Random(1234)
+    d = root / "chat"
+    d.mkdir(parents=True, exist_ok=True)
+    recs = []
+    for _ in range(n):
+        budget = rng.randint(seq // 4, seq - seq // 8)  # GPT-2 tokens, about 1.3 a word
+        turns = [{"role": "system", "content": "You answer questions about the novel Botchan."}]
+        used = 0
+        while used < budget * 0.75 or len(turns) < 3:
+            for role in ("user", "assistant"):
+                k = rng.randint(20, max(21, seq // 16))
+                start = rng.randrange(len(words) - k)
+                turns.append({"role": role, "content": " ".join(words[start : start + k])})
+                used += k + 6
+        recs.append({"messages": turns})
+    for split in ("train", "validation"):
+        (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return d
+
+
+def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsdp: int = 0, chat: bool = False) -> dict:
+    """One `snakellm finetune` of method ``name``: on one GPU, tensor parallel over ``tp`` or FSDP over ``fsdp``;
+    ``chat``: on conversations (the ChatML template over the GPT-2 vocabulary, assistant turns trained, packed)."""
     world = fsdp or tp
     odir = out / (f"{name}-fsdp{fsdp}" if fsdp else (name if tp == 1 else f"{name}-tp{tp}"))
+    if chat:
+        odir = odir.with_name(odir.name + "-chat")
     launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     if world > 1:
         launch += [f"--nproc-per-node={world}"]
-    tag = {"method": name, "tp": tp, **({"fsdp": fsdp} if fsdp else {})}
+    tag = {"method": name, "tp": tp, **({"fsdp": fsdp} if fsdp else {}), "data": "chat" if chat else "squad"}
     tag |= {k: v for k, v in (("compile", a.compile), ("precision", a.precision)) if v}
     cmd = [
         *launch,
@@ -155,9 +195,11 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
         str(a.global_batch_size),
         "--max-seq-length",
         str(a.seq_length),
-        "--truncation-method",
-        "left",
-        "--pad-to-max",
+        *(
+            ["--chat-template", "chatml", "--train-on", "all_assistant", "--packing"]
+            if chat
+            else ["--truncation-method", "left", "--pad-to-max"]
+        ),
         "--eval-interval",
         str(a.steps + 1),
         "--eval-examples",
@@ -219,6 +261,7 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
         "total_parameters": summary.get("total_parameters"),
         "peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib"),
         **({"profile": str(profile)} if profile else {}),
+        **(token_rates(summary, tps / world, a.seq_length) if summary else {}),
         **({"incomplete": f"{failed} after step {recs[-1]['step']} (figures from its live metrics)"} if failed else {}),
     }
     if failed:
@@ -232,6 +275,24 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
                 res["mfu"] * (summary["flops_per_token"] * 2 / 3 + 6 * t) / summary["flops_per_token"], 4
             )
     return res
+
+
+def token_rates(summary: dict, tps: float, seq: int) -> dict:
+    """Beside tokens/s (every position of every sequence, padding included, as the trainer counts them):
+    the rate of real tokens and of trained (loss-bearing) tokens, from the data's share of each."""
+    enc = summary.get("encode") or {}
+    rows = summary.get("sequences")
+    if not rows:
+        return {}
+    if "trained_tokens" in enc:  # conversations: each example gives len - 1 positions
+        real = enc["tokens"] - enc["examples"] + enc["skipped_too_long"]
+        trained = enc["trained_tokens"]
+    else:  # input/output examples filling the sequence (truncated from the left): the answer is trained
+        real, trained = rows * seq, None
+    out = {"real_tokens_per_s": round(tps * min(1.0, real / (rows * seq)))}
+    if trained is not None:
+        out["trained_tokens_per_s"] = round(tps * trained / (rows * seq))
+    return out
 
 
 def run_group(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str]:
@@ -327,6 +388,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--methods", default="lora,full", help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 3 steps: the same code path in seconds")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="each method also on multi-turn conversations (ChatML, assistant turns trained, packed) beside the "
+        "SQuAD-style examples, with the ratio of their tokens/s (smoke: on)",
+    )
     p.add_argument("--tp-only", action="store_true", help="with --tp N or --fsdp: skip the one-GPU run of each method")
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--seq-length", type=int, default=2048)
@@ -384,6 +451,7 @@ def main(argv=None) -> int:
         # micro batch 1: one process and 2 data-parallel ranks average the same per-example losses
         a.micro_batch_size, a.global_batch_size, a.device, a.timeout = 1, 4, "cpu", 300
         a.fsdp, a.nproc, a.rtol, a.atol = True, 2, 1e-5, 1e-6  # the FSDP path too: fp32, the same losses
+        a.chat = True  # and the conversations' path
         a.profile_steps = a.profile_steps or "2:2"  # and the kernel table of a step
         if a.workdir == p.get_default("workdir"):
             import tempfile
@@ -398,6 +466,7 @@ def main(argv=None) -> int:
     base = make_base(root / a.preset / str(a.seq_length), a.preset, a.seq_length, a.device)
     print(f"base checkpoint ({a.preset}, random weights): {time.time() - t0:.0f} s", flush=True)
     data = make_data(root, max(64, a.global_batch_size * 2))
+    chat = make_chat_data(root, max(96, a.global_batch_size * 6), a.seq_length) if a.chat else None
     results = []
     for m in a.methods.split(","):
         one = None
@@ -405,6 +474,20 @@ def main(argv=None) -> int:
             one = run_method(m, a, base, data, root / "runs")
             results.append(one)
             print(row(a.preset, one), flush=True)
+        if chat is not None and not a.tp_only:  # the same shape and settings on conversations, in the same run
+            conv = run_method(m, a, base, chat, root / "runs", chat=True)
+            if "error" not in conv and one and "error" not in one:
+                conv["vs_squad"] = round(conv["tokens_per_s"] / one["tokens_per_s"], 4)
+                conv["chat_bar"] = "PASS" if conv["vs_squad"] >= CHAT_BAR else "FAIL"
+            results.append(conv)
+            print(row(a.preset, conv), flush=True)
+            if "vs_squad" in conv:
+                print(
+                    f"chat {m}: {conv['tokens_per_s']:,} tokens/s (all positions; real "
+                    f"{conv.get('real_tokens_per_s', 0):,}, trained {conv.get('trained_tokens_per_s', 0):,}) vs "
+                    f"SQuAD {one['tokens_per_s']:,}: {conv['vs_squad']:.3f}x (bar {CHAT_BAR}x: {conv['chat_bar']})",
+                    flush=True,
+                )
         if a.tp > 1:
             par = run_method(m, a, base, data, root / "runs", tp=a.tp)
             ref = one["tokens_per_s"] if one and "error" not in one else a.one_gpu_tokens_per_s
@@ -431,6 +514,9 @@ def main(argv=None) -> int:
         )
         ok = ok and all(r.get("losses_match", True) for r in results)  # FSDP's: the one-process losses
         ok = ok and all(r.get("profile") for r in results if "method" in r)  # --profile-steps' tables
+        ok = ok and all(
+            r.get("trained_tokens_per_s", 0) > 0 and "vs_squad" in r for r in results if r.get("data") == "chat"
+        )
         ok = ok and any(r.get("fsdp") for r in results) == ("full" in a.methods.split(","))
         print("smoke:", "PASS" if ok else "FAIL")
         return 0 if ok else 1

@@ -55,6 +55,14 @@ blend.json of GPT-2 ids).
     python scripts/bench_fp8_gpu.py --pool seed*/bench-fp8.json   # several runs' numerics as one sample a side
     python scripts/bench_fp8_gpu.py --smoke                 # CPU, tiny-llama: the same code paths
 
+**Another family's shape** (issue 45): ``--num-layers`` trains fewer of the preset's layers (8 of an 8B's on
+one GPU) and ``--versus PRESET`` adds ours bf16 with another preset in the same run (same layers, sequence,
+batch and data), printing ``--preset``'s tokens/s and MFU against it (bar >= 0.95x); the hand-written
+reference computes Qwen3's QK-norm and head size too. ``--bf16-only`` leaves the FP8 runs out:
+
+    python scripts/bench_fp8_gpu.py --part speed --bf16-only --preset qwen3-8b --versus llama3-8b \
+        --num-layers 8 --seq-length 8192 --micro-batch-size 2 --global-batch-size 8   # one H200: ~5 min
+
 With ``--gpus`` the runs go to lanes, one per GPU (see :func:`run_parts`): ours bf16 and FP8 share a
 GPU, as do the FP8 numerics run and its resume; the hand-written runs and bf16's numerics run may be
 on others (identical GPUs of one host: the table names each run's GPU).
@@ -68,6 +76,7 @@ check). Output: the tables on stdout, ``bench-fp8.json`` and each run's log in
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -91,7 +100,7 @@ ANCHORS = {
     "hand-written compiled Llama, torchao float8 (H200)": (86_187, 0.711),
     "snakellm train bf16 (H200)": (73_170, None),
 }
-BARS = {"fp8_vs_reference_fp8": 0.95, "fp8_vs_bf16": 1.15, "final_loss_rel": 0.01}
+BARS = {"fp8_vs_reference_fp8": 0.95, "fp8_vs_bf16": 1.15, "final_loss_rel": 0.01, "versus": 0.95}
 SUCCESSOR_P = (0.55, 0.25, 0.12, 0.08)
 ANY_DEVICE_ENV = "SNAKELLM_FP8_ANY_DEVICE"  # snakellm.models.fp8's test-only override (the smoke run on CPU)
 
@@ -202,6 +211,7 @@ def train(
     extra = [a for a in extra if a != "--keep-run-dir"]
     cmd = [sys.executable, "-m", "snakellm.cli", "train", "--blend", str(blend), "--run-dir", str(run_dir)]
     cmd += ["--preset", args.preset, "--seq-length", str(args.seq_length), "--device", args.device]
+    cmd += ["--num-layers", str(args.num_layers)] if args.num_layers else []
     cmd += ["--steps", str(steps), "--decay-steps", str(steps), "--micro-batch-size", str(mbs)]
     cmd += ["--global-batch-size", str(gbs), "--precision", precision, "--fp8-recipe", args.recipe]
     cmd += ["--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--warmup-steps", str(warmup)]
@@ -268,10 +278,12 @@ def reference_worker(spec: dict) -> dict:
     from torch import nn
 
     from snakellm import models
+    from snakellm.models.families import head_dim
 
     dev = torch.device(spec["device"] if spec["device"] != "cuda" else "cuda:0")
     cuda = dev.type == "cuda"
-    arch = models.resolve(spec["preset"], {"seq_length": spec["seq_length"]})
+    over = {"seq_length": spec["seq_length"], **({"num_layers": spec["num_layers"]} if spec["num_layers"] else {})}
+    arch = models.resolve(spec["preset"], over)
     vocab = models.padded_vocab_size(spec["vocab"], arch, 1)
     h, heads, groups, ffn = (
         arch["hidden_size"],
@@ -279,24 +291,31 @@ def reference_worker(spec: dict) -> dict:
         arch["num_query_groups"],
         arch["ffn_hidden_size"],
     )
-    hd, eps, seq = h // heads, arch["layernorm_epsilon"], arch["seq_length"]
+    # Qwen3's heads of their own size (kv_channels) and its QK-norm: RMSNorm over each query and key head
+    hd, eps, seq = head_dim(arch), arch["layernorm_epsilon"], arch["seq_length"]
+    qk_norm = bool(arch.get("qk_norm"))
 
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.attn_norm, self.mlp_norm = nn.RMSNorm(h, eps=eps), nn.RMSNorm(h, eps=eps)
             self.qkv = nn.Linear(h, (heads + 2 * groups) * hd, bias=False)
-            self.proj = nn.Linear(h, h, bias=False)
+            self.proj = nn.Linear(heads * hd, h, bias=False)
             self.fc1 = nn.Linear(h, 2 * ffn, bias=False)  # [gate; up]
             self.fc2 = nn.Linear(ffn, h, bias=False)
+            if qk_norm:
+                self.q_norm, self.k_norm = nn.RMSNorm(hd, eps=eps), nn.RMSNorm(hd, eps=eps)
 
         def forward(self, x, cos, sin):
             b, t, _ = x.shape
             q, k, v = self.qkv(self.attn_norm(x)).split([heads * hd, groups * hd, groups * hd], dim=-1)
-            q, k, v = (y.view(b, t, -1, hd).transpose(1, 2) for y in (q, k, v))
+            q, k, v = (y.view(b, t, -1, hd) for y in (q, k, v))
+            if qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = (y.transpose(1, 2) for y in (q, k, v))
             q, k = rope(q, cos, sin), rope(k, cos, sin)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=groups < heads)
-            x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, heads * hd))
             gate, up = self.fc1(self.mlp_norm(x)).chunk(2, dim=-1)
             return x + self.fc2(F.silu(gate) * up)
 
@@ -390,6 +409,7 @@ def reference(args, name: str, out: Path, fp8: bool) -> dict:
         "fp8": fp8,
         "recipe": args.recipe,
         "vocab": args.vocab,
+        "num_layers": args.num_layers,
     }
     log = out / f"{name}.log"
     t0 = time.time()
@@ -449,6 +469,7 @@ SPEED_LABELS = {
     "speed-fp8": "snakellm train fp8",
     "reference-bf16": "hand-written Llama bf16",
     "reference-fp8": "hand-written Llama torchao fp8",
+    "versus-bf16": "snakellm train bf16, --versus",
 }
 
 
@@ -456,9 +477,16 @@ def speed_run(args, out: Path, blend: Path, name: str) -> dict:
     kw = dict(mbs=args.micro_batch_size, gbs=args.global_batch_size, steps=args.steps, warmup=min(2, args.steps))
     if name.startswith("speed-"):
         r = train(args, name, blend, out, name.split("-")[1], **kw, extra=["--no-checkpoints"])
+    elif name == "versus-bf16":  # the same run with the --versus preset (same layers, sequence, batch, data)
+        a = copy.copy(args)
+        a.preset = args.versus
+        r = train(a, name, blend, out, "bf16", **kw, extra=["--no-checkpoints"])
     else:
         r = reference(args, name, out, fp8=name.endswith("fp8"))
-    r["label"] = SPEED_LABELS[name] + (f" ({args.recipe})" if name.endswith("fp8") else "")
+    r["label"] = SPEED_LABELS[name].replace("--versus", str(args.versus))
+    if args.versus and name == "speed-bf16":
+        r["label"] += f", {args.preset}"
+    r["label"] += f" ({args.recipe})" if name.endswith("fp8") else ""
     r["gpu"] = _gpu(args)
     ok = f"{r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else f"FAILED rc={r['rc']}\n{r.get('error', '')}"
     print(f"  {r['label']} (GPU {r['gpu']}): {ok} [{r['wall_s']}s]", flush=True)
@@ -484,20 +512,29 @@ def report_speed(args, rows: dict[str, dict]) -> dict:
     if not all(r.get("tokens_per_s") for r in rows.values()):
         return {}
     t = {k: r["tokens_per_s"] for k, r in rows.items()}
-    a, b = t["speed-fp8"] / t["reference-fp8"], t["speed-fp8"] / t["speed-bf16"]
-    c, d = t["reference-fp8"] / t["reference-bf16"], t["speed-bf16"] / t["reference-bf16"]
-    bar_a, bar_b = BARS["fp8_vs_reference_fp8"], BARS["fp8_vs_bf16"]
-    print(f"ours fp8 / hand-written fp8:   {a:.3f}x (bar >= {bar_a}): {'PASS' if a >= bar_a else 'FAIL'}")
-    print(f"ours fp8 / ours bf16:          {b:.3f}x (bar >= {bar_b}): {'PASS' if b >= bar_b else 'FAIL'}")
-    print(f"hand-written fp8 / bf16:       {c:.3f}x (the issue's H200 anchor: 1.173x)")
+    d = t["speed-bf16"] / t["reference-bf16"]
+    out: dict = {"bf16_vs_reference_bf16": d, "pass": True}
+    if not args.bf16_only:
+        a, b = t["speed-fp8"] / t["reference-fp8"], t["speed-fp8"] / t["speed-bf16"]
+        c = t["reference-fp8"] / t["reference-bf16"]
+        bar_a, bar_b = BARS["fp8_vs_reference_fp8"], BARS["fp8_vs_bf16"]
+        print(f"ours fp8 / hand-written fp8:   {a:.3f}x (bar >= {bar_a}): {'PASS' if a >= bar_a else 'FAIL'}")
+        print(f"ours fp8 / ours bf16:          {b:.3f}x (bar >= {bar_b}): {'PASS' if b >= bar_b else 'FAIL'}")
+        print(f"hand-written fp8 / bf16:       {c:.3f}x (the issue's H200 anchor: 1.173x)")
+        out.update(
+            fp8_vs_reference_fp8=a, fp8_vs_bf16=b, reference_fp8_vs_bf16=c, **{"pass": a >= bar_a and b >= bar_b}
+        )
     print(f"ours bf16 / hand-written bf16: {d:.3f}x")
-    return {
-        "fp8_vs_reference_fp8": a,
-        "fp8_vs_bf16": b,
-        "reference_fp8_vs_bf16": c,
-        "bf16_vs_reference_bf16": d,
-        "pass": a >= bar_a and b >= bar_b,
-    }
+    if "versus-bf16" in t:  # issue 45: a family's shape against another's, the same layers, sequence and batch
+        v, bar_v = t["speed-bf16"] / t["versus-bf16"], BARS["versus"]
+        mv = mfu(rows["speed-bf16"], args.peak_tflops) / mfu(rows["versus-bf16"], args.peak_tflops)
+        print(
+            f"ours bf16 {args.preset} / ours bf16 {args.versus}: {v:.3f}x in tokens/s, {mv:.3f}x in MFU "
+            f"(bar >= {bar_v}: within 5% of it or faster): {'PASS' if v >= bar_v else 'FAIL'}"
+        )
+        out.update(versus=args.versus, vs_versus=v, mfu_vs_versus=mv, versus_pass=v >= bar_v)
+        out["pass"] = out["pass"] and v >= bar_v
+    return out
 
 
 def numerics_kw(args) -> dict:
@@ -745,6 +782,17 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny-llama, a few steps: the same code paths")
     p.add_argument("--preset", default="llama-1b")
     p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--num-layers", type=int, default=None, help="fewer layers than the preset's (8 of an 8B: one GPU)")
+    p.add_argument(
+        "--bf16-only", action="store_true", help="speed part: leave out the FP8 runs (ours and the hand-written)"
+    )
+    p.add_argument(
+        "--versus",
+        default=None,
+        metavar="PRESET",
+        help="speed part: ours bf16 with this preset too (same layers, sequence and batch), and --preset's tokens/s "
+        "against it (bar >= 0.95x; e.g. --preset qwen3-8b --versus llama3-8b)",
+    )
     p.add_argument("--recipe", choices=("tensorwise", "rowwise"), default="tensorwise", help="fp8_recipe")
     p.add_argument("--micro-batch-size", type=int, default=16, help="speed part")
     p.add_argument("--global-batch-size", type=int, default=16, help="speed part")
@@ -817,7 +865,9 @@ def main(argv=None) -> int:
         print(f"{blend}: {json.loads(blend.read_text())['tokens']:,} GPT-2 tokens")
         return 0
     if args.smoke:
-        args.device, args.compile, args.preset, args.seq_length, args.vocab = "cpu", False, "tiny-llama", 128, 256
+        args.device, args.compile, args.seq_length, args.vocab = "cpu", False, 128, 256
+        args.preset = args.preset if args.preset.startswith("tiny") else "tiny-llama"
+        args.versus = args.versus and (args.versus if args.versus.startswith("tiny") else "tiny-llama")
         args.micro_batch_size, args.global_batch_size, args.steps, args.warmup_steps = 2, 4, 4, 1
         args.log_interval, args.numerics_log_interval, args.lr_warmup, args.lr = 1, 2, 2, 3e-3
         args.numerics_steps, args.numerics_micro_batch_size, args.numerics_global_batch_size = 8, 2, 4
@@ -867,7 +917,6 @@ def run_parts(args, out: Path) -> dict:
     bf16's numerics run, and the second bf16 and fp8 numerics runs. A GPU each where there are enough
     (--part numerics --bf16-again --fp8-again on four GPUs); else :func:`plan_lanes` shares them.
     """
-    import copy
     from concurrent.futures import ThreadPoolExecutor
 
     speed, numerics = args.part in ("speed", "all"), args.part in ("numerics", "all")
@@ -875,9 +924,10 @@ def run_parts(args, out: Path) -> dict:
     nblend = numerics_data(args) if numerics else None
     jobs: list[tuple[str, object]] = []  # (lane key, thunk taking the lane's args)
     if speed:
-        for name in ("speed-bf16", "speed-fp8"):
+        fp8 = () if args.bf16_only else ("fp8",)
+        for name in ("speed-bf16", *(f"speed-{p}" for p in fp8), *(["versus-bf16"] if args.versus else [])):
             jobs.append(("ours", lambda a, n=name: ("speed", n, speed_run(a, out, sblend, n))))
-        for name in ("reference-bf16", "reference-fp8"):
+        for name in ("reference-bf16", *(f"reference-{p}" for p in fp8)):
             jobs.append(("reference", lambda a, n=name: ("speed", n, speed_run(a, out, sblend, n))))
     if numerics:
         jobs.append(("numerics-fp8", lambda a: ("numerics", "fp8", numerics_fp8(a, out, nblend))))
@@ -921,7 +971,7 @@ def run_parts(args, out: Path) -> dict:
     results: dict = {}
     if speed:
         rows = {n: r for part, n, r in done if part == "speed"}
-        rows = {n: rows[n] for n in SPEED_LABELS}
+        rows = {n: rows[n] for n in SPEED_LABELS if n in rows}
         results["speed"] = {"rows": list(rows.values()), "verdict": report_speed(args, rows)}
     if numerics:
         got = {n: r for part, n, r in done if part == "numerics"}

@@ -42,6 +42,10 @@ STEPS: dict[str, tuple[str, str]] = {
     "blend": ("snakellm.steps.blend", "write Megatron's data_prefix blend for a tokenizer"),
     "train": ("snakellm.steps.train", "pretrain a GPT with megatron-core (CPU or GPU, resumable)"),
     "prepare-sft": ("snakellm.steps.prepare_sft", "SQuAD json / jsonl -> {input, output} train/validation/test splits"),
+    "reference-logprobs": (
+        "snakellm.steps.reference_logprobs",
+        "a frozen reference's log-probabilities of a preference set's pairs (DPO's cached target)",
+    ),
     "render-sft": (
         "snakellm.steps.render_sft",
         "the token ids and labels finetune trains on (chat template, loss mask), with --show",

@@ -91,6 +91,11 @@ FIGURES: dict[str, list[str]] = {
         # FSDP over 2 gloo ranks, with the one-process run's losses
         rf'^full fsdp 2: {NUM} tokens/s/GPU; MFU .*"fsdp": 2, "tokens_per_s": {NUM},.*"losses_match": true',
     ],
+    "bench_dpo_gpu": [
+        rf"^ours: snakellm finetune --method dpo \(LoRA\): {NUM} tokens/s \({NUM} s/step, {NUM} tokens a step",
+        rf"^TRL DPOTrainer \+ peft LoRA: {NUM} tokens/s \({NUM} s/step, {NUM} tokens a step",
+        rf"^ours / TRL: {NUM}x \(bar 1.5x\)",
+    ],
     "bench_parallel_gpu": [rf"\| tiny \| 1 GPU \| 1 \| {NUM} \|", rf"\| tiny \| DP=2 \| 2 \| {NUM} \| {NUM} \| {NUM}%"],
     "bench_pipeline_gpu": [
         rf"^  pp1\s+1\s+\S+\s+{NUM}\s+{NUM}",
@@ -116,6 +121,7 @@ SLOW = {
     "bench_train_gpu",
     "bench_finetune_gpu",
     "bench_parallel_gpu",
+    "bench_dpo_gpu",  # reference-logprobs, finetune and TRL's trainer: three processes importing torch
 }
 
 

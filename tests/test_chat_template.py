@@ -189,3 +189,24 @@ def test_tokenizer_without_tokenizer_json(tmp_path):
     fast = ct.ChatTokenizer(tok, d)
     for conv in CONVERSATIONS:
         assert ct.encode_chat(template, plain, conv) == ct.encode_chat(template, fast, conv)
+
+
+def test_sentencepiece_offsets_train_exactly_the_replies(tmp_path):
+    """A SentencePiece run (trained here, no tokenizer.json): pieces' own byte spans give the mask."""
+    from hf_helpers import train_spm
+
+    from snakellm.tokenize import encoders
+
+    tok = encoders.load("sentencepiece", model_file=str(train_spm(tmp_path, 600)))
+    from chat_helpers import ROOT
+
+    plain = (ROOT / "resources" / "chat" / "plain.jinja").read_text()
+    t = ct.ChatTemplate(plain, "plain.jinja", {"eos_token": tok.eod_token})
+    conv = [{"role": "system", "content": "Count on."}, {"role": "user", "content": "Kiyo counts four"},
+            {"role": "assistant", "content": "five"}, {"role": "user", "content": "and then?"},
+            {"role": "assistant", "content": "six words"}]  # fmt: skip
+    ids, mask = ct.encode_chat(t, ct.ChatTokenizer(tok), conv)
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert tok.decode(trained).replace(" ", "") == "fivesixwords"
+    assert trained.count(tok.eod_id) == 2 and ids.count(tok.eod_id) == 2
+    assert tok._sp.encode("five")[-1] in trained

@@ -48,3 +48,12 @@ def test_default_run_samples_hold_words_not_unknown_marks(default_workflow: Work
     samples = default_workflow.path("runs/tiny/samples.md").read_text()
     assert "## 1" in samples
     assert UNK_MARK not in samples
+
+
+def test_the_default_tokenizer_keeps_newlines_tabs_runs_of_spaces_and_digits(default_workflow: Workspace):
+    """Issue 42: trained with SentencePiece's defaults (nmt_nfkc, extra whitespace removed) the 2k model turned
+    "a\\n\\nb" into "a b", and code and lists lost their layout; the default normalization (preserve) keeps it."""
+    sp = spm.SentencePieceProcessor(model_file=str(default_workflow.path("tokenizers/spm2k/tokenizer.model")))
+    text = "def f(x):\n\tif x  >  1:\n\t\treturn 12345\n\n- a   b\n  indented, trailing  \n"
+    assert sp.decode(sp.encode(text)) == text
+    assert [p for p in sp.encode("2026", out_type=str) if p != "▁"] == ["2", "0", "2", "6"]  # digits split

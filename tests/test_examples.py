@@ -272,6 +272,24 @@ def test_8b_lora_chain_example_plans_the_seed_chain_on_tp4_and_tp1(workspace):
     )
 
 
+@pytest.mark.slow
+def test_8b_chat_lora_example_plans_packed_conversations_on_one_gpu(workspace):
+    """config/examples/llama3-8b-chat-lora-gpu.yaml: random 8B-shaped model -> import -> conversations ->
+    LoRA on all four linears at sequence 4096, packed, assistant turns trained, compiled, on one GPU."""
+    for d in ("sft", "tokenizers"):
+        shutil.copytree(REPO / "resources" / d, workspace.root / "resources" / d)
+    shutil.copy(REPO / "config" / "examples" / "llama3-8b-chat-lora-gpu.yaml", workspace.config_path)
+    out = workspace.run("-n", "-p", "finetunes").stdout
+    assert "snakellm prepare-sft resources/sft/botchan-chat.jsonl data/sft/chat --format messages" in out
+    ft = next(ln for ln in out.splitlines() if "snakellm finetune" in ln)
+    for flag in ("--packing", "--max-seq-length 4096", "--chat-template chatml", "--train-on all_assistant",
+                 "--compile", "--tp 1", "--micro-batch-size 1", "--lora-rank 32",
+                 "--lora-targets linear_qkv,linear_proj,linear_fc1,linear_fc2"):  # fmt: skip
+        assert flag in ft, flag
+    assert "torchrun" not in ft
+    assert "snakellm evaluate" in out and "merge-hf" in out
+
+
 def _dry_run_jobs():
     import importlib.util
 

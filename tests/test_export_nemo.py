@@ -17,7 +17,7 @@ import yaml
 from conftest import env_with_venv, small_config
 
 from snakellm.export import nemo
-from snakellm.models import architecture
+from snakellm.models import architecture, families
 
 BIN = Path(sys.executable).parent
 
@@ -25,6 +25,11 @@ BIN = Path(sys.executable).parent
 @pytest.mark.parametrize("preset", sorted(architecture.PRESETS))
 def test_model_config_maps_back_to_the_same_architecture(preset):
     arch = architecture.resolve(preset, {"rotary_base": 500000} if "llama" in preset else {})
+    why = families.get(arch["style"]).nemo_refuses(arch)
+    if why:  # QK-norm, mixture of experts: refused naming the reason, nothing written
+        with pytest.raises(nemo.NemoError, match="NeMo 1.x cannot represent"):
+            nemo.model_config(arch, architecture.padded_vocab_size(32000, arch), {"library": "sentencepiece"})
+        return
     cfg = nemo.model_config(
         arch,
         architecture.padded_vocab_size(32000, arch),

@@ -258,6 +258,34 @@ def test_import_rejects_what_it_cannot_compute(tmp_path):
         arch_from_hf({"model_type": "phi3"})
 
 
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_a_text_preserving_sentencepiece_exports_with_the_same_ids(tmp_path, model_type):
+    """Issue 42: the default trained tokenizer (normalization: preserve) keeps runs of spaces as whitespace-only
+    pieces ("▁▁"); Hugging Face's Metaspace split them one "▁" a word, so the export's ids differed there."""
+    from transformers import AutoTokenizer
+
+    from snakellm.export.hf_tokenizer import export_tokenizer
+    from snakellm.tokenize import encoders
+    from snakellm.tokenize.sentencepiece_trainer import train_sentencepiece
+
+    src = tmp_path / "b.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in botchan_texts(600)))
+    model = tmp_path / "p.model"
+    paths = [str(model), str(tmp_path / "p.vocab"), str(tmp_path / "p.json")]
+    train_sentencepiece([(str(src), "text")], *paths, vocab_size=600, model_type=model_type)
+    ours = encoders.load("sentencepiece", name="p", model_file=str(model))
+    out = tmp_path / "hf"
+    out.mkdir()
+    export_tokenizer(ours.info(), out)
+    at = AutoTokenizer.from_pretrained(out)
+    texts = [t for t in botchan_texts(60) if "<" not in t]
+    texts += ["a   b", "     indented", "  lead", "trail   ", "   ", "x 2026  y", "code:\n\tif  x:\n\t\treturn   1\n"]
+    for t in texts:
+        ids = ours.encode(t)
+        assert at(t, add_special_tokens=False)["input_ids"] == ids, t[:60]
+        assert at.decode(ids) == ours.decode(ids) == t
+
+
 def test_any_tokenizer_json_exports_with_the_same_ids(tmp_path, spm_model):
     """kind huggingface: the tokenizer.json goes as is, AutoTokenizer gives our ids (and the EOD as eos)."""
     from transformers import AutoTokenizer

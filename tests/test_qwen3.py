@@ -154,3 +154,29 @@ def test_qwen3_lora_and_full_sft_through_the_commands(imported):
     full = AutoModelForCausalLM.from_pretrained(root / "full-hf", dtype=torch.float32).eval()
     assert type(full).__name__ == "Qwen3ForCausalLM"
     assert (_logits(full, ids) - before).abs().max().item() > 1e-3
+
+
+@pytest.mark.slow
+def test_qwen3_training_figure_beside_llama_smoke(tmp_path: Path):
+    """`bench_fp8_gpu.py --part speed --bf16-only --preset qwen3-8b --versus llama3-8b --num-layers 8` (issue 45's
+    Qwen3 8B figure beside Llama 3.1 8B's) at tiny shapes on the CPU: both trained by `snakellm train` in one run,
+    the hand-written reference with QK-norm, the ratio and its bar printed (~1-3 min: three training processes)."""
+    import re
+    import sys
+
+    from conftest import REPO
+
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_fp8_gpu.py"), "--smoke", "--part", "speed", "--bf16-only"]
+    cmd += ["--preset", "tiny-qwen3", "--versus", "tiny-llama", "--num-layers", "1"]
+    env = {**env_with_venv(), "OUT": str(tmp_path)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"^snakellm train bf16, tiny-qwen3\s+[\d,]+", out, re.M), out[-3000:]
+    assert re.search(r"^snakellm train bf16, tiny-llama\s+[\d,]+", out, re.M), out[-3000:]
+    assert re.search(r"^hand-written Llama bf16\s+[\d,]+", out, re.M), out[-3000:]
+    m = re.search(r"ours bf16 tiny-qwen3 / ours bf16 tiny-llama: ([\d.]+)x in tokens/s, ([\d.]+)x in MFU", out)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, out[-3000:]
+    res = json.loads((tmp_path / "bench-fp8.json").read_text())["speed"]
+    assert {r["name"] for r in res["rows"]} == {"speed-bf16", "versus-bf16", "reference-bf16"}
+    assert res["verdict"]["versus"] == "tiny-llama"

@@ -409,6 +409,10 @@ def test_tokenizer_flags_fill_a_trained_model_file_and_options():
             lambda c: c["tokenizers"].update(gpt2={"kind": "huggingface", "tokenizer_file": _ANY_FILE, "eod": "x"}),
             "config key runs.r.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece tokenizers",
         ),
+        (
+            lambda c: c["runs"]["r"].update(model={"preset": "tiny-qwen3"}),
+            "config key runs.r.model: NeMo 1.x cannot represent this qwen3 model: QK-norm",
+        ),
         (lambda c: c["import_hf"].update(r={"hf_dir": str(REPO)}), "config key import_hf.r: a run of that name exists"),
         (lambda c: c["import_hf"].update(h={"hf_dir": "/nonexistent"}), "config key import_hf.h.hf_dir: /nonex"),
         (lambda c: c["import_hf"].update(h={"hf_dir": str(REPO)}), "config key import_hf.h.hf_dir: .* no config.json"),
@@ -579,6 +583,7 @@ def _paths_config(tmp_path):
         "rnd": {"hf_dir": "models/random/rnd", "random": {"preset": "tiny-llama"}},
     }
     cfg["lm_eval"] = {"suites": {"mine": {"include_path": [str(tmp_path)]}}}
+    cfg["finetune"]["ft"]["examples"] = {"chat_template": _ANY_FILE}
     return validate.validate(cfg, SCHEMA)
 
 
@@ -586,7 +591,7 @@ def _path_keys(cfg):
     """(dotted key, section dict, field) of every path-valued key present in ``cfg``."""
     out = []
     for where, cls in sections.SECTIONS.items():
-        for name, (_, unless) in settings.path_fields(cls).items():
+        for name, (_, unless, _names) in settings.path_fields(cls).items():
             for key, section in checks._instances(cfg, where.split(".")):
                 if section.get(name) is not None and not (unless and section.get(unless)):
                     out.append((where, f"{key}.{name}", section, name))
@@ -611,6 +616,12 @@ def test_every_path_valued_key_pointed_at_a_missing_file_is_a_config_error_namin
         assert str(e.value).startswith(f"config key {named}: "), (key, str(e.value))
         assert "missing" in str(e.value)
         section[name] = saved
+    # a chat template may name a built-in instead of a file (the names are chat_template.BUILTIN's)
+    from snakellm.finetune.chat_template import BUILTIN
+
+    assert sections.CHAT_TEMPLATE_NAMES == tuple(BUILTIN)
+    cfg["finetune"]["ft"]["examples"]["chat_template"] = "chatml"
+    checks.check_config(cfg)
     # a path that names the wrong kind of thing says so
     cfg["tokenizers"]["gpt2"]["vocab_file"] = str(tmp_path)
     with pytest.raises(ConfigError, match=r"tokenizers.gpt2.vocab_file: .*: not a file"):

@@ -179,7 +179,12 @@ def test_documents_without_tokens_follow_preprocess_data(tmp_path):
     model = tmp_path / "sp.model"
     src = write_jsonl(tmp_path / "b.jsonl", corpus()["botchan"])
     train_sentencepiece(
-        [(str(src), "text")], str(model), str(tmp_path / "sp.vocab"), str(tmp_path / "sp.json"), vocab_size=500
+        [(str(src), "text")],
+        str(model),
+        str(tmp_path / "sp.vocab"),
+        str(tmp_path / "sp.json"),
+        vocab_size=500,
+        normalization="sentencepiece",  # SentencePiece's own NFKC
     )
     texts = ["first document", "\u200b", "third document"]  # NFKC drops the zero-width space: no ids
     write_jsonl(tmp_path / "c.jsonl", texts)

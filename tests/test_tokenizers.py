@@ -165,6 +165,12 @@ def test_sentencepiece_training_is_deterministic_and_writes_sentencepiece_vocab(
         num_threads=2,
         input_sentence_size=0,
         minloglevel=2,
+        # normalization: preserve (the default), as snakellm.tokenize.sentencepiece_trainer.NORMALIZATIONS says
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        byte_fallback=True,
     )
     assert outs[0][1] == (tmp_path / "ref.vocab").read_text()
     assert vocab_text(spm.SentencePieceProcessor(model_file=str(tmp_path / "ref.model"))) == outs[0][1]
@@ -280,3 +286,26 @@ def test_vocab_size_or_eod_disagreeing_with_config_is_an_error():
     with pytest.raises(T.TokenizerError, match=r"vocab\.json: the EOD token '</s>' is not in the vocabulary"):
         T.load("gpt2-bpe", vocab_file=str(GPT2_VOCAB), merges_file=str(GPT2_MERGES), eod="</s>")
     assert np.iinfo(np.uint16).max > 50257
+
+
+CODE_LIKE = "def f(x):\n\tif x  >  1:\n\t\treturn 12345\n\n- a   b\n  indented\r\nend"
+
+
+@pytest.mark.parametrize("model_type", ["bpe"])
+def test_a_trained_tokenizer_keeps_newlines_tabs_runs_of_spaces_and_splits_digits(tmp_path, chunk_files, model_type):
+    """Issue 42: SentencePiece's defaults (nmt_nfkc, extra whitespace removed) turned "a\\n\\nb" into "a b";
+    the default normalization (preserve) gives the text back, as Llama's and Gemma's models do."""
+    kw = dict(vocab_size=1000, model_type=model_type, threads=1, max_bytes=300_000)
+    paths = [str(tmp_path / f) for f in ("p.model", "p.vocab", "p.json")]
+    st = train_sentencepiece(chunk_files, *paths, **kw)
+    assert st["settings"]["normalization_rule_name"] == "identity" and st["settings"]["byte_fallback"] is True
+    tok = T.load("sentencepiece", model_file=paths[0])
+    for text in (CODE_LIKE, "a\n\nb", "Ünïcödé 🦙 日本語"):
+        assert tok.decode(tok.encode(text)) == text
+    sp = spm.SentencePieceProcessor(model_file=paths[0])
+    assert [p for p in sp.encode("12345", out_type=str) if p != "▁"] == ["1", "2", "3", "4", "5"]
+    # SentencePiece's own defaults stay a named setting: newlines and runs of spaces are lost
+    plain = [str(tmp_path / f) for f in ("s.model", "s.vocab", "s.json")]
+    train_sentencepiece(chunk_files, *plain, normalization="sentencepiece", **kw)
+    tok = T.load("sentencepiece", model_file=plain[0])
+    assert tok.decode(tok.encode("a\n\nb   c")) == "a b c"

@@ -1,4 +1,4 @@
-"""W&B and MLflow tracking (snakellm.io.tracking): real clients, a real MLflow server, W&B offline files.
+"""W&B and MLflow tracking (snakellm.tracking): real clients, a real MLflow server, W&B offline files.
 
 Fast: the settings (config -> flags -> the step's settings), what is never sent
 (secrets, user-info in URIs), the resume bookkeeping, and the budget against a
@@ -22,9 +22,9 @@ import yaml
 from conftest import REPO, Workspace
 from tracking_helpers import MlflowServer, wandb_history, wandb_run
 
+from snakellm import tracking
 from snakellm.config import flags as flagmod
 from snakellm.config.sections import TrackingSettings
-from snakellm.io import tracking
 from snakellm.steps import train as train_step
 
 
@@ -78,6 +78,19 @@ def test_config_layers_become_flags_that_parse_back_into_the_settings():
     assert tracking.open_tracker(none, tracking.RunInfo(name="x", kind="pretrain", dir=Path("unused"))) is None
     off = TrackingSettings(wandb={"project": "p", "mode": "disabled"}, mlflow={})
     assert not tracking.configured(off)
+
+
+def test_the_config_has_no_place_for_credentials():
+    from snakellm.config import validate as cfgmod
+
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    schema = cfgmod.load_schema(REPO / "config" / "schema.yaml")
+    cfg["runs"]["tiny"]["tracking"] = {"wandb": {"project": "p", "mode": "offline"}, "mlflow": {"experiment": "e"}}
+    cfgmod.validate(cfg, schema)
+    for backend, key in (("wandb", "api_key"), ("mlflow", "token")):
+        bad = {**cfg, "tracking": {backend: {key: "s3cret"}}}
+        with pytest.raises(cfgmod.ConfigError, match=f"tracking.{backend}: unknown key '{key}'"):
+            cfgmod.validate(bad, schema)
 
 
 def test_secrets_are_never_parameters_and_uris_are_shown_without_user_info():

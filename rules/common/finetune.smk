@@ -44,10 +44,62 @@ def _base_inputs(ft):
 def get_finetune_input(wildcards):
     ft = _ft(wildcards)
     d = f"data/sft/{ft['data']}"
-    return _base_inputs(ft) | {
-        "train": f"{d}/train.jsonl",
-        "validation": f"{d}/validation.jsonl",
+    ref = (
+        {
+            "reference": f"runs/{ft['run']}/finetune/{wildcards.ft}/reference_logprobs.json"
+        }
+        if _needs_reference(ft)
+        else {}
+    )
+    return (
+        _base_inputs(ft)
+        | {
+            "train": f"{d}/train.jsonl",
+            "validation": f"{d}/validation.jsonl",
+        }
+        | ref
+    )
+
+
+def _needs_reference(ft):
+    """A DPO fine-tune reads its reference's log-probabilities from a file (not adapter-off, not simpo)."""
+    dpo = ft.get("dpo") or {}
+    return (
+        ft["method"] == "dpo"
+        and dpo.get("reference") != "adapter-off"
+        and dpo.get("loss") != "simpo"
+    )
+
+
+def _reference_model(ft):
+    """(the reference's directory, its final file): the fine-tune's run, another run, or a full fine-tune's model."""
+    ref = ft["dpo"]["reference"]
+    if ref == "base":
+        ref = ft["run"]
+    if ref in RUNS or ref in IMPORTS:
+        return f"runs/{ref}", _base_inputs({"run": ref})["base"]
+    if ref in FINETUNES and FINETUNES[ref]["method"] == "full":
+        d = f"runs/{FINETUNES[ref]['run']}/finetune/{ref}"
+        return f"{d}/model", f"{d}/finetune_summary.json"
+    raise WorkflowError(
+        f"dpo.reference {ref!r}: base, adapter-off, a key of runs or import_hf, or a full fine-tune's name"
+    )
+
+
+def get_reference_input(wildcards):
+    ft = _ft(wildcards)
+    d = f"data/sft/{ft['data']}"
+    return {"model": _reference_model(ft)[1]} | {
+        s: f"{d}/{s}.jsonl" for s in ("train", "validation", "test")
     }
+
+
+def get_reference_flags(wildcards):
+    """Only what decides the reference's numbers: its model, the pairs' tokenization and the precision
+    (beta, the loss, the learning rate and the steps are not here: changing them reuses the file).
+    """
+    ft = _ft(wildcards)
+    return flagmod.reference_flags(ft, _reference_model(ft)[0])
 
 
 def get_finetune_flags(wildcards):
@@ -81,7 +133,10 @@ def get_export_peft_input(wildcards):
 
 def get_export_peft_source(wildcards):
     d = f"runs/{wildcards.run}/finetune/{wildcards.ft}"
-    if FINETUNES[wildcards.ft]["method"] == "lora":
+    if FINETUNES[wildcards.ft]["method"] in (
+        "lora",
+        "dpo",
+    ):  # a DPO fine-tune here: a LoRA policy
         return f"--adapter {d}/adapter"
     return f"--prompt {d}/prompt"
 
@@ -164,6 +219,12 @@ def get_finetune_targets():
     for name, ft in FINETUNES.items():
         d = f"runs/{ft['run']}"
         out += [f"{d}/finetune/{name}/finetune_summary.json"]
+        if (
+            ft["method"] == "dpo"
+        ):  # evaluated in the fine-tune itself: held-out reward accuracy
+            if ft["dpo"]["policy"] == "lora":
+                out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
+            continue
         out += [f"{d}/eval/{name}/tuned/{f}" for f in EVAL_FILES]
         out += [f"{base_eval_dir(name)}/{f}" for f in EVAL_FILES]
         out += [f"{d}/eval/{name}/comparison.{x}" for x in ("json", "tsv", "md")]

@@ -45,19 +45,66 @@ def check_finetunes(config: dict[str, Any]) -> None:
             raise ConfigError(
                 f"config key finetune.{name}.data: unknown sft_data {ft['data']!r} (sft_data: {_names(sft)})"
             )
-        check_example_template(name, ft, config["sft_data"][ft["data"]])
+        preference = config["sft_data"][ft["data"]].get("format") == "preference"
+        if preference != (ft["method"] == "dpo"):
+            raise ConfigError(
+                f"config key finetune.{name}.method: {ft['method']} on sft_data {ft['data']} of format "
+                f"{config['sft_data'][ft['data']].get('format', 'squad')} (method dpo reads, and only it, "
+                "format preference)"
+            )
+        if preference:
+            check_dpo(name, ft, config)
+        else:
+            check_example_template(name, ft, config["sft_data"][ft["data"]])
         t = ft["train"]
         if t["global_batch_size"] % t["micro_batch_size"]:
             raise ConfigError(
                 f"config key finetune.{name}.train: global_batch_size {t['global_batch_size']} is not "
                 f"a multiple of micro_batch_size {t['micro_batch_size']}"
             )
-        check_parallel_conflict(f"finetune.{name}", {**ft.get("parallel", {}), "method": ft["method"]})
+        kind = ft.get("dpo", {}).get("policy", "lora") if ft["method"] == "dpo" else ft["method"]
+        check_parallel_conflict(f"finetune.{name}", {**ft.get("parallel", {}), "method": kind})
+
+
+def dpo_conflict(loss: str, beta: float, label_smoothing: float, reference: str, policy: str) -> str | None:
+    """Why these dpo settings cannot be honoured (the setting named), or None."""
+    if beta <= 0:
+        return f"dpo.beta {beta}: must be positive"
+    if label_smoothing and loss not in ("robust", "simpo"):
+        return (
+            f"dpo.label_smoothing {label_smoothing}: TRL's DPOTrainer uses it only with loss robust (and CPO's with "
+            f"simpo), not {loss}"
+        )
+    if loss == "robust" and not 0 <= label_smoothing < 0.5:
+        return f"dpo.label_smoothing {label_smoothing}: robust needs it in [0, 0.5)"
+    if reference == "adapter-off" and policy != "lora":
+        return "dpo.reference adapter-off: needs dpo.policy lora (a full policy has no adapters to turn off)"
+    return None
+
+
+def check_dpo(name: str, ft: dict[str, Any], config: dict[str, Any]) -> None:
+    """The dpo block's settings against each other and the config (snakellm.finetune.preference's rules)."""
+    d = ft.get("dpo", {})
+    why = dpo_conflict(d["loss"], d["beta"], d["label_smoothing"], d["reference"], d["policy"])
+    if why:
+        raise ConfigError(f"config key finetune.{name}.{why}")
+    ref = d["reference"]
+    fts = config.get("finetune") or {}
+    known = (
+        ref in ("base", "adapter-off") or ref in (config.get("runs") or {}) or ref in (config.get("import_hf") or {})
+    )
+    if not known and not (ref in fts and fts[ref]["method"] == "full"):
+        raise ConfigError(
+            f"config key finetune.{name}.dpo.reference: {ref!r} is not base, adapter-off, a key of runs or "
+            "import_hf, or a full fine-tune's name"
+        )
 
 
 # the string fields of prepare-sft's records, by source format: what a fine-tune's template may name
 RECORD_FIELDS = {"squad": ("input", "output", "context", "question", "title"), "jsonl": ("input", "output")}
 SQUAD_PROMPT_FIELDS = ("context", "question", "title")
+CHAT_FORMATS = ("messages", "sharegpt")
+CHAT_BUILTINS = ("chatml", "llama3", "mistral")  # snakellm.finetune.chat_template.BUILTIN (torch-free here)
 
 
 def template_fields(template: str, key: str) -> list[str]:
@@ -105,9 +152,9 @@ def check_paths(config: dict[str, Any]) -> None:
         if not fields:
             continue
         for key, section in _instances(config, where.split(".")):
-            for name, (kind, unless) in fields.items():
+            for name, (kind, unless, names) in fields.items():
                 value = section.get(name)
-                if value is None or (unless and section.get(unless)):
+                if value is None or (unless and section.get(unless)) or value in names:
                     continue
                 for i, item in enumerate(value if isinstance(value, list) else [value]):
                     at = f"{key}.{name}" + (f"[{i}]" if isinstance(value, list) else "")
@@ -140,6 +187,14 @@ def check_sft_data(config: dict[str, Any]) -> None:
 def check_example_template(name: str, ft: dict[str, Any], data: dict[str, Any]) -> None:
     """The fine-tune's prompt template ends with its one {output} and names only fields its records have."""
     ex = ft.get("examples", {})
+    if data.get("format", "squad") in CHAT_FORMATS:  # conversations: the chat template, not a prompt template
+        chat = ex.get("chat_template")
+        if chat and chat not in CHAT_BUILTINS and not os.path.isfile(chat):
+            raise ConfigError(
+                f"config key finetune.{name}.examples.chat_template: {chat!r} is neither a built-in "
+                f"({', '.join(CHAT_BUILTINS)}) nor a file (relative to {os.getcwd()})"
+            )
+        return
     template, key = ex.get("template", "{input} {output}"), f"finetune.{name}.examples.template"
     fields = template_fields(template, key)
     if fields.count("output") != 1 or not template.rstrip().endswith("{output}"):
@@ -187,10 +242,13 @@ def check_resources(config: dict[str, Any], env: Mapping[str, str] | None = None
             jobs.check_allocation(jobs.allocation(config, stage, None, env), slurm=env is not None)
 
 
-def check_export_nemo(config: dict[str, Any]) -> None:
-    """A .nemo packs only gpt2-bpe or sentencepiece tokenizers: an export that cannot work fails before training."""
+def check_export_nemo(config: dict[str, Any], run_models: dict[str, dict[str, Any]] | None = None) -> None:
+    """A .nemo packs only gpt2-bpe or sentencepiece tokenizers, and only models NeMo 1.x represents (not Qwen3's
+    QK-norm, not mixtures of experts): an export that cannot work fails before training."""
     if not config.get("export_nemo", {}).get("enabled", True):
         return
+    from snakellm.models import families
+
     tokenizers = config.get("tokenizers", {})
     for name, run in config.get("runs", {}).items():
         kind = tokenizers[run["tokenizer"]]["kind"]
@@ -198,6 +256,13 @@ def check_export_nemo(config: dict[str, Any]) -> None:
             raise ConfigError(
                 f"config key runs.{name}.tokenizer: a .nemo packs only gpt2-bpe or sentencepiece "
                 f"tokenizers, {run['tokenizer']!r} is {kind} (set export_nemo.enabled: false to skip the .nemo)"
+            )
+        arch = (run_models or {}).get(name)
+        why = families.get(arch["style"]).nemo_refuses(arch) if arch else None
+        if arch and why:
+            raise ConfigError(
+                f"config key runs.{name}.model: NeMo 1.x cannot represent this {arch['style']} model: {why} "
+                "(set export_nemo.enabled: false to skip the .nemo)"
             )
 
 
@@ -349,7 +414,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
     check_resources(config, env)
     check_fp8(config, run_models)
     check_grad_reduce(config)
-    check_export_nemo(config)
+    check_export_nemo(config, run_models)
     check_imports(config)
     check_hf_exports(config, run_models)
     return run_models

@@ -55,13 +55,32 @@ def finetune_flags(ft: dict[str, Any]) -> str:
     Only the chosen method's options are passed (editing the LoRA block of a
     p-tuning fine-tune reruns nothing); the threads are the job's own.
     """
-    method = {"lora": (S.LoraSettings, "lora"), "ptuning": (S.PtuningSettings, "ptuning")}.get(ft["method"])
+    kind = ft.get("dpo", {}).get("policy", "lora") if ft["method"] == "dpo" else ft["method"]
+    method = {"lora": (S.LoraSettings, "lora"), "ptuning": (S.PtuningSettings, "ptuning")}.get(kind)
     return join(
         to_flags(S.FinetuneSettings, ft),
         to_flags(method[0], ft.get(method[1], {})) if method else "",
+        to_flags(S.DpoSettings, ft.get("dpo", {})) if ft["method"] == "dpo" else "",
         to_flags(S.ExamplesSettings, ft.get("examples", {})),
         to_flags(S.FinetuneTrainSettings, ft["train"]),
         to_flags(S.FinetuneParallelSettings, ft.get("parallel", {})),
+    )
+
+
+def reference_flags(ft: dict[str, Any], model: str) -> str:
+    """`snakellm reference-logprobs` settings: the reference, the pairs' tokenization, the fine-tune's sequence
+    length and precision; nothing else of the fine-tune (a new beta or learning rate reuses the file)."""
+    import shlex
+
+    dpo, examples = ft.get("dpo", {}), ft.get("examples", {})
+    seq = examples.get("max_seq_length")
+    precision = {"fp8": "bf16"}.get(ft["train"].get("precision", "auto"), ft["train"].get("precision", "auto"))
+    return join(
+        shlex.join(["--model", model]),
+        to_flags(S.DpoSettings, {k: dpo.get(k) for k in S.DPO_TOKENIZATION}),
+        f"--max-seq-length {int(seq)}" if seq else "",
+        shlex.join(["--chat-template", examples["chat_template"]]) if examples.get("chat_template") else "",
+        f"--precision {precision}",
     )
 
 

@@ -26,6 +26,10 @@ from typing import Any
 from snakellm.config.settings import REQUIRED, setting
 from snakellm.models.architecture import ModelSettings
 
+# the built-in chat templates (snakellm.finetune.chat_template.BUILTIN; a test keeps the two equal): a
+# fine-tune's chat_template names one of them or a file
+CHAT_TEMPLATE_NAMES = ("chatml", "llama3", "mistral")
+
 SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki", "parquet", "arrow", "warc")
 COLUMNAR_FORMATS = ("parquet", "arrow")  # read by snakellm.data.columnar: `id_key`, `columns`
 TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece", "huggingface")
@@ -254,7 +258,18 @@ class TokenizerTrainSettings:
 
     model_type: str = setting("bpe", "SentencePiece model type", choices=("bpe", "unigram", "char", "word"))
     character_coverage: float = setting(1.0, "share of characters covered by the vocabulary")
-    byte_fallback: bool = setting(False, "decompose unknown characters into UTF-8 byte pieces instead of <unk>")
+    normalization: str = setting(
+        "preserve",
+        "preserve: the text as it is, as Llama's and Gemma's models (identity normalization, whitespace runs and "
+        "newlines kept, digits split, byte fallback); sentencepiece: SentencePiece's own defaults (nmt_nfkc, "
+        "extra whitespace removed: newlines lost)",
+        choices=("preserve", "sentencepiece"),
+    )
+    byte_fallback: bool | None = setting(
+        None,
+        "decompose unknown characters into UTF-8 byte pieces instead of <unk> (unset: the normalization's, "
+        "preserve: true, sentencepiece: false)",
+    )
     user_defined_symbols: list[str] = setting(
         [], "a piece that is never split (e.g. a special marker)", flag="user_defined_symbol"
     )
@@ -604,8 +619,9 @@ class SftDataSettings:
     format: str = setting(
         "squad",
         "squad: answerable questions, first answer as output; jsonl: records with input_key/output_key; "
-        "messages: OpenAI-style {role, content} lists; sharegpt: {from, value} lists (human, gpt, system)",
-        choices=("squad", "jsonl", "messages", "sharegpt"),
+        "messages: OpenAI-style {role, content} lists; sharegpt: {from, value} lists (human, gpt, system); "
+        "preference: {prompt, chosen, rejected} strings (TRL's explicit-prompt form), for method dpo",
+        choices=("squad", "jsonl", "messages", "sharegpt", "preference"),
     )
     template: str | None = setting(
         None,
@@ -657,6 +673,67 @@ class PtuningSettings:
     hidden: int = setting(2048, "prompt encoder hidden size", trajectory=True, flag="prompt_encoder_hidden")
 
 
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
+# the settings of a DPO fine-tune that decide the pairs' tokens (and so the reference's log-probabilities)
+DPO_TOKENIZATION = ("max_length", "max_prompt_length", "truncation_mode")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpoSettings:
+    """``finetune.<name>.dpo``: preference tuning (method dpo), by the definitions of TRL's ``DPOTrainer``."""
+
+    policy: str = setting(
+        "lora",
+        "what trains: LoRA adapters (the lora block) or every weight",
+        trajectory=True,
+        choices=("lora", "full"),
+        flag="dpo_policy",
+    )
+    beta: float = setting(0.1, "deviation from the reference (IPO: its tau)", trajectory=True, flag="dpo_beta")
+    loss: str = setting(
+        "sigmoid",
+        "sigmoid (DPO), ipo (length-normalised), hinge (SLiC), robust (label_smoothing: the flip rate), simpo "
+        "(reference-free, length-normalised, margin simpo_gamma; TRL's CPOTrainer with cpo_alpha 0)",
+        trajectory=True,
+        choices=DPO_LOSSES,
+        flag="dpo_loss",
+    )
+    label_smoothing: float = setting(
+        0.0,
+        "robust: the probability a label is flipped, in [0, 0.5); simpo: CPO's conservative smoothing",
+        trajectory=True,
+        flag="dpo_label_smoothing",
+    )
+    simpo_gamma: float = setting(0.5, "simpo: the target reward margin", trajectory=True, flag="dpo_simpo_gamma")
+    reference: str = setting(
+        "base",
+        "the frozen reference: base (the fine-tune's run), a key of runs or import_hf, a full fine-tune's name "
+        "(its model), or adapter-off (policy lora: the base with the adapters off, computed in-process)",
+        trajectory=True,
+        flag="dpo_reference",
+    )
+    max_length: int | None = setting(
+        None,
+        "prompt + completion tokens at most (null: the model's seq_length)",
+        trajectory=True,
+        flag="dpo_max_length",
+    )
+    max_prompt_length: int | None = setting(
+        None,
+        "prompt tokens at most, cut before max_length by truncation_mode (null: off)",
+        trajectory=True,
+        flag="dpo_max_prompt_length",
+    )
+    truncation_mode: str = setting(
+        "keep_start",
+        "what a too long pair keeps (TRL's truncation_mode): its start (a pair whose prompt fills max_length is "
+        "dropped and counted) or its end; a too long prompt keeps its end under keep_end, its start under keep_start",
+        trajectory=True,
+        choices=("keep_start", "keep_end"),
+        flag="dpo_truncation_mode",
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExamplesSettings:
     """``finetune.<name>.examples``: how records become token sequences (NeMo's GPTSFTDataset options)."""
@@ -685,6 +762,8 @@ class ExamplesSettings:
         "conversations: the chat template, a built-in (chatml, llama3, mistral) or a Jinja file "
         "(null: the model's own, from its tokenizer)",
         trajectory=True,
+        path="file",
+        path_names=CHAT_TEMPLATE_NAMES,
     )
     train_on: str = setting(
         "all_assistant",
@@ -780,12 +859,14 @@ class FinetuneSettings:
     data: str = setting(REQUIRED, "a key of sft_data", cli=False)
     method: str = setting(
         REQUIRED,
-        "lora: adapters, base frozen; full: every weight; ptuning: virtual tokens, base frozen",
+        "lora: adapters, base frozen; full: every weight; ptuning: virtual tokens, base frozen; dpo: preference "
+        "tuning of preference pairs (the dpo block)",
         trajectory=True,
-        choices=("lora", "full", "ptuning"),
+        choices=("lora", "full", "ptuning", "dpo"),
     )
     lora: dict[str, Any] = setting({}, "LoRA options", section=LoraSettings)
     ptuning: dict[str, Any] = setting({}, "p-tuning options", section=PtuningSettings)
+    dpo: dict[str, Any] = setting({}, "preference-tuning options (method dpo)", section=DpoSettings)
     examples: dict[str, Any] = setting({}, "example building", section=ExamplesSettings)
     train: dict[str, Any] = setting(REQUIRED, "training", section=FinetuneTrainSettings)
     parallel: dict[str, Any] = setting({}, "parallelism", section=FinetuneParallelSettings)
@@ -948,6 +1029,7 @@ SECTIONS: dict[str, type] = {
     "finetune.*": FinetuneSettings,
     "finetune.*.lora": LoraSettings,
     "finetune.*.ptuning": PtuningSettings,
+    "finetune.*.dpo": DpoSettings,
     "finetune.*.examples": ExamplesSettings,
     "finetune.*.train": FinetuneTrainSettings,
     "finetune.*.parallel": FinetuneParallelSettings,

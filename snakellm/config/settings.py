@@ -64,6 +64,7 @@ def setting(
     cli_default: Any = None,
     path: str | None = None,
     path_unless: str | None = None,
+    path_names: tuple[str, ...] = (),
 ) -> Any:
     """A dataclass field carrying what the CLI, the rule and the resume logic need to know.
 
@@ -76,7 +77,8 @@ def setting(
     ``cli_default``: what the flag defaults to where the config requires the key
     (a step run by hand may leave it out). ``path``: ``"file"``, ``"dir"`` or ``"glob"``, an input that must
     exist when the config is read; ``path_unless``: a sibling key that, when set, means the workflow writes
-    it instead (``import_hf.<name>.random``).
+    it instead (``import_hf.<name>.random``); ``path_names``: values that name a built-in, not a file
+    (``chat_template: chatml``).
     """
     if path not in (None, "file", "dir", "glob"):
         raise ValueError(f"setting(path=...): {path!r} is not one of file, dir, glob")
@@ -92,6 +94,7 @@ def setting(
         "cli_default": cli_default,
         "path": path,
         "path_unless": path_unless,
+        "path_names": path_names,
     }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
@@ -269,10 +272,11 @@ def sections(cls: type) -> dict[str, type]:
     return {f.name: f.metadata["section"] for f in dataclasses.fields(cls) if f.metadata.get("section")}
 
 
-def path_fields(cls: type) -> dict[str, tuple[str, str | None]]:
-    """Field -> (``file`` | ``dir`` | ``glob``, the sibling key that exempts it) for the fields naming inputs."""
+def path_fields(cls: type) -> dict[str, tuple[str, str | None, tuple[str, ...]]]:
+    """Field -> (``file`` | ``dir`` | ``glob``, the sibling key that exempts it, the names that are no paths) for
+    the fields naming inputs."""
     return {
-        f.name: (f.metadata["path"], f.metadata.get("path_unless"))
+        f.name: (f.metadata["path"], f.metadata.get("path_unless"), f.metadata.get("path_names", ()))
         for f in dataclasses.fields(cls)
         if f.metadata.get("path")
     }

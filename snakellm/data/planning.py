@@ -385,7 +385,8 @@ def stale_local_chunk(stats: str | os.PathLike, shards: list[str]) -> str | None
             now = shard_identity(os.stat(s))
         except OSError as e:
             return f"shard {display(s)}: {e.strerror}"
-        if now != was and not _same_content_moved(s, now, was, rec.get("sha256"), units):
+        digest = rec.get("digest") or rec.get("sha256")
+        if now != was and not _same_content_moved(s, now, was, digest, units):
             diff = ", ".join(f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v)
             return f"shard {describe(entry)} changed since its chunk was built ({diff})"
     return None
@@ -404,11 +405,11 @@ def _same_content_moved(
     """
     if not isinstance(sha256, str) or any(now[k] != was.get(k) for k in ("size", "mtime_ns")):
         return False
-    if units is not None:  # a row-group slice recorded the sha256 of its row groups and the footer
-        from snakellm.data.columnar import slice_sha256
+    if sha256.startswith("xxh3_128:"):  # a parquet/Arrow file (or a slice: its row groups and the footer)
+        from snakellm.data.columnar import content_digest
 
         try:
-            return slice_sha256(shard, units) == sha256
+            return content_digest(shard, units) == sha256
         except Exception:  # not parquet any more, or cut short: not the same content
             return False
     h = hashlib.sha256()

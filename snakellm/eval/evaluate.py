@@ -146,9 +146,36 @@ def _encoder(a: argparse.Namespace, tok, seq: int, conf: dict | None, virtual: i
     ), ex_cfg.get("add_eos", a.add_eos)
 
 
+def _chat_examples(a: argparse.Namespace, tok_info: dict, tok, seq: int, conf: dict | None, records: list[dict]):
+    """Chat test records: the prompt is the conversation without its last assistant turn plus the generation
+    prompt; the reference is that turn's content; the template's end-of-turn text ends a generated reply.
+    The loss is the last turn's (``last_assistant``), teacher forced. The adapter's own settings win."""
+    from snakellm.finetune import conversations
+    from snakellm.finetune import dataset as ds
+
+    ex_cfg = (conf or {}).get("examples") or {}
+    template = ex_cfg.get("chat_template", a.chat_template)
+    enc = conversations.chat_encoder(tok_info, tok, template, seq + 1, "last_assistant")
+    exs, prompts, labels, ends = [], [], [], set()
+    for r in records:
+        where = f"{a.test}:{r.get(ds.LINE, '?')}"
+        e = enc.encode(r, where)
+        if e is None:
+            raise ds.SFTFormatError(f"{where}: the conversation's last turn does not fit {seq} tokens")
+        ids, reply, end, text = enc.prompt_and_reply(r, where)
+        r["input"] = text  # predictions.jsonl's input: the rendered prompt
+        exs.append(e)
+        prompts.append(ids)
+        labels.append(reply)
+        ends.add(end)
+    golds = [[lab] for lab in labels]
+    turn_end = next(iter(ends)) if len(ends) == 1 else None
+    return enc, exs, prompts, labels, golds, turn_end
+
+
 def evaluate(a: argparse.Namespace) -> dict:
     from snakellm import models
-    from snakellm.finetune import artifacts, runtime
+    from snakellm.finetune import artifacts, conversations, runtime
     from snakellm.finetune import dataset as ds
     from snakellm.finetune.metrics import exact_string_match, squad_scores
 
@@ -165,22 +192,33 @@ def evaluate(a: argparse.Namespace) -> dict:
         seq = a.max_seq_length or arch["seq_length"]
         tok = runtime.load_tokenizer(base.tokenizer)  # the tokenizer the run carries
         virtual, conf, extra = artifacts.attach(rt.device, gpt, arch, a.adapter, a.prompt)
-        enc, add_eos = _encoder(a, tok, seq, conf, virtual)
         records = ds.read_jsonl(a.test)[: a.limit or None]
-        exs = enc.encode_all(records)
-        warning = ds.truncation_warning(a.test, exs, enc)
-        if warning:
-            print(f"snakellm evaluate: {warning}", file=sys.stderr)
+        ends = list(a.end_string or [])
+        if any(conversations.is_conversation(r) for r in records):
+            enc, exs, prompts, labels, golds, turn_end = _chat_examples(a, base.tokenizer, tok, seq, conf, records)
+            ends += [turn_end] if turn_end else []
+        else:
+            enc, add_eos = _encoder(a, tok, seq, conf, virtual)
+            exs = enc.encode_all(records)
+            warning = ds.truncation_warning(a.test, exs, enc)
+            if warning:
+                print(f"snakellm evaluate: {warning}", file=sys.stderr)
+            eos = [tok.eod_id] if add_eos else []
+            labels = [
+                tok.decode(e.answer[: len(e.answer) - 1] if eos and e.answer[-1:] == eos else e.answer) for e in exs
+            ]
+            golds = [r.get("answers") or [r["output"]] for r in records]
+            prompts = [e.context for e in exs]
         for e in exs:
             e.context = [int(tok.eod_id)] * virtual + e.context
-        eos = [tok.eod_id] if add_eos else []
-        labels = [tok.decode(e.answer[: len(e.answer) - 1] if eos and e.answer[-1:] == eos else e.answer) for e in exs]
-        golds = [r.get("answers") or [r["output"]] for r in records]
+            if e.mask is not None:
+                e.mask = [0] * virtual + e.mask
+        prompts = [[int(tok.eod_id)] * virtual + p for p in prompts]
         loss = answer_loss(rt, gpt, exs, tok.eod_id, a.batch_size)
         t0 = time.perf_counter()
-        gen = generate_answers(gpt, arch, tok, [e.context for e in exs], a, seq, extra)
+        gen = generate_answers(gpt, arch, tok, prompts, a, seq, extra)
         gen_s = time.perf_counter() - t0
-        preds = [cut_at_end_strings(tok.decode(g), a.end_string or []) for g in gen]
+        preds = [cut_at_end_strings(tok.decode(g), ends) for g in gen]
         metrics = {
             "model": a.label or ("lora" if a.adapter else "ptuning" if a.prompt else "base"),
             "checkpoint": str(base.checkpoint),
@@ -208,7 +246,12 @@ def evaluate(a: argparse.Namespace) -> dict:
 
 
 def write_outputs(
-    out: Path, metrics: dict, records: list[dict], preds: list[str], labels: list[str], golds: list[list[str]]
+    out: Path,
+    metrics: dict,
+    records: list[dict],
+    preds: list[str],
+    labels: list[str],
+    golds: list[list[str]],
 ) -> None:
     """metrics.json, our predictions.jsonl and NeMo's predictions file, all three or none (atomic)."""
     rows = list(zip(records, preds, labels, golds, strict=True))

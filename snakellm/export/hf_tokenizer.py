@@ -79,10 +79,20 @@ def sentencepiece_tokenizer_json(model_file: str | Path):
         norm.append(normalizers.Precompiled(ns.precompiled_charsmap))
     if ns.remove_extra_whitespaces:
         norm += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    prepend = "always" if ns.add_dummy_prefix else "never"
+    if ts.allow_whitespace_only_pieces and ts.split_by_whitespace:
+        # sentencepiece's SplitIntoWords with allow_whitespace_only_pieces: a word starts at the first "▁" of a
+        # run and holds the rest of the run and the characters after it ("▁a▁▁▁b" -> "▁a", "▁▁▁b"), where
+        # Metaspace(split=True) would start one at every "▁" (the model's "▁▁" pieces then never match)
+        # (the dummy prefix as a normalizer, as Llama 2's tokenizer.json has it: Metaspace adds none to a text
+        # that starts with a space, sentencepiece always does)
+        norm += ([normalizers.Prepend("▁")] if ns.add_dummy_prefix else []) + [normalizers.Replace(" ", "▁")]
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("▁+[^▁]*|[^▁]+"), behavior="isolated")
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme=prepend, split=ts.split_by_whitespace
+        )
     tok.normalizer = normalizers.Sequence(norm)
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="always" if ns.add_dummy_prefix else "never", split=ts.split_by_whitespace
-    )
     dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if ns.add_dummy_prefix:
         dec.append(decoders.Strip(" ", 1, 0))

@@ -63,6 +63,9 @@ def merge_hf(base: str, adapter: str, out: str, *, max_shard_size: str = "5GB", 
             f"{src}: the adapter was trained on another model than {base} "
             + ", ".join(f"{k} {trained_on[k]!r} != {info['arch'][k]!r}" for k in differ[:3])
         )
+    trained = (conf.get("tokenizer") or {}).get("chat_template")
+    if trained:  # a chat fine-tune's template (its own setting or the base's) goes with the merged model
+        info = {**info, "tokenizer": {**info["tokenizer"], "chat_template": trained}}
     scaling = LoRAConfig.from_dict(conf["lora"]).scaling
     tensors = load_file(str(src / "adapter.safetensors"))
     return export_hf_from_checkpoint(

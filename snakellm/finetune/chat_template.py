@@ -377,14 +377,34 @@ class ChatTokenizer:
         """Encode ``text[a:b]``; each token's offsets: the characters its bytes fall in (as ``tokenizers`` gives)."""
         if a >= b:
             return
+        sp = getattr(self.tok, "_sp", None)
+        if sp is not None:  # SentencePiece gives each piece's byte span itself
+            raw = text[a:b].encode("utf-8")
+            char_at = [0] * (len(raw) + 1)
+            pos = 0
+            for i, ch in enumerate(text[a:b]):
+                for _ in range(len(ch.encode("utf-8"))):
+                    char_at[pos] = i
+                    pos += 1
+            char_at[len(raw)] = b - a
+            try:
+                proto = sp.encode(text[a:b], return_type="proto")  # sentencepiece >= 0.2.1
+            except TypeError:
+                proto = sp.encode(text[a:b], out_type="immutable_proto")
+            for p in proto.pieces:
+                ids.append(int(p.id))
+                end = char_at[p.end - 1] + 1 if p.end > p.begin else char_at[p.begin]
+                offs.append((a + char_at[p.begin], a + end))
+            return
         piece = list(map(int, self.tok.encode(text[a:b])))
         decode_bytes = getattr(self.tok, "decode_bytes", None)
         raw = text[a:b].encode("utf-8")
         char_of = [i for i, ch in enumerate(text[a:b]) for _ in range(len(ch.encode("utf-8")))]
         done = 0  # bytes of the piece covered by the tokens so far
+        n_bytes = 0
         for k in range(len(piece)):
-            if decode_bytes is not None:
-                n_bytes = len(decode_bytes(piece[: k + 1]))
+            if decode_bytes is not None:  # byte-level BPE: every token is its own bytes
+                n_bytes += len(decode_bytes(piece[k : k + 1]))
             else:
                 n_bytes = len(self.tok.decode(piece[: k + 1]).encode("utf-8"))
             n_bytes = min(n_bytes, len(raw))

@@ -145,9 +145,10 @@ class ChatEncoder:
                 out.append(e)
         return out
 
-    def prompt_and_reply(self, rec: dict, where: str = "") -> tuple[list[int], str, str]:
+    def prompt_and_reply(self, rec: dict, where: str = "") -> tuple[list[int], str, str, str]:
         """For evaluation: the prompt (the conversation without its last assistant turn, plus the generation
-        prompt) as ids, the reference reply, and the text that ends a reply (the template's end-of-turn)."""
+        prompt) as ids, the reference reply, the text that ends a reply (the template's end-of-turn), and the
+        prompt's text."""
         messages = rec["messages"]
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         try:
@@ -162,7 +163,7 @@ class ChatEncoder:
         at = turn.find(reply.strip()) if reply.strip() else 0
         end = turn[at + len(reply.strip()) :].strip() if at >= 0 else ""
         ids, _ = self.tok.encode(prompt)
-        return ids, reply, end
+        return ids, reply, end, prompt
 
 
 def length_warning(path: Any, enc: ChatEncoder) -> str | None:

@@ -81,8 +81,9 @@ class EncodeStats:
 LINE = "_line"  # where read_jsonl found a record (1-based), for messages; never a template field
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The ``{input, output, ...}`` records of a jsonl file, each with its line number under ``LINE``."""
+def read_jsonl(path: str | Path, keys: tuple[str, ...] = ("input", "output")) -> list[dict]:
+    """The ``{input, output, ...}`` records (or those with other string ``keys``: preference pairs) of a jsonl
+    file, each with its line number under ``LINE``."""
     out = []
     with open(path, encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
@@ -92,16 +93,20 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 rec = json.loads(line)
             except ValueError as e:
                 raise SFTFormatError(f"{path}:{n}: not valid JSON: {e}") from None
-            if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            if isinstance(rec, dict) and keys == ("input", "output") and isinstance(rec.get("messages"), list):
                 pass  # a conversation (prepare-sft's messages/sharegpt formats)
-            elif (
-                not isinstance(rec, dict)
-                or not isinstance(rec.get("input"), str)
-                or not isinstance(rec.get("output"), str)
+            elif not isinstance(rec, dict) or not all(
+                isinstance(rec.get(k), str) or (keys != ("input", "output") and isinstance(rec.get(k), list))
+                for k in keys
             ):
+                want = " and ".join(repr(k) for k in keys)
                 raise SFTFormatError(
-                    f"{path}:{n}: expected an object with string 'input' and 'output', or a 'messages' "
-                    "list (run prepare-sft)"
+                    f"{path}:{n}: expected an object with string {want}"
+                    + (
+                        " (run prepare-sft, sft_data format preference)"
+                        if "chosen" in keys
+                        else ", or a 'messages' list (run prepare-sft)"
+                    )
                 )
             rec[LINE] = n
             out.append(rec)

@@ -35,9 +35,10 @@ tensor-parallel ranks like the norm itself.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -160,6 +161,7 @@ class LoRAModule(nn.Module):
             p.partition_dim = dim  # type: ignore[attr-defined]
             p.partition_stride = 1  # type: ignore[attr-defined]
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.enabled = True  # False: the hook leaves the base linear's output alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.linear(self.dropout(x), self.a)
@@ -258,6 +260,18 @@ class LoRAAdapters(nn.Module):
         for k, m in self.adapters.items():
             yield k.replace("/", "."), m  # type: ignore[misc]
 
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """The base model alone inside (DPO's adapter-off reference): every adapter's hook passes through."""
+        mods = [m for _, m in self.named_adapters()]
+        for m in mods:
+            m.enabled = False
+        try:
+            yield
+        finally:
+            for m in mods:
+                m.enabled = True
+
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -300,6 +314,8 @@ class LoRAAdapters(nn.Module):
 
 def _hook(mod: LoRAModule):
     def hook(module, args, output):
+        if not mod.enabled:
+            return output
         x = args[0]
         out, bias = output
         return out + mod(x).to(out.dtype), bias

@@ -114,7 +114,30 @@ def write_peft(adapter_dir: str | Path, out_dir: str | Path, base_model: str) ->
     tensors = load_file(str(src / "adapter.safetensors"))
     sd, cfg = to_peft(tensors, conf["model"], conf["lora"])
     cfg["base_model_name_or_path"] = base_model
-    return _write(Path(out_dir), sd, cfg)
+    out = _write(Path(out_dir), sd, cfg)
+    copy_tokenizer(Path(base_model), out, (conf.get("tokenizer") or {}).get("chat_template"))
+    return out
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja")  # fmt: skip
+
+
+def copy_tokenizer(base_dir: Path, out: Path, chat_template: str | None) -> None:
+    """The base export's tokenizer files beside the adapter (as PEFT's save_pretrained of a tokenizer leaves
+    them), with the chat template the fine-tune trained with in tokenizer_config.json."""
+    import shutil
+
+    from snakellm.io.atomic import write_json
+
+    if not base_dir.is_dir():
+        return  # a hub name: the tokenizer is the hub's
+    for name in TOKENIZER_FILES:
+        if (base_dir / name).is_file() and not (name == "chat_template.jinja" and chat_template):
+            shutil.copyfile(base_dir / name, out / name)
+    if chat_template and (out / "tokenizer_config.json").is_file():
+        cfg = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+        write_json(out / "tokenizer_config.json", {**cfg, "chat_template": chat_template})
 
 
 def write_prompt_tuning(prompt_dir: str | Path, out_dir: str | Path, base_model: str) -> Path:

@@ -29,18 +29,18 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from snakellm import tracking
 from snakellm.config.sections import ExamplesSettings, FinetuneTrainSettings
 from snakellm.config.settings import trajectory_keys
 from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
-from snakellm.io import tracking
 from snakellm.io.atomic import write_json, write_text
 from snakellm.models import fp8
 from snakellm.train import assembly
 from snakellm.train.resume import check_required
 from snakellm.train.trainer import Batch
 
-METHODS = ("lora", "full", "ptuning")
+METHODS = ("lora", "full", "ptuning", "dpo")
 # the fingerprinted settings: the fields marked trajectory (precision enters resolved, by the session)
 TRAJECTORY = tuple(k for k in trajectory_keys(FinetuneTrainSettings) if k not in ("precision", "fp8_recipe"))
 EXAMPLE_KEYS = trajectory_keys(ExamplesSettings)
@@ -53,6 +53,10 @@ def finetune(a: argparse.Namespace, mcfg: Any) -> int:
     check_parallel(a)
     job = job_of(a)
     check_required(job.ckpt_dir, job)  # before the base and the data are read
+    if a.method == "dpo":
+        from snakellm.finetune.dpo import DPORecipe
+
+        return assembly.run(job, DPORecipe(a, mcfg))
     return assembly.run(job, FinetuneRecipe(a, mcfg))
 
 
@@ -65,7 +69,8 @@ def check_parallel(a: argparse.Namespace) -> None:
     from snakellm.models import grad_reduce_conflict, parallel_conflict
 
     flags = {f.name: option(f) for cls in (FinetuneSettings, FinetuneParallelSettings) for f in fields(cls)}
-    conflict = parallel_conflict({"tp": a.tp, "fsdp": a.fsdp, "method": a.method}, flags.__getitem__)
+    kind = a.dpo_policy if a.method == "dpo" else a.method  # what trains
+    conflict = parallel_conflict({"tp": a.tp, "fsdp": a.fsdp, "method": kind}, flags.__getitem__)
     if conflict:
         raise assembly.JobError(f"{flags[conflict[0]]} {conflict[1]}")
     why = grad_reduce_conflict(a.grad_reduce_dtype, a.precision)
@@ -126,6 +131,7 @@ class FinetuneRecipe:
         from snakellm.models.loading import describe_run
 
         self.a, self.mcfg = a, mcfg
+        self.kind = a.dpo_policy if a.method == "dpo" else a.method  # which parameters train: lora | full | ptuning
         self.train_path, self.valid_path = Path(a.data_dir) / "train.jsonl", Path(a.data_dir) / "validation.jsonl"
         for f in (self.train_path, self.valid_path):
             if not f.is_file():
@@ -141,6 +147,7 @@ class FinetuneRecipe:
         self.virtual = mcfg.virtual_tokens if a.method == "ptuning" else 0
         self.is_chat = False
         self.chat_template: str | None = None
+        self.chat_text: str | None = None
         self._encode()
         self.extra: Any = None
         self.ft: Any = None
@@ -189,6 +196,7 @@ class FinetuneRecipe:
                 e.context = prefix + e.context
                 e.mask = [0] * len(prefix) + (e.mask or [])
             self.chat_template = enc.template.source
+            self.chat_text = enc.template.text
             self.is_chat = True
             return exs, enc.stats.as_dict() | {"context_truncated": enc.stats.shortened}
 
@@ -245,7 +253,7 @@ class FinetuneRecipe:
             recompute=self.a.recompute,
         )
         gpt = loaded.model
-        self.ft, self.extra = attach(s.torch, gpt, self.a.method, self.mcfg, self.arch, self.a.recompute)
+        self.ft, self.extra = attach(s.torch, gpt, self.kind, self.mcfg, self.arch, self.a.recompute)
         if self.a.compile:  # after attach: the adapters' hooks are traced into each layer's graph
             from snakellm.models.build import compile_each_layer
 
@@ -258,8 +266,8 @@ class FinetuneRecipe:
             # MFU by pretraining's formula (6 N + 12 L h s per token), so methods and pretraining compare as
             # tokens/s do; frozen weights in fact skip their weight gradients (about a third less work)
             flops_per_token=models.flops_per_token(self.arch, self.vocab),
-            state=lambda: trainable_sharded_state(self.a.method, self.ft, self.extra),
-            load_state=lambda sd: load_trainable(self.a.method, self.ft, self.extra, sd),
+            state=lambda: trainable_sharded_state(self.kind, self.ft, self.extra),
+            load_state=lambda sd: load_trainable(self.kind, self.ft, self.extra, sd),
         )
 
     def describe(self, s: assembly.Session, parts: assembly.Parts) -> str:
@@ -354,12 +362,13 @@ class FinetuneRecipe:
             "base": str(self.base_checkpoint),
             "model": self.arch,
             "padded_vocab": self.vocab,
-            "tokenizer": self.tok_info,
+            # the template a chat fine-tune trained with travels with what it wrote (exports, merges, serving)
+            "tokenizer": {**self.tok_info, "chat_template": self.chat_text} if self.is_chat else self.tok_info,
             "examples": done.config["examples"],
             "fingerprint": done.fingerprint,
         }
         rank0 = done.session.dist.rank == 0
-        artifacts.write(a.method, rank0, self.ft, self.extra, self.mcfg, meta, out, done.parts.whole_state)
+        artifacts.write(self.kind, rank0, self.ft, self.extra, self.mcfg, meta, out, done.parts.whole_state)
         if done.session.rank0:
             self._summary(done, chosen, out)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.errors import UsageError
+from snakellm.finetune.preference import KEYS as PREFERENCE_KEYS
 from snakellm.io.atomic import atomic_group
 
 SPLITS = ("train", "validation", "test")
@@ -103,6 +104,68 @@ def squad_records(path: str, template: str) -> Iterator[tuple[str, dict | None, 
                 if isinstance(qa.get("id"), str):
                     rec["id"] = qa["id"]
                 yield place, rec, None, None
+
+
+def preference_records(path: str) -> Iterator[tuple[str, dict | None, str | None, Any]]:
+    """Preference pairs ``{prompt, chosen, rejected}`` (TRL's explicit-prompt form) of a jsonl file.
+
+    A bad pair is quarantined with its place and reason: a missing or non-string field, an empty
+    completion, chosen equal to rejected (nothing to prefer). The prompt may be empty; other keys are kept.
+    """
+    for place, obj, reason, raw in json_objects(path):
+        if obj is None:
+            yield place, None, reason, raw
+            continue
+        missing = [k for k in PREFERENCE_KEYS if k not in obj]
+        if missing:
+            yield place, None, f"missing key {', '.join(missing)}", obj
+            continue
+        if any(isinstance(obj[k], list) for k in PREFERENCE_KEYS):  # the conversational form
+            rec, why = conversational_pair(obj)
+            if rec is None:
+                yield place, None, why, obj
+            else:
+                yield place, rec, None, None
+            continue
+        bad = [k for k in PREFERENCE_KEYS if not isinstance(obj[k], str)]
+        if bad:
+            yield place, None, f"non-string {', '.join(bad)}", obj
+            continue
+        empty = [k for k in ("chosen", "rejected") if not obj[k].strip()]
+        if empty:
+            yield place, None, f"empty {', '.join(empty)}", obj
+            continue
+        if obj["chosen"] == obj["rejected"]:
+            yield place, None, "chosen equals rejected", obj
+            continue
+        yield (
+            place,
+            {k: obj[k] for k in PREFERENCE_KEYS} | {k: v for k, v in obj.items() if k not in PREFERENCE_KEYS},
+            None,
+            None,
+        )
+
+
+def conversational_pair(obj: dict) -> tuple[dict | None, str | None]:
+    """TRL's conversational preference pair: ``prompt`` messages, ``chosen``/``rejected`` message lists (each
+    with an assistant turn), normalised to ``{role, content}``; (None, reason) for a bad one."""
+    from snakellm.finetune.conversations import normalize
+
+    if not all(isinstance(obj[k], list) for k in PREFERENCE_KEYS):
+        return None, "mixed forms: prompt, chosen and rejected must all be message lists (or all strings)"
+    out: dict[str, Any] = {}
+    for k in ("chosen", "rejected"):
+        if not obj[k]:
+            return None, f"empty {k}"
+        msgs, why = normalize(obj["prompt"] + obj[k], "messages")
+        if msgs is None:
+            return None, f"{k}: {why}"
+        if not any(m["role"] == "assistant" for m in msgs[len(obj["prompt"]) :]):
+            return None, f"{k}: no assistant turn"
+        out["prompt"], out[k] = msgs[: len(obj["prompt"])], msgs[len(obj["prompt"]) :]
+    if out["chosen"] == out["rejected"]:
+        return None, "chosen equals rejected"
+    return out | {k: v for k, v in obj.items() if k not in PREFERENCE_KEYS}, None
 
 
 def json_objects(path: str) -> Iterator[tuple[str, dict | None, str | None, Any]]:
@@ -224,10 +287,12 @@ def prepare(
         it = squad_records(source, template or DEFAULT_SQUAD_TEMPLATE)
     elif fmt == "jsonl":
         it = jsonl_records(source, input_key, output_key, template)
+    elif fmt == "preference":
+        it = preference_records(source)
     elif fmt in ("messages", "sharegpt"):
         it = conversation_records(source, fmt, messages_key)
     else:
-        raise SFTDataError(f"unknown format {fmt!r} (squad, jsonl, messages, sharegpt)")
+        raise SFTDataError(f"unknown format {fmt!r} (squad, jsonl, messages, sharegpt, preference)")
     shares = parse_split(split)
     good: list[dict] = []
     rejected: list[dict] = []

@@ -47,7 +47,7 @@ def install_cpu_megatron_shims() -> None:
     * activation recomputation (``tensor_parallel.checkpoint``) saves and restores the CUDA generator's
       state beside the CPU one: on the CPU there is none, so that part is a no-op (the CPU generator
       and megatron's (inference) RNG tracker are still saved and restored);
-    * the MoE layer's dispatcher and router (:func:`snakellm.models.moe.install_cpu_shim`).
+    * the MoE layer's dispatcher and router (:func:`_moe_cpu_shim`).
     The same schedules and recomputation run unchanged on GPUs.
     """
     import torch
@@ -58,9 +58,38 @@ def install_cpu_megatron_shims() -> None:
         schedules.torch = _CpuTorch(torch)
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
     mrandom._set_cuda_rng_state = lambda *a, **k: None
-    from snakellm.models import moe
+    _moe_cpu_shim()
 
-    moe.install_cpu_shim()
+
+def _moe_cpu_shim() -> None:
+    """Two places megatron-core 0.16.1's MoE layer needs CUDA or Transformer Engine, for the CPU (gloo).
+
+    * the alltoall dispatcher makes a ``torch.cuda.Stream`` for its device-to-host copies of the split
+      sizes and synchronises on its event: on the CPU the sizes are host tensors already, so the class's
+      stream is a placeholder and the copy point only turns them into the numpy arrays the GPU path makes;
+    * ``router_gating_linear``'s ``te_general_gemm`` (:func:`no_te_router_gemm`, on GPUs too).
+    The GPU path is megatron-core's, unchanged.
+    """
+    import torch
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    no_te_router_gemm()
+    cls = td.MoEAlltoAllTokenDispatcher
+    if getattr(cls._maybe_dtoh_and_synchronize, "_snakellm_cpu", False):
+        return
+    if cls.cuda_dtoh_stream is None:
+        cls.cuda_dtoh_stream = object()
+
+    def on_cpu(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                v = getattr(self, name)
+                if torch.is_tensor(v):
+                    setattr(self, name, v.numpy())
+        return tokens_per_expert
+
+    on_cpu._snakellm_cpu = True  # type: ignore[attr-defined]
+    cls._maybe_dtoh_and_synchronize = on_cpu
 
 
 @contextlib.contextmanager
@@ -118,8 +147,19 @@ def prepare(
     return cuda
 
 
+def no_te_router_gemm() -> None:
+    """megatron-core 0.16.1's ``router_gating_linear`` tests ``te_general_gemm``, a name its module defines only
+    when Transformer Engine imports: without TE (CPU or GPU) the name is set to None, its own fallback (a plain
+    matmul)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def pick_device(torch: Any, requested: str, local_rank: int = 0) -> Any:
     """``auto``/``cpu``/``cuda`` (or ``cuda:N``) -> a torch.device; one GPU per rank, by local rank."""
+    no_te_router_gemm()
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {requested}: no CUDA device is available")
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):

@@ -100,40 +100,6 @@ def scale_aux_losses(scale: float) -> None:
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
 
 
-def install_cpu_shim() -> None:
-    """Two places megatron-core 0.16.1's MoE layer needs CUDA or Transformer Engine, for the CPU (gloo).
-
-    * the alltoall dispatcher makes a ``torch.cuda.Stream`` for its device-to-host copies of the split
-      sizes and synchronises on its event: on the CPU the sizes are host tensors already, so the class's
-      stream is a placeholder and the copy point only turns them into the numpy arrays the GPU path makes;
-    * ``router_gating_linear`` tests ``te_general_gemm``, which is defined only when Transformer Engine
-      imports: without it the name is None (its own fallback, a plain matmul).
-    The GPU path is megatron-core's, unchanged.
-    """
-    import torch
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe import token_dispatcher as td
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    cls = td.MoEAlltoAllTokenDispatcher
-    if getattr(cls._maybe_dtoh_and_synchronize, "_snakellm_cpu", False):
-        return
-    if cls.cuda_dtoh_stream is None:
-        cls.cuda_dtoh_stream = object()
-
-    def on_cpu(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
-        if not self.drop_and_pad and point == self.cuda_dtoh_point:
-            for name in ("input_splits", "output_splits", "output_splits_tp"):
-                v = getattr(self, name)
-                if torch.is_tensor(v):
-                    setattr(self, name, v.numpy())
-        return tokens_per_expert
-
-    on_cpu._snakellm_cpu = True  # type: ignore[attr-defined]
-    cls._maybe_dtoh_and_synchronize = on_cpu
-
-
 # ----------------------------------------------------------------------------- grouped experts (no TE)
 
 

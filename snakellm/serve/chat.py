@@ -56,26 +56,15 @@ class ChatTemplate:
     eos_token: str = ""
 
     def render(self, messages: list[dict]) -> str:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        # the renderer fine-tuning uses (transformers' environment): served prompts are the trained ones
+        from snakellm.finetune import chat_template as ct
 
-        def raise_exception(msg: str) -> None:
-            raise bad("messages", f"the chat template refused the messages: {msg}")
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = raise_exception
+        t = ct.ChatTemplate(self.text, self.source, {"bos_token": self.bos_token, "eos_token": self.eos_token})
         try:
-            return env.from_string(self.text).render(
-                messages=messages,
-                add_generation_prompt=True,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                tools=None,
-            )
-        except TemplateError as e:
+            return t.render(messages, add_generation_prompt=True)
+        except ct.ChatTemplateError as e:
+            if "refused the conversation" in str(e):
+                raise bad("messages", f"the chat template refused the messages: {str(e).split(': ', 1)[1]}") from None
             raise APIError(500, f"the chat template ({self.source}) failed: {e}") from None
 
 
@@ -101,6 +90,8 @@ def load_template(option: str | None, tokenizer_block: dict, run_dir: Path | Non
                 f"--chat-template {option}: not a Jinja file or a tokenizer_config.json with chat_template"
             )
         return ChatTemplate(text, str(p), **specials)
+    if isinstance(tokenizer_block.get("chat_template"), str):  # recorded with the run (import, chat fine-tune)
+        return ChatTemplate(tokenizer_block["chat_template"], "the run's tokenizer block", **specials)
     base = tokenizer_base(tokenizer_block, run_dir) if run_dir is not None else None
     dirs = []
     for f in (tokenizer_block.get("files") or {}).values():

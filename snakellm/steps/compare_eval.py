@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from snakellm import tracking
 from snakellm.config.settings import DefaultsHelpFormatter
-from snakellm.io import tracking
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,10 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from snakellm import tracking
 from snakellm.config.sections import EvaluateSettings, ExamplesSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.eval.evaluate import evaluate
-from snakellm.io import tracking
 
 
 def build_parser() -> argparse.ArgumentParser:

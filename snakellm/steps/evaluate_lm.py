@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from snakellm import tracking
 from snakellm.config.sections import LmEvalSuiteSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments, from_namespace
 from snakellm.errors import UsageError
 from snakellm.eval.lm_tasks import SQUAD, WIKIPEDIA
-from snakellm.io import tracking
 from snakellm.io.log import log
 
 

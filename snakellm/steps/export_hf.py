@@ -13,12 +13,19 @@ from snakellm.export.hf import ExportError, export_hf_from_checkpoint, hf_family
 from snakellm.io.log import log
 
 
+def _classes() -> str:
+    """The Hugging Face classes the export writes, one per registered family."""
+    from snakellm.models import families
+
+    return ", ".join(dict.fromkeys(f.hf_architecture for f in families.FAMILIES.values()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm export-hf` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         formatter_class=DefaultsHelpFormatter,
         prog="snakellm export-hf",
-        description="Write a Hugging Face model directory (GPT2LMHeadModel or LlamaForCausalLM: config.json, "
+        description=f"Write a Hugging Face model directory ({_classes()}: config.json, "
         "generation_config.json, model.safetensors (sharded above --max-shard-size), tokenizer files) from a "
         "checkpoint.",
     )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from snakellm import tracking
 from snakellm.config.sections import (
+    DpoSettings,
     ExamplesSettings,
     FinetuneParallelSettings,
     FinetuneSettings,
@@ -16,7 +18,6 @@ from snakellm.config.sections import (
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.errors import EXIT_FAILED, EXIT_USAGE
 from snakellm.io import checkpoint as ckpt
-from snakellm.io import tracking
 
 
 def add_data_arguments(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -27,6 +28,15 @@ def add_data_arguments(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()
 def add_method_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p.add_argument_group("LoRA (NeMo's peft lora_tuning options)"), LoraSettings)
     add_arguments(p.add_argument_group("p-tuning"), PtuningSettings)
+    d = p.add_argument_group("DPO (method dpo; TRL's DPOTrainer definitions)")
+    add_arguments(d, DpoSettings)
+    d.add_argument(
+        "--reference-logprobs",
+        default=None,
+        metavar="FILE",
+        help="the reference's log-probabilities of the pairs (snakellm reference-logprobs; not for dpo.reference "
+        "adapter-off or loss simpo)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsHelpFormatter,
         prog="snakellm finetune",
         description="Fine-tune a pretrained run on {input, output} jsonl (prepare-sft) with LoRA, full SFT or "
-        "p-tuning: answer-only loss, validation every N steps, best checkpoint kept, early stopping, exact resume.",
+        "p-tuning, or on preference pairs with DPO (method dpo): answer-only loss, validation every N steps, best checkpoint kept, early stopping, exact resume.",
         epilog="exit status: 0 done; 1 error; 2 usage error; 75 stopped on a signal/--max-time after a checkpoint.",
     )
     p.add_argument("--base", required=True, help="pretrained run dir, its checkpoints/ or an iter_NNNNNNN/ dir")
@@ -73,7 +83,7 @@ def method_config(a: argparse.Namespace):
     from snakellm.finetune.lora import LoRAConfig
     from snakellm.finetune.ptuning import PTuningConfig
 
-    if a.method == "lora":
+    if a.method == "lora" or (a.method == "dpo" and a.dpo_policy == "lora"):
         return LoRAConfig(
             rank=a.lora_rank,
             alpha=a.lora_alpha,

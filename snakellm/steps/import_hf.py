@@ -15,12 +15,19 @@ from snakellm.io.atomic import write_json
 from snakellm.io.log import log
 
 
+def _types() -> str:
+    """The Hugging Face model types the import reads, one per registered family."""
+    from snakellm.models import families
+
+    return ", ".join(dict.fromkeys(f.hf_model_type for f in families.FAMILIES.values()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `snakellm import-hf` flags (settings from snakellm.config.sections, with the config's defaults)."""
     p = argparse.ArgumentParser(
         formatter_class=DefaultsHelpFormatter,
         prog="snakellm import-hf",
-        description="Convert a Hugging Face GPT-2 or Llama model directory into a snakellm run directory: "
+        description=f"Convert a Hugging Face model directory (model_type {_types()}) into a snakellm run directory: "
         "RUN_DIR/checkpoints/iter_0000000/ (megatron-core torch_dist, model only) + run_config.json, and the "
         "tokenizer under RUN_DIR/tokenizer/. Fine-tuning and export start from it like from a pretrained run.",
     )

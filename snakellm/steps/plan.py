@@ -95,10 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for name, chunks in plans.items():
         n = sum(map(len, chunks.values()))
-        print(
-            f"{name}: {plural(n, 'shard')} -> {plural(len(chunks), 'chunk')} of <= "
-            f"{cfg['sources'][name]['shards_per_chunk']}"
-        )
+        spec = cfg["sources"][name]
+        if spec.get("row_groups_per_chunk"):
+            files = len({plan.split_slice(s)[0] for c in chunks.values() for s in c})
+            print(
+                f"{name}: {plural(files, 'file')} -> {plural(len(chunks), 'chunk')} of <= "
+                f"{spec['row_groups_per_chunk']} row groups"
+            )
+        else:
+            print(f"{name}: {plural(n, 'shard')} -> {plural(len(chunks), 'chunk')} of <= {spec['shards_per_chunk']}")
         items = list(chunks.items())
         shown: list[tuple[str, list[str]] | None] = list(items) if len(items) <= 3 else [*items[:2], None, items[-1]]
         for item in shown:
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  ... {len(items) - 3} more")
                 continue
             c, shards = item
-            print(f"  {c}: {plural(len(shards), 'shard')}, {shards[0]} .. {shards[-1]}")
+            print(f"  {c}: {plural(len(shards), 'shard')}, {plan.describe(shards[0])} .. {plan.describe(shards[-1])}")
     for line in curate_plan(cfg, plans, a.docs_per_shard, a.dup_fraction):
         print(line)
     status = 0

@@ -6,7 +6,7 @@ removed by reason), sums them per source and stage, and logs them as the
 summary of one tracker run (kind ``data``, named ``data``) whose ids stay in
 ``--state-dir``/tracking.json, so a rerun after new shards updates the same
 run. ``--output`` records what was logged (the rule's target). The tracker
-calls cost at most 30 s and one warning (:mod:`snakellm.io.tracking`).
+calls cost at most 30 s and one warning (:mod:`snakellm.tracking`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from snakellm import tracking
 from snakellm.config.settings import DefaultsHelpFormatter
 from snakellm.errors import UsageError
-from snakellm.io import tracking
 from snakellm.io.atomic import write_json
 
 

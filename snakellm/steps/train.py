@@ -30,10 +30,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from snakellm import models
+from snakellm import models, tracking
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.io import checkpoint as ckpt
-from snakellm.io import tracking
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime
 from snakellm.models.attention import ATTENTION_BACKENDS

@@ -7,6 +7,7 @@ import sys
 
 from snakellm.config.sections import SampleSettings, TokenizerTrainSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments, from_namespace
+from snakellm.io.log import plural
 from snakellm.tokenize.sentencepiece_trainer import TrainError, train_sentencepiece
 
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size=a.vocab_size,
             model_type=train.model_type,
             character_coverage=train.character_coverage,
+            normalization=train.normalization,
             byte_fallback=train.byte_fallback,
             user_defined_symbols=train.user_defined_symbols,
             max_sentence_length=train.max_sentence_length,
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     s = st["sample"]
     print(
         f"{model}: {st['vocab_size']} pieces ({st['settings']['model_type']}) from {s['sentences']} sentences, "
-        f"{s['bytes'] / 1e6:.2f} MB sampled from {len(s['inputs'])} chunks, in {st['seconds']} s",
+        f"{s['bytes'] / 1e6:.2f} MB sampled from {plural(len(s['inputs']), 'chunk')}, in {st['seconds']} s",
         file=sys.stderr,
     )
     return 0

@@ -29,6 +29,20 @@ from snakellm.errors import StepFailed
 from snakellm.io.atomic import atomic_group
 
 MODEL_TYPES = ("bpe", "unigram", "char", "word")
+# config tokenizers.NAME.train.normalization: what the trainer is told beyond the configured settings.
+# preserve: the text survives encode + decode (newlines, tabs and runs of spaces kept; a character outside the
+# vocabulary as its UTF-8 bytes), as Llama 2's and Gemma's models are trained; sentencepiece: its own defaults,
+# which NFKC-normalize and squeeze whitespace, so "a\n\nb" comes back "a b".
+NORMALIZATIONS: dict[str, dict[str, Any]] = {
+    "preserve": {
+        "normalization_rule_name": "identity",
+        "remove_extra_whitespaces": False,
+        "allow_whitespace_only_pieces": True,
+        "split_digits": True,
+        "byte_fallback": True,
+    },
+    "sentencepiece": {"byte_fallback": False},
+}
 
 
 class TrainError(StepFailed, ValueError):
@@ -92,7 +106,8 @@ def train_sentencepiece(
     vocab_size: int,
     model_type: str = "bpe",
     character_coverage: float = 1.0,
-    byte_fallback: bool = False,
+    normalization: str = "preserve",
+    byte_fallback: bool | None = None,
     user_defined_symbols: list[str] | None = None,
     max_sentence_length: int = 16384,
     max_bytes: int = 100_000_000,
@@ -104,11 +119,14 @@ def train_sentencepiece(
 
     t0 = time.perf_counter()
     sentences, sample = sample_sentences(inputs, max_bytes, seed)
+    if normalization not in NORMALIZATIONS:
+        raise TrainError(f"{model}: normalization {normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
     settings: dict[str, Any] = {
         "vocab_size": vocab_size,
         "model_type": model_type,
         "character_coverage": character_coverage,
-        "byte_fallback": byte_fallback,
+        **NORMALIZATIONS[normalization],
+        "byte_fallback": NORMALIZATIONS[normalization]["byte_fallback"] if byte_fallback is None else byte_fallback,
         "user_defined_symbols": list(user_defined_symbols or []),
         "max_sentence_length": max_sentence_length,
         **(options or {}),

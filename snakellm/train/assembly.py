@@ -110,7 +110,7 @@ class Job:
     dropout: bool = False
     sequence_parallel: bool = False
     overlap_grad_reduce: bool = True  # on GPUs with more than one data-parallel rank
-    tracking: Any = None  # snakellm.config.sections.TrackingSettings: W&B and MLflow (snakellm.io.tracking)
+    tracking: Any = None  # snakellm.config.sections.TrackingSettings: W&B and MLflow (snakellm.tracking)
     params: dict[str, Any] = field(default_factory=dict)  # the step's resolved settings: the trackers' parameters
 
     @property
@@ -587,12 +587,12 @@ def _restore(
 
 
 def _tracker(job: Job, s: Session, fp: str, cfg: dict[str, Any], record: dict[str, Any], *, fresh: bool) -> Any:
-    """Rank 0's W&B/MLflow tracker (:mod:`snakellm.io.tracking`), or None when none is configured.
+    """Rank 0's W&B/MLflow tracker (:mod:`snakellm.tracking`), or None when none is configured.
 
     Its state (the run ids) lives beside the checkpoints: a resumed job continues the same runs, a fresh
     start (no checkpoint to resume, or old ones moved aside) begins new ones.
     """
-    from snakellm.io import tracking
+    from snakellm import tracking
 
     if not s.rank0 or not tracking.configured(job.tracking):
         return None

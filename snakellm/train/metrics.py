@@ -5,7 +5,7 @@ before evaluations and saves), so logging costs one host sync per interval, not
 per step. Rank 0 appends the records to the checkpoint directory's live file
 (``metrics.live.jsonl``, truncated to the checkpoint's step on resume), to
 TensorBoard and to the W&B/MLflow tracker if one is configured
-(:mod:`snakellm.io.tracking`: the same records, queued, never waited for); :func:`merge_metrics` turns the live file into the run's
+(:mod:`snakellm.tracking`: the same records, queued, never waited for); :func:`merge_metrics` turns the live file into the run's
 ``metrics.jsonl`` at the end. The throughput window excludes evaluation and
 checkpoint time (:meth:`MetricsLogger.restart_window`).
 """
@@ -64,7 +64,7 @@ class MetricsLogger:
         self.world_size = world_size
         self.dp_group = dp_group
         self.dp_size = dp_size
-        self.pending: list[tuple[int, float, Any, Any]] = []
+        self.pending: list[tuple[int, float, Any, Any, dict[str, Any] | None]] = []
         self.router = router  # a mixture of experts' RouterStats (snakellm.train.router_stats), or None
         self.pending_router: list[Any] = []
         self.last_losses: list[float] = []
@@ -76,9 +76,9 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=start_step + 1)
 
-    def record(self, step: int, lr: float, loss: Any, grad_norm: Any) -> None:
-        """A finished optimizer step (loss and norm are device tensors: no sync here)."""
-        self.pending.append((step, lr, loss, grad_norm))
+    def record(self, step: int, lr: float, loss: Any, grad_norm: Any, stats: dict[str, Any] | None = None) -> None:
+        """A finished optimizer step (loss, norm and the recipe's ``stats`` are device tensors: no sync here)."""
+        self.pending.append((step, lr, loss, grad_norm, stats))
         if self.router is not None:
             self.pending_router.append(self.router.take())
         self.window_steps += 1
@@ -97,10 +97,17 @@ class MetricsLogger:
         norms = torch.stack([p[3] for p in self.pending]).tolist()
         torch.distributed.all_reduce(losses_t, group=self.dp_group)
         losses = (losses_t / self.dp_size).tolist()
+        # the recipe's per-step metrics (DPO: rewards/*, logps/*), averaged over the data-parallel ranks too
+        keys = sorted(self.pending[0][4] or {})
+        extra: list[dict[str, float]] = [{} for _ in self.pending]
+        if keys:
+            st = torch.stack([torch.stack([(p[4] or {})[k].float() for k in keys]) for p in self.pending])
+            torch.distributed.all_reduce(st, group=self.dp_group)
+            extra = [dict(zip(keys, row, strict=True)) for row in (st / self.dp_size).tolist()]
         elapsed = max(time.time() - self.window_t0, 1e-9)
         tps = self.window_steps * self.tokens_per_step / elapsed
         mfu = tps * self.flops_per_token / (self.peak * 1e12 * self.world_size) if self.peak else None
-        bad = [s for (s, *_), loss in zip(self.pending, losses) if not math.isfinite(loss)]
+        bad = [s for (s, *_), loss in zip(self.pending, losses, strict=True) if not math.isfinite(loss)]
         recs = [
             {
                 "step": s,
@@ -111,8 +118,9 @@ class MetricsLogger:
                 "mfu": mfu,
                 "consumed_samples": s * self.samples_per_step,
                 "tokens": s * self.tokens_per_step,
+                **more,
             }
-            for (s, lr, _, _), loss, gn in zip(self.pending, losses, norms)
+            for (s, lr, *_), loss, gn, more in zip(self.pending, losses, norms, extra)
         ]
         routed = [p for p in self.pending_router if p is not None]
         if routed and len(routed) == len(recs):
@@ -124,7 +132,7 @@ class MetricsLogger:
         self._write(recs)
         if self.tb is not None:
             for r in recs:
-                for k in ("loss", "lr", "grad_norm"):
+                for k in ("loss", "lr", "grad_norm", *keys):
                     self.tb.add_scalar(f"train/{k}", r[k], r["step"])
                 for k in ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped_tokens"):
                     if r.get(k) is not None:

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from snakellm import models
+from snakellm import models, tracking
 from snakellm.io import checkpoint as ckpt
-from snakellm.io import tracking
 from snakellm.io.atomic import write_json, write_text
 from snakellm.io.log import log
 from snakellm.train import assembly

@@ -52,6 +52,14 @@ class Intervals:
     checkpoints: bool = True
 
 
+def split_loss(out: Any) -> tuple[Any, dict[str, Any] | None]:
+    """A loss function's result: the loss, or (loss, {metric name: 0-d tensor}) whose micro-batch means
+    go into each step's metrics line beside the loss (DPO's rewards and log-probabilities)."""
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    return out, None
+
+
 class Trainer:
     """``fit()`` runs ``train_step()`` from ``start_step + 1`` to ``intervals.steps``."""
 
@@ -109,7 +117,7 @@ class Trainer:
             norm = self.optimizer.step(lr)
             self.metrics.record(step, lr, mean, norm)
             return
-        total = None
+        total, stats = None, None
         if self.num_micro > 1:  # the MoE auxiliary losses' gradients, averaged over micro-batches as the loss is
             from snakellm.models.moe import scale_aux_losses
 
@@ -118,12 +126,15 @@ class Trainer:
             batch = self.to_device(next(self.batches))
             sync_later = self.overlap and m < self.num_micro - 1
             with self.model.no_sync() if sync_later else contextlib.nullcontext():
-                loss = self.loss_fn(self.model, batch)
+                loss, more = split_loss(self.loss_fn(self.model, batch))
                 (loss / self.num_micro).backward()
             total = loss.detach() if total is None else total + loss.detach()
+            if more:
+                stats = {k: v.detach() + (stats[k] if stats else 0) for k, v in more.items()}
         self.finalize_grads()
         norm = self.optimizer.step(lr)
-        self.metrics.record(step, lr, (total if total is not None else torch.zeros(())) / self.num_micro, norm)
+        mean = (total if total is not None else torch.zeros(())) / self.num_micro
+        self.metrics.record(step, lr, mean, norm, {k: v / self.num_micro for k, v in stats.items()} if stats else None)
 
     def validate(self, step: int) -> float | None:
         self.metrics.flush()  # keep evaluation out of the throughput window

@@ -51,7 +51,8 @@ class Validator:
                 total, count = (self.evaluate(batches), 1) if batches else (None, 0)
             for b in [] if self.evaluate is not None else self.make_batches():
                 scored = "loss_mask" not in b or bool(b["loss_mask"].any())
-                loss = self.loss_fn(self.model, self.to_device(b)).detach()
+                out = self.loss_fn(self.model, self.to_device(b))
+                loss = (out[0] if isinstance(out, tuple) else out).detach()
                 if scored:
                     total = loss if total is None else total + loss
                     count += 1

@@ -1,0 +1,356 @@
+"""DPO (method dpo): preference pairs, TRL's tokenization and losses, the reference_logprobs target."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hf_helpers import random_checkpoint, tokenizer_block
+
+REPO = Path(__file__).resolve().parent.parent
+PAIRS = [
+    {"prompt": "Tell me about the garden.\n", "chosen": "The garden is lovely.", "rejected": "The garden is awful."},
+    {"prompt": "What of the river?\n", "chosen": "I find the river charming.", "rejected": "It is dismal, truly."},
+    {"prompt": "Describe the tower.", "chosen": " Tall and splendid.", "rejected": " Ugly."},
+    {"prompt": "", "chosen": "Honestly, the park is wonderful.", "rejected": "Honestly, the park is nasty."},
+]
+
+
+def test_prepare_preference_keeps_pairs_and_quarantines_bad_ones_with_place_and_reason(tmp_path):
+    from snakellm.finetune.sft_data import prepare
+
+    src = tmp_path / "p.jsonl"
+    good = [dict(p, id=i) for i, p in enumerate(PAIRS)] * 3
+    bad = [
+        {"prompt": "a", "chosen": "b"},
+        {"prompt": "a", "chosen": "same", "rejected": "same"},
+        {"prompt": "a", "chosen": "  ", "rejected": "x"},
+        {"prompt": 3, "chosen": "x", "rejected": "y"},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in good + bad) + "not json\n")
+    stats = prepare(str(src), str(tmp_path / "out"), fmt="preference", split="2,1,1")
+    assert stats["accepted"] == 12 and stats["rejected"] == 5
+    assert stats["rejected_by_reason"] == {
+        "chosen equals rejected": 1,
+        "empty chosen": 1,
+        "missing key rejected": 1,
+        "non-string prompt": 1,
+        "not valid JSON": 1,
+    }
+    rej = [json.loads(x) for x in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert rej[0]["where"] == f"{src}:13" and rej[0]["reason"] == "missing key rejected"
+    rows = [json.loads(x) for s in ("train", "validation", "test") for x in (tmp_path / "out" / f"{s}.jsonl").open()]
+    assert len(rows) == 12 and all({"prompt", "chosen", "rejected"} <= set(r) for r in rows)
+
+
+def test_truncation_as_trl():
+    from snakellm.finetune.preference import Side, Truncation, truncate
+
+    p, c = [1, 2, 3, 4], [5, 6, 7]
+    assert truncate(p, c, Truncation(5, None, "keep_start")) == Side([1, 2, 3, 4, 5], 4)
+    assert truncate(p, c, Truncation(5, None, "keep_end")) == Side([3, 4, 5, 6, 7], 2)
+    assert truncate(p, c, Truncation(None, 2, "keep_end")) == Side([3, 4, 5, 6, 7], 2)
+    assert truncate(p, c, Truncation(None, 2, "keep_start")) == Side([1, 2, 5, 6, 7], 2)
+
+
+def test_dpo_settings_we_cannot_honour_are_refused_by_name():
+    from snakellm.finetune.preference import check_settings
+
+    assert "dpo.label_smoothing" in check_settings("sigmoid", 0.1, 0.1, "base", "lora")
+    assert "dpo.label_smoothing" in check_settings("robust", 0.1, 0.5, "base", "lora")
+    assert "dpo.reference adapter-off" in check_settings("sigmoid", 0.1, 0.0, "adapter-off", "full")
+    assert check_settings("robust", 0.1, 0.2, "adapter-off", "lora") is None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random tiny Llama with the GPT-2 tokenizer as our checkpoint and its transformers export."""
+    from snakellm.export.hf import export_hf
+    from snakellm.models.loading import load
+
+    root = tmp_path_factory.mktemp("dpo-tiny")
+    random_checkpoint(root / "run", {}, tokenizer_block("gpt2-bpe"), preset="tiny-llama", seed=3)
+    loaded = load(root / "run")
+    hf_dir = export_hf(loaded, root / "run" / "hf")
+    loaded.model.float()
+    return loaded, Path(hf_dir)
+
+
+@pytest.mark.slow  # TRL's import, the tiny model and its export: about 40 s for the four losses
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge", "robust"])
+def test_one_step_equals_trl_dpotrainer(tiny, tmp_path, loss):
+    """Tokenization, loss, summed log-probabilities and gradients equal TRL's DPOTrainer (fp32, CPU), the
+    policy equal to the reference (as in the workflow's first step): within 1e-5."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from snakellm.finetune import preference as pref
+    from snakellm.finetune.runtime import load_tokenizer
+
+    loaded, hf_dir = tiny
+    beta, ls = 0.1, (0.2 if loss == "robust" else 0.0)
+    at = AutoTokenizer.from_pretrained(hf_dir)
+    at.pad_token = at.eos_token
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=beta,
+        loss_type=[loss],
+        label_smoothing=ls,
+        report_to=[],
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        bf16=False,
+        dataset_num_proc=None,
+    )
+    trainer = DPOTrainer(
+        model=hf, ref_model=copy.deepcopy(hf), args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=at
+    )
+    ds = trainer.train_dataset
+    tok = load_tokenizer(loaded.tokenizer)
+    ours = [pref.tokenize(tok, r) for r in PAIRS]
+    assert [(d["prompt_ids"], d["chosen_ids"], d["rejected_ids"]) for d in ds] == [tuple(o) for o in ours]
+
+    batch = trainer.data_collator([ds[i] for i in range(len(ds))])
+    hf.train()
+    theirs = trainer.compute_loss(hf, batch)
+    theirs.backward()
+    m = trainer._metrics["train"]
+
+    gpt = loaded.model
+    gpt.train()
+    gpt.zero_grad(set_to_none=True)
+    hook = pref.mask_padded_vocab(gpt, int(loaded.tokenizer["vocab_size"]))
+    try:
+        pairs, _ = pref.encode_pairs(tok, PAIRS, pref.Truncation())
+        b = pref.collate(pairs, tok.eod_id)
+        lp = pref.sequence_logps(gpt, b)
+        with torch.no_grad():
+            ref = pref.sequence_logps(gpt, b)
+        n = len(pairs)
+        mt = b["loss_mask"].sum(1)
+        mine, stats = pref.preference_loss(
+            lp[:n],
+            lp[n:],
+            ref[:n],
+            ref[n:],
+            loss=loss,
+            beta=beta,
+            label_smoothing=ls,
+            completion_tokens=(b["completion_tokens"][:n], b["completion_tokens"][n:]),
+            predicted_tokens=(mt[:n], mt[n:]),
+        )
+        mine.backward()
+    finally:
+        if hook is not None:
+            hook.remove()
+    assert abs(mine.item() - theirs.item()) < 1e-5
+    if loss == "sigmoid":
+        assert abs(mine.item() - math.log(2)) < 1e-6
+    for k in pref.METRICS:
+        assert abs(stats[k].item() - m[k][-1]) < 1e-5 * max(1.0, abs(m[k][-1])), k
+    V = int(loaded.tokenizer["vocab_size"])
+    g_ours = gpt.embedding.word_embeddings.weight.grad[:V]
+    g_theirs = hf.model.embed_tokens.weight.grad
+    assert (g_ours - g_theirs).abs().max().item() < 1e-5
+    g_norm = gpt.decoder.final_layernorm.weight.grad
+    assert (g_norm - hf.model.norm.weight.grad).abs().max().item() < 1e-5
+
+
+# ---------------------------------------------------------------- the workflow
+
+SIX = PAIRS + [
+    {"prompt": "Say something about the lake.\n", "chosen": "The lake is pleasant.", "rejected": "The lake is nasty."},
+    {"prompt": "And the farm?\n", "chosen": "The farm looks delightful today.", "rejected": "It looks horrible."},
+]
+
+
+def _dpo_config() -> dict:
+    return {
+        "import_hf": {"tl": {"hf_dir": "models/random/tl", "random": {"preset": "tiny-llama", "seed": 3}}},
+        "sft_data": {"prefs": {"path": "prefs.jsonl", "format": "preference", "split": "4,1,1", "seed": 1}},
+        "finetune": {
+            "dpo": {
+                "run": "tl",
+                "data": "prefs",
+                "method": "dpo",
+                "dpo": {"beta": 0.1, "loss": "sigmoid"},
+                "lora": {"rank": 4, "targets": ["linear_qkv", "linear_fc2"]},
+                "train": {"steps": 2, "micro_batch_size": 2, "global_batch_size": 4, "precision": "fp32"},
+                "parallel": {"threads": 1},
+            }
+        },
+        "export_hf": {"enabled": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def dpo_ws(tmp_path_factory):
+    import shutil
+
+    from conftest import Workspace
+
+    root = tmp_path_factory.mktemp("dpo-workflow")
+    shutil.copytree(REPO / "resources" / "tokenizers", root / "resources" / "tokenizers")
+    (root / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SIX))
+    ws = Workspace(root)
+    ws.write_config(_dpo_config())
+    ws.run("runs/tl/finetune/dpo/finetune_summary.json", timeout=600)
+    return ws
+
+
+@pytest.mark.slow  # a random tiny Llama imported, its reference log-probs, two DPO steps: about a minute
+def test_first_workflow_step_is_trls_with_transformers_logps(dpo_ws):
+    """Policy = reference at step 1: loss ln 2, rewards 0, logps/* = transformers' log-probabilities of the four
+    training pairs under TRL's tokenization (the mean over the global batch) within 1e-3."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from snakellm.finetune.preference import tokenize
+
+    ws = dpo_ws
+    first = json.loads(ws.path("runs/tl/finetune/dpo/metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["loss"] - math.log(2)) < 1e-5
+    for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert abs(first[k]) < 1e-5, k
+    assert {"rewards/accuracies", "logps/chosen", "logps/rejected"} <= set(first)
+    train = [json.loads(x) for x in ws.path("data/sft/prefs/train.jsonl").read_text().splitlines()]
+    assert len(train) == 4
+    hf = AutoModelForCausalLM.from_pretrained(ws.path("models/random/tl"), dtype=torch.float32).eval()
+    at = AutoTokenizer.from_pretrained(ws.path("models/random/tl"))
+
+    class Tok:  # transformers' own tokenizer through TRL's rule
+        eod_id, eod_token = at.eos_token_id, at.eos_token
+
+        @staticmethod
+        def encode(text: str) -> list[int]:
+            return at(text)["input_ids"]
+
+    sums = {"chosen": [], "rejected": []}
+    for r in train:
+        p, c, rj = tokenize(Tok, r)
+        for side, comp in (("chosen", c), ("rejected", rj)):
+            ids = torch.tensor([p + comp])
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1)
+            tgt = ids[0, 1:]
+            sums[side].append(lp[torch.arange(len(tgt)), tgt][max(len(p) - 1, 0) :].sum().item())
+    for side in ("chosen", "rejected"):
+        assert abs(first[f"logps/{side}"] - sum(sums[side]) / 4) < 1e-3, side
+    summary = json.loads(ws.path("runs/tl/finetune/dpo/finetune_summary.json").read_text())
+    assert summary["test"]["pairs"] == 1 and "rewards/accuracies" in summary["test"]
+
+
+@pytest.mark.slow
+def test_reference_is_not_rebuilt_for_beta_loss_lr_or_steps_only_for_its_inputs(dpo_ws):
+    """Snakemake's own -n: a new beta, loss, learning rate or step count reruns the fine-tune only; a new
+    truncation (the pairs' tokens) or reference model rebuilds the reference_logprobs target too."""
+    ws = dpo_ws
+    base = _dpo_config()
+    ft = base["finetune"]["dpo"]
+    ref_rule = "reference_logprobs"
+    changes = [
+        ("dpo", {"beta": 0.5, "loss": "sigmoid"}, False),
+        ("dpo", {"beta": 0.1, "loss": "hinge"}, False),
+        ("train", {**ft["train"], "lr": 1.0e-3, "steps": 5}, False),
+        ("dpo", {"beta": 0.1, "loss": "sigmoid", "max_length": 20}, True),
+    ]
+    try:
+        for key, value, rebuilt in changes:
+            cfg = copy.deepcopy(base)
+            cfg["finetune"]["dpo"][key] = value
+            ws.write_config(cfg)
+            out = ws.run("-n", "runs/tl/finetune/dpo/finetune_summary.json")
+            plan = out.stdout + out.stderr
+            assert "rule finetune:" in plan, (key, value)
+            assert (f"rule {ref_rule}:" in plan) == rebuilt, (key, value, plan[-2000:])
+    finally:
+        ws.write_config(base)
+    assert ws.nothing_to_do("runs/tl/finetune/dpo/finetune_summary.json")
+
+
+@pytest.mark.slow  # on the default workflow's tiny run: the reference target and 40 DPO steps, about 30 s
+def test_tiny_dpo_example_learns_the_held_out_preference(default_workflow):
+    """config/examples/tiny-dpo.yaml through Snakemake: held-out reward accuracy from 0 (policy = reference:
+    every reward 0, a tie) to 0.9 or more, with a positive margin; docs/finetuning-and-evaluation.md quotes it."""
+    import yaml
+    from conftest import Workspace
+
+    root = default_workflow.root
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg |= yaml.safe_load((REPO / "config" / "examples" / "tiny-dpo.yaml").read_text())
+    ws = Workspace(root)
+    ws.config_path = root / "config-dpo-example.yaml"
+    ws.write_config(cfg)
+    ws.run("runs/tiny/finetune/tiny-dpo/finetune_summary.json", timeout=900)
+    summary = json.loads((root / "runs/tiny/finetune/tiny-dpo/finetune_summary.json").read_text())
+    print("tiny-dpo", summary["first_step"], summary["test"])
+    assert abs(summary["first_step"]["loss"] - math.log(2)) < 1e-5
+    assert summary["test"]["pairs"] == 16
+    assert summary["test"]["rewards/accuracies"] >= 0.9 and summary["test"]["rewards/margins"] > 0
+
+
+CONV = [
+    {
+        "prompt": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "How is the garden?"}],
+        "chosen": [{"role": "assistant", "content": "The garden is lovely."}],
+        "rejected": [{"role": "assistant", "content": "The garden is awful."}],
+    },
+    {
+        "prompt": [{"role": "user", "content": "And the river?"}],
+        "chosen": [{"role": "assistant", "content": "Charming, truly."}],
+        "rejected": [{"role": "assistant", "content": "Dismal."}],
+    },
+]
+
+
+def test_conversational_pairs_are_prepared_and_bad_ones_quarantined(tmp_path):
+    from snakellm.finetune.sft_data import prepare
+
+    bad = [
+        dict(CONV[0], chosen=[]),
+        dict(CONV[0], rejected=CONV[0]["chosen"]),
+        dict(CONV[0], chosen=[{"role": "wizard", "content": "x"}]),
+        dict(CONV[0], prompt="a string"),
+    ]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in CONV * 3 + bad))
+    stats = prepare(str(src), str(tmp_path / "out"), fmt="preference", split="4,1,1")
+    assert stats["accepted"] == 6 and stats["rejected"] == 4
+    assert set(stats["rejected_by_reason"]) == {
+        "empty chosen",
+        "chosen equals rejected",
+        "chosen: unknown role 'wizard' (message 2)",  # counted over prompt + chosen
+        "mixed forms: prompt, chosen and rejected must all be message lists (or all strings)",
+    }
+
+
+@pytest.mark.slow  # TRL's import and the tiny model's export (shared with the test above)
+def test_conversational_tokenization_equals_trl(tiny, tmp_path):
+    """The conversational form through the run's chat template (here the built-in chatml): TRL's ids."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from snakellm.finetune import conversations as conv
+    from snakellm.finetune import preference as pref
+    from snakellm.finetune.chat_template import load_template
+    from snakellm.finetune.runtime import load_tokenizer
+
+    loaded, hf_dir = tiny
+    at = AutoTokenizer.from_pretrained(hf_dir)
+    at.pad_token = at.eos_token
+    at.chat_template = load_template("chatml", None).text
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir)
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False)
+    trainer = DPOTrainer(model=hf, args=args, train_dataset=Dataset.from_list(CONV), processing_class=at)
+    tok = load_tokenizer(loaded.tokenizer)
+    chat = conv.chat_encoder(loaded.tokenizer, tok, "chatml", 128, "all_assistant")
+    ours = [pref.tokenize(tok, r, chat) for r in CONV]
+    theirs = [(d["prompt_ids"], d["chosen_ids"], d["rejected_ids"]) for d in trainer.train_dataset]
+    assert theirs == [tuple(o) for o in ours]
