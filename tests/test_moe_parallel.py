@@ -95,3 +95,27 @@ def test_ep_checks_name_the_setting(root):
     assert "ep 4 must divide the data-parallel size (world 2" in moe.check_ep(mixtral, 4, world=2)
     why = architecture.parallel_conflict({"ep": 2, "distributed_optimizer": True})
     assert why is not None and why[0] == "ep"
+
+
+@pytest.mark.slow
+def test_pipeline_stages_of_a_moe_model_give_one_process_losses_and_router_health(root):
+    """pp 2 (megatron-core's schedule, each stage with its layer's router) against one process: the same losses,
+    gradient norms and router records (counts and losses gathered over the stages)."""
+    base = [str(BIN / "snakellm"), "train", "--blend", "data/tokens/synth/blend.json", *MOE, "--steps", "4"]
+    base += ["--warmup-steps", "2"]
+    env = env_with_venv()
+    for run, launch in (("pp2", [*TORCHRUN, *base, "--pp", "2"]), ("pp1", base)):
+        proc = subprocess.run(
+            [*launch, "--run-dir", f"runs/{run}", "--no-checkpoints"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    a, b = records(root, "pp2"), records(root, "pp1")
+    for step in (1, 2, 3, 4):
+        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+            assert abs(a[step][key] - b[step][key]) <= 1e-5 * abs(b[step][key]), (step, key, a[step], b[step])
+        assert a[step]["moe_tokens_per_expert"] == b[step]["moe_tokens_per_expert"]

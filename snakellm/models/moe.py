@@ -1,4 +1,4 @@
-"""Mixture of experts on megatron-core's own MoE layer: its settings, counts and CPU shim.
+"""Mixture of experts on megatron-core's own MoE layer: its settings, counts and grouped experts.
 
 A MoE model is a family whose architecture has ``num_experts`` (``snakellm/models/families/
 mixtral.py``, ``qwen3_moe.py``): every layer's MLP is megatron-core's ``MoELayer`` (the local

@@ -46,17 +46,21 @@ class RouterStats:
         tracker = get_moe_layer_wise_logging_tracker()
         layers = max(len(self.routers), 1)
 
-        def mean(name: str) -> Any:
+        def total(name: str) -> Any:  # over this rank's layers, averaged over the step's micro-batches
             t = tracker.get(name, {}).get("values")
-            return (
-                t.sum() / (layers * self.num_micro) if t is not None else self.counts.new_zeros((), dtype=torch.float)
-            )
+            return t.sum() / self.num_micro if t is not None else self.counts.new_zeros((), dtype=torch.float)
 
         out = {
             "counts": self.counts,
             "assigned": torch.tensor(self.assigned, dtype=torch.long, device=self.counts.device),
-            "aux": mean("load_balancing_loss").float(),
-            "z": mean("z_loss").float(),
+            # the losses summed over this rank's layers, and how many layers that is (a pipeline stage's)
+            "losses": torch.stack(
+                [
+                    total("load_balancing_loss").float(),
+                    total("z_loss").float(),
+                    torch.tensor(float(layers), device=self.counts.device),
+                ]
+            ),
         }
         clear_aux_losses_tracker()
         self.counts, self.assigned = None, 0
@@ -64,18 +68,25 @@ class RouterStats:
 
 
 def reduce(pending: list[dict[str, Any]], dp_group: Any, dp_size: int) -> list[dict[str, Any]]:
-    """The steps' router records, counts summed and losses averaged over the data-parallel ranks."""
+    """The steps' router records: counts summed over the data-parallel ranks and the pipeline stages (each holds
+    its own layers' routers), the losses averaged over the data-parallel ranks and all layers."""
     import torch
+    from megatron.core import parallel_state as ps
 
     counts = torch.stack([p["counts"] for p in pending])
     assigned = torch.stack([p["assigned"] for p in pending])
-    losses = torch.stack([torch.stack([p["aux"], p["z"]]) for p in pending])
+    losses = torch.stack([p["losses"] for p in pending])  # [steps, (aux, z, layers)]
     torch.distributed.all_reduce(counts, group=dp_group)
     torch.distributed.all_reduce(assigned, group=dp_group)
     torch.distributed.all_reduce(losses, group=dp_group)
-    losses = losses / dp_size
+    losses = losses / dp_size  # the layer count too: every data-parallel rank of a stage holds the same layers
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        group = ps.get_pipeline_model_parallel_group()
+        for t in (counts, assigned, losses):
+            torch.distributed.all_reduce(t, group=group)
     out = []
-    for c, a, (aux, z) in zip(counts.tolist(), assigned.tolist(), losses.tolist()):
+    for c, a, (aux, z, layers) in zip(counts.tolist(), assigned.tolist(), losses.tolist()):
+        aux, z = aux / max(layers, 1.0), z / max(layers, 1.0)
         mean = sum(c) / len(c) if c else 0.0
         out.append(
             {
