@@ -257,6 +257,8 @@ class DPORecipe(FinetuneRecipe):
         if done.session.rank0:
             path = Path(self.a.out_dir) / "finetune_summary.json"
             write_json(path, json.loads(path.read_text()) | {"test": result})
+            # the held-out preference metrics (reward accuracy, margins ...) for the job's W&B / MLflow runs
+            done.trainer.metrics.summary({"eval/test": result})
 
     def evaluate_split(self, s: assembly.Session, split: str) -> dict[str, Any]:
         """TRL's metrics over a split's pairs with the policy as it is (eval mode, no gradients)."""
