@@ -791,14 +791,7 @@ def build_chunk(
         bytes_out = sum(r.pop("bytes_out") for r in per_shard)
 
         # Verification: what is on disk must account for every line read.
-        if fmt in COLUMNAR_FORMATS or fmt == "warc":
-            # every record is one orjson line (JSON has no raw newline): the file's size must be their sum
-            size = os.path.getsize(tmp_out)
-            written = docs if size == bytes_out else _count_lines(tmp_out)
-            if size != bytes_out:
-                raise VerificationError(f"chunk {out}: wrote {bytes_out} bytes of records but the file has {size}")
-        else:
-            written = _count_lines(tmp_out)
+        written = _written_documents(tmp_out, out, fmt, docs, bytes_out)
         quarantined = _count_lines(tmp_rej)
         n_rej = sum(reasons.values())
         n_skip = sum(skipped.values())
@@ -834,6 +827,17 @@ def build_chunk(
         }
         tmp_stats.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _written_documents(tmp_out: Path, out: str, fmt: str, docs: int, bytes_out: int) -> int:
+    """The documents the chunk file holds (its lines); a columnar or WARC chunk's size must be its records' sum."""
+    if fmt in COLUMNAR_FORMATS or fmt == "warc":
+        # every record is one orjson line (JSON has no raw newline): the file's size must be their sum
+        size = os.path.getsize(tmp_out)
+        if size != bytes_out:
+            raise VerificationError(f"chunk {out}: wrote {bytes_out} bytes of records but the file has {size}")
+        return docs
+    return _count_lines(tmp_out)
 
 
 def _read_manifest(path: str) -> list[tuple[str, Expected | None]]:

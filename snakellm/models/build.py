@@ -88,9 +88,7 @@ def build_model(
     if fp8:
         from snakellm.models import fp8 as fp8mod
 
-        fp8mod.check_device(torch, device)
-        if not bf16:
-            raise ModelConfigError("precision: fp8 keeps bf16 weights: build with bf16=True")
+        _check_fp8(torch, device, bf16)
     family = families.get(cfg["style"])
     recompute_args = _recompute_args(recompute, recompute_method, recompute_num_layers)
     tcfg = _transformer_config(
@@ -111,14 +109,7 @@ def build_model(
         sequence_parallel=sequence_parallel,
         moe_experts=moe_experts,
     )
-    loss_fn = _loss_function(fused_loss, cuda=cuda, tp=tp)
-
-    class SnakeGPTModel(GPTModel):
-        def compute_language_model_loss(self, labels, logits):
-            if loss_fn is None:
-                return super().compute_language_model_loss(labels, logits)
-            return loss_fn(logits, labels)
-
+    SnakeGPTModel = _model_class(GPTModel, _loss_function(fused_loss, cuda=cuda, tp=tp))
     model_args: dict[str, Any] = dict(
         config=tcfg,
         transformer_layer_spec=layers,
@@ -138,13 +129,40 @@ def build_model(
     if seed is not None:
         init_weights(model, tcfg, seed)
     _place(model, cfg, family, bf16=bf16, cuda=cuda)
+    _finish(model, cfg, moe_experts=moe_experts, fp8=fp8 if not use_te else None, compile_layers=compile_layers)
+    return model, tcfg
+
+
+def _model_class(gpt_model: Any, loss_fn: Any) -> Any:
+    """megatron-core's GPTModel with snakellm's loss (None: megatron-core's own)."""
+
+    class SnakeGPTModel(gpt_model):
+        def compute_language_model_loss(self, labels, logits):
+            if loss_fn is None:
+                return super().compute_language_model_loss(labels, logits)
+            return loss_fn(logits, labels)
+
+    return SnakeGPTModel
+
+
+def _check_fp8(torch: Any, device: str, bf16: bool) -> None:
+    from snakellm.models import fp8 as fp8mod
+
+    fp8mod.check_device(torch, device)
+    if not bf16:
+        raise ModelConfigError("precision: fp8 keeps bf16 weights: build with bf16=True")
+
+
+def _finish(model: Any, cfg: dict[str, Any], *, moe_experts: str, fp8: str | None, compile_layers: bool) -> None:
+    """After the weights are placed: the experts packed, the float8 matmuls (torchao, without TE), compilation."""
     if cfg.get("num_experts") and moe_experts == "grouped":
         moe.pack_experts(model)  # one storage per layer's experts: the grouped products read it without a copy
-    if fp8 and not use_te:
+    if fp8:
+        from snakellm.models import fp8 as fp8mod
+
         fp8mod.convert(model, fp8)  # the block linears' matmuls in float8 (torchao), before compilation
     if compile_layers:
         compile_each_layer(model.decoder.layers)
-    return model, tcfg
 
 
 def compile_each_layer(layers: Any) -> None:

@@ -35,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision", default="auto", choices=("auto", "fp32", "bf16"), help="auto: bf16 on GPU, fp32 on CPU"
     )
     p.add_argument("--batch-size", type=int, default=8, help="pairs per forward pass")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the reference runs (default: %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=None)
     return p
 
