@@ -25,7 +25,7 @@ GPT2 = REPO / "resources" / "tokenizers" / "gpt2"
 
 
 def _config(root: Path, **ft_examples) -> dict:
-    for d in ("squad", "corpus"):
+    for d in ("squad", "corpus", "tokenizers"):  # the config names the shipped tokenizer files (checked at config time)
         shutil.copytree(REPO / "resources" / d, root / "resources" / d)
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["sft_data"] = {"q": {"path": "resources/squad/squad-dev-subset.json", "template": "Q: {question} A:"}}
