@@ -293,6 +293,9 @@ def test_tiny_dpo_example_learns_the_held_out_preference(default_workflow):
     assert abs(summary["first_step"]["loss"] - math.log(2)) < 1e-5
     assert summary["test"]["pairs"] == 16
     assert summary["test"]["rewards/accuracies"] >= 0.9 and summary["test"]["rewards/margins"] > 0
+    ws.run("results/report/finetune/tiny/tiny-dpo.html", timeout=300)
+    page = (root / "results/report/finetune/tiny/tiny-dpo.html").read_text()
+    assert "Preference metrics (DPO)" in page and "held-out test pairs" in page
 
 
 CONV = [
@@ -411,3 +414,71 @@ def test_simpo_equals_trl_cpotrainer(tiny, tmp_path):
     assert abs(mine.item() - losses.mean().item()) < 1e-6
     assert abs(stats["rewards/chosen"].item() - chosen_r.mean().item()) < 1e-6
     assert abs(stats["rewards/margins"].item() - (chosen_r - rejected_r).mean().item()) < 1e-6
+
+
+def test_the_fine_tune_page_draws_the_preference_metrics_only_for_dpo(tmp_path):
+    """A DPO fine-tune's report page: reward accuracy and margins per step, chosen and rejected rewards, the
+    held-out test metrics, and no base-vs-tuned table (it has none); an SFT fine-tune's page has no such figure."""
+    from snakellm.report.evaluation import finetune_page, preference_figure
+
+    recs = [
+        {
+            "step": s,
+            "loss": 0.69 - s / 100,
+            "rewards/chosen": s / 50,
+            "rewards/rejected": -s / 40,
+            "rewards/accuracies": min(1.0, 0.5 + s / 40),
+            "rewards/margins": s / 50 + s / 40,
+            "logps/chosen": -20.0 + s / 10,
+            "logps/rejected": -22.0 - s / 10,
+        }
+        for s in range(1, 21)
+    ]
+    svg = preference_figure("pref", recs)
+    assert svg is not None and svg.startswith("<svg") and "reward accuracy" in svg and "rejected reward" in svg
+    summary = {"method": "dpo", "base": "runs/tiny", "test": {"pairs": 4, "rewards/accuracies": 0.75}}
+    page = finetune_page("pref", summary, {}, {}, [], [], None, recs)
+    assert "Preference metrics (DPO)" in page and "<svg" in page and "held-out test pairs" in page
+    assert "base vs tuned" not in page
+    sft = [{k: v for k, v in r.items() if "/" not in k} for r in recs]
+    assert preference_figure("sft", sft) is None
+    sft_page = finetune_page("sft", {"method": "lora"}, {"loss": 2.0}, {"loss": 1.5}, [], [], None, sft)
+    assert "Preference metrics" not in sft_page and "base vs tuned" in sft_page
+
+
+def test_report_finetune_writes_a_dpo_page_without_evaluations(tmp_path):
+    """`snakellm report finetune` for a DPO fine-tune: only its metrics and summary (the rule passes no
+    --base/--tuned flags for one)."""
+    from snakellm.steps.report import main
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text(
+        "".join(
+            json.dumps({"step": s, "loss": 0.7, "rewards/margins": 0.1 * s, "rewards/accuracies": 1.0}) + "\n"
+            for s in (1, 2)
+        )
+    )
+    (tmp_path / "s.json").write_text(json.dumps({"method": "dpo", "dpo": {"beta": 0.1}}))
+    page, loss = tmp_path / "p.html", tmp_path / "l.svg"
+    main(
+        ["finetune", "--name", "d", "--metrics", str(m), "--summary", str(tmp_path / "s.json")]
+        + ["--page", str(page), "--loss", str(loss)]
+    )
+    assert "Preference metrics (DPO)" in page.read_text() and loss.is_file()
+
+
+def test_a_dpo_fine_tunes_report_page_needs_no_base_vs_tuned_evaluation(workspace):
+    """The report page of a DPO fine-tune is drawn from its own metrics and summary: its DAG has no
+    evaluate_base / evaluate_finetune job (a DPO fine-tune is evaluated in itself) and no --base flag."""
+    import shutil
+
+    import yaml
+
+    shutil.copytree(REPO / "resources", workspace.root / "resources")
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    workspace.write_config(cfg | yaml.safe_load((REPO / "config" / "examples" / "tiny-dpo.yaml").read_text()))
+    out = workspace.run("-n", "-p", "results/report/finetune/tiny/tiny-dpo.html", timeout=120).stdout
+    assert "report_finetune" in out and "reference_logprobs" in out
+    assert "evaluate_finetune" not in out and "evaluate_base" not in out
+    line = next(x for x in out.splitlines() if "snakellm report finetune" in x)
+    assert "--metrics runs/tiny/finetune/tiny-dpo/metrics.jsonl" in line and "--base" not in line
