@@ -482,3 +482,92 @@ def test_a_dpo_fine_tunes_report_page_needs_no_base_vs_tuned_evaluation(workspac
     assert "evaluate_finetune" not in out and "evaluate_base" not in out
     line = next(x for x in out.splitlines() if "snakellm report finetune" in x)
     assert "--metrics runs/tiny/finetune/tiny-dpo/metrics.jsonl" in line and "--base" not in line
+
+
+# ---------------------------------------------------------------- resume, TP and FSDP on CPU ranks (fp32)
+
+CPU_FT = ["finetune", "--base", "base", "--data-dir", "pref", "--method", "dpo", "--dpo-policy", "full"]
+CPU_FT += ["--reference-logprobs", "ref.json", "--steps", "6", "--lr", "1e-3", "--micro-batch-size", "1"]
+CPU_FT += ["--global-batch-size", "4", "--max-seq-length", "64", "--eval-interval", "3", "--keep-last", "2"]
+CPU_FT += ["--select", "last", "--device", "cpu", "--no-progress"]
+
+
+def _dpo_cpu(root: Path, out: str, nproc: int, *extra: str) -> str:
+    """`snakellm finetune --method dpo` (a full policy, the base's reference file) on NPROC CPU ranks: stderr."""
+    from test_finetune_fsdp_cpu import BIN, TORCHRUN, _run
+
+    return _run(
+        [*(TORCHRUN if nproc > 1 else []), str(BIN / "snakellm"), *CPU_FT, "--out-dir", out, *extra], root
+    ).stderr
+
+
+def _steps(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def dpo_cpu(tmp_path_factory) -> Path:
+    """A random tiny Llama base (tests/test_finetune_fsdp_cpu.py's), 16/4/4 preference pairs, the base's
+    reference log-probabilities and one uninterrupted 6-step DPO run in one process (~25 s on 2 cores)."""
+    import sys
+
+    from test_finetune_fsdp_cpu import BIN, MAKE, _run
+
+    root = tmp_path_factory.mktemp("dpo-cpu")
+    _run([sys.executable, "-c", MAKE, str(REPO)], root)
+    recs = [dict(PAIRS[i % 4], prompt=f"{PAIRS[i % 4]['prompt'].rstrip()} ({i})\n") for i in range(24)]
+    (root / "pref").mkdir()
+    for split, rs in (("train", recs[:16]), ("validation", recs[16:20]), ("test", recs[20:])):
+        (root / "pref" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    ref = ["reference-logprobs", "--model", "base", "--data-dir", "pref", "--out", "ref.json"]
+    _run([str(BIN / "snakellm"), *ref, "--max-seq-length", "64", "--device", "cpu"], root)
+    _dpo_cpu(root, "one", 1)
+    return root
+
+
+@pytest.mark.slow  # the fixture and one resumed launch: ~35 s on 2 cores
+def test_a_stopped_dpo_fine_tune_resumes_with_the_uninterrupted_runs_losses(dpo_cpu):
+    """Point 4: DPO resumed from its step-3 checkpoint continues with the uninterrupted run's losses, TRL
+    metrics and validation losses bit for bit (fp32 on the CPU), as SFT's resume does."""
+    import shutil
+
+    shutil.copytree(dpo_cpu / "one", dpo_cpu / "resumed")
+    (dpo_cpu / "resumed" / "checkpoints/latest_checkpointed_iteration.txt").write_text("3\n")
+    assert "resumed from resumed/checkpoints/iter_0000003" in _dpo_cpu(dpo_cpu, "resumed", 1)
+    one, resumed = _steps(dpo_cpu / "one"), _steps(dpo_cpu / "resumed")
+    assert [r["step"] for r in resumed] == list(range(1, 7)) and resumed[2].get("resumed")
+    keys = ("loss", "grad_norm", "val_loss", *(k for k in one[0] if "/" in k))
+    assert len(keys) > 8
+    assert [[r.get(k) for k in keys] for r in resumed[3:]] == [[r.get(k) for k in keys] for r in one[3:]]
+    assert one[-1]["loss"] < one[0]["loss"]
+
+
+@pytest.mark.slow  # one 2-rank launch: ~15 s
+def test_dpo_at_tensor_parallel_2_on_gloo_equals_tp_1(dpo_cpu):
+    """Point 4: a full-policy DPO fine-tune at TP 2 on 2 CPU gloo ranks gives TP 1's losses, gradient norms,
+    rewards and validation losses within fp32 tolerance (the padded vocabulary's rows masked per rank)."""
+    assert "world 2 = dp 1 x tp 2" in _dpo_cpu(dpo_cpu, "tp2", 2, "--tp", "2")
+    one, tp2 = _steps(dpo_cpu / "one"), _steps(dpo_cpu / "tp2")
+    assert [r["step"] for r in tp2] == [r["step"] for r in one] == list(range(1, 7))
+    for a, b in zip(one, tp2, strict=True):
+        for k in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "val_loss"):
+            assert (a.get(k) is None) == (b.get(k) is None) and b.get(k, 0) == pytest.approx(a.get(k, 0), rel=1e-5), k
+        for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert b[k] == pytest.approx(a[k], abs=1e-5), k
+        assert b["rewards/accuracies"] == a["rewards/accuracies"] or a["step"] == 1  # step 1: ties at 0
+
+
+@pytest.mark.slow  # one 2-rank launch: ~15 s
+def test_fsdp_full_policy_dpo_on_2_ranks_equals_one_process(dpo_cpu):
+    """Point 4: a full-policy DPO fine-tune with FSDP2 on 2 CPU ranks (micro batch 1: the same per-pair
+    losses averaged) gives one process's losses, gradient norms, rewards and validation losses (1e-5)."""
+    assert "sharded over 2 ranks (FSDP2)" in _dpo_cpu(dpo_cpu, "fsdp", 2, "--fsdp")
+    one, fsdp = _steps(dpo_cpu / "one"), _steps(dpo_cpu / "fsdp")
+    assert [r["step"] for r in fsdp] == list(range(1, 7))
+    for a, b in zip(one, fsdp, strict=True):
+        for k in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "val_loss"):
+            assert (a.get(k) is None) == (b.get(k) is None) and b.get(k, 0) == pytest.approx(a.get(k, 0), rel=1e-5), k
+        for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert b[k] == pytest.approx(a[k], abs=1e-5), k
+    summary = json.loads((dpo_cpu / "fsdp" / "finetune_summary.json").read_text())
+    assert summary["trainable_parameters"] == summary["total_parameters"] and summary["test"]["pairs"] == 4

@@ -815,7 +815,9 @@ class FinetuneParallelSettings:
     """``finetune.<name>.parallel``: tensor parallelism, activation recomputation, FSDP, compilation and the job's
     threads."""
 
-    tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
+    tp: int = setting(
+        1, "tensor-parallel size (ranks = the job's tasks; on the CPU gloo ranks, only without the base's dropout)"
+    )
     recompute: str = setting(
         "none",
         "megatron-core activation recomputation: selective (core attention) or full (every transformer layer, "
