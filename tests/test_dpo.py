@@ -571,3 +571,23 @@ def test_fsdp_full_policy_dpo_on_2_ranks_equals_one_process(dpo_cpu):
             assert b[k] == pytest.approx(a[k], abs=1e-5), k
     summary = json.loads((dpo_cpu / "fsdp" / "finetune_summary.json").read_text())
     assert summary["trainable_parameters"] == summary["total_parameters"] and summary["test"]["pairs"] == 4
+
+
+@pytest.mark.slow  # the shared fixture; the refusal itself is one process's start (~8 s)
+def test_tensor_parallel_on_the_cpu_is_refused_for_a_base_with_dropout(dpo_cpu):
+    """megatron-core draws the tensor-parallel ranks' dropout masks from its CUDA RNG tracker: a fine-tune of a
+    base with dropout at TP 2 on the CPU stops before it starts, naming why (as pretraining does)."""
+    import shutil
+    import subprocess
+
+    from conftest import env_with_venv
+    from test_finetune_fsdp_cpu import BIN
+
+    shutil.copytree(dpo_cpu / "base", dpo_cpu / "base-dropout")
+    cfg_path = dpo_cpu / "base-dropout/checkpoints/run_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["config"]["model"]["hidden_dropout"] = 0.1
+    cfg_path.write_text(json.dumps(cfg))
+    cmd = [str(BIN / "snakellm"), *CPU_FT, "--out-dir", "dropout", "--tp", "2", "--base", "base-dropout"]
+    proc = subprocess.run(cmd, cwd=dpo_cpu, env=env_with_venv(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "tensor parallel size 2 with dropout needs GPUs" in proc.stderr, proc.stderr[-2000:]
