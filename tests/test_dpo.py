@@ -591,3 +591,58 @@ def test_tensor_parallel_on_the_cpu_is_refused_for_a_base_with_dropout(dpo_cpu):
     cmd = [str(BIN / "snakellm"), *CPU_FT, "--out-dir", "dropout", "--tp", "2", "--base", "base-dropout"]
     proc = subprocess.run(cmd, cwd=dpo_cpu, env=env_with_venv(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "tensor parallel size 2 with dropout needs GPUs" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_lora_sft_fine_tune_is_a_dpo_reference_its_base_plus_its_adapter(workspace):
+    """Point 3: dpo.reference naming a LoRA fine-tune: the reference_logprobs job reads that fine-tune's base
+    run with its adapter (--model runs/RUN --adapter .../adapter) after it is trained; a p-tuning one is
+    refused by name at the config check."""
+    import shutil
+
+    import yaml
+
+    shutil.copytree(REPO / "resources", workspace.root / "resources")
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg |= yaml.safe_load((REPO / "config" / "examples" / "tiny-dpo.yaml").read_text())
+    chat = yaml.safe_load((REPO / "config" / "examples" / "tiny-chat-finetune.yaml").read_text())
+    cfg["sft_data"] |= chat["sft_data"]
+    cfg["finetune"]["tiny-chat"] = chat["finetune"]["tiny-chat"] | {"method": "lora"}
+    cfg["finetune"]["tiny-dpo"]["dpo"]["reference"] = "tiny-chat"
+    workspace.write_config(cfg)
+    out = workspace.run("-n", "-p", "runs/tiny/finetune/tiny-dpo/reference_logprobs.json", timeout=120).stdout
+    line = next(x for x in out.splitlines() if "snakellm reference-logprobs" in x)
+    assert "--model runs/tiny --adapter runs/tiny/finetune/tiny-chat/adapter" in line
+    assert "rule finetune:" in out and "wildcards: run=tiny, ft=tiny-chat" in out
+    cfg["finetune"]["tiny-chat"]["method"] = "ptuning"
+    workspace.write_config(cfg)
+    proc = workspace.run("-n", "runs/tiny/finetune/tiny-dpo/reference_logprobs.json", check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "dpo.reference: 'tiny-chat' is not base, adapter-off, a key of runs or import_hf, or a full or LoRA" in (
+        proc.stdout + proc.stderr
+    )
+
+
+@pytest.mark.slow  # the shared fixture, a 2-step LoRA SFT, its merge and two reference passes: ~40 s
+def test_reference_log_probs_of_a_lora_fine_tune_are_its_merged_models(dpo_cpu):
+    """Point 3: `snakellm reference-logprobs --model BASE --adapter ADAPTER` gives the log-probabilities of
+    `snakellm lora merge`'s model of the same fine-tune (fp32, 1e-4), which differ from the base's."""
+    from test_finetune_fsdp_cpu import BIN, _run
+
+    sft = ["finetune", "--base", "base", "--data-dir", "sft", "--method", "lora", "--steps", "2", "--lr", "1e-2"]
+    sft += ["--micro-batch-size", "2", "--global-batch-size", "2", "--max-seq-length", "64", "--eval-interval", "2"]
+    _run([str(BIN / "snakellm"), *sft, "--device", "cpu", "--no-progress", "--out-dir", "lora"], dpo_cpu)
+    merge = ["lora", "merge", "--base", "base", "--adapter", "lora/adapter", "--out", "merged", "--device", "cpu"]
+    _run([str(BIN / "snakellm"), *merge], dpo_cpu)
+    ref = ["reference-logprobs", "--data-dir", "pref", "--max-seq-length", "64", "--device", "cpu"]
+    _run([str(BIN / "snakellm"), *ref, "--model", "base", "--adapter", "lora/adapter", "--out", "a.json"], dpo_cpu)
+    _run([str(BIN / "snakellm"), *ref, "--model", "merged", "--out", "m.json"], dpo_cpu)
+    a, m, base = (json.loads((dpo_cpu / f).read_text()) for f in ("a.json", "m.json", "ref.json"))
+    assert a["adapter"] == "lora/adapter" and a["splits"].keys() == m["splits"].keys() == {
+        "train",
+        "validation",
+        "test",
+    }
+    for split in a["splits"]:
+        for side in ("chosen", "rejected"):
+            assert a["splits"][split][side] == pytest.approx(m["splits"][split][side], abs=1e-4)
+    assert max(abs(x - y) for x, y in zip(a["splits"]["train"]["chosen"], base["splits"]["train"]["chosen"])) > 1e-3

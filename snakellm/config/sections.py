@@ -708,7 +708,7 @@ class DpoSettings:
     reference: str = setting(
         "base",
         "the frozen reference: base (the fine-tune's run), a key of runs or import_hf, a full fine-tune's name "
-        "(its model), or adapter-off (policy lora: the base with the adapters off, computed in-process)",
+        "(its model) or a LoRA fine-tune's (its base plus its adapter), or adapter-off (policy lora: the base with the adapters off, computed in-process)",
         trajectory=True,
         flag="dpo_reference",
     )
