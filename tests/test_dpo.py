@@ -467,23 +467,6 @@ def test_report_finetune_writes_a_dpo_page_without_evaluations(tmp_path):
     assert "Preference metrics (DPO)" in page.read_text() and loss.is_file()
 
 
-def test_a_dpo_fine_tunes_report_page_needs_no_base_vs_tuned_evaluation(workspace):
-    """The report page of a DPO fine-tune is drawn from its own metrics and summary: its DAG has no
-    evaluate_base / evaluate_finetune job (a DPO fine-tune is evaluated in itself) and no --base flag."""
-    import shutil
-
-    import yaml
-
-    shutil.copytree(REPO / "resources", workspace.root / "resources")
-    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    workspace.write_config(cfg | yaml.safe_load((REPO / "config" / "examples" / "tiny-dpo.yaml").read_text()))
-    out = workspace.run("-n", "-p", "results/report/finetune/tiny/tiny-dpo.html", timeout=120).stdout
-    assert "report_finetune" in out and "reference_logprobs" in out
-    assert "evaluate_finetune" not in out and "evaluate_base" not in out
-    line = next(x for x in out.splitlines() if "snakellm report finetune" in x)
-    assert "--metrics runs/tiny/finetune/tiny-dpo/metrics.jsonl" in line and "--base" not in line
-
-
 # ---------------------------------------------------------------- resume, TP and FSDP on CPU ranks (fp32)
 
 CPU_FT = ["finetune", "--base", "base", "--data-dir", "pref", "--method", "dpo", "--dpo-policy", "full"]
@@ -593,13 +576,17 @@ def test_tensor_parallel_on_the_cpu_is_refused_for_a_base_with_dropout(dpo_cpu):
     assert proc.returncode != 0 and "tensor parallel size 2 with dropout needs GPUs" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_a_lora_sft_fine_tune_is_a_dpo_reference_its_base_plus_its_adapter(workspace):
+def test_a_lora_sft_reference_and_a_dpo_report_page_in_the_job_graph(workspace):
     """Point 3: dpo.reference naming a LoRA fine-tune: the reference_logprobs job reads that fine-tune's base
-    run with its adapter (--model runs/RUN --adapter .../adapter) after it is trained; a p-tuning one is
-    refused by name at the config check."""
+    run with its adapter (--model runs/RUN --adapter .../adapter) after it is trained; p-tuning is refused by
+    name at the config check. Point 5: a DPO fine-tune's report page is drawn from its own metrics and summary
+    (no evaluate_base / evaluate_finetune job, no --base flag: a DPO fine-tune is evaluated in itself)."""
     import shutil
 
     import yaml
+
+    from snakellm.config.checks import check_dpo
+    from snakellm.errors import ConfigError
 
     shutil.copytree(REPO / "resources", workspace.root / "resources")
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
@@ -609,17 +596,21 @@ def test_a_lora_sft_fine_tune_is_a_dpo_reference_its_base_plus_its_adapter(works
     cfg["finetune"]["tiny-chat"] = chat["finetune"]["tiny-chat"] | {"method": "lora"}
     cfg["finetune"]["tiny-dpo"]["dpo"]["reference"] = "tiny-chat"
     workspace.write_config(cfg)
-    out = workspace.run("-n", "-p", "runs/tiny/finetune/tiny-dpo/reference_logprobs.json", timeout=120).stdout
-    line = next(x for x in out.splitlines() if "snakellm reference-logprobs" in x)
-    assert "--model runs/tiny --adapter runs/tiny/finetune/tiny-chat/adapter" in line
+    targets = ("runs/tiny/finetune/tiny-dpo/reference_logprobs.json", "results/report/finetune/tiny/tiny-dpo.html")
+    out = workspace.run("-n", "-p", *targets, timeout=120).stdout
+    ref = next(x for x in out.splitlines() if "snakellm reference-logprobs" in x)
+    assert "--model runs/tiny --adapter runs/tiny/finetune/tiny-chat/adapter" in ref
     assert "rule finetune:" in out and "wildcards: run=tiny, ft=tiny-chat" in out
-    cfg["finetune"]["tiny-chat"]["method"] = "ptuning"
-    workspace.write_config(cfg)
-    proc = workspace.run("-n", "runs/tiny/finetune/tiny-dpo/reference_logprobs.json", check=False, timeout=120)
-    assert proc.returncode != 0
-    assert "dpo.reference: 'tiny-chat' is not base, adapter-off, a key of runs or import_hf, or a full or LoRA" in (
-        proc.stdout + proc.stderr
-    )
+    assert "report_finetune" in out and "evaluate_finetune" not in out and "evaluate_base" not in out
+    page = next(x for x in out.splitlines() if "snakellm report finetune" in x)
+    assert "--metrics runs/tiny/finetune/tiny-dpo/metrics.jsonl" in page and "--base" not in page
+    dpo = {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "reference": "tiny-chat", "policy": "lora"}
+    fts = {"tiny-chat": {"method": "ptuning"}}
+    with pytest.raises(
+        ConfigError, match="'tiny-chat' is not base, adapter-off, a key of runs or import_hf, or a full or LoRA"
+    ):
+        check_dpo("tiny-dpo", {"dpo": dpo}, {"finetune": fts})
+    check_dpo("tiny-dpo", {"dpo": dpo}, {"finetune": {"tiny-chat": {"method": "lora"}}})
 
 
 @pytest.mark.slow  # the shared fixture, a 2-step LoRA SFT, its merge and two reference passes: ~40 s
