@@ -508,7 +508,7 @@ def dpo_cpu(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.slow  # the fixture and one resumed launch: ~35 s on 2 cores
+@pytest.mark.slow  # the fixture (20-55 s) and one resumed launch (8-30 s) on 2 cores
 def test_a_stopped_dpo_fine_tune_resumes_with_the_uninterrupted_runs_losses(dpo_cpu):
     """Point 4: DPO resumed from its step-3 checkpoint continues with the uninterrupted run's losses, TRL
     metrics and validation losses bit for bit (fp32 on the CPU), as SFT's resume does."""
@@ -525,7 +525,7 @@ def test_a_stopped_dpo_fine_tune_resumes_with_the_uninterrupted_runs_losses(dpo_
     assert one[-1]["loss"] < one[0]["loss"]
 
 
-@pytest.mark.slow  # one 2-rank launch: ~15 s
+@pytest.mark.slow  # one 2-rank launch: 15-30 s on 2 busy cores
 def test_dpo_at_tensor_parallel_2_on_gloo_equals_tp_1(dpo_cpu):
     """Point 4: a full-policy DPO fine-tune at TP 2 on 2 CPU gloo ranks gives TP 1's losses, gradient norms,
     rewards and validation losses within fp32 tolerance (the padded vocabulary's rows masked per rank)."""
@@ -540,7 +540,7 @@ def test_dpo_at_tensor_parallel_2_on_gloo_equals_tp_1(dpo_cpu):
         assert b["rewards/accuracies"] == a["rewards/accuracies"] or a["step"] == 1  # step 1: ties at 0
 
 
-@pytest.mark.slow  # one 2-rank launch: ~15 s
+@pytest.mark.slow  # one 2-rank launch: 15-30 s on 2 busy cores
 def test_fsdp_full_policy_dpo_on_2_ranks_equals_one_process(dpo_cpu):
     """Point 4: a full-policy DPO fine-tune with FSDP2 on 2 CPU ranks (micro batch 1: the same per-pair
     losses averaged) gives one process's losses, gradient norms, rewards and validation losses (1e-5)."""
@@ -613,7 +613,7 @@ def test_a_lora_sft_reference_and_a_dpo_report_page_in_the_job_graph(workspace):
     check_dpo("tiny-dpo", {"dpo": dpo}, {"finetune": {"tiny-chat": {"method": "lora"}}})
 
 
-@pytest.mark.slow  # the shared fixture, a 2-step LoRA SFT, its merge and two reference passes: ~40 s
+@pytest.mark.slow  # the shared fixture, then a 2-step LoRA SFT, its merge and two reference passes: 40-50 s
 def test_reference_log_probs_of_a_lora_fine_tune_are_its_merged_models(dpo_cpu):
     """Point 3: `snakellm reference-logprobs --model BASE --adapter ADAPTER` gives the log-probabilities of
     `snakellm lora merge`'s model of the same fine-tune (fp32, 1e-4), which differ from the base's."""

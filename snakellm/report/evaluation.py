@@ -226,7 +226,7 @@ def preference_figure(name: str, recs: list[dict]) -> str | None:
     a2.plot(x, [r.get("rewards/chosen") for r in steps], color=plots.COLORS[0], label="chosen reward")
     a2.plot(x, [r.get("rewards/rejected") for r in steps], color=plots.COLORS[3], label="rejected reward")
     a2.axhline(0, color="#57606a", linewidth=0.8)
-    a2.set_ylabel("reward (β · log-ratio to the reference)")
+    a2.set_ylabel("reward (β · log-ratio; SimPO: β · mean log-prob)")
     a2.set_xlabel("step")
     a2.legend(fontsize=8)
     return plots.inline(fig)
