@@ -309,11 +309,11 @@ rule report_finetune:
         "logs/report/finetune/{run}/{ft}.log",
     conda:
         "../envs/data.yaml"
+    params:
+        evals=get_report_finetune_evals,
     shell:
         "snakellm report finetune --name {wildcards.ft} --metrics {input.metrics} --summary {input.summary} "
-        "--base {input.base} --tuned {input.tuned} --base-predictions {input.base_predictions} "
-        "--tuned-predictions {input.tuned_predictions} --comparison {input.comparison} --page {output.page} "
-        "--loss {output.loss} 2> {log}"
+        "{params.evals} --page {output.page} --loss {output.loss} 2> {log}"
 
 
 rule report_table:

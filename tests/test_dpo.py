@@ -293,6 +293,9 @@ def test_tiny_dpo_example_learns_the_held_out_preference(default_workflow):
     assert abs(summary["first_step"]["loss"] - math.log(2)) < 1e-5
     assert summary["test"]["pairs"] == 16
     assert summary["test"]["rewards/accuracies"] >= 0.9 and summary["test"]["rewards/margins"] > 0
+    ws.run("results/report/finetune/tiny/tiny-dpo.html", timeout=300)
+    page = (root / "results/report/finetune/tiny/tiny-dpo.html").read_text()
+    assert "Preference metrics (DPO)" in page and "held-out test pairs" in page
 
 
 CONV = [
@@ -411,3 +414,226 @@ def test_simpo_equals_trl_cpotrainer(tiny, tmp_path):
     assert abs(mine.item() - losses.mean().item()) < 1e-6
     assert abs(stats["rewards/chosen"].item() - chosen_r.mean().item()) < 1e-6
     assert abs(stats["rewards/margins"].item() - (chosen_r - rejected_r).mean().item()) < 1e-6
+
+
+def test_the_fine_tune_page_draws_the_preference_metrics_only_for_dpo(tmp_path):
+    """A DPO fine-tune's report page: reward accuracy and margins per step, chosen and rejected rewards, the
+    held-out test metrics, and no base-vs-tuned table (it has none); an SFT fine-tune's page has no such figure."""
+    from snakellm.report.evaluation import finetune_page, preference_figure
+
+    recs = [
+        {
+            "step": s,
+            "loss": 0.69 - s / 100,
+            "rewards/chosen": s / 50,
+            "rewards/rejected": -s / 40,
+            "rewards/accuracies": min(1.0, 0.5 + s / 40),
+            "rewards/margins": s / 50 + s / 40,
+            "logps/chosen": -20.0 + s / 10,
+            "logps/rejected": -22.0 - s / 10,
+        }
+        for s in range(1, 21)
+    ]
+    svg = preference_figure("pref", recs)
+    assert svg is not None and svg.startswith("<svg") and "reward accuracy" in svg and "rejected reward" in svg
+    summary = {"method": "dpo", "base": "runs/tiny", "test": {"pairs": 4, "rewards/accuracies": 0.75}}
+    page = finetune_page("pref", summary, {}, {}, [], [], None, recs)
+    assert "Preference metrics (DPO)" in page and "<svg" in page and "held-out test pairs" in page
+    assert "base vs tuned" not in page
+    sft = [{k: v for k, v in r.items() if "/" not in k} for r in recs]
+    assert preference_figure("sft", sft) is None
+    sft_page = finetune_page("sft", {"method": "lora"}, {"loss": 2.0}, {"loss": 1.5}, [], [], None, sft)
+    assert "Preference metrics" not in sft_page and "base vs tuned" in sft_page
+
+
+def test_report_finetune_writes_a_dpo_page_without_evaluations(tmp_path):
+    """`snakellm report finetune` for a DPO fine-tune: only its metrics and summary (the rule passes no
+    --base/--tuned flags for one)."""
+    from snakellm.steps.report import main
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text(
+        "".join(
+            json.dumps({"step": s, "loss": 0.7, "rewards/margins": 0.1 * s, "rewards/accuracies": 1.0}) + "\n"
+            for s in (1, 2)
+        )
+    )
+    (tmp_path / "s.json").write_text(json.dumps({"method": "dpo", "dpo": {"beta": 0.1}}))
+    page, loss = tmp_path / "p.html", tmp_path / "l.svg"
+    main(
+        ["finetune", "--name", "d", "--metrics", str(m), "--summary", str(tmp_path / "s.json")]
+        + ["--page", str(page), "--loss", str(loss)]
+    )
+    assert "Preference metrics (DPO)" in page.read_text() and loss.is_file()
+
+
+# ---------------------------------------------------------------- resume, TP and FSDP on CPU ranks (fp32)
+
+CPU_FT = ["finetune", "--base", "base", "--data-dir", "pref", "--method", "dpo", "--dpo-policy", "full"]
+CPU_FT += ["--reference-logprobs", "ref.json", "--steps", "6", "--lr", "1e-3", "--micro-batch-size", "1"]
+CPU_FT += ["--global-batch-size", "4", "--max-seq-length", "64", "--eval-interval", "3", "--keep-last", "2"]
+CPU_FT += ["--select", "last", "--device", "cpu", "--no-progress"]
+
+
+def _dpo_cpu(root: Path, out: str, nproc: int, *extra: str) -> str:
+    """`snakellm finetune --method dpo` (a full policy, the base's reference file) on NPROC CPU ranks: stderr."""
+    from test_finetune_fsdp_cpu import BIN, TORCHRUN, _run
+
+    return _run(
+        [*(TORCHRUN if nproc > 1 else []), str(BIN / "snakellm"), *CPU_FT, "--out-dir", out, *extra], root
+    ).stderr
+
+
+def _steps(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def dpo_cpu(tmp_path_factory) -> Path:
+    """A random tiny Llama base (tests/test_finetune_fsdp_cpu.py's), 16/4/4 preference pairs, the base's
+    reference log-probabilities and one uninterrupted 6-step DPO run in one process (~25 s on 2 cores)."""
+    import sys
+
+    from test_finetune_fsdp_cpu import BIN, MAKE, _run
+
+    root = tmp_path_factory.mktemp("dpo-cpu")
+    _run([sys.executable, "-c", MAKE, str(REPO)], root)
+    recs = [dict(PAIRS[i % 4], prompt=f"{PAIRS[i % 4]['prompt'].rstrip()} ({i})\n") for i in range(24)]
+    (root / "pref").mkdir()
+    for split, rs in (("train", recs[:16]), ("validation", recs[16:20]), ("test", recs[20:])):
+        (root / "pref" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    ref = ["reference-logprobs", "--model", "base", "--data-dir", "pref", "--out", "ref.json"]
+    _run([str(BIN / "snakellm"), *ref, "--max-seq-length", "64", "--device", "cpu"], root)
+    _dpo_cpu(root, "one", 1)
+    return root
+
+
+@pytest.mark.slow  # the fixture (20-55 s) and one resumed launch (8-30 s) on 2 cores
+def test_a_stopped_dpo_fine_tune_resumes_with_the_uninterrupted_runs_losses(dpo_cpu):
+    """Point 4: DPO resumed from its step-3 checkpoint continues with the uninterrupted run's losses, TRL
+    metrics and validation losses bit for bit (fp32 on the CPU), as SFT's resume does."""
+    import shutil
+
+    shutil.copytree(dpo_cpu / "one", dpo_cpu / "resumed")
+    (dpo_cpu / "resumed" / "checkpoints/latest_checkpointed_iteration.txt").write_text("3\n")
+    assert "resumed from resumed/checkpoints/iter_0000003" in _dpo_cpu(dpo_cpu, "resumed", 1)
+    one, resumed = _steps(dpo_cpu / "one"), _steps(dpo_cpu / "resumed")
+    assert [r["step"] for r in resumed] == list(range(1, 7)) and resumed[2].get("resumed")
+    keys = ("loss", "grad_norm", "val_loss", *(k for k in one[0] if "/" in k))
+    assert len(keys) > 8
+    assert [[r.get(k) for k in keys] for r in resumed[3:]] == [[r.get(k) for k in keys] for r in one[3:]]
+    assert one[-1]["loss"] < one[0]["loss"]
+
+
+@pytest.mark.slow  # one 2-rank launch: 15-30 s on 2 busy cores
+def test_dpo_at_tensor_parallel_2_on_gloo_equals_tp_1(dpo_cpu):
+    """Point 4: a full-policy DPO fine-tune at TP 2 on 2 CPU gloo ranks gives TP 1's losses, gradient norms,
+    rewards and validation losses within fp32 tolerance (the padded vocabulary's rows masked per rank)."""
+    assert "world 2 = dp 1 x tp 2" in _dpo_cpu(dpo_cpu, "tp2", 2, "--tp", "2")
+    one, tp2 = _steps(dpo_cpu / "one"), _steps(dpo_cpu / "tp2")
+    assert [r["step"] for r in tp2] == [r["step"] for r in one] == list(range(1, 7))
+    for a, b in zip(one, tp2, strict=True):
+        for k in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "val_loss"):
+            assert (a.get(k) is None) == (b.get(k) is None) and b.get(k, 0) == pytest.approx(a.get(k, 0), rel=1e-5), k
+        for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert b[k] == pytest.approx(a[k], abs=1e-5), k
+        assert b["rewards/accuracies"] == a["rewards/accuracies"] or a["step"] == 1  # step 1: ties at 0
+
+
+@pytest.mark.slow  # one 2-rank launch: 15-30 s on 2 busy cores
+def test_fsdp_full_policy_dpo_on_2_ranks_equals_one_process(dpo_cpu):
+    """Point 4: a full-policy DPO fine-tune with FSDP2 on 2 CPU ranks (micro batch 1: the same per-pair
+    losses averaged) gives one process's losses, gradient norms, rewards and validation losses (1e-5)."""
+    assert "sharded over 2 ranks (FSDP2)" in _dpo_cpu(dpo_cpu, "fsdp", 2, "--fsdp")
+    one, fsdp = _steps(dpo_cpu / "one"), _steps(dpo_cpu / "fsdp")
+    assert [r["step"] for r in fsdp] == list(range(1, 7))
+    for a, b in zip(one, fsdp, strict=True):
+        for k in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "val_loss"):
+            assert (a.get(k) is None) == (b.get(k) is None) and b.get(k, 0) == pytest.approx(a.get(k, 0), rel=1e-5), k
+        for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert b[k] == pytest.approx(a[k], abs=1e-5), k
+    summary = json.loads((dpo_cpu / "fsdp" / "finetune_summary.json").read_text())
+    assert summary["trainable_parameters"] == summary["total_parameters"] and summary["test"]["pairs"] == 4
+
+
+@pytest.mark.slow  # the shared fixture; the refusal itself is one process's start (~8 s)
+def test_tensor_parallel_on_the_cpu_is_refused_for_a_base_with_dropout(dpo_cpu):
+    """megatron-core draws the tensor-parallel ranks' dropout masks from its CUDA RNG tracker: a fine-tune of a
+    base with dropout at TP 2 on the CPU stops before it starts, naming why (as pretraining does)."""
+    import shutil
+    import subprocess
+
+    from conftest import env_with_venv
+    from test_finetune_fsdp_cpu import BIN
+
+    shutil.copytree(dpo_cpu / "base", dpo_cpu / "base-dropout")
+    cfg_path = dpo_cpu / "base-dropout/checkpoints/run_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["config"]["model"]["hidden_dropout"] = 0.1
+    cfg_path.write_text(json.dumps(cfg))
+    cmd = [str(BIN / "snakellm"), *CPU_FT, "--out-dir", "dropout", "--tp", "2", "--base", "base-dropout"]
+    proc = subprocess.run(cmd, cwd=dpo_cpu, env=env_with_venv(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "tensor parallel size 2 with dropout needs GPUs" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_lora_sft_reference_and_a_dpo_report_page_in_the_job_graph(workspace):
+    """Point 3: dpo.reference naming a LoRA fine-tune: the reference_logprobs job reads that fine-tune's base
+    run with its adapter (--model runs/RUN --adapter .../adapter) after it is trained; p-tuning is refused by
+    name at the config check. Point 5: a DPO fine-tune's report page is drawn from its own metrics and summary
+    (no evaluate_base / evaluate_finetune job, no --base flag: a DPO fine-tune is evaluated in itself)."""
+    import shutil
+
+    import yaml
+
+    from snakellm.config.checks import check_dpo
+    from snakellm.errors import ConfigError
+
+    shutil.copytree(REPO / "resources", workspace.root / "resources")
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg |= yaml.safe_load((REPO / "config" / "examples" / "tiny-dpo.yaml").read_text())
+    chat = yaml.safe_load((REPO / "config" / "examples" / "tiny-chat-finetune.yaml").read_text())
+    cfg["sft_data"] |= chat["sft_data"]
+    cfg["finetune"]["tiny-chat"] = chat["finetune"]["tiny-chat"] | {"method": "lora"}
+    cfg["finetune"]["tiny-dpo"]["dpo"]["reference"] = "tiny-chat"
+    workspace.write_config(cfg)
+    targets = ("runs/tiny/finetune/tiny-dpo/reference_logprobs.json", "results/report/finetune/tiny/tiny-dpo.html")
+    out = workspace.run("-n", "-p", *targets, timeout=120).stdout
+    ref = next(x for x in out.splitlines() if "snakellm reference-logprobs" in x)
+    assert "--model runs/tiny --adapter runs/tiny/finetune/tiny-chat/adapter" in ref
+    assert "rule finetune:" in out and "wildcards: run=tiny, ft=tiny-chat" in out
+    assert "report_finetune" in out and "evaluate_finetune" not in out and "evaluate_base" not in out
+    page = next(x for x in out.splitlines() if "snakellm report finetune" in x)
+    assert "--metrics runs/tiny/finetune/tiny-dpo/metrics.jsonl" in page and "--base" not in page
+    dpo = {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "reference": "tiny-chat", "policy": "lora"}
+    fts = {"tiny-chat": {"method": "ptuning"}}
+    with pytest.raises(
+        ConfigError, match="'tiny-chat' is not base, adapter-off, a key of runs or import_hf, or a full or LoRA"
+    ):
+        check_dpo("tiny-dpo", {"dpo": dpo}, {"finetune": fts})
+    check_dpo("tiny-dpo", {"dpo": dpo}, {"finetune": {"tiny-chat": {"method": "lora"}}})
+
+
+@pytest.mark.slow  # the shared fixture, then a 2-step LoRA SFT, its merge and two reference passes: 40-50 s
+def test_reference_log_probs_of_a_lora_fine_tune_are_its_merged_models(dpo_cpu):
+    """Point 3: `snakellm reference-logprobs --model BASE --adapter ADAPTER` gives the log-probabilities of
+    `snakellm lora merge`'s model of the same fine-tune (fp32, 1e-4), which differ from the base's."""
+    from test_finetune_fsdp_cpu import BIN, _run
+
+    sft = ["finetune", "--base", "base", "--data-dir", "sft", "--method", "lora", "--steps", "2", "--lr", "1e-2"]
+    sft += ["--micro-batch-size", "2", "--global-batch-size", "2", "--max-seq-length", "64", "--eval-interval", "2"]
+    _run([str(BIN / "snakellm"), *sft, "--device", "cpu", "--no-progress", "--out-dir", "lora"], dpo_cpu)
+    merge = ["lora", "merge", "--base", "base", "--adapter", "lora/adapter", "--out", "merged", "--device", "cpu"]
+    _run([str(BIN / "snakellm"), *merge], dpo_cpu)
+    ref = ["reference-logprobs", "--data-dir", "pref", "--max-seq-length", "64", "--device", "cpu"]
+    _run([str(BIN / "snakellm"), *ref, "--model", "base", "--adapter", "lora/adapter", "--out", "a.json"], dpo_cpu)
+    _run([str(BIN / "snakellm"), *ref, "--model", "merged", "--out", "m.json"], dpo_cpu)
+    a, m, base = (json.loads((dpo_cpu / f).read_text()) for f in ("a.json", "m.json", "ref.json"))
+    assert a["adapter"] == "lora/adapter" and a["splits"].keys() == m["splits"].keys() == {
+        "train",
+        "validation",
+        "test",
+    }
+    for split in a["splits"]:
+        for side in ("chosen", "rejected"):
+            assert a["splits"][split][side] == pytest.approx(m["splits"][split][side], abs=1e-4)
+    assert max(abs(x - y) for x, y in zip(a["splits"]["train"]["chosen"], base["splits"]["train"]["chosen"])) > 1e-3

@@ -27,6 +27,7 @@ LONG = [
     "test_bench_smoke.py",
     "test_engine_kernels.py",
     "test_lora_chain.py",
+    "test_dpo.py",
     "test_tokenizer_json.py",
     "test_hf_workflow.py",
     "test_report.py",

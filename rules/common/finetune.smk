@@ -72,17 +72,21 @@ def _needs_reference(ft):
 
 
 def _reference_model(ft):
-    """(the reference's directory, its final file): the fine-tune's run, another run, or a full fine-tune's model."""
+    """(the reference's directory, its final file, its adapter or None): the fine-tune's run, another run, a
+    full fine-tune's model, or a LoRA fine-tune's base run plus its adapter."""
     ref = ft["dpo"]["reference"]
     if ref == "base":
         ref = ft["run"]
     if ref in RUNS or ref in IMPORTS:
-        return f"runs/{ref}", _base_inputs({"run": ref})["base"]
-    if ref in FINETUNES and FINETUNES[ref]["method"] == "full":
-        d = f"runs/{FINETUNES[ref]['run']}/finetune/{ref}"
-        return f"{d}/model", f"{d}/finetune_summary.json"
+        return f"runs/{ref}", _base_inputs({"run": ref})["base"], None
+    if ref in FINETUNES and FINETUNES[ref]["method"] in ("full", "lora"):
+        run = FINETUNES[ref]["run"]
+        d = f"runs/{run}/finetune/{ref}"
+        if FINETUNES[ref]["method"] == "lora":
+            return f"runs/{run}", f"{d}/finetune_summary.json", f"{d}/adapter"
+        return f"{d}/model", f"{d}/finetune_summary.json", None
     raise WorkflowError(
-        f"dpo.reference {ref!r}: base, adapter-off, a key of runs or import_hf, or a full fine-tune's name"
+        f"dpo.reference {ref!r}: base, adapter-off, a key of runs or import_hf, or a full or LoRA fine-tune's name"
     )
 
 
@@ -99,7 +103,8 @@ def get_reference_flags(wildcards):
     (beta, the loss, the learning rate and the steps are not here: changing them reuses the file).
     """
     ft = _ft(wildcards)
-    return flagmod.reference_flags(ft, _reference_model(ft)[0])
+    model, _, adapter = _reference_model(ft)
+    return flagmod.reference_flags(ft, model, adapter)
 
 
 def get_finetune_flags(wildcards):

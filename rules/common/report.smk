@@ -286,15 +286,28 @@ def get_report_finetune_input(wildcards):
     ft = _ft(wildcards)
     d = f"runs/{ft['run']}"
     base, ev = base_eval_dir(wildcards.ft), f"{d}/eval/{wildcards.ft}"
-    return {
+    own = {
         "metrics": f"{d}/finetune/{wildcards.ft}/metrics.jsonl",
         "summary": f"{d}/finetune/{wildcards.ft}/finetune_summary.json",
+    }
+    # a DPO fine-tune is evaluated in the fine-tune itself (held-out reward accuracy)
+    if ft["method"] == "dpo":
+        return own
+    return own | {
         "base": f"{base}/metrics.json",
         "tuned": f"{ev}/tuned/metrics.json",
         "base_predictions": f"{base}/predictions.jsonl",
         "tuned_predictions": f"{ev}/tuned/predictions.jsonl",
         "comparison": f"{ev}/comparison.json",
     }
+
+
+def get_report_finetune_evals(wildcards, input):
+    """The base-vs-tuned flags of `snakellm report finetune` (none for a DPO fine-tune)."""
+    flags = ("base", "tuned", "base_predictions", "tuned_predictions", "comparison")
+    return " ".join(
+        f"--{k.replace('_', '-')} {input[k]}" for k in flags if k in input.keys()
+    )
 
 
 def on_success():

@@ -93,10 +93,10 @@ def check_dpo(name: str, ft: dict[str, Any], config: dict[str, Any]) -> None:
     known = (
         ref in ("base", "adapter-off") or ref in (config.get("runs") or {}) or ref in (config.get("import_hf") or {})
     )
-    if not known and not (ref in fts and fts[ref]["method"] == "full"):
+    if not known and not (ref in fts and fts[ref]["method"] in ("full", "lora")):
         raise ConfigError(
             f"config key finetune.{name}.dpo.reference: {ref!r} is not base, adapter-off, a key of runs or "
-            "import_hf, or a full fine-tune's name"
+            "import_hf, or a full or LoRA fine-tune's name"
         )
 
 

@@ -67,9 +67,10 @@ def finetune_flags(ft: dict[str, Any]) -> str:
     )
 
 
-def reference_flags(ft: dict[str, Any], model: str) -> str:
-    """`snakellm reference-logprobs` settings: the reference, the pairs' tokenization, the fine-tune's sequence
-    length and precision; nothing else of the fine-tune (a new beta or learning rate reuses the file)."""
+def reference_flags(ft: dict[str, Any], model: str, adapter: str | None = None) -> str:
+    """`snakellm reference-logprobs` settings: the reference (a LoRA fine-tune's: its base and adapter), the
+    pairs' tokenization, the fine-tune's sequence length and precision; nothing else of the fine-tune (a new
+    beta or learning rate reuses the file)."""
     import shlex
 
     dpo, examples = ft.get("dpo", {}), ft.get("examples", {})
@@ -77,6 +78,7 @@ def reference_flags(ft: dict[str, Any], model: str) -> str:
     precision = {"fp8": "bf16"}.get(ft["train"].get("precision", "auto"), ft["train"].get("precision", "auto"))
     return join(
         shlex.join(["--model", model]),
+        shlex.join(["--adapter", adapter]) if adapter else "",
         to_flags(S.DpoSettings, {k: dpo.get(k) for k in S.DPO_TOKENIZATION}),
         f"--max-seq-length {int(seq)}" if seq else "",
         shlex.join(["--chat-template", examples["chat_template"]]) if examples.get("chat_template") else "",

@@ -708,7 +708,7 @@ class DpoSettings:
     reference: str = setting(
         "base",
         "the frozen reference: base (the fine-tune's run), a key of runs or import_hf, a full fine-tune's name "
-        "(its model), or adapter-off (policy lora: the base with the adapters off, computed in-process)",
+        "(its model) or a LoRA fine-tune's (its base plus its adapter), or adapter-off (policy lora: the base with the adapters off, computed in-process)",
         trajectory=True,
         flag="dpo_reference",
     )
@@ -815,7 +815,9 @@ class FinetuneParallelSettings:
     """``finetune.<name>.parallel``: tensor parallelism, activation recomputation, FSDP, compilation and the job's
     threads."""
 
-    tp: int = setting(1, "tensor-parallel size (GPU; ranks = the job's tasks)")
+    tp: int = setting(
+        1, "tensor-parallel size (ranks = the job's tasks; on the CPU gloo ranks, only without the base's dropout)"
+    )
     recompute: str = setting(
         "none",
         "megatron-core activation recomputation: selective (core attention) or full (every transformer layer, "

@@ -22,6 +22,7 @@ metrics and early stopping are the assembly's, as in pretraining.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -56,8 +57,12 @@ def finetune(a: argparse.Namespace, mcfg: Any) -> int:
     if a.method == "dpo":
         from snakellm.finetune.dpo import DPORecipe
 
-        return assembly.run(job, DPORecipe(a, mcfg))
-    return assembly.run(job, FinetuneRecipe(a, mcfg))
+        recipe: FinetuneRecipe = DPORecipe(a, mcfg)
+    else:
+        recipe = FinetuneRecipe(a, mcfg)
+    # tensor parallelism on gloo as pretraining's, refused with the base's dropout (megatron-core's CUDA tracker)
+    dropout = bool(recipe.arch.get("hidden_dropout") or recipe.arch.get("attention_dropout"))
+    return assembly.run(dataclasses.replace(job, dropout=dropout), recipe)
 
 
 def check_parallel(a: argparse.Namespace) -> None:
@@ -121,6 +126,7 @@ def job_of(a: argparse.Namespace) -> assembly.Job:
         profile_steps=a.profile_steps,
         tracking=tracking.settings_from_args(a),
         params=vars(a),
+        cpu_tp=True,  # fp32 on gloo ranks as pretraining (tests/test_dpo.py: DPO at tp 2 equals tp 1)
     )
 
 

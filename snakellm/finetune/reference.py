@@ -37,8 +37,9 @@ def compute(
     threads: int | None = None,
     max_seq_length: int | None = None,
     chat_template: str | None = None,
+    adapter: str | None = None,
 ) -> dict[str, Any]:
-    """Write ``out`` (JSON) and return it."""
+    """Write ``out`` (JSON) and return it; ``adapter``: a LoRA fine-tune's, on ``model_dir`` (its base)."""
     import torch
 
     from snakellm import models
@@ -54,6 +55,10 @@ def compute(
     try:
         bf16 = precision == "bf16" or (precision == "auto" and rt.cuda)
         loaded = models.load(model_dir, device=rt.device, bf16=bf16, seq_length=max_seq_length)
+        if adapter:  # the LoRA fine-tune's model: its base with its adapter on (as its evaluation loads it)
+            from snakellm.finetune.artifacts import attach
+
+            attach(rt.device, loaded.model, loaded.arch, adapter, None)
         gpt = loaded.model.eval()
         tok = runtime.load_tokenizer(info["tokenizer"])
         pref.mask_padded_vocab(gpt, int(info["tokenizer"]["vocab_size"]))
@@ -84,6 +89,7 @@ def compute(
             }
         doc = {
             "reference": str(model_dir),
+            "adapter": str(adapter) if adapter else None,
             "checkpoint": str(Path(info["checkpoint_dir"])),
             "iteration": info["iteration"],
             "precision": "bf16" if bf16 else "fp32",

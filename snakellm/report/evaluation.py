@@ -172,6 +172,7 @@ def settings_rows(summary: dict) -> list[tuple[str, Any]]:
     keep = (
         "method",
         "method_config",
+        "dpo",
         "base",
         "steps",
         "steps_run",
@@ -202,6 +203,54 @@ def _from_comparison(comparison: dict) -> tuple[list[list[Any]], list[str]]:
     return rows, notes
 
 
+PREFERENCE = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+
+
+def preference_figure(name: str, recs: list[dict]) -> str | None:
+    """A DPO fine-tune's preference metrics per step (inline SVG, TRL's names in metrics.jsonl): the reward
+    accuracy and margins, and the chosen and rejected rewards. None without ``rewards/*`` records (SFT)."""
+    steps = [r for r in recs if isinstance(r.get("rewards/margins"), (int, float)) and "loss" in r]
+    if not steps:
+        return None
+    fig, axes = plots.figure(height=6.0, rows=2, sharex=True)
+    a1, a2 = axes[0][0], axes[1][0]
+    x = [r["step"] for r in steps]
+    a1.plot(x, [r.get("rewards/accuracies") for r in steps], color=plots.COLORS[2], label="reward accuracy")
+    a1.set_ylim(-0.05, 1.05)
+    a1.set_ylabel("reward accuracy")
+    right = a1.twinx()
+    right.plot(x, [r["rewards/margins"] for r in steps], color=plots.COLORS[4], label="reward margin")
+    right.set_ylabel("reward margin (chosen − rejected)")
+    a1.legend(handles=a1.get_lines() + right.get_lines(), fontsize=8, loc="lower right")
+    a1.set_title(f"{name}: preference (DPO) per step", loc="left")
+    a2.plot(x, [r.get("rewards/chosen") for r in steps], color=plots.COLORS[0], label="chosen reward")
+    a2.plot(x, [r.get("rewards/rejected") for r in steps], color=plots.COLORS[3], label="rejected reward")
+    a2.axhline(0, color="#57606a", linewidth=0.8)
+    a2.set_ylabel("reward (β · log-ratio; SimPO: β · mean log-prob)")
+    a2.set_xlabel("step")
+    a2.legend(fontsize=8)
+    return plots.inline(fig)
+
+
+def _preference_sections(name: str, summary: dict, recs: list[dict]) -> list[str]:
+    """A DPO fine-tune's page in place of base vs tuned: the per-step figure and the held-out test metrics."""
+    fig = preference_figure(name, recs)
+    out = []
+    if fig is not None:
+        out.append(
+            H.section(
+                "Preference metrics (DPO)",
+                fig,
+                note="From metrics.jsonl's TRL-named records of each training step: rewards/accuracies (the share of "
+                "pairs whose chosen reward beats the rejected one), rewards/margins, rewards/chosen, rewards/rejected.",
+            )
+        )
+    test = summary.get("test")
+    if isinstance(test, dict):
+        out.append(H.section("held-out test pairs", H.key_values(sorted(test.items()))))
+    return out
+
+
 def finetune_page(
     name: str,
     summary: dict,
@@ -210,9 +259,17 @@ def finetune_page(
     base_preds: list[dict],
     tuned_preds: list[dict],
     comparison: dict | None = None,
+    recs: list[dict] | None = None,
 ) -> str:
     """Base vs tuned (the comparison file's table where there is one, else every number both metrics hold),
-    example predictions, settings."""
+    example predictions, settings; a DPO fine-tune (no base-vs-tuned evaluation): its preference metrics."""
+    if summary.get("method") == "dpo":
+        return H.page(
+            f"fine-tune {name}",
+            *_preference_sections(name, summary, recs or []),
+            H.section("settings and training", H.key_values(settings_rows(summary))),
+            note=f"dpo fine-tune of {summary.get('base', '?')}",
+        )
     rows, notes = _from_comparison(comparison) if comparison else ([], [])
     shown = {r[0] for r in rows}
     rows += [[*r, ""] for r in comparison_rows(base, tuned) if r[0] not in shown]

@@ -55,3 +55,17 @@ def save(fig: Figure, path: str | os.PathLike) -> None:
 def empty_note(ax, text: str) -> None:
     """Say on the plot why it has nothing to show (better than an empty frame)."""
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#57606a", fontsize=11)
+
+
+def inline(fig: Figure) -> str:
+    """The figure as an ``<svg>`` element for an HTML page (byte-stable as :func:`save`)."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": "snakellm (matplotlib)"})
+    plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg") :]

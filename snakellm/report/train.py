@@ -201,13 +201,9 @@ def router_figure(run: str, recs: list[dict]) -> str | None:
     """A mixture of experts' router health (inline SVG): the load-balancing loss, the busiest expert's load over
     the mean and the dropped tokens per step, and each expert's share of the routed tokens over the run's last
     tenth of steps. None for a dense model (no ``moe_*`` records)."""
-    import io
-
     moe = [r for r in recs if r.get("moe_tokens_per_expert")]
     if not moe:
         return None
-    import matplotlib.pyplot as plt
-
     fig, axes = plots.figure(height=6.0, rows=2)
     a1, a2 = axes[0][0], axes[1][0]
     steps = [r["step"] for r in moe]
@@ -229,12 +225,7 @@ def router_figure(run: str, recs: list[dict]) -> str | None:
     a2.set_xlabel(f"expert (steps {last[0]['step']}-{last[-1]['step']}, all layers)")
     a2.set_ylabel("routed tokens (%)")
     a2.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": "snakellm (matplotlib)"})
-    plt.close(fig)
-    svg = buf.getvalue()
-    return svg[svg.index("<svg") :]
+    return plots.inline(fig)
 
 
 def summary_page(run: str, recs: list[dict], summary: dict, summary_path: str) -> str:

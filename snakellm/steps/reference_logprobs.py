@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", required=True, help="the reference: a run dir, its checkpoints/ or a full fine-tune's model/"
     )
+    p.add_argument(
+        "--adapter", default=None, help="a LoRA fine-tune's adapter/ on --model (its base run): base plus adapter"
+    )
     p.add_argument("--data-dir", required=True, help="a prepared preference set (train/validation/test.jsonl)")
     p.add_argument("--out", required=True, help="the JSON file to write")
     add_arguments(
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=a.threads,
             max_seq_length=a.max_seq_length,
             chat_template=a.chat_template,
+            adapter=a.adapter,
         )
     except (SFTFormatError, PreferenceError, BaseModelError, LoadError, ValueError) as e:
         print(f"snakellm reference-logprobs: error: {e}", file=sys.stderr)

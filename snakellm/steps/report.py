@@ -95,20 +95,21 @@ def _lm_eval(a: argparse.Namespace) -> None:
 
 def _finetune(a: argparse.Namespace) -> None:
     from snakellm.report import evaluation as ev
+    from snakellm.report.train import load_metrics
 
+    recs = load_metrics(a.metrics)
     page = ev.finetune_page(
         a.name,
         ev.read_json(a.summary),
-        ev.read_json(a.base),
-        ev.read_json(a.tuned),
-        ev.read_jsonl(a.base_predictions),
-        ev.read_jsonl(a.tuned_predictions),
+        ev.read_json(a.base) if a.base else {},
+        ev.read_json(a.tuned) if a.tuned else {},
+        ev.read_jsonl(a.base_predictions) if a.base_predictions else [],
+        ev.read_jsonl(a.tuned_predictions) if a.tuned_predictions else [],
         ev.read_json(a.comparison) if a.comparison else None,
+        recs,
     )
     write_text(a.page, page)
-    from snakellm.report.train import load_metrics
-
-    ev.plot_finetune_loss(a.name, load_metrics(a.metrics), a.loss)
+    ev.plot_finetune_loss(a.name, recs, a.loss)
 
 
 def _add_stage_parsers(sub: argparse._SubParsersAction) -> None:
@@ -124,10 +125,10 @@ def _add_stage_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--name", required=True, help="the fine-tune's name")
     s.add_argument("--metrics", required=True, help="runs/{run}/finetune/{ft}/metrics.jsonl")
     s.add_argument("--summary", required=True, help="runs/{run}/finetune/{ft}/finetune_summary.json")
-    s.add_argument("--base", required=True, help="the base model's metrics.json on the test split")
-    s.add_argument("--tuned", required=True, help="the tuned model's metrics.json")
-    s.add_argument("--base-predictions", required=True, help="the base model's predictions (.jsonl)")
-    s.add_argument("--tuned-predictions", required=True, help="the tuned model's predictions (.jsonl)")
+    s.add_argument("--base", help="the base model's metrics.json on the test split (not for a DPO fine-tune)")
+    s.add_argument("--tuned", help="the tuned model's metrics.json (not for a DPO fine-tune)")
+    s.add_argument("--base-predictions", help="the base model's predictions (.jsonl)")
+    s.add_argument("--tuned-predictions", help="the tuned model's predictions (.jsonl)")
     s.add_argument("--comparison", help="the base-vs-tuned comparison.json (snakellm compare-eval), if any")
     s.add_argument("--page", required=True, help="output .html")
     s.add_argument("--loss", required=True, help="output .svg")
