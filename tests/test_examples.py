@@ -144,7 +144,7 @@ def test_8b_example_train_dry_run_checks_the_8_node_layout_and_prints_the_memory
     assert "parallel.sequence_parallel: true and parallel.distributed_optimizer: true would make it 12.91 GiB" in out
     # one estimate: `snakellm plan` prints the same lines for the same layout
     assert plan_cli.main(["--config", str(EIGHT_B), "--nodes", "8", "--gpus-per-node", "8", "--run", "gpt-8b"]) == 0
-    assert "\n".join(memory) in capsys.readouterr().out
+    assert "\n".join(memory[:7]) in capsys.readouterr().out  # then each says where it runs (a note on the CPU)
 
     # the job from the recipe's own config (runs.gpt-8b.resources): the same layout and memory, and the allocation
     proc = dry_run("--config", str(EIGHT_B))
@@ -153,7 +153,7 @@ def test_8b_example_train_dry_run_checks_the_8_node_layout_and_prints_the_memory
     assert (
         "  job (runs.gpt-8b.resources): 8 nodes x 8 GPUs = 64 ranks, 8 CPUs per GPU, time limit 1440 min" in proc.stdout
     )
-    assert "\n".join(memory) in proc.stdout
+    assert "\n".join(memory[:7]) in proc.stdout
 
     # with both options on: the optimizer states sharded over 16 ranks, the activations outside TP split by 4
     out = dry_run("--nodes", "8", "--gpus-per-node", "8", "--sequence-parallel", "--distributed-optimizer").stdout
