@@ -35,6 +35,26 @@ def train_spm(tmp: Path, vocab_size: int = 600, model_type: str = "bpe") -> Path
     return prefix.with_suffix(".model")
 
 
+def save_random_hf(config, src: Path, spm: Path, tokenizer_config: dict):
+    """A transformers model of ``config`` (seeded; norms and biases perturbed away from their constant
+    initialisation) saved with ``save_pretrained``, the SentencePiece model and ``tokenizer_config``."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(src)
+    shutil.copy(spm, src / "tokenizer.model")
+    (src / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return hf
+
+
 def tokenizer_block(kind: str, path: Path | None = None) -> dict:
     """A blend.json-style tokenizer block (what the checkpoint records)."""
     from snakellm.tokenize import encoders

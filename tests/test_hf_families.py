@@ -12,11 +12,10 @@ logits, and the chat template carried from import to export.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from hf_helpers import train_spm
+from hf_helpers import save_random_hf, train_spm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -95,18 +94,7 @@ def spm_model(tmp_path_factory) -> Path:
 
 
 def _save(config, src: Path, spm: Path):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(3)
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(src)
-    shutil.copy(spm, src / "tokenizer.model")
-    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": TEMPLATE}))
-    return hf
+    return save_random_hf(config, src, spm, {"eos_token": "</s>", "chat_template": TEMPLATE})
 
 
 @pytest.mark.parametrize("case", list(_configs()))

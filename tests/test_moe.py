@@ -7,12 +7,10 @@ transformers' logits (fp32, 1e-4), the KV-cached decoder's greedy tokens equal t
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
-from hf_helpers import train_spm
+from hf_helpers import save_random_hf, train_spm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -61,19 +59,8 @@ def spm_model(tmp_path_factory) -> Path:
 
 
 def save_tiny(config, src: Path, spm: Path):
-    """A transformers model of ``config`` (norms perturbed away from ones) saved with its tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(3)
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(src)
-    shutil.copy(spm, src / "tokenizer.model")
-    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    return hf
+    """A transformers model of ``config`` (norms perturbed away from ones; these classes have no biases)."""
+    return save_random_hf(config, src, spm, {"eos_token": "</s>"})
 
 
 @pytest.mark.parametrize("case", list(_configs()))

@@ -27,6 +27,7 @@ mask) and positions restart at 0 per example.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -79,6 +80,11 @@ class EncodeStats:
 
 
 LINE = "_line"  # where read_jsonl found a record (1-based), for messages; never a template field
+
+
+def file_sha256(path: str | Path) -> str:
+    """A whole file's sha256: what a fine-tune records of its splits, and DPO of its reference's log-probabilities."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def read_jsonl(path: str | Path, keys: tuple[str, ...] = ("input", "output")) -> list[dict]:

@@ -14,7 +14,6 @@ What trains (``dpo.policy``: lora | full), checkpoints, resume and the artifacts
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -57,10 +56,6 @@ def chat_encoder(tok_info: dict, tok: Any, chat_template: str | None, seq: int, 
     from snakellm.finetune import conversations as conv
 
     return conv.chat_encoder(tok_info, tok, chat_template, seq + 1, "all_assistant")
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class DPORecipe(FinetuneRecipe):
@@ -141,7 +136,7 @@ class DPORecipe(FinetuneRecipe):
                 self.ref[split] = {"chosen": [], "rejected": []}
                 continue
             got = doc.get("splits", {}).get(split)
-            if got is None or got.get("sha256") != sha256(path_):
+            if got is None or got.get("sha256") != ds.file_sha256(path_):
                 raise ds.SFTFormatError(f"{f}: computed for other {split} pairs than {path_} (stale: rebuild it)")
             kept = [p.index for p in self.pairs[split]]
             if got["kept"] != kept:
@@ -149,7 +144,7 @@ class DPORecipe(FinetuneRecipe):
                     f"{f}: its {split} pairs are not this fine-tune's ({len(got['kept'])} vs {len(kept)})"
                 )
             self.ref[split] = {"chosen": got["chosen"], "rejected": got["rejected"]}
-        self.ref_sha = sha256(f)
+        self.ref_sha = ds.file_sha256(f)
 
     # ------------------------------------------------------------------ the recipe
 

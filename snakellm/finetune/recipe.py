@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -234,7 +233,7 @@ class FinetuneRecipe:
             "base": str(self.base_checkpoint),
             "model": self.arch,
             "padded_vocab": self.vocab,
-            "data": {"train": _sha256(self.train_path), "validation": _sha256(self.valid_path)},
+            "data": {"train": ds.file_sha256(self.train_path), "validation": ds.file_sha256(self.valid_path)},
             # the chat settings enter only for conversations (an input/output fine-tune keeps its fingerprint)
             "examples": {k: getattr(a, k) for k in EXAMPLE_KEYS if self.is_chat or k not in CHAT_KEYS}
             | {"seq": self.seq},
@@ -421,10 +420,6 @@ def _peak_gib(s: assembly.Session) -> float | None:
     if not s.cuda:
         return None
     return round(s.torch.cuda.max_memory_allocated(s.device) / 2**30, 2)
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def attach(torch: Any, gpt: Any, method: str, mcfg: Any, arch: dict, recompute: str = "none") -> tuple[Any, Any]:

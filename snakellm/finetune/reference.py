@@ -13,7 +13,6 @@ file refuses it by name.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from typing import Any
@@ -81,7 +80,7 @@ def compute(
                     chosen += lp[: len(part)]
                     rejected += lp[len(part) :]
             splits[split] = {
-                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                "sha256": ds.file_sha256(path),
                 "kept": [p.index for p in pairs],
                 "chosen": chosen,
                 "rejected": rejected,

@@ -47,7 +47,7 @@ def install_cpu_megatron_shims() -> None:
     * activation recomputation (``tensor_parallel.checkpoint``) saves and restores the CUDA generator's
       state beside the CPU one: on the CPU there is none, so that part is a no-op (the CPU generator
       and megatron's (inference) RNG tracker are still saved and restored);
-    * the MoE layer's dispatcher and router (:func:`_moe_cpu_shim`).
+    * the MoE layer's alltoall dispatcher (:func:`_moe_cpu_shim`).
     The same schedules and recomputation run unchanged on GPUs.
     """
     import torch
@@ -62,18 +62,17 @@ def install_cpu_megatron_shims() -> None:
 
 
 def _moe_cpu_shim() -> None:
-    """Two places megatron-core 0.16.1's MoE layer needs CUDA or Transformer Engine, for the CPU (gloo).
+    """Where megatron-core 0.16.1's MoE layer needs CUDA, for the CPU (gloo); its Transformer Engine name is
+    :func:`no_te_router_gemm`'s, which :func:`pick_device` sets on every device.
 
-    * the alltoall dispatcher makes a ``torch.cuda.Stream`` for its device-to-host copies of the split
-      sizes and synchronises on its event: on the CPU the sizes are host tensors already, so the class's
-      stream is a placeholder and the copy point only turns them into the numpy arrays the GPU path makes;
-    * ``router_gating_linear``'s ``te_general_gemm`` (:func:`no_te_router_gemm`, on GPUs too).
+    The alltoall dispatcher makes a ``torch.cuda.Stream`` for its device-to-host copies of the split
+    sizes and synchronises on its event: on the CPU the sizes are host tensors already, so the class's
+    stream is a placeholder and the copy point only turns them into the numpy arrays the GPU path makes.
     The GPU path is megatron-core's, unchanged.
     """
     import torch
     from megatron.core.transformer.moe import token_dispatcher as td
 
-    no_te_router_gemm()
     cls = td.MoEAlltoAllTokenDispatcher
     if getattr(cls._maybe_dtoh_and_synchronize, "_snakellm_cpu", False):
         return

@@ -103,9 +103,7 @@ FAMILY = Family(
     arch_keys={"sliding_window": None},
     hf_refuses=_refuses,
     hf_export_extra=lambda arch: {
-        "head_dim": arch["hidden_size"] // arch["num_attention_heads"],
-        "hidden_act": "silu",
-        "attention_dropout": 0.0,
+        **mistral.FAMILY.hf_export_extra(arch),  # Mistral's attention keys
         "router_jitter_noise": 0.0,
         "output_router_logits": False,
     },
