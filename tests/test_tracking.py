@@ -290,15 +290,37 @@ def default_run_data(tmp_path_factory):
     return ws
 
 
+@pytest.fixture(scope="module")
+def tracked_default_run(default_run_data, mlflow_server):
+    """The default `tiny` run (300 steps) and the data run, tracked in MLflow and W&B offline: a shared
+    fixture (a training run of its own, which CI's other worker slows past one test's budget)."""
+    ws = default_run_data
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_DIR", str(ws.root / "wandb-files"))
+        (ws.root / "wandb-files").mkdir(exist_ok=True)
+        _default_run_config(ws, _tracked(mlflow_server.uri))
+        ws.run("runs/tiny/train_summary.json", "results/tracking/data.json")
+    return ws
+
+
+@pytest.fixture(scope="module")
+def run_without_its_server(tracked_default_run, mlflow_server):
+    """The same run again from scratch with the MLflow server stopped (after the tests that read it)."""
+    ws = tracked_default_run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_DIR", str(ws.root / "wandb-files"))
+        _default_run_config(ws, _tracked(mlflow_server.uri))
+        mlflow_server.stop()
+        shutil.rmtree(ws.path("runs/tiny"), ignore_errors=True)
+        ws.run("runs/tiny/train_summary.json")
+    return ws
+
+
 @pytest.mark.slow
-def test_the_default_run_is_tracked_in_mlflow_and_wandb(default_run_data, mlflow_server, monkeypatch):
+def test_the_default_run_is_tracked_in_mlflow_and_wandb(tracked_default_run, mlflow_server):
     """The bar: the default `tiny` run's per-step loss in MLflow exactly as in metrics.jsonl, its config as
     parameters, a W&B offline run directory under WANDB_DIR; and the data stages' counts as one data run."""
-    ws = default_run_data
-    monkeypatch.setenv("WANDB_DIR", str(ws.root / "wandb-files"))
-    (ws.root / "wandb-files").mkdir(exist_ok=True)
-    _default_run_config(ws, _tracked(mlflow_server.uri))
-    ws.run("runs/tiny/train_summary.json", "results/tracking/data.json")
+    ws = tracked_default_run
     recs = [json.loads(line) for line in ws.path("runs/tiny/metrics.jsonl").read_text().splitlines()]
     losses = [(r["step"], r["loss"]) for r in recs if "loss" in r]
     assert len(losses) == 300
@@ -337,14 +359,8 @@ def test_the_default_run_is_tracked_in_mlflow_and_wandb(default_run_data, mlflow
 
 
 @pytest.mark.slow
-def test_the_default_run_completes_when_the_tracking_server_is_gone(default_run_data, mlflow_server, monkeypatch):
-    ws = default_run_data
-    monkeypatch.setenv("WANDB_DIR", str(ws.root / "wandb-files"))
-    (ws.root / "wandb-files").mkdir(exist_ok=True)
-    _default_run_config(ws, _tracked(mlflow_server.uri))
-    mlflow_server.stop()
-    shutil.rmtree(ws.path("runs/tiny"), ignore_errors=True)
-    ws.run("runs/tiny/train_summary.json")
+def test_the_default_run_completes_when_the_tracking_server_is_gone(run_without_its_server):
+    ws = run_without_its_server
     log = ws.path("logs/pretrain/tiny.log").read_text()
     warnings = [line for line in log.splitlines() if "warning: tracking" in line]
     assert len(warnings) == 1 and "mlflow" in warnings[0] and "metrics.jsonl is the record" in warnings[0], log
