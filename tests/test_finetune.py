@@ -300,11 +300,11 @@ def test_exact_resume_after_sigkill(default_workflow: Workspace, sft: Path) -> N
     assert f"iter_{best['iteration']:07d}" in kept and "iter_0000012" in kept
 
 
-def test_workflow_base_and_tuned(default_workflow: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
-    """prepare_sft -> finetune -> exports -> evaluate (base once, each tuned) -> comparison through Snakemake.
-
-    The example's SQuAD fine-tune (LoRA) beside a full one and a p-tuning one on the same data and evaluation
-    settings: one base evaluation serves all three; every method's export loads with transformers / peft."""
+@pytest.fixture(scope="module")
+def three_methods(default_workflow: Workspace) -> Workspace:
+    """The example's SQuAD fine-tune (LoRA) beside a full one and a p-tuning one on the same data and evaluation
+    settings, built through Snakemake (a shared fixture: three fine-tunes and four evaluations, ~50 s alone,
+    twice that beside CI's other worker)."""
     root = default_workflow.root
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     extra = yaml.safe_load((REPO / "config" / "examples" / "tiny-squad-finetune.yaml").read_text())
@@ -329,6 +329,14 @@ def test_workflow_base_and_tuned(default_workflow: Workspace, monkeypatch: pytes
     before = ws.snapshot("runs/tiny/checkpoints")
     ws.run(timeout=1800)
     assert not ws.changed(before, "runs/tiny/checkpoints")  # the pretrained run is only read
+    return ws
+
+
+def test_workflow_base_and_tuned(three_methods: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare_sft -> finetune -> exports -> evaluate (base once, each tuned) -> comparison through Snakemake:
+    one base evaluation serves all three methods; every method's export loads with transformers / peft."""
+    ws = three_methods
+    root = ws.root
     ev = root / "runs" / "tiny" / "eval" / "tiny-lora"
     base_dirs = list((root / "runs" / "tiny" / "eval" / "base" / "squad-questions").iterdir())
     assert len(base_dirs) == 1  # one base evaluation per run, data set and evaluation settings

@@ -440,15 +440,23 @@ def test_lora_finetune_on_an_fp8_base_follows_bf16(tmp_path, parallel, any_devic
 
 # 33-73 s (quiet, and in CI beside another worker): two real `snakellm finetune` + `snakellm evaluate` runs, the
 # GPU check's own path; fewer steps would not memorise the questions the check compares
-@pytest.mark.slow
-def test_the_fp8_lora_check_script_smoke(tmp_path):
-    """`scripts/check_fp8_lora_gpu.py --smoke`: LoRA on an FP8 base (emulated on the CPU) memorises the 8 questions
-    as LoRA on the fp32 base does: the same exact match, and the script's loss bar (at most 1.1 x + 0.01 nats)."""
+@pytest.fixture(scope="module")
+def fp8_lora_smoke(tmp_path_factory):
+    """The check script's smoke, run once (a shared fixture: two fine-tunes and two evaluations)."""
     from conftest import REPO
 
+    tmp_path = tmp_path_factory.mktemp("fp8-lora")
     cmd = [sys.executable, str(REPO / "scripts" / "check_fp8_lora_gpu.py"), "--smoke"]
     cmd += ["--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env_with_venv(), timeout=600)
+    return proc, tmp_path
+
+
+@pytest.mark.slow
+def test_the_fp8_lora_check_script_smoke(fp8_lora_smoke):
+    """`scripts/check_fp8_lora_gpu.py --smoke`: LoRA on an FP8 base (emulated on the CPU) memorises the 8 questions
+    as LoRA on the fp32 base does: the same exact match, and the script's loss bar (at most 1.1 x + 0.01 nats)."""
+    proc, tmp_path = fp8_lora_smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "bar: FP8 exact match >= fp32's less one question: PASS" in proc.stdout
     ref, fp8 = json.loads((tmp_path / "out" / "fp8_lora.json").read_text())["rows"]
