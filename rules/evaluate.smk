@@ -42,6 +42,7 @@ if config["generate"]["enabled"]:
 # The base model is evaluated once per run, data set and evaluation settings, shared by every fine-tune
 # with the same three: runs/{run}/eval/base/{task}/{key}/ (key: snakellm.config.flags.base_eval_key);
 # each fine-tune in runs/{run}/eval/{ft}/tuned/, and the two side by side in runs/{run}/eval/{ft}/comparison.*
+# (a DPO fine-tune: its initial and tuned policy on the held-out pairs, from its finetune_summary.json)
 
 
 rule evaluate_base:
@@ -102,11 +103,10 @@ rule compare_finetune:
     conda:
         "../envs/train.yaml"
     params:
-        base=subpath(input.base, parent=True),
-        tuned=subpath(input.tuned, parent=True),
+        sides=get_compare_sides,
         out=subpath(output[0], parent=True),
     shell:
-        "snakellm compare-eval --base {params.base} --tuned {params.tuned} --name {wildcards.ft} "
+        "snakellm compare-eval {params.sides} --name {wildcards.ft} "
         "--out-dir {params.out} --track-run runs/{wildcards.run}/finetune/{wildcards.ft} 2> {log}"
 
 

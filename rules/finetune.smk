@@ -81,8 +81,9 @@ rule finetune:
         ),
         data=subpath(input.train, parent=True),
         out=subpath(output.summary, parent=True),
+        base=get_finetune_base,
     shell:
-        "{params.launch} snakellm finetune --base runs/{wildcards.run} --data-dir {params.data} "
+        "{params.launch} snakellm finetune --base {params.base} --data-dir {params.data} "
         "--out-dir {params.out} --threads {threads} --no-progress {params.flags} "
         "{params.reference} 2> {log}"
 
@@ -146,7 +147,7 @@ rule export_finetune_nemo:
 
 rule merge_lora_hf:
     input:
-        base=get_run_done,
+        base=get_merge_base_input,
         summary="runs/{run}/finetune/{ft}/finetune_summary.json",
     output:
         directory("runs/{run}/finetune/{ft}/hf_merged"),
@@ -160,9 +161,10 @@ rule merge_lora_hf:
         **get_job_resources("convert"),
     params:
         adapter=subpath(input.summary, parent=True),
+        base=get_finetune_base,
         flags=flags(S.ExportHfSettings, config["export_hf"]),
     shell:
-        "snakellm lora merge-hf --base runs/{wildcards.run} --adapter {params.adapter}/adapter "
+        "snakellm lora merge-hf --base {params.base} --adapter {params.adapter}/adapter "
         "--out {output} {params.flags} 2> {log}"
 
 

@@ -274,12 +274,19 @@ def test_reference_is_not_rebuilt_for_beta_loss_lr_or_steps_only_for_its_inputs(
     assert ws.nothing_to_do("runs/tl/finetune/dpo/finetune_summary.json")
 
 
-@pytest.mark.slow  # on the default workflow's tiny run: the reference target and 40 DPO steps, about 30 s
+# on the default workflow's tiny run: a 20-step full SFT (~10 s), the reference target (~18 s), 40 DPO steps
+# (~45 s on 2 busy cores), the comparison, the report page and three dry runs: about 90 s
+@pytest.mark.slow
 def test_tiny_dpo_example_learns_the_held_out_preference(default_workflow):
-    """config/examples/tiny-dpo.yaml through Snakemake: held-out reward accuracy from 0 (policy = reference:
-    every reward 0, a tie) to 0.9 or more, with a positive margin; docs/finetuning-and-evaluation.md quotes it."""
+    """config/examples/tiny-dpo.yaml through Snakemake, SFT then DPO: in the comparison, held-out reward
+    accuracy (ties half) from 0.5 (the initial policy is the reference, the SFT model: every reward 0; TRL's
+    strict rewards/accuracies 0) to 0.9 or more, with a positive margin; the report page shows the table. A
+    new beta reruns only the DPO fine-tune; a retrained SFT model its reference and the DPO fine-tune too.
+    docs/finetuning-and-evaluation.md quotes the numbers."""
     import yaml
     from conftest import Workspace
+
+    from snakellm.eval import compare
 
     root = default_workflow.root
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
@@ -287,15 +294,42 @@ def test_tiny_dpo_example_learns_the_held_out_preference(default_workflow):
     ws = Workspace(root)
     ws.config_path = root / "config-dpo-example.yaml"
     ws.write_config(cfg)
-    ws.run("runs/tiny/finetune/tiny-dpo/finetune_summary.json", timeout=900)
+    cmp_, page = "runs/tiny/eval/tiny-dpo/comparison.json", "results/report/finetune/tiny/tiny-dpo.html"
+    ws.run(cmp_, page, timeout=900)
     summary = json.loads((root / "runs/tiny/finetune/tiny-dpo/finetune_summary.json").read_text())
-    print("tiny-dpo", summary["first_step"], summary["test"])
+    c = json.loads((root / cmp_).read_text())
+    rows = {r["metric"]: r for r in c["metrics"]}
+    print("tiny-dpo", summary["first_step"], {k: (r["base"], r["tuned"]) for k, r in rows.items()})
     assert abs(summary["first_step"]["loss"] - math.log(2)) < 1e-5
-    assert summary["test"]["pairs"] == 16
+    assert c["examples"] == summary["test"]["pairs"] == 16
+    assert [r["metric"] for r in c["metrics"]] == [m for m, _ in compare.PREFERENCE_METRICS]
+    assert rows["reward_accuracy"]["base"] == 0.5 and rows["reward_accuracy"]["tuned"] >= 0.9
+    assert rows["rewards/accuracies"]["base"] == 0.0 and rows["rewards/accuracies"]["tuned"] >= 0.9
+    assert rows["rewards/margins"]["base"] == 0.0 and rows["rewards/margins"]["tuned"] > 0
+    assert abs(rows["loss"]["base"] - math.log(2)) < 1e-6 and rows["loss"]["tuned"] < rows["loss"]["base"]
+    # the initial policy's log-probabilities are the reference's (the SFT model's), read from its target
+    ref = json.loads((root / "runs/tiny/finetune/tiny-dpo/reference_logprobs.json").read_text())
+    assert ref["reference"] == "runs/tiny/finetune/tiny-dpo-sft/model"
+    assert abs(rows["logps/chosen"]["base"] - sum(ref["splits"]["test"]["chosen"]) / 16) < 1e-6
     assert summary["test"]["rewards/accuracies"] >= 0.9 and summary["test"]["rewards/margins"] > 0
-    ws.run("results/report/finetune/tiny/tiny-dpo.html", timeout=300)
-    page = (root / "results/report/finetune/tiny/tiny-dpo.html").read_text()
-    assert "Preference metrics (DPO)" in page and "held-out test pairs" in page
+    html = (root / page).read_text()
+    assert "base vs tuned on the held-out test pairs" in html and "reward_accuracy" in html
+    assert "Preference metrics (DPO)" in html and "held-out test pairs" in html
+    try:  # what reruns: a new beta only the DPO fine-tune; a new SFT model its reference and the DPO too
+        for ft, key, value, again in (
+            ("tiny-dpo", "dpo", {**cfg["finetune"]["tiny-dpo"]["dpo"], "beta": 0.2}, {"tiny-dpo"}),
+            ("tiny-dpo-sft", "train", {**cfg["finetune"]["tiny-dpo-sft"]["train"], "lr": 2e-3}, {"tiny-dpo", "sft"}),
+        ):
+            changed = json.loads(json.dumps(cfg))
+            changed["finetune"][ft][key] = value
+            ws.write_config(changed)
+            plan = ws.run("-n", cmp_, timeout=120).stdout
+            assert "wildcards: run=tiny, ft=tiny-dpo\n" in plan and "rule compare_finetune:" in plan
+            assert ("ft=tiny-dpo-sft" in plan) == ("sft" in again), plan[-3000:]
+            assert ("rule reference_logprobs:" in plan) == ("sft" in again), plan[-3000:]
+    finally:
+        ws.write_config(cfg)
+    assert ws.nothing_to_do(cmp_, page)
 
 
 CONV = [
@@ -611,6 +645,61 @@ def test_a_lora_sft_reference_and_a_dpo_report_page_in_the_job_graph(workspace):
     ):
         check_dpo("tiny-dpo", {"dpo": dpo}, {"finetune": fts})
     check_dpo("tiny-dpo", {"dpo": dpo}, {"finetune": {"tiny-chat": {"method": "lora"}}})
+
+
+def test_sft_then_dpo_starts_from_the_sft_model_in_the_job_graph(workspace):
+    """Point 7's SFT then DPO (config/examples/tiny-dpo.yaml): the DPO fine-tune (start: tiny-dpo-sft) trains
+    from the full SFT fine-tune's model/, which is its default reference (TRL's: the initial policy) and the
+    base of its LoRA exports; its comparison is drawn from its summary. A start that is not a full fine-tune of
+    the same run, or on a method other than dpo, is refused naming the key."""
+    import shutil
+
+    import yaml
+
+    from snakellm.config.checks import check_start
+    from snakellm.errors import ConfigError
+
+    shutil.copytree(REPO / "resources", workspace.root / "resources")
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg |= yaml.safe_load((REPO / "config" / "examples" / "tiny-dpo.yaml").read_text())
+    workspace.write_config(cfg)
+    d = "runs/tiny/finetune"
+    targets = (f"{d}/tiny-dpo/hf_peft/adapter_config.json", f"{d}/tiny-dpo/hf_merged")
+    targets += ("runs/tiny/eval/tiny-dpo/comparison.md", "results/report/finetune/tiny/tiny-dpo.html")
+    out = workspace.run("-n", "-p", *targets, timeout=120).stdout
+    lines = out.splitlines()
+    ft = [x for x in lines if " snakellm finetune " in x]
+    assert len(ft) == 2 and any(f"--out-dir {d}/tiny-dpo-sft " in x and "--base runs/tiny " in x for x in ft)
+    assert any(f"--out-dir {d}/tiny-dpo " in x and f"--base {d}/tiny-dpo-sft/model " in x for x in ft)
+    ref = next(x for x in lines if "snakellm reference-logprobs" in x)
+    assert f"--model {d}/tiny-dpo-sft/model " in ref and "--adapter" not in ref
+    merge = next(x for x in lines if "snakellm lora merge-hf" in x)
+    assert f"--base {d}/tiny-dpo-sft/model --adapter {d}/tiny-dpo/adapter" in merge
+    assert any(f"--base-model {d}/tiny-dpo-sft/hf " in x for x in lines if "export-peft" in x)
+    assert "compare-eval --preference runs/tiny/finetune/tiny-dpo/finetune_summary.json" in out
+    page = next(x for x in lines if "snakellm report finetune" in x)
+    assert "--comparison runs/tiny/eval/tiny-dpo/comparison.json" in page and "--base" not in page
+    fts = cfg["finetune"]
+    check_start("tiny-dpo", fts["tiny-dpo"], cfg)
+    bad = [
+        ({**fts["tiny-dpo"], "start": "nope"}, {}, "'nope' is not another fine-tune"),
+        ({**fts["tiny-dpo"], "start": "tiny-dpo"}, {}, "'tiny-dpo' is not another fine-tune"),
+        (fts["tiny-dpo"], {"method": "lora"}, "'tiny-dpo-sft' is a lora fine-tune with no model of its own"),
+        (fts["tiny-dpo"], {"run": "other"}, "'tiny-dpo-sft' is a fine-tune of run other, this one's is tiny"),
+        (
+            {**fts["tiny-dpo"], "method": "full"},
+            {},
+            "'tiny-dpo-sft': only method dpo starts from another fine-tune's model",
+        ),
+    ]
+    for ft_, sft_change, why in bad:
+        c = {"finetune": {"tiny-dpo": ft_, "tiny-dpo-sft": fts["tiny-dpo-sft"] | sft_change}}
+        with pytest.raises(ConfigError, match="config key finetune.tiny-dpo.start: " + why):
+            check_start("tiny-dpo", ft_, c)
+    loop = {"a": {"method": "dpo", "run": "r", "start": "b", "dpo": {"policy": "full"}}}
+    loop["b"] = loop["a"] | {"start": "a"}
+    with pytest.raises(ConfigError, match="go round in a circle"):
+        check_start("a", loop["a"], {"finetune": loop})
 
 
 @pytest.mark.slow  # the shared fixture, then a 2-step LoRA SFT, its merge and two reference passes: 40-50 s

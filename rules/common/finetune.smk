@@ -41,6 +41,21 @@ def _base_inputs(ft):
     return {"base": f"runs/{ft['run']}/import_summary.json"}
 
 
+def _start_model(ft):
+    """(the model a fine-tune starts from, its final file): its run's, or its `start` fine-tune's model/ (SFT
+    then DPO), whose finetune_summary.json is written last: a retrained start reruns this fine-tune.
+    """
+    if ft.get("start"):
+        d = f"runs/{ft['run']}/finetune/{ft['start']}"
+        return f"{d}/model", f"{d}/finetune_summary.json"
+    return f"runs/{ft['run']}", _base_inputs(ft)["base"]
+
+
+def get_finetune_base(wildcards):
+    """`snakellm finetune --base`: the run, or the start fine-tune's model/."""
+    return _start_model(_ft(wildcards))[0]
+
+
 def get_finetune_input(wildcards):
     ft = _ft(wildcards)
     d = f"data/sft/{ft['data']}"
@@ -52,7 +67,7 @@ def get_finetune_input(wildcards):
         else {}
     )
     return (
-        _base_inputs(ft)
+        {"base": _start_model(ft)[1]}
         | {
             "train": f"{d}/train.jsonl",
             "validation": f"{d}/validation.jsonl",
@@ -72,11 +87,12 @@ def _needs_reference(ft):
 
 
 def _reference_model(ft):
-    """(the reference's directory, its final file, its adapter or None): the fine-tune's run, another run, a
-    full fine-tune's model, or a LoRA fine-tune's base run plus its adapter."""
+    """(the reference's directory, its final file, its adapter or None): the fine-tune's starting model (its
+    run or its start's model: TRL's default, the initial policy), another run, a full fine-tune's model, or
+    a LoRA fine-tune's base run plus its adapter."""
     ref = ft["dpo"]["reference"]
     if ref == "base":
-        ref = ft["run"]
+        return (*_start_model(ft), None)
     if ref in RUNS or ref in IMPORTS:
         return f"runs/{ref}", _base_inputs({"run": ref})["base"], None
     if ref in FINETUNES and FINETUNES[ref]["method"] in ("full", "lora"):
@@ -131,9 +147,16 @@ def get_export_peft_input(wildcards):
         raise WorkflowError(
             f"finetune {wildcards.ft} is a full fine-tune: its exports are hf/ and {wildcards.ft}.nemo"
         )
-    # base_model_name_or_path: an imported base's own Hugging Face directory, else the run's export
+    # base_model_name_or_path: an imported base's own Hugging Face directory, else the run's export (the
+    # start fine-tune's hf/ where the adapters are on its model)
     base = (
-        IMPORTS[ft["run"]]["hf_dir"] if ft["run"] in IMPORTS else f"runs/{ft['run']}/hf"
+        f"runs/{ft['run']}/finetune/{ft['start']}/hf"
+        if ft.get("start")
+        else (
+            IMPORTS[ft["run"]]["hf_dir"]
+            if ft["run"] in IMPORTS
+            else f"runs/{ft['run']}/hf"
+        )
     )
     return {
         "summary": f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json",
@@ -146,6 +169,11 @@ def get_export_peft_source(wildcards):
     if _trains(FINETUNES[wildcards.ft]) == "lora":
         return f"--adapter {d}/adapter"
     return f"--prompt {d}/prompt"
+
+
+def get_merge_base_input(wildcards):
+    """merge_lora_hf's base: the run's final file, or the start fine-tune's (its model/ is the base)."""
+    return _start_model(_ft(wildcards))[1]
 
 
 def get_full_finetune_summary(wildcards):
@@ -208,10 +236,25 @@ def get_evaluate_flags(wildcards):
 
 
 def get_compare_input(wildcards):
-    _ft(wildcards)
+    ft = _ft(wildcards)
+    if (
+        ft["method"] == "dpo"
+    ):  # evaluated in the fine-tune itself: held-out pairs before and after
+        return {
+            "summary": f"runs/{wildcards.run}/finetune/{wildcards.ft}/finetune_summary.json"
+        }
     base = base_eval_dir(wildcards.ft)
     tuned = f"runs/{wildcards.run}/eval/{wildcards.ft}/tuned"
     return {"base": f"{base}/metrics.json", "tuned": f"{tuned}/metrics.json"}
+
+
+def get_compare_sides(wildcards, input):
+    """`snakellm compare-eval`'s two sides: two evaluation directories, or a DPO fine-tune's summary."""
+    if "summary" in input.keys():
+        return f"--preference {input.summary}"
+    return (
+        f"--base {os.path.dirname(input.base)} --tuned {os.path.dirname(input.tuned)}"
+    )
 
 
 EVAL_FILES = (
@@ -221,6 +264,12 @@ EVAL_FILES = (
 )
 
 
+def _has_test_pairs(ft):
+    """Whether the fine-tune's data set has a test split (its share in sft_data.NAME.split is not 0)."""
+    split = str(SFT_DATA[ft["data"]].get("split", "80,10,10")).split(",")
+    return len(split) < 3 or float(split[2]) > 0
+
+
 def get_finetune_targets():
     out = []
     for name, ft in FINETUNES.items():
@@ -228,7 +277,11 @@ def get_finetune_targets():
         out += [f"{d}/finetune/{name}/finetune_summary.json"]
         if (
             ft["method"] == "dpo"
-        ):  # evaluated in the fine-tune itself: held-out reward accuracy
+        ):  # evaluated in the fine-tune itself: held-out pairs, compared before and after
+            if _has_test_pairs(ft):
+                out += [
+                    f"{d}/eval/{name}/comparison.{x}" for x in ("json", "tsv", "md")
+                ]
             if _trains(ft) == "lora":
                 out.append(f"{d}/finetune/{name}/hf_peft/adapter_config.json")
                 if config["export_hf"]["enabled"]:

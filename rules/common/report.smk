@@ -290,9 +290,11 @@ def get_report_finetune_input(wildcards):
         "metrics": f"{d}/finetune/{wildcards.ft}/metrics.jsonl",
         "summary": f"{d}/finetune/{wildcards.ft}/finetune_summary.json",
     }
-    # a DPO fine-tune is evaluated in the fine-tune itself (held-out reward accuracy)
+    # a DPO fine-tune is evaluated in the fine-tune itself (held-out pairs): its comparison is before and after
     if ft["method"] == "dpo":
-        return own
+        return own | (
+            {"comparison": f"{ev}/comparison.json"} if _has_test_pairs(ft) else {}
+        )
     return own | {
         "base": f"{base}/metrics.json",
         "tuned": f"{ev}/tuned/metrics.json",

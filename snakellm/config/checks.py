@@ -52,6 +52,7 @@ def check_finetunes(config: dict[str, Any]) -> None:
                 f"{config['sft_data'][ft['data']].get('format', 'squad')} (method dpo reads, and only it, "
                 "format preference)"
             )
+        check_start(name, ft, config)
         if preference:
             check_dpo(name, ft, config)
         else:
@@ -64,6 +65,42 @@ def check_finetunes(config: dict[str, Any]) -> None:
             )
         kind = ft.get("dpo", {}).get("policy", "lora") if ft["method"] == "dpo" else ft["method"]
         check_parallel_conflict(f"finetune.{name}", {**ft.get("parallel", {}), "method": kind})
+
+
+def _trains_whole(ft: dict[str, Any]) -> bool:
+    """Whether a fine-tune's result is a whole model (model/): method full, or dpo with policy full."""
+    return ft["method"] == "full" or (ft["method"] == "dpo" and (ft.get("dpo") or {}).get("policy") == "full")
+
+
+def check_start(name: str, ft: dict[str, Any], config: dict[str, Any]) -> None:
+    """``start``: a DPO fine-tune starts from a full fine-tune's model of the same run (SFT then DPO)."""
+    start = ft.get("start")
+    if start is None:
+        return
+    fts = config.get("finetune") or {}
+    key = f"config key finetune.{name}.start"
+    if ft["method"] != "dpo":
+        raise ConfigError(
+            f"{key}: {start!r}: only method dpo starts from another fine-tune's model (method {ft['method']} "
+            "starts from its run; its base evaluation is the run's)"
+        )
+    if start not in fts or start == name:
+        raise ConfigError(f"{key}: {start!r} is not another fine-tune (finetune: {_names(fts)})")
+    if not _trains_whole(fts[start]):
+        raise ConfigError(
+            f"{key}: {start!r} is a {fts[start]['method']} fine-tune with no model of its own (LoRA adapters or "
+            "a prompt table on its run): start needs a full fine-tune (method full, or dpo with policy full)"
+        )
+    if fts[start]["run"] != ft["run"]:
+        raise ConfigError(f"{key}: {start!r} is a fine-tune of run {fts[start]['run']}, this one's is {ft['run']}")
+    seen = [name, start]
+    while fts[seen[-1]].get("start") is not None:  # a chain of starts must end at a run
+        nxt = fts[seen[-1]]["start"]
+        if nxt in seen:
+            raise ConfigError(f"{key}: the starts go round in a circle ({' -> '.join([*seen, nxt])})")
+        if nxt not in fts:
+            break  # that fine-tune's own check names it
+        seen.append(nxt)
 
 
 def dpo_conflict(loss: str, beta: float, label_smoothing: float, reference: str, policy: str) -> str | None:

@@ -707,7 +707,7 @@ class DpoSettings:
     simpo_gamma: float = setting(0.5, "simpo: the target reward margin", trajectory=True, flag="dpo_simpo_gamma")
     reference: str = setting(
         "base",
-        "the frozen reference: base (the fine-tune's run), a key of runs or import_hf, a full fine-tune's name "
+        "the frozen reference: base (the fine-tune's starting model: its start, else its run), a key of runs or import_hf, a full fine-tune's name "
         "(its model) or a LoRA fine-tune's (its base plus its adapter), or adapter-off (policy lora: the base with the adapters off, computed in-process)",
         trajectory=True,
         flag="dpo_reference",
@@ -859,6 +859,12 @@ class FinetuneSettings:
 
     run: str = setting(REQUIRED, "the base model: a key of runs or of import_hf", cli=False)
     data: str = setting(REQUIRED, "a key of sft_data", cli=False)
+    start: str | None = setting(
+        None,
+        "method dpo: a full fine-tune of the same run whose model the policy starts from (SFT then DPO; its "
+        "dpo.reference base is then that model); null: the run's own model",
+        cli=False,
+    )
     method: str = setting(
         REQUIRED,
         "lora: adapters, base frozen; full: every weight; ptuning: virtual tokens, base frozen; dpo: preference "

@@ -93,10 +93,20 @@ class DPORecipe(FinetuneRecipe):
             self.is_chat, self.chat_template = True, self.chat.template.source
         for split, recs in read.items():
             self.pairs[split], self.pair_stats[split] = pref.encode_pairs(self.tok, recs, self.trunc, self.chat)
+        # the held-out pairs (the comparison's): prepare-sft's test split, where it has any
+        self.test_path = self.train_path.parent / "test.jsonl"
+        if self.test_path.is_file() and self.test_path.read_text().strip():
+            self.pairs["test"], self.pair_stats["test"] = pref.encode_pairs(
+                self.tok, ds.read_jsonl(self.test_path, pref.KEYS), self.trunc, self.chat
+            )
         if not self.pairs["train"]:
             raise ds.SFTFormatError(f"{self.train_path}: no pair left after truncation ({self.pair_stats['train']})")
         self.ref: dict[str, dict[str, list[float]]] = {}
         self.ref_sha: str | None = None
+        # whether the policy starts as its reference (TRL's default): then the held-out comparison's "base"
+        # side is the reference's own numbers (rewards 0, ties), with no forward pass of the initial policy
+        self.starts_as_reference = self.inline_ref and getattr(self.mcfg, "row_init", "zero") == "zero"
+        self.before: dict[str, Any] | None = None
         if not (self.inline_ref or self.ref_free):
             self._read_reference()
         if a.eval_examples:
@@ -124,13 +134,11 @@ class DPORecipe(FinetuneRecipe):
             raise ds.SFTFormatError(
                 f"{f}: computed for tokenization {doc.get('tokenization')}, this fine-tune has {want}"
             )
-        self.test_path = self.train_path.parent / "test.jsonl"
         splits = [("train", self.train_path), ("validation", self.valid_path)]
-        if self.test_path.is_file() and "test" in doc.get("splits", {}):
-            self.pairs["test"], self.pair_stats["test"] = pref.encode_pairs(
-                self.tok, ds.read_jsonl(self.test_path, pref.KEYS), self.trunc, self.chat
-            )
+        if "test" in self.pairs and "test" in doc.get("splits", {}):
             splits.append(("test", self.test_path))
+        else:  # a reference file without the test split: no held-out evaluation
+            self.pairs.pop("test", None)
         for split, path_ in splits:
             if not self.pairs[split] and split not in doc.get("splits", {}):  # an empty split (share 0)
                 self.ref[split] = {"chosen": [], "rejected": []}
@@ -145,6 +153,14 @@ class DPORecipe(FinetuneRecipe):
                 )
             self.ref[split] = {"chosen": got["chosen"], "rejected": got["rejected"]}
         self.ref_sha = ds.file_sha256(f)
+        # the reference is the model this fine-tune starts from (its checkpoint, no adapter on it)
+        same = doc.get("adapter") is None and doc.get("iteration") == self.base["iteration"]
+        same = same and Path(str(doc.get("checkpoint"))).resolve() == Path(self.base["checkpoint_dir"]).resolve()
+        self.starts_as_reference = same and self.kind == "full" or same and self._lora_starts_zero()
+
+    def _lora_starts_zero(self) -> bool:
+        """A LoRA policy is its base before the first step where B (linear_out) starts at zero."""
+        return self.kind == "lora" and getattr(self.mcfg, "row_init", "zero") == "zero"
 
     # ------------------------------------------------------------------ the recipe
 
@@ -158,6 +174,10 @@ class DPORecipe(FinetuneRecipe):
         pref.mask_padded_vocab(parts.gpt, int(self.tok_info["vocab_size"]))
         if self.inline_ref and self.extra is None:
             raise ds.SFTFormatError("dpo.reference adapter-off: the policy has no adapters")
+        if self.pairs.get("test") and not self.starts_as_reference:
+            # the comparison's base side: the initial policy on the held-out pairs, before any step (a resumed
+            # job computes it again, from the same initial weights: its checkpoint is loaded after build)
+            self.before = self.evaluate_split(s, "test")
         return parts
 
     def describe(self, s: assembly.Session, parts: assembly.Parts) -> str:
@@ -172,19 +192,27 @@ class DPORecipe(FinetuneRecipe):
 
     def loss(self, m: Any, b: Batch) -> Any:  # type: ignore[override]
         """TRL's loss of the micro-batch's pairs, and TRL's metrics (the trainer writes them per step)."""
-        import torch
-
         logps = pref.sequence_logps(m, b)
         n = logps.shape[0] // 2
         pc, pr = logps[:n], logps[n:]
+        rc, rr = self._reference_logps(m, b, pc)
+        return self._pair_loss(pc, pr, rc, rr, b)
+
+    def _reference_logps(self, m: Any, b: Batch, like: Any) -> tuple[Any, Any]:
+        """The reference's chosen and rejected log-probabilities of a micro-batch (zeros for simpo)."""
+        import torch
+
         if self.ref_free:
-            rc = rr = torch.zeros_like(pc)
-        elif self.inline_ref:
+            return torch.zeros_like(like), torch.zeros_like(like)
+        if self.inline_ref:
             with torch.no_grad(), self.extra.disabled():
                 ref = pref.sequence_logps(m, b)
-            rc, rr = ref[:n], ref[n:]
-        else:
-            rc, rr = b["ref_chosen"].to(pc.device), b["ref_rejected"].to(pc.device)
+            n = ref.shape[0] // 2
+            return ref[:n], ref[n:]
+        return b["ref_chosen"].to(like.device), b["ref_rejected"].to(like.device)
+
+    def _pair_loss(self, pc: Any, pr: Any, rc: Any, rr: Any, b: Batch, held_out: bool = False) -> Any:
+        n = pc.shape[0]
         ct = b["completion_tokens"].to(pc.device)
         mt = b["loss_mask"].to(pc.device).sum(dim=1)
         w = b["pair_weight"].to(pc.device)
@@ -200,6 +228,7 @@ class DPORecipe(FinetuneRecipe):
             completion_tokens=(ct[:n], ct[n:]),
             predicted_tokens=(mt[:n], mt[n:]),
             weight=w,
+            held_out=held_out,
         )
 
     def _pairs_batch(self, split: str, idx: list[int]) -> Batch:
@@ -239,24 +268,23 @@ class DPORecipe(FinetuneRecipe):
 
     def finish(self, done: assembly.Done) -> None:
         """SFT's artifacts and summary, then the held-out evaluation: the test split's reward accuracy and
-        margins, and the chosen completions' log-probability against the reference's."""
+        margins and the chosen completions' log-probability, after training ("test") and of the initial
+        policy ("test_before"; the comparison target's two sides, snakellm.eval.compare.preference)."""
         super().finish(done)
-        test = self.test_path if hasattr(self, "test_path") else self.train_path.parent / "test.jsonl"
-        if "test" not in self.pairs and test.is_file() and (self.inline_ref or self.ref_free):
-            self.pairs["test"], self.pair_stats["test"] = pref.encode_pairs(
-                self.tok, ds.read_jsonl(test, pref.KEYS), self.trunc, self.chat
-            )
         if not self.pairs.get("test"):
             return
         result = self.evaluate_split(done.session, "test")
+        before = self.before or self.evaluate_split(done.session, "test", as_reference=True)
         if done.session.rank0:
             path = Path(self.a.out_dir) / "finetune_summary.json"
-            write_json(path, json.loads(path.read_text()) | {"test": result})
+            write_json(path, json.loads(path.read_text()) | {"test": result, "test_before": before})
             # the held-out preference metrics (reward accuracy, margins ...) for the job's W&B / MLflow runs
             done.trainer.metrics.summary({"eval/test": result})
 
-    def evaluate_split(self, s: assembly.Session, split: str) -> dict[str, Any]:
-        """TRL's metrics over a split's pairs with the policy as it is (eval mode, no gradients)."""
+    def evaluate_split(self, s: assembly.Session, split: str, as_reference: bool = False) -> dict[str, Any]:
+        """TRL's metrics, the loss and the reward accuracy with ties counted half over a split's pairs, with the
+        policy as it is (eval mode, no gradients); ``as_reference``: of a policy equal to its reference (the
+        initial policy, where it starts as the reference: every reward 0)."""
         import torch
 
         model, pairs = self.ft, self.pairs[split]
@@ -266,13 +294,18 @@ class DPORecipe(FinetuneRecipe):
             for k in range(0, len(pairs), self.a.micro_batch_size):
                 idx = list(range(k, min(k + self.a.micro_batch_size, len(pairs))))
                 b = s.to_device(self._pairs_batch(split, idx))
-                loss, stats = self.loss(model, b)
+                if as_reference:
+                    like = torch.zeros(len(idx), device=b["tokens"].device)
+                    pc, pr = rc, rr = self._reference_logps(model, b, like)
+                else:
+                    logps = pref.sequence_logps(model, b)
+                    pc, pr = logps[: len(idx)], logps[len(idx) :]
+                    rc, rr = self._reference_logps(model, b, pc)
+                loss, stats = self._pair_loss(pc, pr, rc, rr, b, held_out=True)
                 for name, v in {"loss": loss, **stats}.items():
                     sums[name] = sums.get(name, 0.0) + float(v) * len(idx)
                 if not self.ref_free:
-                    rc = b["ref_chosen"] if "ref_chosen" in b else None
-                    if rc is not None:
-                        sums["reference_logps/chosen"] = sums.get("reference_logps/chosen", 0.0) + float(rc.sum())
+                    sums["reference_logps/chosen"] = sums.get("reference_logps/chosen", 0.0) + float(rc.sum())
         model.train()
         out = {k: v / len(pairs) for k, v in sums.items()}
         return {"pairs": len(pairs), **dict(sorted(out.items()))}

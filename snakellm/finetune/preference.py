@@ -225,11 +225,14 @@ def preference_loss(
     completion_tokens: tuple[Any, Any] | None = None,
     predicted_tokens: tuple[Any, Any] | None = None,
     weight: Any = None,
+    held_out: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     """(mean loss over the pairs, TRL's metrics as 0-d tensors) from the policy's and reference's summed
     completion log-probabilities (``rc``/``rr`` unused by simpo). ``completion_tokens``: TRL's completion
     mask sums (ipo), ``predicted_tokens``: CPO's loss-mask sums (simpo's averages). ``weight``: 1 per pair,
-    0 for a filler (validation under FSDP)."""
+    0 for a filler (validation under FSDP). ``held_out``: also ``reward_accuracy``, the share of pairs whose
+    chosen reward beats the rejected one with a tie counted half (0.5 where the policy is its reference; TRL's
+    strict ``rewards/accuracies`` is 0 there)."""
     import torch.nn.functional as F
 
     ls = label_smoothing
@@ -269,4 +272,6 @@ def preference_loss(
         "logps/chosen": mean(pc.detach()),
         "logps/rejected": mean(pr.detach()),
     }
+    if held_out:
+        stats["reward_accuracy"] = mean((reward_c > reward_r).float() + 0.5 * (reward_c == reward_r).float())
     return mean(per), stats

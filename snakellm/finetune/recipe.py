@@ -225,9 +225,18 @@ class FinetuneRecipe:
     def base_checkpoint(self) -> Path:
         return Path(self.base["checkpoint_dir"]) / ckpt.iter_name(self.base["iteration"])
 
+    def start_summary(self) -> Path | None:
+        """Where the base is a full fine-tune's model/ (a fine-tune's ``start``): that fine-tune's summary."""
+        run_dir = Path(self.base["run_dir"])
+        summary = run_dir.parent / "finetune_summary.json"
+        return summary if run_dir.name == "model" and summary.is_file() else None
+
     def trajectory(self, s: assembly.Session) -> dict[str, Any]:
         a = self.a
-        return {
+        start = self.start_summary()
+        # a start retrained (its summary rewritten) is another initial model: this fine-tune starts afresh
+        started = {"start": ds.file_sha256(start)} if start else {}
+        return started | {
             "method": a.method,
             "method_config": self.mcfg.as_dict() if self.mcfg else None,
             "base": str(self.base_checkpoint),

@@ -264,8 +264,21 @@ def finetune_page(
     """Base vs tuned (the comparison file's table where there is one, else every number both metrics hold),
     example predictions, settings; a DPO fine-tune (no base-vs-tuned evaluation): its preference metrics."""
     if summary.get("method") == "dpo":
+        held_out = []
+        if comparison:  # the initial policy against the tuned one on the held-out pairs (compare.preference)
+            rows, _ = _from_comparison(comparison)
+            table = H.table(["metric", "base (initial policy)", "tuned", "tuned − base", "better"], rows)
+            held_out.append(
+                H.section(
+                    "base vs tuned on the held-out test pairs",
+                    table,
+                    note=f"{comparison.get('examples', '?')} pairs; reward_accuracy counts a tie half (0.5 where the "
+                    "policy is its reference), rewards/accuracies (TRL's) only a strictly higher chosen reward",
+                )
+            )
         return H.page(
             f"fine-tune {name}",
+            *held_out,
             *_preference_sections(name, summary, recs or []),
             H.section("settings and training", H.key_values(settings_rows(summary))),
             note=f"dpo fine-tune of {summary.get('base', '?')}",
