@@ -452,7 +452,8 @@ def test_simpo_equals_trl_cpotrainer(tiny, tmp_path):
 
 def test_the_fine_tune_page_draws_the_preference_metrics_only_for_dpo(tmp_path):
     """A DPO fine-tune's report page: reward accuracy and margins per step, chosen and rejected rewards, the
-    held-out test metrics, and no base-vs-tuned table (it has none); an SFT fine-tune's page has no such figure."""
+    held-out test metrics, and the base-vs-tuned table of its comparison where given; an SFT fine-tune's page has
+    no such figure."""
     from snakellm.report.evaluation import finetune_page, preference_figure
 
     recs = [
@@ -474,6 +475,11 @@ def test_the_fine_tune_page_draws_the_preference_metrics_only_for_dpo(tmp_path):
     page = finetune_page("pref", summary, {}, {}, [], [], None, recs)
     assert "Preference metrics (DPO)" in page and "<svg" in page and "held-out test pairs" in page
     assert "base vs tuned" not in page
+    # with its comparison (snakellm compare-eval --preference): the held-out table first
+    rows = [{"metric": "reward_accuracy", "base": 0.5, "tuned": 0.9375, "difference": 0.4375, "higher_is_better": True}]
+    page = finetune_page("pref", summary, {}, {}, [], [], {"examples": 16, "metrics": rows}, recs)
+    assert page.index("base vs tuned on the held-out test pairs") < page.index("Preference metrics (DPO)")
+    assert "reward_accuracy" in page and "0.9375" in page and "16 pairs" in page
     sft = [{k: v for k, v in r.items() if "/" not in k} for r in recs]
     assert preference_figure("sft", sft) is None
     sft_page = finetune_page("sft", {"method": "lora"}, {"loss": 2.0}, {"loss": 1.5}, [], [], None, sft)

@@ -86,3 +86,35 @@ def test_comparison_refuses_other_decoding(tmp_path: Path) -> None:
 def test_nemo_predictions_file_name() -> None:
     # NeMo: f"{output_file_path_prefix}_{mode}_dataloader{idx}" + "_inputs_preds_labels.jsonl"
     assert NEMO_PREDICTIONS == "predictions" + "_test_dataloader0" + "_inputs_preds_labels.jsonl"
+
+
+def test_a_dpo_fine_tunes_comparison_is_its_initial_policy_against_the_tuned_one(tmp_path: Path, capsys) -> None:
+    """`snakellm compare-eval --preference SUMMARY`: the held-out pairs' rows before (test_before) and after
+    (test) in the SFT comparison's three files and shape; a summary without them, or not of DPO, is refused."""
+    from snakellm.steps.compare_eval import main
+
+    before = {"pairs": 4, "reward_accuracy": 0.5, "rewards/accuracies": 0.0, "rewards/margins": 0.0}
+    before |= {"logps/chosen": -20.0, "logps/rejected": -22.0, "loss": 0.6931}
+    after = {"pairs": 4, "reward_accuracy": 1.0, "rewards/accuracies": 1.0, "rewards/margins": 2.5}
+    after |= {"logps/chosen": -25.0, "logps/rejected": -40.0, "loss": 0.1, "reference_logps/chosen": -20.0}
+    s = tmp_path / "finetune_summary.json"
+    s.write_text(json.dumps({"method": "dpo", "dpo": {"beta": 0.1}, "test": after, "test_before": before}))
+    assert main(["--preference", str(s), "--out-dir", str(tmp_path / "out"), "--name", "d"]) == 0
+    c = json.loads((tmp_path / "out" / "comparison.json").read_text())
+    assert c["examples"] == 4 and [r["metric"] for r in c["metrics"]] == [m for m, _ in cmp.PREFERENCE_METRICS]
+    acc = c["metrics"][0]
+    assert acc == {"metric": "reward_accuracy", "base": 0.5, "tuned": 1.0, "difference": 0.5, "higher_is_better": True}
+    assert c["metrics"][4]["higher_is_better"] is False  # logps/rejected
+    tsv = (tmp_path / "out" / "comparison.tsv").read_text().splitlines()
+    assert tsv[0] == "metric\tbase\ttuned\tdifference" and tsv[1] == "reward_accuracy\t0.5\t1.0\t0.5"
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "(4 test pairs)" in md and "| rewards/margins | 0.0000 | 2.5000 | +2.5000 |" in md and "tie" in md
+    s.write_text(json.dumps({"method": "dpo", "test": after}))
+    with pytest.raises(cmp.CompareError, match="no held-out test pairs evaluated"):
+        cmp.preference(s)
+    s.write_text(json.dumps({"method": "lora"}))
+    with pytest.raises(cmp.CompareError, match="method 'lora', not dpo"):
+        cmp.preference(s)
+    with pytest.raises(SystemExit):
+        main(["--preference", str(s), "--base", "b", "--out-dir", str(tmp_path)])
+    assert "give --base and --tuned" in capsys.readouterr().err
