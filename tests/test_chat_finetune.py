@@ -5,6 +5,8 @@ held-out last replies scored before and after (docs/finetuning-and-evaluation.md
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,12 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "config" / "examples" / "tiny-chat-finetune.yaml"
 TUNED_EM = 0.7
+
+
+def planned(out: str) -> dict[str, int]:
+    """Jobs per rule from snakemake's 'Job stats' table."""
+    table = out.split("Job stats:", 1)[1]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
 
 
 def test_chat_example_learns(default_workflow: Workspace) -> None:
@@ -45,3 +53,19 @@ def test_chat_example_learns(default_workflow: Workspace) -> None:
         json.loads(x) for x in (root / "runs/tiny/eval/tiny-chat/tuned/predictions.jsonl").read_text().splitlines()
     ]
     assert preds[0]["input"].endswith("Assistant:") and "Assistant: " in preds[0]["input"]
+
+    # the template is an input of every job that renders with it: an edit reruns the fine-tune and both
+    # evaluations (and what follows them), not the prepared data
+    template = root / "resources" / "chat" / "plain.jinja"
+    text, st = template.read_text(), template.stat()
+    try:
+        template.write_text(text + "{# edited #}\n")
+        out = ws.run("-n", "runs/tiny/eval/tiny-chat/comparison.json")
+        jobs = planned(out.stdout + out.stderr)
+        assert {"finetune", "evaluate_base", "evaluate_finetune", "compare_finetune"} <= set(jobs), jobs
+        assert "prepare_sft" not in jobs, jobs
+    finally:
+        template.write_text(text)
+        os.utime(template, ns=(st.st_atime_ns, st.st_mtime_ns))
+    out = ws.run("-n", "runs/tiny/eval/tiny-chat/comparison.json")
+    assert "Nothing to be done" in out.stdout + out.stderr

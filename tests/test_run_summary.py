@@ -37,6 +37,43 @@ def test_the_summary_counts_each_source_and_names_the_chunk_that_lost_most(tmp_p
     assert success_lines([], tmp_path) == [lines[1]]  # no data stage: the report command alone
 
 
+def test_a_schema_change_between_chunks_of_a_parquet_source_is_named_at_the_end(tmp_path):
+    """Three parquet files of one source, one chunk each (the chunk job sees one file, so no chunk's stats can
+    tell): the run's closing lines name the two whose columns differ from the first file's, and how."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from snakellm.data.chunk import build_chunk
+
+    files = {
+        "a.parquet": {"text": ["one", "two"], "id": ["a1", "a2"], "url": ["u1", "u2"]},
+        "b.parquet": {"text": ["three"], "id": ["b1"], "url": ["u3"], "score": [0.5]},
+        "c.parquet": {"text": ["four"], "id": [7]},
+    }
+    out = tmp_path / "data" / "jsonl" / "web"
+    out.mkdir(parents=True)
+    for i, (name, cols) in enumerate(files.items()):
+        pq.write_table(pa.table(cols), tmp_path / name)
+        stem = out / f"chunk-{i:05d}"
+        build_chunk(
+            [str(tmp_path / name)],
+            f"{stem}.jsonl",
+            fmt="parquet",
+            stats=f"{stem}.stats.json",
+            source="web",
+            chunk=stem.name,
+            show_progress=False,
+        )
+    lines = success_lines(["web"], tmp_path)
+    note = [x for x in lines if "schema" in x]
+    assert len(note) == 1, lines
+    assert note[0].startswith("snakellm: note: source web: 2 files with another schema than its first file (")
+    assert "a.parquet" in note[0].split("(", 1)[1].split(")", 1)[0]
+    assert "b.parquet adds 'score' (data/jsonl/web/chunk-00001.stats.json)" in note[0]
+    assert "c.parquet drops 'url'; retypes 'id' (string -> int64) (data/jsonl/web/chunk-00002.stats.json)" in note[0]
+    assert not [x for x in success_lines(["other"], tmp_path) if "schema" in x]
+
+
 def test_plural():
     assert plural(1, "shard") == "1 shard" and plural(2, "shard") == "2 shards" and plural(0, "rank") == "0 ranks"
     assert plural(1234, "prompt") == "1234 prompts"

@@ -71,3 +71,31 @@ def test_packed_rows_equal_examples_alone(rt, preset: str) -> None:
                 torch.testing.assert_close(packed[r, at : at + n][m], loss[0, :n][m], atol=2e-5, rtol=1e-5)
                 at += n
     assert int(b["loss_mask"].sum()) == sum(len(e.answer) for e in exs)
+
+
+def test_flex_block_mask_gives_the_dense_masks_losses(rt) -> None:
+    """examples.packed_attention: flex (the rows' segment ids -> FlexAttention's block mask, eager on the CPU)
+    computes the dense mask's per-token losses, fp32, on a GQA Llama. (FlexAttention has no backward on the CPU:
+    the gradients are the GPU benchmark's to compare, and a CPU fine-tune with flex is refused.)"""
+    from megatron.core import tensor_parallel
+
+    from snakellm.models.attention import _BLOCK_MASKS
+    from snakellm.models.build import build_model
+
+    arch = models.resolve("tiny-llama", {"seq_length": WIDTH})
+    torch.manual_seed(4)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    gpt, _ = build_model(arch, VOCAB, fused_loss="eager")
+    gpt.eval()
+    exs = _examples(14, seed=5)
+    rows = ds.pack(exs, WIDTH, seed=2)
+    b = ds.collate_packed([[exs[i] for i in r] for r in rows], WIDTH, 0, answer_only_loss=True)
+    seg = b.pop("segment_ids")
+    with torch.no_grad():
+        dense = gpt(b["tokens"], b["position_ids"], ds.packed_attention_mask(seg), labels=b["labels"])
+        flex = gpt(b["tokens"], b["position_ids"], ds.packed_segments(seg), labels=b["labels"])
+    m = b["loss_mask"].bool()
+    torch.testing.assert_close(flex[m], dense[m], atol=1e-5, rtol=1e-5)
+    assert len(_BLOCK_MASKS) == 1  # one block mask for the batch, shared by every layer
+    ((_, bm),) = _BLOCK_MASKS.values()
+    assert bm.shape[-2:] == (WIDTH, WIDTH)

@@ -16,6 +16,13 @@ wildcard_constraints:
     key="[0-9a-f]{8}",
 
 
+def _template_input(ft):
+    """A fine-tune's chat template file, as an input of every job that renders with it (editing the file
+    reruns them; a built-in name is in the jobs' flags instead)."""
+    t = (ft.get("examples") or {}).get("chat_template")
+    return {"chat_template": t} if t and t not in S.CHAT_TEMPLATE_NAMES else {}
+
+
 def get_sft_source(wildcards):
     return SFT_DATA[wildcards.task]["path"]
 
@@ -73,6 +80,7 @@ def get_finetune_input(wildcards):
             "validation": f"{d}/validation.jsonl",
         }
         | ref
+        | _template_input(ft)
     )
 
 
@@ -109,9 +117,11 @@ def _reference_model(ft):
 def get_reference_input(wildcards):
     ft = _ft(wildcards)
     d = f"data/sft/{ft['data']}"
-    return {"model": _reference_model(ft)[1]} | {
-        s: f"{d}/{s}.jsonl" for s in ("train", "validation", "test")
-    }
+    return (
+        {"model": _reference_model(ft)[1]}
+        | {s: f"{d}/{s}.jsonl" for s in ("train", "validation", "test")}
+        | _template_input(ft)
+    )
 
 
 def get_reference_flags(wildcards):
@@ -202,7 +212,11 @@ def _base_eval_ft(wildcards):
 
 def get_base_eval_input(wildcards):
     ft = _base_eval_ft(wildcards)
-    return _base_inputs(ft) | {"test": f"data/sft/{ft['data']}/test.jsonl"}
+    return (
+        _base_inputs(ft)
+        | {"test": f"data/sft/{ft['data']}/test.jsonl"}
+        | _template_input(ft)
+    )
 
 
 def get_base_eval_flags(wildcards):
@@ -215,10 +229,14 @@ def get_base_eval_threads(wildcards):
 
 def get_evaluate_input(wildcards):
     ft = _ft(wildcards)
-    return _base_inputs(ft) | {
-        "test": f"data/sft/{ft['data']}/test.jsonl",
-        "finetune": f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json",
-    }
+    return (
+        _base_inputs(ft)
+        | {
+            "test": f"data/sft/{ft['data']}/test.jsonl",
+            "finetune": f"runs/{ft['run']}/finetune/{wildcards.ft}/finetune_summary.json",
+        }
+        | _template_input(ft)
+    )
 
 
 def get_evaluate_model(wildcards):

@@ -111,7 +111,7 @@ def tracking_flags(*layers: dict[str, Any] | None) -> str:
 def evaluate_flags(ft: dict[str, Any]) -> str:
     """`snakellm evaluate` settings: the fine-tune's example building (as trained) and its evaluate block."""
     return join(
-        to_flags(S.ExamplesSettings, ft.get("examples", {}), exclude=("packing",)),
+        to_flags(S.ExamplesSettings, ft.get("examples", {}), exclude=S.PACKING_ONLY),
         to_flags(S.EvaluateSettings, ft.get("evaluate", {})),
     )
 

@@ -29,6 +29,8 @@ from snakellm.models.architecture import ModelSettings
 # the built-in chat templates (snakellm.finetune.chat_template.BUILTIN; a test keeps the two equal): a
 # fine-tune's chat_template names one of them or a file
 CHAT_TEMPLATE_NAMES = ("chatml", "llama3", "mistral")
+PACKED_ATTENTION = ("dense", "flex")  # snakellm.models.attention: a bool mask, or segment ids -> a flex BlockMask
+PACKING_ONLY = ("packing", "packed_attention")  # example settings of training only (evaluation never packs)
 
 SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki", "parquet", "arrow", "warc")
 COLUMNAR_FORMATS = ("parquet", "arrow")  # read by snakellm.data.columnar: `id_key`, `columns`
@@ -757,6 +759,13 @@ class ExamplesSettings:
         choices=("left", "right"),
     )
     packing: bool = setting(False, "several examples per sequence (block-diagonal attention)", trajectory=True)
+    packed_attention: str = setting(
+        "dense",
+        "packed rows' block-diagonal attention: a dense mask through SDPA, or FlexAttention's block mask, which "
+        "skips the masked blocks (compiled on a GPU; eager and slow on the CPU)",
+        trajectory=True,
+        choices=PACKED_ATTENTION,
+    )
     chat_template: str | None = setting(
         None,
         "conversations: the chat template, a built-in (chatml, llama3, mistral) or a Jinja file "

@@ -330,6 +330,15 @@ def collate_packed(rows: Sequence[Sequence[Example]], width: int, pad_id: int, a
     return {"tokens": tokens, "labels": labels, "loss_mask": mask, "position_ids": pos, "segment_ids": seg}
 
 
+def packed_segments(segment_ids):
+    """The packed rows' segment ids as the model's ``attention_mask`` argument, int32 ``[b, 1, 1, s]``: the
+    attention (snakellm.models.attention) builds FlexAttention's block mask from them, causal within a segment;
+    a tensor, so megatron-core's recomputation saves it as it saves a mask."""
+    import torch
+
+    return segment_ids.to(torch.int32)[:, None, None, :]
+
+
 def packed_attention_mask(segment_ids):
     """Megatron's boolean mask [b, 1, s, s], True = masked: causal and block-diagonal by segment."""
     import torch

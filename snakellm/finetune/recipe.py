@@ -255,6 +255,12 @@ class FinetuneRecipe:
     def build(self, s: assembly.Session) -> assembly.Parts:
         from snakellm import models
 
+        if self.a.packing and self.a.packed_attention == "flex":
+            why = "FlexAttention has no backward pass on the CPU" if not s.cuda else None
+            if self.arch.get("attention_dropout"):
+                why = f"FlexAttention has no attention dropout (the model's is {self.arch['attention_dropout']})"
+            if why:
+                raise assembly.JobError(f"--packed-attention flex (examples.packed_attention): {why}; use dense")
         tp = self.a.tp
         loaded = models.load(
             self.a.base,
@@ -311,7 +317,9 @@ class FinetuneRecipe:
             b = ds.collate_packed(
                 [[self.train_ex[i] for i in self.items[j]] for j in idx], self.seq, eod, a.answer_only_loss
             )
-            b["attention_mask"] = ds.packed_attention_mask(b.pop("segment_ids"))
+            seg = b.pop("segment_ids")
+            flex = a.packed_attention == "flex"
+            b["attention_mask"] = ds.packed_segments(seg) if flex else ds.packed_attention_mask(seg)
             return b
         b = ds.collate(
             [self.train_ex[self.items[j][0]] for j in idx],

@@ -3,6 +3,14 @@
 megatron-core's local spec computes attention unfused (a [b, h, s, s] score
 tensor); without Transformer Engine this is the fast path on a GPU (flash /
 cuDNN kernels) and a memory-lean one on the CPU.
+
+Packed fine-tuning rows come with a mask in one of two forms
+(``examples.packed_attention``): megatron's dense boolean ``[b, 1, s, s]``
+mask (True = masked out), which SDPA runs with its memory-efficient kernel
+over every block; or the rows' segment ids (int32 ``[b, 1, 1, s]``,
+:func:`snakellm.finetune.dataset.packed_segments`), from which
+FlexAttention's block mask is built once per micro-batch: causal within a
+segment, the fully masked blocks skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 def sdpa_attention_class(backend: str = "auto") -> Any:
     import contextlib
 
+    import torch
     import torch.nn.functional as F
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -54,6 +63,11 @@ def sdpa_attention_class(backend: str = "auto") -> Any:
                 rng = tensor_parallel.get_cuda_rng_tracker().fork()
             else:
                 rng = contextlib.nullcontext()
+            if attention_mask is not None and attention_mask.dtype != torch.bool:  # packed rows' segment ids
+                assert p == 0, "packed_attention flex: attention dropout must be 0 (FlexAttention has none)"
+                out = flex_packed(q, k, v, attention_mask, self.softmax_scale, groups > 1)
+                s, b = out.size(2), out.size(0)
+                return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
             # a mask comes only with packed fine-tuning sequences (megatron's convention: True = masked
             # out; causal and block-diagonal per example); pretraining passes None
             mask = None if attention_mask is None else ~attention_mask
@@ -72,3 +86,65 @@ def sdpa_attention_class(backend: str = "auto") -> Any:
             return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
     return SDPAttention
+
+
+# the last micro-batch's block mask, with its segments tensor (held, so that no other tensor can take its memory
+# and match the key): every layer of a forward pass and its recomputation reuse it
+_BLOCK_MASKS: dict[tuple, tuple[Any, Any]] = {}
+
+
+def _block_mask_of(segments: Any, q_len: int) -> Any:
+    """FlexAttention's block mask of packed rows: query i sees key j when both are in one segment and j <= i."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg = segments.reshape(segments.size(0), -1)
+    key = (segments.data_ptr(), segments._version, tuple(segments.shape), segments.stride(), str(seg.device), q_len)
+    hit = _BLOCK_MASKS.get(key)
+    if hit is not None:
+        return hit[1]
+
+    def same_segment_causal(b, h, q_idx, kv_idx):
+        return (seg[b, q_idx] == seg[b, kv_idx]) & (q_idx >= kv_idx)
+
+    mask = create_block_mask(same_segment_causal, seg.size(0), None, q_len, seg.size(1), device=seg.device)
+    _BLOCK_MASKS.clear()
+    _BLOCK_MASKS[key] = (segments, mask)
+    return mask
+
+
+def block_mask_of(segments: Any, q_len: int) -> Any:
+    """:func:`_block_mask_of`, run eagerly where the layers are compiled (a cache lookup, not a graph op)."""
+    import torch
+
+    return torch.compiler.disable(_block_mask_of)(segments, q_len)
+
+
+_FLEX: list[Any] = []
+
+
+def _flex() -> Any:
+    """``flex_attention`` eager, and compiled once (its fused kernel; eager it materialises the scores)."""
+    if not _FLEX:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.extend([flex_attention, torch.compile(flex_attention, dynamic=False)])
+    return _FLEX
+
+
+def flex_packed(q: Any, k: Any, v: Any, segments: Any, scale: float | None, gqa: bool) -> Any:
+    """Attention of packed rows (q/k/v ``[b, heads, s, d]``) through FlexAttention with their block mask: on a
+    GPU its compiled kernel (inside compiled layers, traced into their graph), on the CPU eager (numerics)."""
+    import warnings
+
+    import torch
+
+    eager, compiled = _flex()
+    fn = compiled if q.is_cuda and not torch.compiler.is_compiling() else eager
+    mask = block_mask_of(segments, q.size(2))
+    if q.is_cuda:
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    with warnings.catch_warnings():
+        # eager flex_attention (the CPU) warns that it is for debugging: here it checks the numerics
+        warnings.filterwarnings("ignore", message=".*flex_attention.*")
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)

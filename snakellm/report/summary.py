@@ -60,12 +60,52 @@ def data_summary(sources: Iterable[str], root: str | Path = ".") -> str | None:
     return "data: " + "; ".join(parts) + tail
 
 
+def _schema_change(first: dict, sch: dict) -> str:
+    """``adds 'score'; drops 'url'; retypes 'id' (string -> int64)``: how a file's columns differ from the first's."""
+    added = sorted(set(sch) - set(first))
+    removed = sorted(set(first) - set(sch))
+    retyped = sorted(k for k in set(sch) & set(first) if sch[k] != first[k])
+    what = [f"adds {', '.join(map(repr, added))}"] if added else []
+    what += [f"drops {', '.join(map(repr, removed))}"] if removed else []
+    what += [f"retypes {', '.join(f'{k!r} ({first[k]} -> {sch[k]})' for k in retyped)}"] if retyped else []
+    return "; ".join(what)
+
+
+def schema_notes(sources: Iterable[str], root: str | Path = ".") -> list[str]:
+    """One line per parquet/Arrow source whose files do not all have its first file's schema, across its
+    chunks (a chunk's stats name the changes within it; this names those between chunks): the files, what
+    each adds, drops or retypes, and the stats file that records it. Their records carry other fields."""
+    root, out = Path(root), []
+    for source in sources:
+        first: tuple[str, dict] | None = None
+        changed: list[str] = []
+        for p in sorted((root / "data/jsonl" / source).glob("chunk-*.stats.json")):
+            st = _stats(p) or {}
+            for r in st.get("per_shard") or []:
+                sch = r.get("schema")
+                if not isinstance(sch, dict):
+                    continue
+                if first is None:
+                    first = (str(r.get("shard")), sch)
+                elif sch != first[1] and (change := _schema_change(first[1], sch)):
+                    changed.append(f"{r.get('shard')} {change} ({p.relative_to(root)})")
+        if first is not None and changed:
+            shown = "; ".join(changed[:3]) + (f"; and {len(changed) - 3:,} more" if len(changed) > 3 else "")
+            out.append(
+                f"note: source {source}: {plural(len(changed), 'file')} with another schema than its first file "
+                f"({first[0]}), so their records carry other fields: {shown}"
+            )
+    return out
+
+
 def success_lines(sources: Iterable[str], root: str | Path = ".") -> list[str]:
-    """What the Snakefile's ``onsuccess`` prints: the data summary and the report command."""
+    """What the Snakefile's ``onsuccess`` prints: the data summary, schema changes between a columnar source's
+    files, and the report command."""
     out = []
     data = data_summary(sources, root)
     if data:
         out.append(f"snakellm: {data}")
+    out += [f"snakellm: {line}" for line in schema_notes(sources, root)]
     out.append(
         f"snakellm: the HTML report: {REPORT_COMMAND} (the virtual environment's snakemake, .venv/bin/snakemake; "
         "or bash scripts/run.sh --report report.html)"

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from snakellm import tracking
-from snakellm.config.sections import EvaluateSettings, ExamplesSettings
+from snakellm.config.sections import PACKING_ONLY, EvaluateSettings, ExamplesSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.eval.evaluate import evaluate
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision", default="auto", choices=("auto", "bf16", "fp32"), help="weights' dtype (default: %(default)s)"
     )
     examples = p.add_argument_group("examples, as in training (config: finetune.NAME.examples)")
-    add_arguments(examples, ExamplesSettings, exclude=("packing",))
+    add_arguments(examples, ExamplesSettings, exclude=PACKING_ONLY)
     tracking.add_results_argument(p)
     return p
 

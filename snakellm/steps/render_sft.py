@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from snakellm.config.sections import ExamplesSettings
+from snakellm.config.sections import PACKING_ONLY, ExamplesSettings
 from snakellm.config.settings import DefaultsHelpFormatter, add_arguments
 from snakellm.finetune.render import FORMATS
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--messages-key", default=None, help="key of the conversation list (default: by format)")
     p.add_argument("--show", type=int, default=0, metavar="N", help="print N examples with trained text in [[ ]]")
     add_arguments(p.add_argument_group("examples, as in training (config: finetune.NAME.examples)"), ExamplesSettings,
-                  exclude=("packing",))  # fmt: skip
+                  exclude=PACKING_ONLY)  # fmt: skip
     return p
 
 
