@@ -312,8 +312,14 @@ def test_tiny_dpo_example_learns_the_held_out_preference(default_workflow):
     assert ref["reference"] == "runs/tiny/finetune/tiny-dpo-sft/model"
     assert abs(rows["logps/chosen"]["base"] - sum(ref["splits"]["test"]["chosen"]) / 16) < 1e-6
     assert summary["test"]["rewards/accuracies"] >= 0.9 and summary["test"]["rewards/margins"] > 0
+    from snakellm.report.html import fmt
+
     html = (root / page).read_text()
-    assert "base vs tuned on the held-out test pairs" in html and "reward_accuracy" in html
+    assert "base vs tuned on the held-out test pairs" in html
+    for r in c["metrics"]:  # the comparison file's table, with which way is better (as tests/test_report.py)
+        cells = "".join(f'<td class="num">{fmt(r[k])}</td>' for k in ("base", "tuned", "difference"))
+        better = "higher" if r["higher_is_better"] else "lower"
+        assert f"<td>{r['metric']}</td>{cells}<td>{better}</td>" in html, r
     assert "Preference metrics (DPO)" in html and "held-out test pairs" in html
     try:  # what reruns: a new beta only the DPO fine-tune; a new SFT model its reference and the DPO too
         for ft, key, value, again in (

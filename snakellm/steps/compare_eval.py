@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsHelpFormatter,
         prog="snakellm compare-eval",
         description="Base vs tuned: two `snakellm evaluate` directories on the same test split and decoding -> "
-        "comparison.json, comparison.tsv and comparison.md (metrics and their differences) in --out-dir.",
+        "comparison.json, comparison.tsv and comparison.md (metrics and their differences) in --out-dir; or, with "
+        "--preference, a DPO fine-tune's held-out test pairs before (the initial policy) and after training.",
     )
     p.add_argument("--base", default=None, help="the base model's evaluation directory")
     p.add_argument("--tuned", default=None, help="the fine-tuned model's evaluation directory")
