@@ -571,6 +571,30 @@ def test_a_stopped_dpo_fine_tune_resumes_with_the_uninterrupted_runs_losses(dpo_
     assert one[-1]["loss"] < one[0]["loss"]
 
 
+@pytest.mark.slow  # the shared fixture and two 1-step launches: 15-30 s on 2 cores
+def test_the_held_out_base_side_is_the_initial_policys(dpo_cpu):
+    """The comparison's base side (finetune_summary.json's test_before): where the policy starts as its
+    reference (the base's file, a full policy) it is the reference's numbers (reward_accuracy 0.5, TRL's strict
+    accuracy 0, rewards 0) with no forward pass, and a real forward pass of the initial policy gives them too
+    (one step at lr 0 leaves the policy as it was: its "test" equals "test_before"); for SimPO (no reference)
+    it is the initial policy's forward pass before the first step, again equal to the lr-0 step's test."""
+    one = json.loads((dpo_cpu / "one" / "finetune_summary.json").read_text())
+    ref = json.loads((dpo_cpu / "ref.json").read_text())["splits"]["test"]
+    before = one["test_before"]
+    assert before["pairs"] == 4 and before["reward_accuracy"] == 0.5 and before["rewards/accuracies"] == 0.0
+    assert before["rewards/margins"] == before["rewards/chosen"] == 0.0 and abs(before["loss"] - math.log(2)) < 1e-6
+    assert abs(before["logps/chosen"] - sum(ref["chosen"]) / 4) < 1e-4
+    assert one["test"]["logps/chosen"] != before["logps/chosen"]  # trained
+    for out, extra in (("lr0", ()), ("simpo-lr0", ("--dpo-loss", "simpo"))):
+        _dpo_cpu(dpo_cpu, out, 1, "--lr", "0", "--steps", "1", "--eval-interval", "1", *extra)
+        s = json.loads((dpo_cpu / out / "finetune_summary.json").read_text())
+        b, t = s["test_before"], s["test"]
+        assert b.keys() == t.keys() and b["pairs"] == 4, out
+        for k in b:
+            assert abs(b[k] - t[k]) < 1e-4, (out, k, b[k], t[k])
+    assert s["test_before"]["rewards/chosen"] != 0.0  # SimPO's reward: beta times the mean log-probability
+
+
 @pytest.mark.slow  # one 2-rank launch: 15-30 s on 2 busy cores
 def test_dpo_at_tensor_parallel_2_on_gloo_equals_tp_1(dpo_cpu):
     """Point 4: a full-policy DPO fine-tune at TP 2 on 2 CPU gloo ranks gives TP 1's losses, gradient norms,
