@@ -182,6 +182,18 @@ def test_a_moe_model_at_tp2_needs_sequence_parallelism_and_says_so(tmp_path):
         make_request(build_parser().parse_args(argv), env=env)
     assert moe.check_tp(mixtral, 2, None, lambda k: f"--{k}").endswith(", which this step does not run: use --tp 1")
     assert moe.check_tp(resolve("tiny"), 2, False) is None and moe.check_tp(mixtral, 1, False) is None
+    # the config check of a fine-tune whose base run is a mixture of experts
+    from snakellm.config.checks import check_finetunes
+
+    ft = {"run": "b", "data": "d", "method": "lora", "train": {"global_batch_size": 8, "micro_batch_size": 4}}
+    config = {"runs": {"b": {}}, "sft_data": {"d": {"path": "x.json"}}, "finetune": {"t": ft}}
+    check_finetunes(config, {"b": mixtral})
+    ft["parallel"] = {"tp": 2}
+    check_finetunes(config, {"b": resolve("tiny")})
+    with pytest.raises(
+        ConfigError, match=r"^config key finetune.t.parallel.tp: base run b: a mixture-of-experts model "
+    ):
+        check_finetunes(config, {"b": mixtral})
     # each expert splits over the tensor-parallel ranks: its ffn must divide
     with pytest.raises(
         ModelConfigError, match="model moe_ffn_hidden_size 95 is not divisible by tensor parallel size 2"
