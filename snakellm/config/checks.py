@@ -19,6 +19,7 @@ from typing import Any
 from snakellm.config import jobs
 from snakellm.config.resolve import check_parallel_conflict, check_tokenizers, resolve_runs
 from snakellm.errors import ConfigError
+from snakellm.models import moe
 
 # what NeMo packs as tokenizer artifacts
 NEMO_TOKENIZER_KINDS = ("gpt2-bpe", "sentencepiece")
@@ -28,9 +29,11 @@ def _names(d: dict[str, Any]) -> str:
     return ", ".join(d) or "none"
 
 
-def check_finetunes(config: dict[str, Any]) -> None:
+def check_finetunes(config: dict[str, Any], run_models: dict[str, dict[str, Any]] | None = None) -> None:
     """A fine-tune names a known base (run or import) and data set, a batch its micro batch divides, and
-    parallelism its method can use (snakellm.models.parallel_conflict)."""
+    parallelism its method can use (snakellm.models.parallel_conflict) and, for a base run of ``run_models``
+    (the runs' architectures), its model (a mixture of experts trains at tp > 1 only with sequence parallelism,
+    which fine-tuning does not run)."""
     runs, imports, sft = config.get("runs", {}), config.get("import_hf", {}), config.get("sft_data", {})
     bases = list(runs) + list(imports)
     for name, ft in config.get("finetune", {}).items():
@@ -65,6 +68,11 @@ def check_finetunes(config: dict[str, Any]) -> None:
             )
         kind = ft.get("dpo", {}).get("policy", "lora") if ft["method"] == "dpo" else ft["method"]
         check_parallel_conflict(f"finetune.{name}", {**ft.get("parallel", {}), "method": kind})
+        arch = (run_models or {}).get(ft["run"])
+        tp = ft.get("parallel", {}).get("tp", 1)
+        why = moe.check_tp(arch, tp, None, lambda k: f"parallel.{k}") if arch else None
+        if why:
+            raise ConfigError(f"config key finetune.{name}.parallel.tp: base run {ft['run']}: {why}")
 
 
 def _trains_whole(ft: dict[str, Any]) -> bool:
@@ -470,7 +478,7 @@ def check_config(config: dict[str, Any], env: Mapping[str, str] | None = None) -
     check_tokenizers(config)
     run_models = resolve_runs(config)
     check_sft_data(config)
-    check_finetunes(config)
+    check_finetunes(config, run_models)
     check_resources(config, env)
     check_fp8(config, run_models)
     check_grad_reduce(config)

@@ -16,6 +16,7 @@ from snakellm import models
 from snakellm.config.sections import ParallelSettings, TrainSettings
 from snakellm.config.settings import to_flags
 from snakellm.config.validate import ConfigError
+from snakellm.models import moe
 
 
 def check_tokenizers(config: dict[str, Any]) -> None:
@@ -91,6 +92,9 @@ def resolve_run(name: str, run: dict[str, Any], tokenizers: dict[str, Any]) -> d
     except models.ModelConfigError as e:
         raise ConfigError(f"config key runs.{name}.parallel: {e}") from None
     check_parallel_conflict(f"runs.{name}", par)
+    why = moe.check_tp(arch, par.get("tp", 1), bool(par.get("sequence_parallel")), lambda k: f"parallel.{k}")
+    if why:
+        raise ConfigError(f"config key runs.{name}.parallel.sequence_parallel: {why}")
     return arch
 
 

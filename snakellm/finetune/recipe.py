@@ -35,7 +35,7 @@ from snakellm.config.settings import trajectory_keys
 from snakellm.finetune import dataset as ds
 from snakellm.io import checkpoint as ckpt
 from snakellm.io.atomic import write_json, write_text
-from snakellm.models import fp8
+from snakellm.models import fp8, moe
 from snakellm.train import assembly
 from snakellm.train.resume import check_required
 from snakellm.train.trainer import Batch
@@ -147,6 +147,9 @@ class FinetuneRecipe:
             )
         self.base = describe_run(a.base, seq_length=a.max_seq_length, tp=a.tp)
         self.arch, self.vocab = self.base["arch"], self.base["padded_vocab_size"]
+        why = moe.check_tp(self.arch, a.tp, None, lambda k: f"--{k}")  # fine-tuning runs no sequence parallelism
+        if why:
+            raise assembly.JobError(f"base {a.base}: {why}")
         self.seq = a.max_seq_length or self.arch["seq_length"]
         self.tok_info = self.base["tokenizer"]  # the base run's own copy (snakellm.io.run_tokenizer)
         self.virtual = mcfg.virtual_tokens if a.method == "ptuning" else 0

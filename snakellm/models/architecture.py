@@ -180,7 +180,9 @@ def check_parallel(cfg: dict[str, Any], tp: int, pp: int, virtual_pp: int = 1) -
     if tp < 1:
         raise ModelConfigError(f"tensor parallel size must be >= 1, got {tp}")
     check_pipeline(cfg, pp, virtual_pp)
-    for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+    keys = ("num_attention_heads", "num_query_groups", "ffn_hidden_size")
+    # a mixture of experts splits each expert over the tp ranks too (megatron-core's expert tensor parallelism)
+    for key in (*keys, "moe_ffn_hidden_size") if cfg.get("num_experts") else keys:
         if cfg[key] % tp:
             raise ModelConfigError(f"model {key} {cfg[key]} is not divisible by tensor parallel size {tp}")
 

@@ -8,7 +8,8 @@ spec's ``get_gpt_layer_local_spec(num_experts=...)``), with
   (``moe_norm_topk_prob``: megatron-core's softmax over the top-k logits; without it, the
   softmax over all experts, then the top k, ``moe_router_pre_softmax``), the load-balancing
   auxiliary loss and the z-loss at the model's coefficients;
-* the ``alltoall`` token dispatcher (expert parallelism over ``parallel.ep`` ranks);
+* the ``alltoall`` token dispatcher (expert parallelism over ``parallel.ep`` ranks); at tp > 1 each
+  expert split over the tensor-parallel ranks, with sequence parallelism (:func:`check_tp`);
 * ``SequentialMLP`` experts, dropless (no capacity factor). megatron-core's grouped experts
   without Transformer Engine are the legacy ``GroupedMLP``, which needs the ``grouped_gemm``
   package (a CUDA source build, no wheel); ``TEGroupedMLP`` needs Transformer Engine, whose
@@ -19,6 +20,7 @@ Torch-free to import: the config checks and ``snakellm plan`` use the counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -85,6 +87,26 @@ def check_ep(arch: dict[str, Any], ep: int, world: int | None = None, tp: int = 
             f"{world // (tp * pp)}): the expert-parallel ranks are data-parallel ranks of the dense layers"
         )
     return None
+
+
+def check_tp(
+    arch: dict[str, Any], tp: int, sequence_parallel: bool | None, name: Callable[[str], str] = str
+) -> str | None:
+    """Why this model cannot train at ``tp`` tensor-parallel ranks with ``sequence_parallel`` (None: it can;
+    ``sequence_parallel`` None: the step has none, fine-tuning), the settings named by ``name``.
+
+    megatron-core (without Transformer Engine too) splits each expert over the tensor-parallel ranks
+    (``expert_tensor_parallel_size`` = tp) and trains a MoE layer at tp > 1 only with the sequence split
+    over them: its ``MoELayer`` raises in the first training forward otherwise."""
+    if tp == 1 or not is_moe(arch) or sequence_parallel:
+        return None
+    why = (
+        f"a mixture-of-experts model at {name('tp')} {tp} needs sequence parallelism: megatron-core's MoE layer "
+        "trains at tp > 1 only with the sequence split over the tensor-parallel ranks"
+    )
+    if sequence_parallel is None:
+        return f"{why}, which this step does not run: use {name('tp')} 1"
+    return f"{why}: set {name('sequence_parallel')}"
 
 
 def scale_aux_losses(scale: float) -> None:
@@ -165,7 +187,7 @@ def grouped_experts_class() -> Any:
     """megatron-core's SequentialMLP with its local experts run as grouped matrix products.
 
     The same modules, parameters and ``sharded_state_dict`` (checkpoints of either load in the other, at
-    any expert-parallel layout); only the forward differs: megatron-core's loop runs one small matmul per
+    any expert, tensor or pipeline layout); only the forward differs: megatron-core's loop runs one small matmul per
     expert, with the token counts copied to the host first; here every expert's up-projection is one
     ``torch._grouped_mm`` and every down-projection another (megatron-core's own grouped experts need
     Transformer Engine, or the legacy ``GroupedMLP`` the ``grouped_gemm`` CUDA package). Where

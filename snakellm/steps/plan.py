@@ -367,6 +367,9 @@ def run_plan(
     why = moe.check_ep(arch, int(par.get("ep", 1)), world, tp, pp)
     if why:
         raise ValueError(f"parallel.ep {par.get('ep', 1)}: {why}")
+    why = moe.check_tp(arch, tp, bool(par.get("sequence_parallel")), lambda k: f"parallel.{k}")
+    if why:
+        raise ValueError(why)
     tok = (cfg.get("tokenizers") or {}).get(run.get("tokenizer"), {})
     out = [
         f"run {name}: {plural(world, 'rank')} = {plural(nodes, 'node')} x {per_node}; tp {tp} x pp {pp} x dp {dp}; global batch {gbs} = "

@@ -130,6 +130,9 @@ def make_request(args: argparse.Namespace, env: dict[str, str] | None = None) ->
     why = moe.check_ep(model, par.ep, dist.world_size, par.tp, par.pp)
     if why:
         raise RequestError(f"--ep {par.ep}: {why}")
+    why = moe.check_tp(model, par.tp, par.sequence_parallel, flags.__getitem__)
+    if why:
+        raise RequestError(why)
     why = models.check_pipeline_batches(par.pp, par.virtual_pp, num_micro)
     if why:
         raise RequestError(f"--global-batch-size {t.global_batch_size}: {why}")

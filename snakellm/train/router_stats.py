@@ -4,9 +4,10 @@ megatron-core's routers (``TopKRouter``) are observed, not changed: a forward ho
 forward's routing map (``[tokens, experts]``, true where a token goes) to a per-expert count on the
 device, and megatron-core's own aux-loss tracker holds the load-balancing loss and the z-loss of each
 layer (unscaled by their coefficients: 1.0 is a perfectly balanced router), summed over the step's
-micro-batches. :meth:`RouterStats.take` hands :class:`snakellm.train.metrics.MetricsLogger` one
+micro-batches (with sequence parallelism, of this tensor-parallel rank's slice of the sequence).
+:meth:`RouterStats.take` hands :class:`snakellm.train.metrics.MetricsLogger` one
 step's values (device tensors: no host sync) and starts the next step; the logger sums the counts
-over the data-parallel ranks at its flush and writes ``moe_tokens_per_expert`` (summed over the
+over the data-parallel ranks (and the tensor-parallel slices) at its flush and writes ``moe_tokens_per_expert`` (summed over the
 layers), ``moe_max_load`` (the busiest expert's share over the mean), ``moe_aux_loss``,
 ``moe_z_loss`` (means over the layers) and ``moe_dropped_tokens`` (routed assignments that did not
 reach an expert: 0 when dropless, the default) to ``metrics.jsonl`` and TensorBoard.
@@ -23,6 +24,8 @@ class RouterStats:
 
         self.routers = [m for mod in modules for m in mod.modules() if isinstance(m, TopKRouter)]
         self.topk, self.num_micro = topk, num_micro
+        # sequence parallelism: each tensor-parallel rank routes its own slice of the sequence
+        self.sliced = any(r.config.sequence_parallel for r in self.routers)
         self.counts: Any = None
         self.assigned = 0
         for r in self.routers:
@@ -53,6 +56,7 @@ class RouterStats:
         out = {
             "counts": self.counts,
             "assigned": torch.tensor(self.assigned, dtype=torch.long, device=self.counts.device),
+            "sliced": self.sliced,
             # the losses summed over this rank's layers, and how many layers that is (a pipeline stage's)
             "losses": torch.stack(
                 [
@@ -68,8 +72,11 @@ class RouterStats:
 
 
 def reduce(pending: list[dict[str, Any]], dp_group: Any, dp_size: int) -> list[dict[str, Any]]:
-    """The steps' router records: counts summed over the data-parallel ranks and the pipeline stages (each holds
-    its own layers' routers), the losses averaged over the data-parallel ranks and all layers."""
+    """The steps' router records: counts summed over the data-parallel ranks, the pipeline stages (each holds
+    its own layers' routers) and, with sequence parallelism, the tensor-parallel ranks (each routes its slice of
+    the sequence); the losses averaged over the data-parallel ranks and all layers. Over the slices the
+    load-balancing loss adds up (megatron-core computes each slice's part with the whole sequence's counts)
+    and the z-loss (a mean over the slice's tokens) averages."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -80,6 +87,12 @@ def reduce(pending: list[dict[str, Any]], dp_group: Any, dp_size: int) -> list[d
     torch.distributed.all_reduce(assigned, group=dp_group)
     torch.distributed.all_reduce(losses, group=dp_group)
     losses = losses / dp_size  # the layer count too: every data-parallel rank of a stage holds the same layers
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1 and pending[0]["sliced"]:
+        group = ps.get_tensor_model_parallel_group()
+        for t in (counts, assigned, losses):
+            torch.distributed.all_reduce(t, group=group)
+        losses[:, 1:] /= tp  # the z-loss is the slices' mean; every tensor-parallel rank holds the same layers
     if ps.get_pipeline_model_parallel_world_size() > 1:
         group = ps.get_pipeline_model_parallel_group()
         for t in (counts, assigned, losses):
