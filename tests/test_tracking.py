@@ -133,9 +133,11 @@ def test_a_server_that_never_answers_costs_the_budget_and_one_warning(tmp_path):
         for step in range(1, 1001):
             t.log([{"step": step, "loss": 1.0 / step}])
         t.summary({"final_loss": 0.5})
-        assert time.time() - t0 < 0.5  # the job never waits for a tracker while it trains
+        # the job never waits for a tracker while it trains: 1,000 records cost far less than the 2 s budget
+        # (a bound with room for CI's other worker and the tracker thread's imports, which share the GIL)
+        assert time.time() - t0 < 1.0
         t.close()
-        assert time.time() - t0 < 4.0
+        assert time.time() - t0 < 6.0  # the budget, then the job goes on
     assert len(warnings) == 1 and "gave up" in warnings[0] and "metrics.jsonl is the record" in warnings[0]
 
 
