@@ -22,6 +22,7 @@ import os
 import shutil
 import time
 
+import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -127,6 +128,7 @@ def test_any_byte_string_name_survives_the_list_and_the_chunk(tmp_path_factory, 
     assert [s["shard"] for s in stats["per_shard"]] == paths
 
 
+@pytest.mark.slow  # ~4 s, mostly waiting for mtimes to tick: the slow tier (fast-tier budget)
 @FUZZ
 @given(old=docs, new=docs, how=st.sampled_from(["replace", "in_place"]), same_size=st.booleans())
 def test_an_mtime_preserving_change_marks_the_chunk_stale(tmp_path_factory, old, new, how, same_size):

@@ -187,6 +187,7 @@ BOMB_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # ~5 s for both: the slow tier (fast-tier budget)
 @pytest.mark.parametrize("suffix", [".zst", ".gz"])
 def test_decompression_bomb_is_read_in_bounded_memory(tmp_path, suffix):
     """A small file that expands to a 1.25 GiB line: was a MemoryError traceback; now quarantined as too_long.

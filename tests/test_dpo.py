@@ -646,6 +646,7 @@ def test_tensor_parallel_on_the_cpu_is_refused_for_a_base_with_dropout(dpo_cpu):
     assert proc.returncode != 0 and "tensor parallel size 2 with dropout needs GPUs" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # ~3 s (a snakemake dry run): the slow tier (fast-tier budget)
 def test_a_lora_sft_reference_and_a_dpo_report_page_in_the_job_graph(workspace):
     """Point 3: dpo.reference naming a LoRA fine-tune: the reference_logprobs job reads that fine-tune's base
     run with its adapter (--model runs/RUN --adapter .../adapter) after it is trained; p-tuning is refused by
@@ -683,6 +684,7 @@ def test_a_lora_sft_reference_and_a_dpo_report_page_in_the_job_graph(workspace):
     check_dpo("tiny-dpo", {"dpo": dpo}, {"finetune": {"tiny-chat": {"method": "lora"}}})
 
 
+@pytest.mark.slow  # ~3 s (snakemake dry runs): the slow tier (fast-tier budget)
 def test_sft_then_dpo_starts_from_the_sft_model_in_the_job_graph(workspace):
     """Point 7's SFT then DPO (config/examples/tiny-dpo.yaml): the DPO fine-tune (start: tiny-dpo-sft) trains
     from the full SFT fine-tune's model/, which is its default reference (TRL's: the initial policy) and the

@@ -141,6 +141,7 @@ def test_prompt_and_full_logprobs_equal_eager(gen):
         assert torch.allclose(torch.tensor(f.full_logprobs), torch.tensor(e.full_logprobs), atol=1e-4)
 
 
+@pytest.mark.slow  # ~5 s for both models: the slow tier (fast-tier budget)
 def test_sampling_controls(gen):
     """Seeded draws repeat alone and in a batch; top-k keeps the draws among the k likeliest tokens
     (the model's own log-probs, scored afterwards); top-k 1 and a tiny top-p are greedy."""

@@ -65,6 +65,7 @@ def test_the_shipped_suite_is_deterministic_and_in_lm_evals_formats(built, tmp_p
         )
 
 
+@pytest.mark.slow  # ~4 s (the suite built): the slow tier (fast-tier budget)
 def test_the_wikipedia_text_is_held_out_from_the_default_corpus(built):
     """Not one passage of the perplexity, cloze or continuation tasks is in the text the tiny run trains on."""
     corpus = []

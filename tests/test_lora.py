@@ -258,6 +258,7 @@ def test_lora_under_activation_recomputation_has_the_same_gradients(rt, recomput
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads["none"], grads[recompute], strict=True))
 
 
+@pytest.mark.slow  # ~5 s for both (torch.compile): the slow tier (fast-tier budget)
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_compiled_lora_layers_trace_whole_and_match_eager(rt, method: str) -> None:
     """parallel.compile (train and finetune): each layer, adapters included, is one graph (megatron-core's per-call

@@ -34,6 +34,7 @@ def excerpt_pages():
     return list(iter_pages(str(EXCERPT)))
 
 
+@pytest.mark.slow  # ~3 s (the excerpt parsed): the slow tier (fast-tier budget)
 def test_excerpt_articles_only_redirects_and_other_namespaces_skipped(excerpt_pages):
     kinds = collections.Counter(p.skip for p in excerpt_pages)
     assert len(excerpt_pages) == 206

@@ -67,6 +67,7 @@ def _ref(gen, prompt, n, kw):
     )
 
 
+@pytest.mark.slow  # ~2 s: the slow tier (fast-tier budget)
 def test_engine_and_eager_equal_the_reference(gen):
     """Each penalty set in one engine batch beside a plain greedy row: every row equals its reference."""
     from snakellm.serve.engine import Engine, EngineSettings

@@ -55,6 +55,7 @@ def svg_text(path: Path) -> str:
 # ---------------------------------------------------------------- data
 
 
+@pytest.mark.slow  # ~2 s (a report rendered): the slow tier (fast-tier budget)
 def test_data_report_counts_rejections_by_reason_with_example_lines(tmp_path):
     shard = tmp_path / "s1.jsonl"
     good = [json.dumps({"text": f"document {i}"}) for i in range(5)]
@@ -215,6 +216,7 @@ def test_table_step_shows_unicode_as_text(tmp_path):
     assert "£5" in page and "café" in page and "naïve ⁇" in page and "\\u00a3" not in page
 
 
+@pytest.mark.slow  # ~2 s (a report rendered): the slow tier (fast-tier budget)
 def test_lm_eval_and_finetune_pages_hold_the_files_values(tmp_path):
     """The Evaluation and Fine-tuning pages from files shaped as lm-eval and snakellm evaluate write them,
     NeMo's metric and field names (test_exact_string_match, inputs/preds/labels) as well as the older ones."""

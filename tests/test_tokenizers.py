@@ -221,6 +221,7 @@ def test_sentencepiece_user_symbols_and_training_errors(tmp_path, chunk_files):
 # ----------------------------------------------------------------------------- huggingface
 
 
+@pytest.mark.slow  # ~5 s (a tokenizer.json trained and compared): the slow tier (fast-tier budget)
 def test_huggingface_tokenizer_json_ids_identical(tmp_path, gpt2, texts):
     # GPT-2 as a tokenizer.json (what AutoTokenizer saves): same ids as the gpt2-bpe path
     hf = HFTokenizer(models.BPE.from_file(str(GPT2_VOCAB), str(GPT2_MERGES)))
@@ -291,6 +292,7 @@ def test_vocab_size_or_eod_disagreeing_with_config_is_an_error():
 CODE_LIKE = "def f(x):\n\tif x  >  1:\n\t\treturn 12345\n\n- a   b\n  indented\r\nend"
 
 
+@pytest.mark.slow  # ~5 s (a tokenizer trained): the slow tier (fast-tier budget)
 @pytest.mark.parametrize("model_type", ["bpe"])
 def test_a_trained_tokenizer_keeps_newlines_tabs_runs_of_spaces_and_splits_digits(tmp_path, chunk_files, model_type):
     """Issue 42: SentencePiece's defaults (nmt_nfkc, extra whitespace removed) turned "a\\n\\nb" into "a b";

@@ -122,6 +122,7 @@ def test_resumed_steps_are_not_logged_twice(tmp_path):
     fresh.close()
 
 
+@pytest.mark.slow  # ~2 s waiting for the budget: the slow tier (fast-tier budget)
 def test_a_server_that_never_answers_costs_the_budget_and_one_warning(tmp_path):
     """The job puts records on a queue and waits at most the budget when it closes; one warning says so."""
     with socket.socket() as hole:  # accepts connections (the backlog), never answers
