@@ -111,14 +111,21 @@ def test_sequence_parallel_on_2_ranks_matches_one_process(root, preset):
 STEPS = ["--preset", "tiny-llama", "--steps", "12", "--save-interval", "4", "--keep-last", "10"]
 
 
-@pytest.mark.slow
-def test_distributed_optimizer_shards_matches_and_resumes_exactly(root):
+@pytest.fixture(scope="module")
+def replicated_and_sharded(root):
+    """The replicated and the sharded-optimizer runs, 2 ranks each (a shared fixture: with the stop-and-resume
+    runs the test passed its 120 s budget on a busy CI machine)."""
     train(root, "replicated", 2, *STEPS)
+    return train(root, "sharded", 2, *STEPS, "--distributed-optimizer")
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_shards_matches_and_resumes_exactly(root, replicated_and_sharded):
     # a replicated model and optimizer are still written by both ranks, a share each (fully parallel save)
     ckpt = sorted((root / "runs/replicated/checkpoints").glob("iter_*"))[-1]
     per_rank = [sum(f.stat().st_size for f in ckpt.glob(f"__{r}_*.distcp")) for r in (0, 1)]
     assert min(per_rank) > 0.3 * sum(per_rank), per_rank
-    proc = train(root, "sharded", 2, *STEPS, "--distributed-optimizer")
+    proc = replicated_and_sharded
     assert "optimizer sharded over 2 data-parallel ranks" in proc.stderr
     held, total = (
         int(x.replace(",", ""))
