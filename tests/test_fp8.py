@@ -329,8 +329,15 @@ def test_lora_on_an_fp8_base_trains_the_adapters_only(parallel, any_device):
 # ----------------------------------------------------------------------------- snakellm train, TP 2 + SP
 
 
-@pytest.mark.slow
-def test_parallel_fp8_training_follows_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def fp8_parallel_runs(tmp_path_factory):
+    """The runs of the test below (a shared fixture: five trainings, 90 s in CI, near one test's budget)."""
+    tmp_path = tmp_path_factory.mktemp("fp8-parallel")
+    env = env_with_venv() | {fp8.ANY_DEVICE_ENV: "1"}
+    return tmp_path, env, *_fp8_parallel_runs(tmp_path, env)
+
+
+def _fp8_parallel_runs(tmp_path, env):
     """`snakellm train --precision fp8` on 2 ranks (gloo) against one process: TP 2 with sequence parallelism
     (the all-gather / reduce-scatter around the float8 matmuls; float8's scales then come from each rank's
     weight shard, so the losses differ slightly), DP 2 with the distributed optimizer (the same micro-batches
@@ -339,7 +346,6 @@ def test_parallel_fp8_training_follows_one_process(tmp_path):
     others cast the gathered bf16 weight: one rounding instead of two), saving at step 3 and resumed there
     (the float8 scales recomputed from the loaded weights: the uninterrupted run's losses)."""
     make_blend(tmp_path)
-    env = env_with_venv() | {fp8.ANY_DEVICE_ENV: "1"}
     common = [*BASE, "--preset", "tiny-llama", "--ffn-hidden-size", "160", "--steps", "6", "--precision", "fp8"]
     common += ["--device", "cpu", "--no-checkpoints", "--eval-iters", "0"]
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", "--no-python"]
@@ -363,6 +369,14 @@ def test_parallel_fp8_training_follows_one_process(tmp_path):
         if name == "fsdp8":
             assert "the float8 block linears' weights are all-gathered in float8" in proc.stderr
             resume = [c if c != "runs/fsdp8" else "runs/fsdp8-resumed" for c in cmd]
+    return runs, resume
+
+
+@pytest.mark.slow
+def test_parallel_fp8_training_follows_one_process(fp8_parallel_runs):
+    """TP 2 + sequence parallelism, DP 2 with the distributed optimizer and FSDP 2 with the float8 all-gather,
+    each against one process (the fixture's runs), and the FSDP run resumed from its step-3 checkpoint."""
+    tmp_path, env, runs, resume = fp8_parallel_runs
     # the float8 all-gather's checkpoint at step 3 resumes with the uninterrupted run's losses
     ckpts = tmp_path / "runs/fsdp8/checkpoints"
     shutil.copytree(tmp_path / "runs/fsdp8", tmp_path / "runs/fsdp8-resumed")
