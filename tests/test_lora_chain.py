@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, Workspace, env_with_venv
-from hf_helpers import train_spm
+from hf_helpers import save_random_hf, train_spm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -66,21 +66,6 @@ def _hf_configs() -> dict:
     }
 
 
-def _save_hf(config, dest: Path, spm: Path) -> None:
-    """A random model of ``config`` as transformers saves it, norms and biases moved off 1 and 0."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(3)
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(dest)
-    shutil.copy(spm, dest / "tokenizer.model")
-    (dest / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": TEMPLATE}))
-
-
 def _chain_config(names: list[str]) -> dict:
     """The shipped example with each tiny model as an import and its fine-tune, paths and sizes made small."""
     cfg = yaml.safe_load(EXAMPLE.read_text())
@@ -108,7 +93,7 @@ def chain(tmp_path_factory) -> Workspace:
     root = tmp_path_factory.mktemp("lora-chain")
     spm = train_spm(tmp_path_factory.mktemp("spm"))
     for name, config in _hf_configs().items():
-        _save_hf(config, root / "hub" / name, spm)
+        save_random_hf(config, root / "hub" / name, spm, {"eos_token": "</s>", "chat_template": TEMPLATE})
     shutil.copytree(REPO / "resources" / "squad", root / "resources" / "squad")
     ws = Workspace(root)
     ws.write_config(_chain_config(list(_hf_configs())))

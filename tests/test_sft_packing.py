@@ -39,8 +39,8 @@ def _examples(n: int, seed: int) -> list[ds.Example]:
     ]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
-def test_packed_rows_equal_examples_alone(rt, preset: str) -> None:
+def _model(preset: str):
+    """A seeded random megatron-core model of ``preset`` at WIDTH positions, in eval mode."""
     from megatron.core import tensor_parallel
 
     from snakellm.models.build import build_model
@@ -49,7 +49,12 @@ def test_packed_rows_equal_examples_alone(rt, preset: str) -> None:
     torch.manual_seed(4)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     gpt, _ = build_model(arch, VOCAB, fused_loss="eager")
-    gpt.eval()
+    return gpt.eval()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_packed_rows_equal_examples_alone(rt, preset: str) -> None:
+    gpt = _model(preset)
     exs = _examples(14, seed=9)
     rows = ds.pack(exs, WIDTH, seed=1)
     assert sorted(i for r in rows for i in r) == list(range(len(exs)))  # every example once
@@ -77,16 +82,9 @@ def test_flex_block_mask_gives_the_dense_masks_losses(rt) -> None:
     """examples.packed_attention: flex (the rows' segment ids -> FlexAttention's block mask, eager on the CPU)
     computes the dense mask's per-token losses, fp32, on a GQA Llama. (FlexAttention has no backward on the CPU:
     the gradients are the GPU benchmark's to compare, and a CPU fine-tune with flex is refused.)"""
-    from megatron.core import tensor_parallel
-
     from snakellm.models.attention import _BLOCK_MASKS
-    from snakellm.models.build import build_model
 
-    arch = models.resolve("tiny-llama", {"seq_length": WIDTH})
-    torch.manual_seed(4)
-    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    gpt, _ = build_model(arch, VOCAB, fused_loss="eager")
-    gpt.eval()
+    gpt = _model("tiny-llama")
     exs = _examples(14, seed=5)
     rows = ds.pack(exs, WIDTH, seed=2)
     b = ds.collate_packed([[exs[i] for i in r] for r in rows], WIDTH, 0, answer_only_loss=True)

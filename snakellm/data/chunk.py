@@ -705,6 +705,8 @@ def _columnar_stats(per_shard: list[dict], fmt: str) -> dict:
     (each named with the columns added, removed or retyped: their records carry other fields)."""
     if fmt not in COLUMNAR_FORMATS:
         return {}
+    from snakellm.data.columnar import schema_diff
+
     changes = []
     first: dict | None = None
     for r in per_shard:
@@ -715,14 +717,7 @@ def _columnar_stats(per_shard: list[dict], fmt: str) -> dict:
             first = sch
             continue
         if sch != first:
-            changes.append(
-                {
-                    "shard": r["shard"],
-                    "added": sorted(set(sch) - set(first)),
-                    "removed": sorted(set(first) - set(sch)),
-                    "retyped": sorted(k for k in set(sch) & set(first) if sch[k] != first[k]),
-                }
-            )
+            changes.append({"shard": r["shard"], **schema_diff(first, sch)})
     for ch in changes[:10]:
         print(f"snakellm chunk: note: {display(ch['shard'])} has another schema than the chunk's first file: {ch}")
     return {"ids_generated": sum(r.get("ids_generated", 0) for r in per_shard), "schema_changes": changes}

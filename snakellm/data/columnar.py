@@ -152,6 +152,15 @@ def schema_of(c: Columnar) -> dict[str, str]:
     return {f.name: str(f.type) for f in c.schema}
 
 
+def schema_diff(first: dict[str, str], sch: dict[str, str]) -> dict[str, list[str]]:
+    """How a file's schema (:func:`schema_of`) differs from ``first``: the columns added, removed and retyped."""
+    return {
+        "added": sorted(set(sch) - set(first)),
+        "removed": sorted(set(first) - set(sch)),
+        "retyped": sorted(k for k in set(sch) & set(first) if sch[k] != first[k]),
+    }
+
+
 DIGEST = "xxh3_128"  # what a local columnar chunk records of its file: a 30x cheaper pass than sha256
 
 

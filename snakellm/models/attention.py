@@ -66,22 +66,21 @@ def sdpa_attention_class(backend: str = "auto") -> Any:
             if attention_mask is not None and attention_mask.dtype != torch.bool:  # packed rows' segment ids
                 assert p == 0, "packed_attention flex: attention dropout must be 0 (FlexAttention has none)"
                 out = flex_packed(q, k, v, attention_mask, self.softmax_scale, groups > 1)
-                s, b = out.size(2), out.size(0)
-                return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
-            # a mask comes only with packed fine-tuning sequences (megatron's convention: True = masked
-            # out; causal and block-diagonal per example); pretraining passes None
-            mask = None if attention_mask is None else ~attention_mask
-            with rng, kernel():
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=mask,
-                    dropout_p=p,
-                    is_causal=mask is None,
-                    scale=self.softmax_scale,
-                    enable_gqa=groups > 1,
-                )
+            else:
+                # a mask comes only with packed fine-tuning sequences (megatron's convention: True = masked
+                # out; causal and block-diagonal per example); pretraining passes None
+                mask = None if attention_mask is None else ~attention_mask
+                with rng, kernel():
+                    out = F.scaled_dot_product_attention(
+                        q,
+                        k,
+                        v,
+                        attn_mask=mask,
+                        dropout_p=p,
+                        is_causal=mask is None,
+                        scale=self.softmax_scale,
+                        enable_gqa=groups > 1,
+                    )
             s, b = out.size(2), out.size(0)
             return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
@@ -140,11 +139,11 @@ def flex_packed(q: Any, k: Any, v: Any, segments: Any, scale: float | None, gqa:
     import torch
 
     eager, compiled = _flex()
-    fn = compiled if q.is_cuda and not torch.compiler.is_compiling() else eager
     mask = block_mask_of(segments, q.size(2))
-    if q.is_cuda:
-        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-    with warnings.catch_warnings():
-        # eager flex_attention (the CPU) warns that it is for debugging: here it checks the numerics
-        warnings.filterwarnings("ignore", message=".*flex_attention.*")
-        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    if not q.is_cuda:
+        with warnings.catch_warnings():
+            # eager flex_attention (the CPU) warns that it is for debugging: here it checks the numerics
+            warnings.filterwarnings("ignore", message=".*flex_attention.*")
+            return eager(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    fn = eager if torch.compiler.is_compiling() else compiled  # inside compiled layers: traced into their graph
+    return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)

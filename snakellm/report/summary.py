@@ -62,12 +62,12 @@ def data_summary(sources: Iterable[str], root: str | Path = ".") -> str | None:
 
 def _schema_change(first: dict, sch: dict) -> str:
     """``adds 'score'; drops 'url'; retypes 'id' (string -> int64)``: how a file's columns differ from the first's."""
-    added = sorted(set(sch) - set(first))
-    removed = sorted(set(first) - set(sch))
-    retyped = sorted(k for k in set(sch) & set(first) if sch[k] != first[k])
-    what = [f"adds {', '.join(map(repr, added))}"] if added else []
-    what += [f"drops {', '.join(map(repr, removed))}"] if removed else []
-    what += [f"retypes {', '.join(f'{k!r} ({first[k]} -> {sch[k]})' for k in retyped)}"] if retyped else []
+    from snakellm.data.columnar import schema_diff  # pyarrow-free at import
+
+    d = schema_diff(first, sch)
+    what = [f"adds {', '.join(map(repr, d['added']))}"] if d["added"] else []
+    what += [f"drops {', '.join(map(repr, d['removed']))}"] if d["removed"] else []
+    what += [f"retypes {', '.join(f'{k!r} ({first[k]} -> {sch[k]})' for k in d['retyped'])}"] if d["retyped"] else []
     return "; ".join(what)
 
 
