@@ -23,8 +23,9 @@ figure for the same model, which --pretrain measures in the same run.
 
 With ``--chat`` each method also runs on multi-turn conversations (prepare-sft's ``messages``
 records of a quarter to a whole sequence, the built-in ChatML template over the GPT-2 vocabulary,
-the loss on the assistant turns, packed with block-diagonal attention: FlexAttention's block mask by
-default, ``--packed-attention dense`` for the dense mask through SDPA) right after its SQuAD-style
+the loss on the assistant turns, packed with block-diagonal attention: by default one run with
+FlexAttention's block mask and one with flash variable-length attention, ``--packed-attention`` a
+comma list of dense, flex, varlen) right after its SQuAD-style
 run, at the same shape and settings: tokens/s counting every position (as the trainer does; the
 SQuAD rows are padded to the sequence too), the real and the trained tokens' rates beside it, and
 the ratio to the SQuAD run (issue 44's bar: 0.95x).
@@ -164,13 +165,14 @@ def make_chat_data(root: Path, n: int, seq: int) -> Path:
     return d
 
 
-def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsdp: int = 0, chat: bool = False) -> dict:
+def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsdp: int = 0, chat: str = "") -> dict:
     """One `snakellm finetune` of method ``name``: on one GPU, tensor parallel over ``tp`` or FSDP over ``fsdp``;
-    ``chat``: on conversations (the ChatML template over the GPT-2 vocabulary, assistant turns trained, packed)."""
+    ``chat``: on conversations (the ChatML template over the GPT-2 vocabulary, assistant turns trained, packed)
+    with this packed attention (dense, flex or varlen)."""
     world = fsdp or tp
     odir = out / (f"{name}-fsdp{fsdp}" if fsdp else (name if tp == 1 else f"{name}-tp{tp}"))
     if chat:
-        odir = odir.with_name(odir.name + "-chat")
+        odir = odir.with_name(odir.name + f"-chat-{chat}")
     launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     if world > 1:
         launch += [f"--nproc-per-node={world}"]
@@ -197,8 +199,7 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
         "--max-seq-length",
         str(a.seq_length),
         *(
-            ["--chat-template", "chatml", "--train-on", "all_assistant", "--packing"]
-            + ["--packed-attention", "dense" if a.smoke else a.packed_attention]  # no flex backward on the CPU
+            ["--chat-template", "chatml", "--train-on", "all_assistant", "--packing"] + ["--packed-attention", chat]
             if chat
             else ["--truncation-method", "left", "--pad-to-max"]
         ),
@@ -245,6 +246,8 @@ def run_method(name: str, a, base: Path, data: Path, out: Path, tp: int = 1, fsd
     recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     steady = [r for r in recs if r["step"] > a.warmup_steps and "tokens_per_s" in r]
     tag["data"] = "chat" if chat else "squad"  # after the figures in each row (the smoke test reads their order)
+    if chat:
+        tag["packed_attention"] = chat
     if failed and not steady:
         return {**tag, "error": failed}
     steady = steady or recs
@@ -400,9 +403,9 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--packed-attention",
-        default="flex",
-        choices=("dense", "flex"),
-        help="--chat: the packed rows' block-diagonal attention (examples.packed_attention; the smoke: dense)",
+        default="flex,varlen",
+        help="--chat: the packed rows' block-diagonal attention, a comma list of dense, flex, varlen (one chat "
+        "run each; examples.packed_attention; the smoke: dense, the only one with a CPU backward)",
     )
     p.add_argument("--tp-only", action="store_true", help="with --tp N or --fsdp: skip the one-GPU run of each method")
     p.add_argument("--preset", default="llama-1b")
@@ -456,12 +459,15 @@ def main(argv=None) -> int:
         help="with --tp-only: the one-GPU figure measured elsewhere, for the scaling efficiency",
     )
     a = p.parse_args(argv)
+    kernels = a.packed_attention.split(",")
+    if bad := [k for k in kernels if k not in ("dense", "flex", "varlen")]:
+        p.error(f"--packed-attention: {', '.join(bad)}: choose from dense, flex, varlen")
     if a.smoke:
         a.preset, a.seq_length, a.steps, a.warmup_steps = "tiny", 128, 3, 1
         # micro batch 1: one process and 2 data-parallel ranks average the same per-example losses
         a.micro_batch_size, a.global_batch_size, a.device, a.timeout = 1, 4, "cpu", 300
         a.fsdp, a.nproc, a.rtol, a.atol = True, 2, 1e-5, 1e-6  # the FSDP path too: fp32, the same losses
-        a.chat = True  # and the conversations' path
+        a.chat, kernels = True, ["dense"]  # and the conversations' path (flex and varlen: no CPU backward)
         a.profile_steps = a.profile_steps or "2:2"  # and the kernel table of a step
         if a.workdir == p.get_default("workdir"):
             import tempfile
@@ -484,8 +490,8 @@ def main(argv=None) -> int:
             one = run_method(m, a, base, data, root / "runs")
             results.append(one)
             print(row(a.preset, one), flush=True)
-        if chat is not None and not a.tp_only:  # the same shape and settings on conversations, in the same run
-            conv = run_method(m, a, base, chat, root / "runs", chat=True)
+        for kernel in kernels if chat is not None and not a.tp_only else []:  # conversations, same shape, same run
+            conv = run_method(m, a, base, chat, root / "runs", chat=kernel)
             if "error" not in conv and one and "error" not in one:
                 conv["vs_squad"] = round(conv["tokens_per_s"] / one["tokens_per_s"], 4)
                 conv["chat_bar"] = "PASS" if conv["vs_squad"] >= CHAT_BAR else "FAIL"
@@ -493,11 +499,16 @@ def main(argv=None) -> int:
             print(row(a.preset, conv), flush=True)
             if "vs_squad" in conv:
                 print(
-                    f"chat {m}: {conv['tokens_per_s']:,} tokens/s (all positions; real "
+                    f"chat {m} ({kernel}): {conv['tokens_per_s']:,} tokens/s (all positions; real "
                     f"{conv.get('real_tokens_per_s', 0):,}, trained {conv.get('trained_tokens_per_s', 0):,}) vs "
                     f"SQuAD {one['tokens_per_s']:,}: {conv['vs_squad']:.3f}x (bar {CHAT_BAR}x: {conv['chat_bar']})",
                     flush=True,
                 )
+        convs = [r for r in results if r.get("data") == "chat" and r["method"] == m and "losses" in r]
+        for c in convs[1:]:  # the kernels compute one attention: the same losses up to bf16 rounding
+            diff = max(abs(x - y) for x, y in zip(c["losses"], convs[0]["losses"]))
+            c["loss_diff_vs_" + convs[0]["packed_attention"]] = round(diff, 5)
+            print(f"chat {m}: {c['packed_attention']} vs {convs[0]['packed_attention']} losses: max |diff| {diff:.4f}")
         if a.tp > 1:
             par = run_method(m, a, base, data, root / "runs", tp=a.tp)
             ref = one["tokens_per_s"] if one and "error" not in one else a.one_gpu_tokens_per_s

@@ -63,6 +63,7 @@ def run_snakellm(args, arch: dict, blend: Path, out: Path, experts: str) -> dict
     ]  # fmt: skip
     cmd += ["--device", "cpu", "--precision", "fp32"] if args.smoke else ["--precision", "bf16"]
     cmd += ["--compile"] if args.compile and not args.smoke else []
+    cmd += ["--profile-steps", args.profile_steps] if args.profile_steps else []
     log = out / f"snakellm-train-{experts}.log"
     t0 = time.time()
     with open(log, "w") as fh:
@@ -213,6 +214,10 @@ def main(argv=None) -> int:
         "--no-compile", dest="compile", action="store_false", help="both sides eager (no torch.compile of the layers)"
     )
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
+    p.add_argument(
+        "--profile-steps", default=None, metavar="A:B", help="ours: torch.profiler's kernel table of steps A..B"
+    )
+    p.add_argument("--no-reference", dest="reference", action="store_false", help="skip the hand-written MoE")
     p.add_argument("--workdir", default="/tmp/snakellm-bench-moe")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny Qwen3-MoE shape, 2 layers, seq 64, 4 steps")
@@ -239,7 +244,11 @@ def main(argv=None) -> int:
     import torch
 
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    ref = hand_written(args, arch, device)
+    ref = hand_written(args, arch, device) if args.reference else {"side": "hand-written (skipped)"}
+    if args.profile_steps:
+        prof = Path(args.workdir) / "runs" / f"moe-{args.layers}-grouped" / "profile.txt"
+        if prof.exists():
+            (out / "profile-grouped.txt").write_text(prof.read_text())
     results = [ours, *others, ref]
     for r in results:
         if r.get("tokens_per_s"):

@@ -165,16 +165,19 @@ def _artifact(method: str, out: Path) -> list[str]:
     }[method]
 
 
-def test_flex_packed_attention_is_refused_on_the_cpu(default_workflow: Workspace, sft: Path) -> None:
-    """FlexAttention has no backward pass on the CPU: the job stops before its first step, naming the setting."""
+@pytest.mark.parametrize("kernel,name", [("flex", "FlexAttention"), ("varlen", "flash variable-length attention")])
+def test_gpu_packed_attention_is_refused_on_the_cpu(default_workflow: Workspace, sft: Path, kernel: str,
+                                                    name: str) -> None:  # fmt: skip
+    """FlexAttention and flash varlen attention have no backward pass on the CPU: the job stops before its first
+    step, naming the setting."""
     root = default_workflow.root
-    out = sft / "flex-cpu"
+    out = sft / f"{kernel}-cpu"
     args = ["--data-dir", str(sft / "q8"), "--out-dir", str(out), "--method", "lora", "--steps", "2"]
-    proc = _run("finetune", *BASE, *args, "--packing", "--packed-attention", "flex", *METHOD_ARGS["lora"], cwd=root,
+    proc = _run("finetune", *BASE, *args, "--packing", "--packed-attention", kernel, *METHOD_ARGS["lora"], cwd=root,
                 check=False)  # fmt: skip
     assert proc.returncode != 0
     assert (
-        "--packed-attention flex (examples.packed_attention): FlexAttention has no backward pass on the CPU; "
+        f"--packed-attention {kernel} (examples.packed_attention): {name} has no backward pass on the CPU; "
         "use dense" in proc.stderr
     ), proc.stderr[-2000:]
     assert not (out / "finetune_summary.json").exists()

@@ -97,3 +97,49 @@ def test_flex_block_mask_gives_the_dense_masks_losses(rt) -> None:
     assert len(_BLOCK_MASKS) == 1  # one block mask for the batch, shared by every layer
     ((_, bm),) = _BLOCK_MASKS.values()
     assert bm.shape[-2:] == (WIDTH, WIDTH)
+
+
+def _varlen_reference(q, k, v, cu, max_len, scale):
+    """varlen_attn's contract on the CPU: each ``cu`` slice of ``[tokens, heads, d]`` a causal sequence alone."""
+    import torch.nn.functional as F
+
+    out = torch.empty_like(q)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        assert b - a <= max_len
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def test_varlen_segments_are_the_dense_masks_attention() -> None:
+    """examples.packed_attention: varlen turns the rows' segment ids into flash variable-length attention's
+    cumulative lengths (a sequence per example, padding its own, never across rows) and megatron's layouts; with
+    the kernel's contract computed on the CPU it gives the dense mask's attention (GQA, fp32). The kernel itself
+    runs on CUDA only: scripts/bench_finetune_gpu.py --chat compares its losses with flex's."""
+    import torch.nn.functional as F
+
+    from snakellm.models.attention import cu_seqlens_of, varlen_packed
+
+    exs = _examples(14, seed=7)
+    rows = ds.pack(exs, WIDTH, seed=3)
+    seg = ds.collate_packed([[exs[i] for i in r] for r in rows], WIDTH, 0, answer_only_loss=True)["segment_ids"]
+    cu = cu_seqlens_of(ds.packed_segments(seg))
+    lengths = [len(exs[i].ids) - 1 for r in rows for i in r]
+    pads = [WIDTH - sum(len(exs[i].ids) - 1 for i in r) for r in rows]
+    want = []
+    for r, pad in zip(rows, pads):
+        want += [len(exs[i].ids) - 1 for i in r] + ([pad] if pad else [])
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == len(rows) * WIDTH
+    assert torch.diff(cu).tolist() == want and sum(lengths) + sum(pads) == len(rows) * WIDTH
+
+    torch.manual_seed(0)
+    b, heads, groups, d = len(rows), 4, 2, 8
+    q = torch.randn(b, heads, WIDTH, d)
+    k, v = torch.randn(b, groups, WIDTH, d), torch.randn(b, groups, WIDTH, d)
+    dense = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=~ds.packed_attention_mask(seg), scale=0.3, enable_gqa=True
+    )
+    got = varlen_packed(q, k, v, ds.packed_segments(seg), 0.3, attn=_varlen_reference)
+    assert got.shape == (WIDTH, b, heads * d)  # megatron's [s, b, heads * d]
+    torch.testing.assert_close(got, dense.permute(2, 0, 1, 3).reshape(WIDTH, b, heads * d), atol=1e-5, rtol=1e-5)

@@ -29,7 +29,7 @@ from snakellm.models.architecture import ModelSettings
 # the built-in chat templates (snakellm.finetune.chat_template.BUILTIN; a test keeps the two equal): a
 # fine-tune's chat_template names one of them or a file
 CHAT_TEMPLATE_NAMES = ("chatml", "llama3", "mistral")
-PACKED_ATTENTION = ("dense", "flex")  # snakellm.models.attention: a bool mask, or segment ids -> a flex BlockMask
+PACKED_ATTENTION = ("dense", "flex", "varlen")  # snakellm.models.attention: a bool mask, or segment ids (flex, varlen)
 PACKING_ONLY = ("packing", "packed_attention")  # example settings of training only (evaluation never packs)
 
 SOURCE_FORMATS = ("jsonl", "jsonl.zst", "jsonl.gz", "text", "text-blocks", "mediawiki", "parquet", "arrow", "warc")
@@ -761,8 +761,9 @@ class ExamplesSettings:
     packing: bool = setting(False, "several examples per sequence (block-diagonal attention)", trajectory=True)
     packed_attention: str = setting(
         "dense",
-        "packed rows' block-diagonal attention: a dense mask through SDPA, or FlexAttention's block mask, which "
-        "skips the masked blocks (compiled on a GPU; eager and slow on the CPU)",
+        "packed rows' block-diagonal attention: a dense mask through SDPA; FlexAttention's block mask, which "
+        "skips the masked blocks (compiled; GPU only); or flash variable-length attention, each example a "
+        "sequence of its own (torch.nn.attention.varlen; GPU only)",
         trajectory=True,
         choices=PACKED_ATTENTION,
     )

@@ -258,12 +258,14 @@ class FinetuneRecipe:
     def build(self, s: assembly.Session) -> assembly.Parts:
         from snakellm import models
 
-        if self.a.packing and self.a.packed_attention == "flex":
-            why = "FlexAttention has no backward pass on the CPU" if not s.cuda else None
+        kernel = self.a.packed_attention if self.a.packing else "dense"
+        if kernel != "dense":
+            name = {"flex": "FlexAttention", "varlen": "flash variable-length attention"}[kernel]
+            why = None if s.cuda else f"{name} has no backward pass on the CPU"
             if self.arch.get("attention_dropout"):
-                why = f"FlexAttention has no attention dropout (the model's is {self.arch['attention_dropout']})"
+                why = f"{name} has no attention dropout (the model's is {self.arch['attention_dropout']})"
             if why:
-                raise assembly.JobError(f"--packed-attention flex (examples.packed_attention): {why}; use dense")
+                raise assembly.JobError(f"--packed-attention {kernel} (examples.packed_attention): {why}; use dense")
         tp = self.a.tp
         loaded = models.load(
             self.a.base,
@@ -276,6 +278,10 @@ class FinetuneRecipe:
             recompute=self.a.recompute,
         )
         gpt = loaded.model
+        if kernel != "dense":
+            from snakellm.models.attention import set_packed_kernel
+
+            set_packed_kernel(gpt, kernel)
         self.ft, self.extra = attach(s.torch, gpt, self.kind, self.mcfg, self.arch, self.a.recompute)
         if self.a.compile:  # after attach: the adapters' hooks are traced into each layer's graph
             from snakellm.models.build import compile_each_layer
@@ -321,8 +327,8 @@ class FinetuneRecipe:
                 [[self.train_ex[i] for i in self.items[j]] for j in idx], self.seq, eod, a.answer_only_loss
             )
             seg = b.pop("segment_ids")
-            flex = a.packed_attention == "flex"
-            b["attention_mask"] = ds.packed_segments(seg) if flex else ds.packed_attention_mask(seg)
+            dense = a.packed_attention == "dense"
+            b["attention_mask"] = ds.packed_attention_mask(seg) if dense else ds.packed_segments(seg)
             return b
         b = ds.collate(
             [self.train_ex[self.items[j][0]] for j in idx],

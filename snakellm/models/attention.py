@@ -8,9 +8,12 @@ Packed fine-tuning rows come with a mask in one of two forms
 (``examples.packed_attention``): megatron's dense boolean ``[b, 1, s, s]``
 mask (True = masked out), which SDPA runs with its memory-efficient kernel
 over every block; or the rows' segment ids (int32 ``[b, 1, 1, s]``,
-:func:`snakellm.finetune.dataset.packed_segments`), from which
-FlexAttention's block mask is built once per micro-batch: causal within a
-segment, the fully masked blocks skipped.
+:func:`snakellm.finetune.dataset.packed_segments`), from which either
+FlexAttention's block mask is built once per micro-batch (causal within a
+segment, the fully masked blocks skipped) or, with ``varlen``, the segments'
+cumulative lengths for torch's flash variable-length attention
+(``torch.nn.attention.varlen``; CUDA only), which computes each segment as a
+sequence of its own. :func:`set_packed_kernel` picks flex or varlen per model.
 """
 
 from __future__ import annotations
@@ -42,11 +45,16 @@ def sdpa_attention_class(backend: str = "auto") -> Any:
     class SDPAttention(DotProductAttention):
         """megatron-core's core attention, computed by ``scaled_dot_product_attention``.
 
+        Packed rows' segment ids (an int32 ``attention_mask``) go to ``packed_kernel``: ``flex`` or
+        ``varlen`` (:func:`set_packed_kernel`).
+
         Takes and returns megatron's layouts: q/k/v ``[s, b, heads, d]`` in,
         context ``[s, b, heads * d]`` out. Causal masking is implicit (GPT
         pretraining never passes another mask); grouped-query attention uses
         SDPA's ``enable_gqa`` instead of materialising repeated keys/values.
         """
+
+        packed_kernel = "flex"
 
         def forward(
             self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
@@ -64,7 +72,9 @@ def sdpa_attention_class(backend: str = "auto") -> Any:
             else:
                 rng = contextlib.nullcontext()
             if attention_mask is not None and attention_mask.dtype != torch.bool:  # packed rows' segment ids
-                assert p == 0, "packed_attention flex: attention dropout must be 0 (FlexAttention has none)"
+                assert p == 0, f"packed_attention {self.packed_kernel}: attention dropout must be 0"
+                if self.packed_kernel == "varlen":
+                    return varlen_packed(q, k, v, attention_mask, self.softmax_scale)
                 out = flex_packed(q, k, v, attention_mask, self.softmax_scale, groups > 1)
             else:
                 # a mask comes only with packed fine-tuning sequences (megatron's convention: True = masked
@@ -147,3 +157,69 @@ def flex_packed(q: Any, k: Any, v: Any, segments: Any, scale: float | None, gqa:
             return eager(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     fn = eager if torch.compiler.is_compiling() else compiled  # inside compiled layers: traced into their graph
     return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def set_packed_kernel(model: Any, kind: str) -> int:
+    """Packed rows' attention of every core attention of ``model``: ``flex`` or ``varlen``; the count set."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "packed_kernel"):
+            m.packed_kernel = kind
+            n += 1
+    return n
+
+
+def cu_seqlens_of(segments: Any) -> Any:
+    """The packed rows' segments as one batch of sequences over the flattened ``[b * s]`` tokens: int32
+    cumulative lengths ``[0, ..., b * s]``, a new sequence wherever the segment id changes or a row starts
+    (padding, segment 0, is a sequence of its own that no real token sees)."""
+    import torch
+
+    seg = segments.reshape(segments.size(0), -1)
+    starts = torch.ones_like(seg, dtype=torch.bool)
+    starts[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    idx = starts.reshape(-1).nonzero().reshape(-1)
+    total = torch.tensor([seg.numel()], dtype=idx.dtype, device=idx.device)
+    return torch.cat([idx, total]).to(torch.int32)
+
+
+def _varlen_call(q: Any, k: Any, v: Any, cu: Any, max_len: int, scale: float | None) -> Any:
+    """torch's ``varlen_attn`` on ``[tokens, heads, d]`` tensors, causal, across its signatures (2.10: is_causal,
+    no scale, no GQA; later: window_size, scale, enable_gqa)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kw: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if k.size(1) != q.size(1):
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if scale is not None:
+        if "scale" in params:
+            kw["scale"] = scale
+        else:  # the kernel's own 1/sqrt(d), undone on q
+            q = q * (scale * q.size(-1) ** 0.5)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+def _varlen_packed(q: Any, k: Any, v: Any, segments: Any, scale: float | None, attn: Any = None) -> Any:
+    b, heads, s, d = q.shape
+    cu = cu_seqlens_of(segments)
+    flat = [t.transpose(1, 2).reshape(b * s, t.size(1), d) for t in (q, k, v)]  # [b*s, heads, d]
+    kernel = attn or _varlen_call
+    out = kernel(flat[0], flat[1], flat[2], cu, s, scale)
+    return out.view(b, s, heads * d).transpose(0, 1).contiguous()  # megatron's [s, b, heads * d]
+
+
+def varlen_packed(q: Any, k: Any, v: Any, segments: Any, scale: float | None, attn: Any = None) -> Any:
+    """Attention of packed rows (q/k/v ``[b, heads, s, d]``, segment ids ``[b, 1, 1, s]``) as flash
+    variable-length attention, each segment a causal sequence of its own; megatron's ``[s, b, heads * d]`` out.
+    Eager where the layers are compiled (the cumulative lengths have a data-dependent size). ``attn``: the
+    kernel, ``varlen_attn``'s by default (a test passes a CPU reference of its contract)."""
+    import torch
+
+    return torch.compiler.disable(_varlen_packed)(q, k, v, segments, scale, attn)
