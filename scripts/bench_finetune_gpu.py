@@ -23,9 +23,9 @@ figure for the same model, which --pretrain measures in the same run.
 
 With ``--chat`` each method also runs on multi-turn conversations (prepare-sft's ``messages``
 records of a quarter to a whole sequence, the built-in ChatML template over the GPT-2 vocabulary,
-the loss on the assistant turns, packed with block-diagonal attention: by default one run with
-FlexAttention's block mask and one with flash variable-length attention, ``--packed-attention`` a
-comma list of dense, flex, varlen) right after its SQuAD-style
+the loss on the assistant turns, packed with block-diagonal attention: FlexAttention's block mask
+by default, ``--packed-attention`` a comma list of dense, flex, varlen for one chat run each, with
+their losses compared) right after its SQuAD-style
 run, at the same shape and settings: tokens/s counting every position (as the trainer does; the
 SQuAD rows are padded to the sequence too), the real and the trained tokens' rates beside it, and
 the ratio to the SQuAD run (issue 44's bar: 0.95x).
@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--packed-attention",
-        default="flex,varlen",
+        default="flex",
         help="--chat: the packed rows' block-diagonal attention, a comma list of dense, flex, varlen (one chat "
         "run each; examples.packed_attention; the smoke: dense, the only one with a CPU backward)",
     )

@@ -283,7 +283,7 @@ def test_8b_chat_lora_example_plans_packed_conversations_on_one_gpu(workspace):
     assert "snakellm prepare-sft resources/sft/botchan-chat.jsonl data/sft/chat --format messages" in out
     ft = next(ln for ln in out.splitlines() if "snakellm finetune" in ln)
     for flag in ("--packing", "--max-seq-length 4096", "--chat-template chatml", "--train-on all_assistant",
-                 "--compile", "--tp 1", "--micro-batch-size 1", "--lora-rank 32",
+                 "--packed-attention flex", "--compile", "--tp 1", "--micro-batch-size 1", "--lora-rank 32",
                  "--lora-targets linear_qkv,linear_proj,linear_fc1,linear_fc2"):  # fmt: skip
         assert flag in ft, flag
     assert "torchrun" not in ft

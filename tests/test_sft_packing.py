@@ -99,19 +99,6 @@ def test_flex_block_mask_gives_the_dense_masks_losses(rt) -> None:
     assert bm.shape[-2:] == (WIDTH, WIDTH)
 
 
-def _varlen_reference(q, k, v, cu, max_len, scale):
-    """varlen_attn's contract on the CPU: each ``cu`` slice of ``[tokens, heads, d]`` a causal sequence alone."""
-    import torch.nn.functional as F
-
-    out = torch.empty_like(q)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        assert b - a <= max_len
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        out[a:b] = o.transpose(0, 1)
-    return out
-
-
 def test_varlen_segments_are_the_dense_masks_attention() -> None:
     """examples.packed_attention: varlen turns the rows' segment ids into flash variable-length attention's
     cumulative lengths (a sequence per example, padding its own, never across rows) and megatron's layouts; with
@@ -119,7 +106,7 @@ def test_varlen_segments_are_the_dense_masks_attention() -> None:
     runs on CUDA only: scripts/bench_finetune_gpu.py --chat compares its losses with flex's."""
     import torch.nn.functional as F
 
-    from snakellm.models.attention import cu_seqlens_of, varlen_packed
+    from snakellm.models.attention import cu_seqlens_of, varlen_packed, varlen_reference
 
     exs = _examples(14, seed=7)
     rows = ds.pack(exs, WIDTH, seed=3)
@@ -140,6 +127,22 @@ def test_varlen_segments_are_the_dense_masks_attention() -> None:
     dense = F.scaled_dot_product_attention(
         q, k, v, attn_mask=~ds.packed_attention_mask(seg), scale=0.3, enable_gqa=True
     )
-    got = varlen_packed(q, k, v, ds.packed_segments(seg), 0.3, attn=_varlen_reference)
+    got = varlen_packed(q, k, v, ds.packed_segments(seg), 0.3, attn=varlen_reference)
     assert got.shape == (WIDTH, b, heads * d)  # megatron's [s, b, heads * d]
     torch.testing.assert_close(got, dense.permute(2, 0, 1, 3).reshape(WIDTH, b, heads * d), atol=1e-5, rtol=1e-5)
+
+
+def test_check_varlen_gpu_smoke(capsys) -> None:
+    """scripts/check_varlen_gpu.py --smoke: the GPU check's path (packed rows -> segment ids -> varlen_packed,
+    forward and backward against SDPA with the dense mask) on the CPU with the kernel's contract."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "check_varlen_gpu.py"
+    spec = importlib.util.spec_from_file_location("check_varlen_gpu", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": ok") == 2 and "check: PASS" in out, out

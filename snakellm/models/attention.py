@@ -223,3 +223,20 @@ def varlen_packed(q: Any, k: Any, v: Any, segments: Any, scale: float | None, at
     import torch
 
     return torch.compiler.disable(_varlen_packed)(q, k, v, segments, scale, attn)
+
+
+def varlen_reference(q: Any, k: Any, v: Any, cu: Any, max_len: int, scale: float | None) -> Any:
+    """``varlen_attn``'s contract on any device (SDPA per sequence, slow): each ``cu`` slice of the
+    ``[tokens, heads, d]`` tensors a causal sequence alone, fewer key/value heads shared by groups. The CPU tests'
+    and ``scripts/check_varlen_gpu.py --smoke``'s stand-in for the CUDA kernel."""
+    import torch
+    import torch.nn.functional as F
+
+    out = torch.empty_like(q)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        if b - a > max_len:
+            raise ValueError(f"sequence of {b - a} tokens past max_len {max_len}")
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=k.size(1) != q.size(1))
+        out[a:b] = o.transpose(0, 1)
+    return out
