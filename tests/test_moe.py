@@ -254,3 +254,42 @@ def test_lora_adapts_a_moe_models_attention_and_names_what_it_cannot():
         LoRAAdapters(model, LoRAConfig(rank=4, alpha=8, targets=("linear_qkv", "linear_fc1")))
     lora = LoRAAdapters(model, LoRAConfig(rank=4, alpha=8, targets=("linear_qkv", "linear_proj")))
     assert len(dict(lora.named_adapters())) == 4  # 2 layers x 2 attention linears
+
+
+def test_compiled_layers_keep_the_dispatch_and_aux_loss_bookkeeping_eager():
+    """compile_each_layer's eager_dispatcher: the alltoall dispatcher's steps and the router's aux-loss bookkeeping
+    (a constant layer number to Dynamo: one recompilation per layer, then its limit) stay eager; the loss, the aux
+    loss tracked per layer and the router's gradients are those of the untouched model (CPU, fp32)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from snakellm.launch import runtime
+    from snakellm.models import resolve
+    from snakellm.models.build import AUX_LOSS_STEP, DISPATCH_STEPS, build_model, eager_dispatcher
+
+    runtime.ensure_single_process("cpu")
+    arch = resolve("tiny-qwen3-moe", {"seq_length": 32, "moe_aux_loss_coeff": 0.01})
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(32)[None].expand(2, -1)
+    runs = []
+    for eager in (False, True):
+        gpt, _ = build_model(arch, 256, seed=7)
+        if eager:
+            for layer in gpt.decoder.layers:
+                eager_dispatcher(layer)
+                mlp = layer.mlp
+                assert getattr(getattr(mlp.router, AUX_LOSS_STEP), "_torchdynamo_disable", False)
+                assert all(
+                    getattr(getattr(mlp.token_dispatcher, n), "_torchdynamo_disable", False) for n in DISPATCH_STEPS
+                )
+        clear_aux_losses_tracker()
+        gpt.train()
+        loss = gpt(ids, pos, None, labels=ids).mean()
+        loss.backward()
+        tracked = {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
+        grads = {n: p.grad.clone() for n, p in gpt.named_parameters() if "router" in n}
+        runs.append((loss.detach(), tracked, grads))
+    (la, ta, ga), (lb, tb, gb) = runs
+    assert torch.equal(la, lb)
+    assert ta.keys() == tb.keys() and ta and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert all(v.abs().sum() > 0 for v in ta.values())  # the tracker holds each layer's aux loss
+    assert ga.keys() == gb.keys() and ga and all(torch.equal(ga[n], gb[n]) for n in ga)

@@ -181,6 +181,7 @@ DISPATCH_STEPS = (
     "token_combine",
     "combine_postprocess",
 )
+AUX_LOSS_STEP = "attach_and_log_load_balancing_loss"  # the router's tracker bookkeeping (per layer number)
 
 
 def eager_dispatcher(layer: Any) -> None:
@@ -189,16 +190,22 @@ def eager_dispatcher(layer: Any) -> None:
     megatron-core's alltoall dispatcher copies the split sizes to the host on a side stream and calls
     ``Tensor.record_stream``, which Dynamo cannot functionalise (the layer failed to compile on an H200):
     each dispatch step is a graph break, the router, attention and experts between them are compiled.
+    The router's aux-loss bookkeeping (``attach_and_log_load_balancing_loss``: the loss into megatron's
+    tracker under the layer's number, the loss attached to the activations) stays eager too: Dynamo takes
+    the layer number as a constant, so compiled it recompiled once per layer and, past its recompile limit
+    (8; an H200 run of 8 layers hit it), warned and ran the rest of the layers' bookkeeping eagerly anyway.
     """
     import torch
 
-    disp = getattr(getattr(layer, "mlp", None), "token_dispatcher", None)
+    mlp = getattr(layer, "mlp", None)
+    disp = getattr(mlp, "token_dispatcher", None)
     if disp is None:
         return
-    for name in DISPATCH_STEPS:
-        fn = getattr(disp, name, None)
+    targets = [(disp, name) for name in DISPATCH_STEPS] + [(getattr(mlp, "router", None), AUX_LOSS_STEP)]
+    for owner, name in targets:
+        fn = getattr(owner, name, None)
         if fn is not None and not getattr(fn, "_torchdynamo_disable", False):
-            setattr(disp, name, torch.compiler.disable(fn))
+            setattr(owner, name, torch.compiler.disable(fn))
 
 
 def pass_tp_group() -> None:
