@@ -92,7 +92,7 @@ FIGURES: dict[str, list[str]] = {
         rf'^full fsdp 2: {NUM} tokens/s/GPU; MFU .*"fsdp": 2, "tokens_per_s": {NUM},.*"losses_match": true',
         # conversations (ChatML, packed, replies trained) beside the SQuAD-style run, in the same run
         *(
-            rf"^chat {m}: {NUM} tokens/s \(all positions; real {NUM}, trained {NUM}\) vs SQuAD {NUM}: [\d.]+x"
+            rf"^chat {m} \(dense\): {NUM} tokens/s \(all positions; real {NUM}, trained {NUM}\) vs SQuAD {NUM}: [\d.]+x"
             for m in ("lora", "full")
         ),
     ],
