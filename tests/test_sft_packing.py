@@ -129,6 +129,10 @@ def test_varlen_segments_are_the_dense_masks_attention() -> None:
     )
     got = varlen_packed(q, k, v, ds.packed_segments(seg), 0.3, attn=varlen_reference)
     assert got.shape == (WIDTH, b, heads * d)  # megatron's [s, b, heads * d]
+    from snakellm.models.attention import _BLOCK_MASKS
+
+    # the cumulative lengths are computed once a micro-batch (one host sync), not once a layer
+    assert [v for k, (_, v) in _BLOCK_MASKS.items() if k[-1] == "cu_seqlens"][0].tolist() == cu.tolist()
     torch.testing.assert_close(got, dense.permute(2, 0, 1, 3).reshape(WIDTH, b, heads * d), atol=1e-5, rtol=1e-5)
 
 

@@ -18,6 +18,7 @@ sequence of its own. :func:`set_packed_kernel` picks flex or varlen per model.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
@@ -97,9 +98,23 @@ def sdpa_attention_class(backend: str = "auto") -> Any:
     return SDPAttention
 
 
-# the last micro-batch's block mask, with its segments tensor (held, so that no other tensor can take its memory
-# and match the key): every layer of a forward pass and its recomputation reuse it
+# the last micro-batch's block mask and cumulative lengths, with its segments tensor (held, so that no other tensor
+# can take its memory and match the key): every layer of a forward pass and its recomputation reuse them
 _BLOCK_MASKS: dict[tuple, tuple[Any, Any]] = {}
+
+
+def _per_batch(segments: Any, what: tuple, build: Any) -> Any:
+    """``build()``, once per micro-batch's ``segments`` and ``what``: the last batch's results are kept."""
+    batch = (segments.data_ptr(), segments._version, tuple(segments.shape), segments.stride(), str(segments.device))
+    key: tuple = batch + what
+    hit = _BLOCK_MASKS.get(key)
+    if hit is not None:
+        return hit[1]
+    if any(k[:5] != batch for k in _BLOCK_MASKS):  # another micro-batch: drop the last one's
+        _BLOCK_MASKS.clear()
+    value = build()
+    _BLOCK_MASKS[key] = (segments, value)
+    return value
 
 
 def _block_mask_of(segments: Any, q_len: int) -> Any:
@@ -107,18 +122,14 @@ def _block_mask_of(segments: Any, q_len: int) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
     seg = segments.reshape(segments.size(0), -1)
-    key = (segments.data_ptr(), segments._version, tuple(segments.shape), segments.stride(), str(seg.device), q_len)
-    hit = _BLOCK_MASKS.get(key)
-    if hit is not None:
-        return hit[1]
 
     def same_segment_causal(b, h, q_idx, kv_idx):
         return (seg[b, q_idx] == seg[b, kv_idx]) & (q_idx >= kv_idx)
 
-    mask = create_block_mask(same_segment_causal, seg.size(0), None, q_len, seg.size(1), device=seg.device)
-    _BLOCK_MASKS.clear()
-    _BLOCK_MASKS[key] = (segments, mask)
-    return mask
+    def build() -> Any:
+        return create_block_mask(same_segment_causal, seg.size(0), None, q_len, seg.size(1), device=seg.device)
+
+    return _per_batch(segments, ("block_mask", q_len), build)
 
 
 def block_mask_of(segments: Any, q_len: int) -> Any:
@@ -183,14 +194,22 @@ def cu_seqlens_of(segments: Any) -> Any:
     return torch.cat([idx, total]).to(torch.int32)
 
 
-def _varlen_call(q: Any, k: Any, v: Any, cu: Any, max_len: int, scale: float | None) -> Any:
-    """torch's ``varlen_attn`` on ``[tokens, heads, d]`` tensors, causal, across its signatures (2.10: is_causal,
-    no scale, no GQA; later: window_size, scale, enable_gqa)."""
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """The parameters of this torch's ``varlen_attn`` (read once)."""
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_call(q: Any, k: Any, v: Any, cu: Any, max_len: int, scale: float | None) -> Any:
+    """torch's ``varlen_attn`` on ``[tokens, heads, d]`` tensors, causal, across its signatures (2.10: is_causal,
+    no scale, no GQA; later: window_size, scale, enable_gqa)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
     kw: dict[str, Any] = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     if k.size(1) != q.size(1):
         if "enable_gqa" in params:
@@ -208,7 +227,7 @@ def _varlen_call(q: Any, k: Any, v: Any, cu: Any, max_len: int, scale: float | N
 
 def _varlen_packed(q: Any, k: Any, v: Any, segments: Any, scale: float | None, attn: Any = None) -> Any:
     b, heads, s, d = q.shape
-    cu = cu_seqlens_of(segments)
+    cu = _per_batch(segments, ("cu_seqlens",), lambda: cu_seqlens_of(segments))  # one host sync a micro-batch
     flat = [t.transpose(1, 2).reshape(b * s, t.size(1), d) for t in (q, k, v)]  # [b*s, heads, d]
     kernel = attn or _varlen_call
     out = kernel(flat[0], flat[1], flat[2], cu, s, scale)
