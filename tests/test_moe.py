@@ -202,6 +202,48 @@ def test_grouped_experts_compute_what_megatron_cores_loop_does():
         assert torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-6), n
 
 
+def test_grouped_experts_add_their_gradients_into_ddps_buffers_once():
+    """Under megatron-core DDP the grouped experts add their weight gradients into DDP's ``main_grad``
+    buffers themselves (one multi-tensor add a pass) and autograd gets none for them: two micro-batches
+    accumulate exactly what SequentialMLP's weights accumulate through DDP's own hooks (fp32), and the
+    experts share one storage a layer, which the grouped products view without a copy."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from snakellm.launch import runtime
+    from snakellm.models import resolve
+    from snakellm.models.build import build_model
+    from snakellm.models.moe import stacked
+
+    runtime.ensure_single_process("cpu")
+    arch = resolve("tiny-qwen3-moe", {"seq_length": 32})
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (2, 32), generator=gen) for _ in range(2)]
+    pos = torch.arange(32)[None].expand(2, -1)
+    main = {}
+    for kind in ("grouped", "sequential"):
+        model, tcfg = build_model(arch, 256, seed=5, moe_experts=kind)
+        ddp = DDP(tcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        ddp.train()
+        ddp.zero_grad_buffer()
+        for ids in batches:
+            ddp(ids, pos, None, labels=ids).mean().backward()
+        ddp.finish_grad_sync()
+        main[kind] = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
+        experts = [e.linear_fc1.weight for e in model.decoder.layers[0].mlp.experts.local_experts]
+        if kind == "sequential":
+            assert not any(w.grad_added_to_main_grad for w in experts)
+        else:
+            assert all(w.grad_added_to_main_grad and w.grad is None for w in experts)  # DDP's hook added nothing
+            view = stacked(experts)
+            assert view.untyped_storage().data_ptr() == experts[0].untyped_storage().data_ptr()
+    assert main["grouped"].keys() == main["sequential"].keys()
+    assert any("local_experts" in n for n in main["grouped"])
+    for n, g in main["grouped"].items():
+        assert g.abs().sum() > 0, n
+        assert torch.allclose(g, main["sequential"][n], rtol=1e-4, atol=1e-6), n
+
+
 def test_the_training_page_draws_router_health_only_for_a_mixture_of_experts(tmp_path):
     from snakellm.report.train import router_figure, summary_page
 

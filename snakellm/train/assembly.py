@@ -423,6 +423,9 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
         model = ddps[0] if len(ddps) == 1 else s.torch.nn.ModuleList(ddps)
         if o.distributed and len(ddps) > 1:
             raise JobError("distributed_optimizer with virtual_pp > 1 is not supported yet: use virtual_pp 1")
+    if ddp_cfg.overlap_grad_reduce:  # its hooks mark buckets ready: grouped experts hand them a placeholder
+        for p in model.parameters():
+            p.ddp_hook_needs_grad = True
     if o.grad_reduce_bf16:
         s.log(
             "megatron-core DDP: gradients reduced in bf16 (its gradient buffers are bf16: micro-batches accumulate in bf16)"

@@ -122,12 +122,18 @@ class MixedPrecisionAdamW:
             sq = sq + esq
         _sum_over_model_parallel(sq)
         norm = sq.sqrt()
-        if self.clip_grad > 0:
+        fused = bool(self.optimizer.defaults.get("fused"))
+        if self.clip_grad > 0 and fused:
+            # the fused AdamW divides each gradient by ``grad_scale`` as it reads it (GradScaler's unscaling):
+            # the clip costs no pass of its own over the fp32 gradients
+            self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.clip_grad, min=1.0)  # type: ignore[attr-defined]
+        elif self.clip_grad > 0:
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self.optimizer.grad_scale = None  # type: ignore[attr-defined]
         if self.has_masters:
             models = [p.data for p, m in self._pairs if m is not p]
             masters = [m.data for p, m in self._pairs if m is not p]
