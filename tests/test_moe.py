@@ -213,7 +213,7 @@ def test_grouped_experts_add_their_gradients_into_ddps_buffers_once():
     from snakellm.launch import runtime
     from snakellm.models import resolve
     from snakellm.models.build import build_model
-    from snakellm.models.moe import stacked
+    from snakellm.models.moe import stacked, stacked_view
 
     runtime.ensure_single_process("cpu")
     arch = resolve("tiny-qwen3-moe", {"seq_length": 32})
@@ -231,12 +231,16 @@ def test_grouped_experts_add_their_gradients_into_ddps_buffers_once():
         ddp.finish_grad_sync()
         main[kind] = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
         experts = [e.linear_fc1.weight for e in model.decoder.layers[0].mlp.experts.local_experts]
+        shortcut = "dispatch_postprocess" in vars(model.decoder.layers[0].mlp.token_dispatcher)
+        assert shortcut == (kind == "grouped")  # one rank: no host copy of the counts, no identity sort
         if kind == "sequential":
             assert not any(w.grad_added_to_main_grad for w in experts)
         else:
             assert all(w.grad_added_to_main_grad and w.grad is None for w in experts)  # DDP's hook added nothing
             view = stacked(experts)
             assert view.untyped_storage().data_ptr() == experts[0].untyped_storage().data_ptr()
+            grads = stacked_view([w.main_grad for w in experts])
+            assert grads is not None and grads[1]  # DDP's buffer holds them last first: one add, flipped
     assert main["grouped"].keys() == main["sequential"].keys()
     assert any("local_experts" in n for n in main["grouped"])
     for n, g in main["grouped"].items():

@@ -157,6 +157,7 @@ def _finish(model: Any, cfg: dict[str, Any], *, moe_experts: str, fp8: str | Non
     """After the weights are placed: the experts packed, the float8 matmuls (torchao, without TE), compilation."""
     if cfg.get("num_experts") and moe_experts == "grouped":
         moe.pack_experts(model)  # one storage per layer's experts: the grouped products read it without a copy
+        moe.one_rank_dispatch_where_grouped(model)
     if fp8:
         from snakellm.models import fp8 as fp8mod
 

@@ -142,44 +142,98 @@ def grouped_usable(config: Any) -> str | None:
 
 def stacked(weights: list[Any]) -> Any:
     """``[E, out, in]`` over the experts' weights: a view when they are consecutive slices of one storage
-    (:func:`pack_experts`), else a copy (torch.stack)."""
+    in expert order (:func:`pack_experts`), else a copy (torch.stack)."""
     import torch
 
-    first = weights[0]
-    n = first.numel()
-    base = first.untyped_storage().data_ptr()
-    if all(
-        w.is_contiguous()
-        and w.untyped_storage().data_ptr() == base
-        and w.storage_offset() == first.storage_offset() + i * n
-        for i, w in enumerate(weights)
-    ):
-        return first.as_strided((len(weights), *first.shape), (n, *first.stride()), first.storage_offset())
+    view = stacked_view(weights)
+    if view is not None and not view[1] and view[0].is_contiguous():
+        return view[0]
     return torch.stack(weights)
+
+
+def stacked_view(tensors: list[Any]) -> tuple[Any, bool] | None:
+    """``tensors`` as one ``[E, ...]`` view of their common storage, when they lie at evenly spaced offsets
+    of it without overlapping: (view, False) when the offsets rise in order, (view, True) when they fall
+    (the view's row ``j`` is then ``tensors[E-1-j]``: megatron-core DDP lays a bucket's parameters out
+    last first, each expert's fc1 and fc2 side by side); None otherwise."""
+    first = tensors[0]
+    n, base = first.numel(), first.untyped_storage().data_ptr()
+    if not all(
+        t.is_contiguous() and t.shape == first.shape and t.untyped_storage().data_ptr() == base for t in tensors
+    ):
+        return None
+    offs = [t.storage_offset() for t in tensors]
+    step = offs[1] - offs[0] if len(offs) > 1 else n
+    if abs(step) < n or any(b - a != step for a, b in zip(offs, offs[1:])):
+        return None
+    lo = tensors[0] if step > 0 else tensors[-1]
+    return lo.as_strided((len(tensors), *first.shape), (abs(step), *first.stride()), lo.storage_offset()), step < 0
 
 
 def into_main_grads(weights: tuple[Any, ...], dw: Any) -> list[Any]:
     """The experts' weight gradients ``dw`` ([E, out, in]) added into megatron-core DDP's ``main_grad``
-    buffers in one multi-tensor add, where DDP gave the weights one; what autograd then gets for them.
+    buffers, where DDP gave the weights one; what autograd then gets for them.
 
     Without it, autograd hands each of the E weights its gradient and DDP's hook adds it into the
     buffer: one kernel and one Python hook per expert and pass (2,048 a step for 8 layers of 128 experts).
-    Like megatron-core's fused gradient accumulation, the weights are marked ``grad_added_to_main_grad``
-    (the hook then skips its add); autograd gets an empty placeholder where DDP overlaps its reduction
-    (its hook must still fire, to mark the bucket ready), else nothing. Without ``main_grad`` (no DDP,
-    or FSDP) the gradients go to autograd as they are.
+    Here it is one add over the experts' slice of the buffer (a view: DDP lays them out consecutively),
+    or a multi-tensor add where they are not consecutive. Like megatron-core's fused gradient accumulation,
+    the weights are marked ``grad_added_to_main_grad`` (the hook then skips its add); autograd gets an
+    empty placeholder where DDP overlaps its reduction (its hook must still fire, to mark the bucket
+    ready), else nothing. Without ``main_grad`` (no DDP, or FSDP) the gradients go to autograd as they are.
     """
     import torch
 
     if not all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad") for w in weights):
         return list(dw.unbind(0))
-    torch._foreach_add_([w.main_grad for w in weights], list(dw.unbind(0)))
+    grads = [w.main_grad for w in weights]
+    view = stacked_view(grads)
+    if view is None:
+        torch._foreach_add_(grads, [g.to(grads[0].dtype) for g in dw.unbind(0)])
+    else:
+        buf, rev = view
+        buf.add_(dw.flip(0) if rev else dw)
     out: list[Any] = []
     for w in weights:
         w.grad_added_to_main_grad = True
         hook = getattr(w, "ddp_hook_needs_grad", False)  # set by the assembly where DDP overlaps its reduction
         out.append(torch.empty(w.shape, dtype=dw.dtype, device=dw.device) if hook else None)
     return out
+
+
+def one_rank_dispatch(dispatcher: Any) -> bool:
+    """At one expert-parallel and one tensor-parallel rank, megatron-core's alltoall dispatcher with the
+    grouped experts keeps the tokens per expert on the device and skips its chunk sorting.
+
+    There its all-to-alls are identities, but it still copies the tokens per expert to the host and waits
+    for them (a device synchronisation per layer and forward pass), and sorts the tokens by local expert
+    and back, which at one rank is the identity permutation (a ``torch.cat`` of 128 chunks of all the
+    routed tokens, and its backward: about 10 ms a step at Qwen3-30B-A3B's shape on an H200). The grouped
+    experts take the counts on the device. Returns whether the shortcut applies (not with token dropping,
+    padding for quantization, shared experts, or more than one rank).
+    """
+    cfg = dispatcher.config
+    if (
+        type(dispatcher).__name__ != "MoEAlltoAllTokenDispatcher"
+        or dispatcher.ep_size * dispatcher.tp_size != 1
+        or dispatcher.drop_and_pad
+        or cfg.moe_expert_capacity_factor is not None
+        or cfg.moe_router_padding_for_quantization
+        or dispatcher.shared_experts is not None
+    ):
+        return False
+
+    def keep_on_device(point: str, tokens_per_expert: Any = None) -> Any:
+        return tokens_per_expert
+
+    def postprocess(global_input_tokens: Any, global_probs: Any) -> tuple[Any, Any, Any]:
+        tokens, dispatcher.tokens_per_expert = dispatcher.tokens_per_expert, None
+        return global_input_tokens, tokens, global_probs
+
+    dispatcher._maybe_dtoh_and_synchronize = keep_on_device
+    dispatcher.dispatch_postprocess = postprocess
+    dispatcher.combine_preprocess = lambda hidden_states: hidden_states
+    return True
 
 
 def _grouped_linear_fn() -> Any:
@@ -243,6 +297,18 @@ def grouped_experts_class() -> Any:
             return apply(a, offs, *fc2), None
 
     return GroupedExperts
+
+
+def one_rank_dispatch_where_grouped(model: Any) -> int:
+    """:func:`one_rank_dispatch` for every layer whose experts run as grouped products; returns how many."""
+    done = 0
+    for m in model.modules():
+        experts, disp = getattr(m, "experts", None), getattr(m, "token_dispatcher", None)
+        if disp is None or experts is None or getattr(experts, "num_local_experts", 1) < 2:
+            continue
+        if type(experts).__name__ == "GroupedExperts" and grouped_usable(experts.config) is None:
+            done += one_rank_dispatch(disp)
+    return done
 
 
 def pack_experts(model: Any) -> int:
