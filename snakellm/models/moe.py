@@ -170,34 +170,43 @@ def stacked_view(tensors: list[Any]) -> tuple[Any, bool] | None:
     return lo.as_strided((len(tensors), *first.shape), (abs(step), *first.stride()), lo.storage_offset()), step < 0
 
 
-def into_main_grads(weights: tuple[Any, ...], dw: Any) -> list[Any]:
-    """The experts' weight gradients ``dw`` ([E, out, in]) added into megatron-core DDP's ``main_grad``
-    buffers, where DDP gave the weights one; what autograd then gets for them.
+def weight_grads(weights: tuple[Any, ...], x: Any, dy: Any, offs: Any) -> list[Any]:
+    """The experts' weight gradients (``dy^T x`` per expert, a grouped matrix product) added into
+    megatron-core DDP's ``main_grad`` buffers where DDP gave the weights one; what autograd then gets.
 
     Without it, autograd hands each of the E weights its gradient and DDP's hook adds it into the
     buffer: one kernel and one Python hook per expert and pass (2,048 a step for 8 layers of 128 experts).
-    Here it is one add over the experts' slice of the buffer (a view: DDP lays them out consecutively),
-    or a multi-tensor add where they are not consecutive. Like megatron-core's fused gradient accumulation,
-    the weights are marked ``grad_added_to_main_grad`` (the hook then skips its add); autograd gets an
-    empty placeholder where DDP overlaps its reduction (its hook must still fire, to mark the bucket
-    ready), else nothing. Without ``main_grad`` (no DDP, or FSDP) the gradients go to autograd as they are.
+    Here it is one add over the experts' slice of the buffer (a strided view: DDP lays a bucket out last
+    parameter first, each expert's fc1 and fc2 side by side); for that order the product runs over the
+    tokens reversed, which yields the experts last first too (reversing the routed tokens is cheap, the
+    gradients of all experts are not). A multi-tensor add serves where they are not evenly spaced. Like
+    megatron-core's fused gradient accumulation, the weights are marked ``grad_added_to_main_grad`` (the
+    hook then skips its add); autograd gets an empty placeholder where DDP overlaps its reduction (its
+    hook must still fire, to mark the bucket ready), else nothing. Without ``main_grad`` (no DDP, or
+    FSDP) the gradients go to autograd as they are. The routed tokens are exactly the counted ones
+    (``offs[-1]`` rows, as megatron-core's dispatchers hand them over).
     """
     import torch
 
+    def product(x: Any, dy: Any, offs: Any) -> Any:
+        return torch._grouped_mm(dy.t(), x, offs=offs)  # [E, out, in]; experts with no tokens: zeros
+
     if not all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad") for w in weights):
-        return list(dw.unbind(0))
+        return list(product(x, dy, offs).unbind(0))
     grads = [w.main_grad for w in weights]
     view = stacked_view(grads)
     if view is None:
-        torch._foreach_add_(grads, [g.to(grads[0].dtype) for g in dw.unbind(0)])
+        torch._foreach_add_(grads, [g.to(grads[0].dtype) for g in product(x, dy, offs).unbind(0)])
+    elif not view[1]:
+        view[0].add_(product(x, dy, offs))
     else:
-        buf, rev = view
-        buf.add_(dw.flip(0) if rev else dw)
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+        view[0].add_(product(x.flip(0), dy.flip(0), counts.flip(0).cumsum(0).to(offs.dtype)))
     out: list[Any] = []
     for w in weights:
         w.grad_added_to_main_grad = True
         hook = getattr(w, "ddp_hook_needs_grad", False)  # set by the assembly where DDP overlaps its reduction
-        out.append(torch.empty(w.shape, dtype=dw.dtype, device=dw.device) if hook else None)
+        out.append(torch.empty(w.shape, dtype=dy.dtype, device=dy.device) if hook else None)
     return out
 
 
@@ -242,7 +251,7 @@ def _grouped_linear_fn() -> Any:
     class GroupedLinear(torch.autograd.Function):
         """``y[rows of expert e] = x[rows of e] @ W_e^T`` for every local expert: two grouped matrix products
         a pass (torch._grouped_mm; ``offs``: the cumulative tokens per expert), the weights' gradients
-        returned as views of one ``[E, out, in]`` tensor."""
+        one more (:func:`weight_grads`)."""
 
         @staticmethod
         def forward(ctx: Any, x: Any, offs: Any, *weights: Any) -> Any:
@@ -256,8 +265,7 @@ def _grouped_linear_fn() -> Any:
             x, offs, w = ctx.saved_tensors
             dy = dy.contiguous()
             dx = torch._grouped_mm(dy, w, offs=offs)
-            dw = torch._grouped_mm(dy.t(), x, offs=offs)  # [E, out, in]; experts with no tokens: zeros
-            return (dx, None, *into_main_grads(ctx.weights, dw))
+            return (dx, None, *weight_grads(ctx.weights, x, dy, offs))
 
     return GroupedLinear
 
