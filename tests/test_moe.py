@@ -202,7 +202,8 @@ def test_grouped_experts_compute_what_megatron_cores_loop_does():
         assert torch.allclose(ga[n], gb[n], rtol=1e-4, atol=1e-6), n
 
 
-def test_grouped_experts_add_their_gradients_into_ddps_buffers_once():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_grouped_experts_add_their_gradients_into_ddps_buffers_once(overlap: bool):
     """Under megatron-core DDP the grouped experts add their weight gradients into DDP's ``main_grad``
     buffers themselves (one multi-tensor add a pass) and autograd gets none for them: two micro-batches
     accumulate exactly what SequentialMLP's weights accumulate through DDP's own hooks (fp32), and the
@@ -223,7 +224,9 @@ def test_grouped_experts_add_their_gradients_into_ddps_buffers_once():
     main = {}
     for kind in ("grouped", "sequential"):
         model, tcfg = build_model(arch, 256, seed=5, moe_experts=kind)
-        ddp = DDP(tcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        ddp = DDP(tcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap), model)
+        for p in ddp.parameters():  # what the assembly sets where DDP overlaps: its hooks must still fire
+            p.ddp_hook_needs_grad = overlap
         ddp.train()
         ddp.zero_grad_buffer()
         for ids in batches:
