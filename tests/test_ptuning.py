@@ -56,7 +56,7 @@ def test_prompt_encoder_trains_alone_and_fills_the_first_positions(rt, encoder: 
             return gpt(tokens, pos, None, labels=labels)[:, 4:].mean()
 
         opt = torch.optim.Adam(pt.encoder.parameters(), lr=1e-2)
-        start = float(loss())
+        start = float(loss().detach())
         for _ in range(30):
             opt.zero_grad()
             value = loss()
