@@ -221,9 +221,11 @@ def one_rank_dispatch(dispatcher: Any) -> bool:
     experts take the counts on the device. Returns whether the shortcut applies (not with token dropping,
     padding for quantization, shared experts, or more than one rank).
     """
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
     cfg = dispatcher.config
     if (
-        type(dispatcher).__name__ != "MoEAlltoAllTokenDispatcher"
+        type(dispatcher) is not MoEAlltoAllTokenDispatcher
         or dispatcher.ep_size * dispatcher.tp_size != 1
         or dispatcher.drop_and_pad
         or cfg.moe_expert_capacity_factor is not None
@@ -287,8 +289,12 @@ def grouped_experts_class() -> Any:
     apply = torch.compiler.disable(_grouped_linear_fn().apply)
 
     class GroupedExperts(SequentialMLP):
+        def runs_grouped(self) -> bool:
+            """Whether the grouped products run these experts (else megatron-core's loop does)."""
+            return self.num_local_experts > 1 and grouped_usable(self.config) is None
+
         def forward(self, hidden: Any, tokens_per_expert: Any, probs: Any) -> Any:
-            if self.num_local_experts == 1 or grouped_usable(self.config) is not None:
+            if not self.runs_grouped():
                 return super().forward(hidden, tokens_per_expert, probs)
             counts = torch.as_tensor(tokens_per_expert).to(device=hidden.device, dtype=torch.int64)
             offs = counts.cumsum(0).to(torch.int32)
@@ -311,10 +317,8 @@ def one_rank_dispatch_where_grouped(model: Any) -> int:
     """:func:`one_rank_dispatch` for every layer whose experts run as grouped products; returns how many."""
     done = 0
     for m in model.modules():
-        experts, disp = getattr(m, "experts", None), getattr(m, "token_dispatcher", None)
-        if disp is None or experts is None or getattr(experts, "num_local_experts", 1) < 2:
-            continue
-        if type(experts).__name__ == "GroupedExperts" and grouped_usable(experts.config) is None:
+        disp, grouped = getattr(m, "token_dispatcher", None), getattr(getattr(m, "experts", None), "runs_grouped", None)
+        if disp is not None and grouped is not None and grouped():
             done += one_rank_dispatch(disp)
     return done
 
