@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -249,6 +250,9 @@ def main(argv=None) -> int:
         prof = Path(args.workdir) / "runs" / f"moe-{args.layers}-grouped" / "profile.txt"
         if prof.exists():
             (out / "profile-grouped.txt").write_text(prof.read_text())
+        trace = prof.with_name("profile-trace.json.gz")
+        if trace.exists():
+            shutil.copyfile(trace, out / "profile-grouped-trace.json.gz")
     results = [ours, *others, *([ref] if ref else [])]
     for r in results:
         if r.get("tokens_per_s"):

@@ -63,6 +63,79 @@ def _sum_over_model_parallel(sq: torch.Tensor) -> None:
         torch.distributed.all_reduce(sq, group=ps.get_tensor_model_parallel_group())
 
 
+RUN_MAX = 1 << 28  # elements of one coalesced run: 1 GB of fp32 master (kernels index well inside int32 chunks)
+
+
+class _One:
+    """One parameter as its own optimizer tensor: its fp32 master (the parameter itself when it is fp32) and its
+    ``main_grad``, read at every step (whoever set it may have replaced it)."""
+
+    def __init__(self, param: torch.nn.Parameter, expert: bool, counted: bool):
+        self.params = [param]
+        self.master = param if param.dtype == torch.float32 else param.detach().clone().float()
+        self.views = [self.master]
+        self.expert, self.counted = expert, counted
+
+    def grad(self) -> torch.Tensor:
+        g = self.params[0].main_grad  # type: ignore[attr-defined]  # set by megatron-core DDP
+        return g if g.dtype == torch.float32 else g.float()
+
+
+class _Run:
+    """Parameters of one optimizer group whose ``main_grad``s lie back to back in one of DDP's gradient
+    buffers: one fp32 master tensor, one view of the buffer as their gradient, one set of Adam states for all
+    of them (the masters of the parameters are views of it). At Qwen3-30B-A3B's shape this turns ~2,100
+    tensors into ~100 for the fused AdamW, the norm and the clip, whose per-tensor host work otherwise leaves
+    the GPU waiting (tens of ms a step)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], expert: bool, counted: bool):
+        g0 = params[0].main_grad  # type: ignore[attr-defined]
+        total = sum(p.numel() for p in params)
+        self.params, self.expert, self.counted = params, expert, counted
+        self._grad, self._ptr = g0.as_strided((total,), (1,), g0.storage_offset()), g0.data_ptr()
+        self.master = torch.empty(total, dtype=torch.float32, device=g0.device)
+        self.views, o = [], 0
+        with torch.no_grad():
+            for p in params:
+                v = self.master[o : o + p.numel()].view(p.shape)
+                v.copy_(p.detach())
+                self.views.append(v)
+                o += p.numel()
+
+    def grad(self) -> torch.Tensor:
+        if self.params[0].main_grad.data_ptr() != self._ptr:  # type: ignore[attr-defined]
+            raise RuntimeError("a parameter's main_grad moved after the optimizer was built (DDP rebuilt its buffers?)")
+        return self._grad if self._grad.dtype == torch.float32 else self._grad.float()
+
+
+def _coalesce(params: list[torch.nn.Parameter], keys: list[tuple]) -> list[list[int]]:
+    """Indices of ``params`` (bf16 with ``main_grad`` views) in runs of back-to-back gradients of equal key."""
+
+    def where(i: int) -> tuple[int, int]:
+        g = params[i].main_grad  # type: ignore[attr-defined]
+        return g.untyped_storage().data_ptr(), g.storage_offset()
+
+    runs: list[list[int]] = []
+    size = 0
+    for i in sorted(range(len(params)), key=where):
+        if runs:
+            j = runs[-1][-1]
+            (ps, po), (pj, oj) = where(i), where(j)
+            n = params[i].numel()
+            if ps == pj and po == oj + params[j].numel() and keys[i] == keys[j] and size + n <= RUN_MAX:
+                runs[-1].append(i)
+                size += n
+                continue
+        runs.append([i])
+        size = params[i].numel()
+    return runs
+
+
+def _coalescable(p: torch.nn.Parameter) -> bool:
+    g = getattr(p, "main_grad", None)
+    return p.dtype != torch.float32 and g is not None and g.is_contiguous() and g.shape == p.shape
+
+
 class MixedPrecisionAdamW:
     def __init__(
         self,
@@ -74,6 +147,7 @@ class MixedPrecisionAdamW:
         eps: float,
         clip_grad: float,
         fused: bool | None = None,
+        coalesce: bool = True,
     ):
         self.clip_grad = clip_grad
         decay: list[torch.nn.Parameter] = []
@@ -84,18 +158,30 @@ class MixedPrecisionAdamW:
             # no weight decay on biases and norm gains (1-D), as in Megatron-LM and GPT-2
             (no_decay if p.dim() < 2 else decay).append(p)
         self.model_groups = [g for g in (decay, no_decay) if g]
-        self.master_groups = [
-            [p if p.dtype == torch.float32 else p.detach().clone().float() for p in g] for g in self.model_groups
-        ]
-        self.has_masters = any(
-            m is not p for mg, pg in zip(self.master_groups, self.model_groups) for m, p in zip(mg, pg)
-        )
+        # the optimizer's tensors, per group: runs of parameters whose gradients are one buffer slice (bf16
+        # parameters under DDP), else one tensor a parameter
+        self.entries: list[list[Any]] = []
+        for group in self.model_groups:
+            keys = [(_is_expert(p), not _is_tp_duplicate(p) and not _is_expert(p)) for p in group]
+            ok = [i for i, p in enumerate(group) if coalesce and _coalescable(p)]
+            runs = _coalesce([group[i] for i in ok], [keys[i] for i in ok]) if ok else []
+            in_run = {ok[i] for r in runs if len(r) > 1 for i in r}
+            row: list[Any] = [_Run([group[ok[i]] for i in r], *keys[ok[r[0]]]) for r in runs if len(r) > 1]
+            row += [_One(p, *keys[i]) for i, p in enumerate(group) if i not in in_run]
+            self.entries.append(row)
+        # each parameter's master (a view where it is in a run) and where its Adam state lives: checkpoints
+        # keep Megatron's layout of one state a parameter whatever the grouping here
+        where = {id(p): (e, v, o) for row in self.entries for e in row for p, v, o in _offsets(e)}
+        self.master_groups = [[where[id(p)][1] for p in g] for g in self.model_groups]
+        self._slots = [(where[id(p)][0], where[id(p)][2]) for g in self.model_groups for p in g]
+        self.has_masters = any(p.dtype != torch.float32 for g in self.model_groups for p in g)
+        self.coalesced = any(isinstance(e, _Run) for row in self.entries for e in row)
         wds = [weight_decay, 0.0] if (decay and no_decay) else ([weight_decay] if decay else [0.0])
         device = next(model.parameters()).device
         if fused is None:
             fused = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
-            [{"params": g, "weight_decay": wd} for g, wd in zip(self.master_groups, wds)],
+            [{"params": [e.master for e in row], "weight_decay": wd} for row, wd in zip(self.entries, wds)],
             lr=lr,
             betas=betas,
             eps=eps,
@@ -103,21 +189,20 @@ class MixedPrecisionAdamW:
             foreach=None if fused else True,
         )
         self._pairs = [(p, m) for pg, mg in zip(self.model_groups, self.master_groups) for p, m in zip(pg, mg)]
-        self._experts = [_is_expert(p) for p, _ in self._pairs]
-        self._norm_mask = [not _is_tp_duplicate(p) and not e for (p, _), e in zip(self._pairs, self._experts)]
+        self._all = [e for row in self.entries for e in row]
+        self._copies = [(p, m) for p, m in self._pairs if m is not p]
 
     # ------------------------------------------------------------------ step
 
     def step(self, lr: float) -> torch.Tensor:
         """Clip and apply the accumulated ``main_grad``s; return the gradient norm (on the device)."""
         grads = []
-        for p, m in self._pairs:
-            g = p.main_grad  # type: ignore[attr-defined]  # set by megatron-core DDP
-            m.grad = g if g.dtype == torch.float32 else g.float()
-            grads.append(m.grad)
-        norm_grads = [g for g, keep in zip(grads, self._norm_mask) if keep]
+        for e in self._all:
+            e.master.grad = e.grad()
+            grads.append(e.master.grad)
+        norm_grads = [g for g, e in zip(grads, self._all) if e.counted]
         sq = torch.stack(torch._foreach_norm(norm_grads)).square().sum() if norm_grads else grads[0].new_zeros(())
-        esq = _expert_sq(grads, self._experts)
+        esq = _expert_sq(grads, [e.expert for e in self._all])
         if esq is not None:
             sq = sq + esq
         _sum_over_model_parallel(sq)
@@ -134,12 +219,10 @@ class MixedPrecisionAdamW:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.grad_scale = None  # type: ignore[attr-defined]
-        if self.has_masters:
-            models = [p.data for p, m in self._pairs if m is not p]
-            masters = [m.data for p, m in self._pairs if m is not p]
-            torch._foreach_copy_(models, masters)
-        for _, m in self._pairs:
-            m.grad = None
+        if self._copies:
+            torch._foreach_copy_([p.data for p, _ in self._copies], [m for _, m in self._copies])
+        for e in self._all:
+            e.master.grad = None
         return norm
 
     # ------------------------------------------------------------------ checkpoints
@@ -147,12 +230,32 @@ class MixedPrecisionAdamW:
     def _init_state(self):
         """Allocate the (lazily created) AdamW state so there is something to load into."""
         fused = bool(self.optimizer.defaults.get("fused"))
-        for _, m in self._pairs:
-            st = self.optimizer.state[m]
+        for e in self._all:
+            st = self.optimizer.state[e.master]
             if not st:
-                st["step"] = torch.zeros((), dtype=torch.float32, device=m.device if fused else "cpu")
-                st["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                st["step"] = torch.zeros((), dtype=torch.float32, device=e.master.device if fused else "cpu")
+                st["exp_avg"] = torch.zeros_like(e.master, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(e.master, memory_format=torch.preserve_format)
+
+    def _per_param_state(self) -> dict:
+        """torch AdamW's ``state_dict()`` as it is for one tensor a parameter (the checkpoint's layout): the
+        state of a parameter in a run is its slice of the run's, a view."""
+        inner = self.optimizer.state_dict()
+        if not self.coalesced:
+            return inner
+        state: dict[Any, Any] = {}
+        for i, (e, (lo, n)) in enumerate(self._slots):
+            st = self.optimizer.state.get(e.master)
+            if st:
+                shape = self._pairs[i][0].shape
+                state[i] = {k: v if k == "step" else v[lo : lo + n].view(shape) for k, v in st.items()}
+        first, groups = 0, []
+        for g, pg in zip(inner["param_groups"], self.model_groups):
+            groups.append(
+                {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(first, first + len(pg)))}
+            )
+            first += len(pg)
+        return {"state": state, "param_groups": groups}
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False) -> dict:
         from megatron.core.dist_checkpointing.optimizer import (
@@ -163,7 +266,7 @@ class MixedPrecisionAdamW:
 
         if is_loading:
             self._init_state()
-        inner = self.optimizer.state_dict()
+        inner = self._per_param_state()
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, [p for p, _ in self._pairs])
         step = None
         for st in inner["state"].values():
@@ -189,7 +292,10 @@ class MixedPrecisionAdamW:
         if step is not None:
             for st in inner["state"].values():
                 st["step"] = step.clone() if torch.is_tensor(step) else step
-        self.optimizer.load_state_dict(inner)
+        if self.coalesced:
+            self._load_per_param(inner)
+        else:
+            self.optimizer.load_state_dict(inner)
         if self.has_masters:
             with torch.no_grad():
                 for mg, loaded in zip(self.master_groups, state["fp32_from_fp16_params"]):
@@ -198,6 +304,30 @@ class MixedPrecisionAdamW:
                 for p, m in self._pairs:
                     if m is not p:
                         p.data.copy_(m)
+
+    def _load_per_param(self, inner: dict) -> None:
+        """A per-parameter AdamW state (:meth:`_per_param_state`'s layout) copied into the runs' states."""
+        self._init_state()
+        with torch.no_grad():
+            for i, st in inner["state"].items():
+                e, (lo, n) = self._slots[int(i)]
+                mine = self.optimizer.state[e.master]
+                for k in ("exp_avg", "exp_avg_sq"):
+                    mine[k][lo : lo + n].view(self._pairs[int(i)][0].shape).copy_(st[k])
+                if "step" in st:
+                    s = st["step"]
+                    mine["step"].fill_(float(s.item() if torch.is_tensor(s) else s))
+        for g, loaded in zip(self.optimizer.param_groups, inner["param_groups"]):
+            g.update({k: v for k, v in loaded.items() if k != "params"})
+
+
+def _offsets(e: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, int]]]:
+    """(parameter, its master view, (offset, numel) in the entry's tensor) for each parameter of an entry."""
+    out, o = [], 0
+    for p, v in zip(e.params, e.views):
+        out.append((p, v, (o, p.numel())))
+        o += p.numel()
+    return out
 
 
 # ---------------------------------------------------------------------- the distributed optimizer

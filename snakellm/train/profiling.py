@@ -1,8 +1,13 @@
-"""``--profile-steps A:B``: torch.profiler over a range of steps, the kernel table to a file."""
+"""``--profile-steps A:B``: torch.profiler over a range of steps, the kernel table to a file and the timeline
+as a gzipped Chrome trace beside it (``profile-trace.json.gz``: Perfetto or ``chrome://tracing`` open it; the
+step's phases are named ranges: zero_grad, forward, backward, finalize_grads, optimizer)."""
 
 from __future__ import annotations
 
+import gzip
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,5 +52,20 @@ class StepProfiler:
             table = self.prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90)
             n = self.steps[1] - self.steps[0] + 1
             write_text(self.path, f"torch.profiler over {n} steps, sorted by {key}\n{table}\n")
+            self.write_trace()
             print(table, file=sys.stderr, flush=True)
         self.prof = None
+
+    def write_trace(self) -> None:
+        """The profiled steps' timeline, gzipped, next to the table (written to a temporary name, then renamed)."""
+        trace = self.path.with_name("profile-trace.json.gz")
+        raw = trace.with_name(f".{trace.name}.{os.getpid()}.json")
+        try:
+            self.prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb", compresslevel=3) as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(f"{raw}.gz", trace)
+        finally:
+            for leftover in (raw, f"{raw}.gz"):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)

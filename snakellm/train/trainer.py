@@ -107,14 +107,21 @@ class Trainer:
         self.stopped_by: str | None = None
 
     def train_step(self, step: int) -> None:
-        """One optimizer step: accumulate ``num_micro`` micro-batches, sync gradients, update."""
+        """One optimizer step: accumulate ``num_micro`` micro-batches, sync gradients, update.
+
+        Its phases are named ranges in ``--profile-steps``' trace (zero_grad, forward, backward,
+        finalize_grads, optimizer)."""
         import torch
 
+        phase = torch.profiler.record_function
         lr = self.lr_schedule.lr(step)
-        self.model.zero_grad_buffer()
+        with phase("zero_grad"):
+            self.model.zero_grad_buffer()
         if self.forward_backward is not None:
-            mean = self.forward_backward([next(self.batches) for _ in range(self.num_micro)])
-            norm = self.optimizer.step(lr)
+            with phase("forward_backward"):
+                mean = self.forward_backward([next(self.batches) for _ in range(self.num_micro)])
+            with phase("optimizer"):
+                norm = self.optimizer.step(lr)
             self.metrics.record(step, lr, mean, norm)
             return
         total, stats = None, None
@@ -126,13 +133,17 @@ class Trainer:
             batch = self.to_device(next(self.batches))
             sync_later = self.overlap and m < self.num_micro - 1
             with self.model.no_sync() if sync_later else contextlib.nullcontext():
-                loss, more = split_loss(self.loss_fn(self.model, batch))
-                (loss / self.num_micro).backward()
+                with phase("forward"):
+                    loss, more = split_loss(self.loss_fn(self.model, batch))
+                with phase("backward"):
+                    (loss / self.num_micro).backward()
             total = loss.detach() if total is None else total + loss.detach()
             if more:
                 stats = {k: v.detach() + (stats[k] if stats else 0) for k, v in more.items()}
-        self.finalize_grads()
-        norm = self.optimizer.step(lr)
+        with phase("finalize_grads"):
+            self.finalize_grads()
+        with phase("optimizer"):
+            norm = self.optimizer.step(lr)
         mean = (total if total is not None else torch.zeros(())) / self.num_micro
         self.metrics.record(step, lr, mean, norm, {k: v / self.num_micro for k, v in stats.items()} if stats else None)
 
