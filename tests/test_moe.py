@@ -205,7 +205,8 @@ def test_grouped_experts_compute_what_megatron_cores_loop_does():
 @pytest.mark.parametrize("overlap", [False, True])
 def test_grouped_experts_add_their_gradients_into_ddps_buffers_once(overlap: bool):
     """Under megatron-core DDP the grouped experts add their weight gradients into DDP's ``main_grad``
-    buffers themselves (one multi-tensor add a pass) and autograd gets none for them: two micro-batches
+    buffers themselves (one add a pass) and autograd gets none for them (without overlapped reduction the
+    weights are not even inputs of the graph; with it, placeholders fire DDP's hooks): two micro-batches
     accumulate exactly what SequentialMLP's weights accumulate through DDP's own hooks (fp32), and the
     experts share one storage a layer, which the grouped products view without a copy."""
     from megatron.core.distributed import DistributedDataParallel as DDP
@@ -214,7 +215,7 @@ def test_grouped_experts_add_their_gradients_into_ddps_buffers_once(overlap: boo
     from snakellm.launch import runtime
     from snakellm.models import resolve
     from snakellm.models.build import build_model
-    from snakellm.models.moe import stacked, stacked_view
+    from snakellm.models.moe import grads_to_buffers_only, stacked, stacked_view
 
     runtime.ensure_single_process("cpu")
     arch = resolve("tiny-qwen3-moe", {"seq_length": 32})
@@ -240,6 +241,8 @@ def test_grouped_experts_add_their_gradients_into_ddps_buffers_once(overlap: boo
             assert not any(w.grad_added_to_main_grad for w in experts)
         else:
             assert all(w.grad_added_to_main_grad and w.grad is None for w in experts)  # DDP's hook added nothing
+            # without overlap the weights are no inputs of the autograd graph (no per-expert backward nodes)
+            assert grads_to_buffers_only(torch.ones(1, requires_grad=True), experts) is not overlap
             view = stacked(experts)
             assert view.untyped_storage().data_ptr() == experts[0].untyped_storage().data_ptr()
             grads = stacked_view([w.main_grad for w in experts])
