@@ -308,15 +308,15 @@ def test_lora_adapts_a_moe_models_attention_and_names_what_it_cannot():
     assert len(dict(lora.named_adapters())) == 4  # 2 layers x 2 attention linears
 
 
-def test_compiled_layers_keep_the_dispatch_and_aux_loss_bookkeeping_eager():
-    """compile_each_layer's eager_dispatcher: the alltoall dispatcher's steps and the router's aux-loss bookkeeping
-    (a constant layer number to Dynamo: one recompilation per layer, then its limit) stay eager; the loss, the aux
-    loss tracked per layer and the router's gradients are those of the untouched model (CPU, fp32)."""
+def test_compiled_layers_keep_their_mixture_of_experts_eager():
+    """compile_each_layer's eager_moe: the MoE MLP (router, alltoall dispatcher, experts: a side stream's
+    ``record_stream`` and a constant layer number to Dynamo) stays eager, once however often it is applied; the
+    loss, the aux loss tracked per layer and the router's gradients are those of the untouched model (CPU, fp32)."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     from snakellm.launch import runtime
     from snakellm.models import resolve
-    from snakellm.models.build import AUX_LOSS_STEP, DISPATCH_STEPS, build_model, eager_dispatcher
+    from snakellm.models.build import build_model, eager_moe
 
     runtime.ensure_single_process("cpu")
     arch = resolve("tiny-qwen3-moe", {"seq_length": 32, "moe_aux_loss_coeff": 0.01})
@@ -327,12 +327,10 @@ def test_compiled_layers_keep_the_dispatch_and_aux_loss_bookkeeping_eager():
         gpt, _ = build_model(arch, 256, seed=7)
         if eager:
             for layer in gpt.decoder.layers:
-                eager_dispatcher(layer)
-                mlp = layer.mlp
-                assert getattr(getattr(mlp.router, AUX_LOSS_STEP), "_torchdynamo_disable", False)
-                assert all(
-                    getattr(getattr(mlp.token_dispatcher, n), "_torchdynamo_disable", False) for n in DISPATCH_STEPS
-                )
+                eager_moe(layer)
+                first = layer.mlp.forward
+                eager_moe(layer)
+                assert layer.mlp.forward is first and getattr(first, "_torchdynamo_disable", False)
         clear_aux_losses_tracker()
         gpt.train()
         loss = gpt(ids, pos, None, labels=ids).mean()
