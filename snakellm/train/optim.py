@@ -73,7 +73,7 @@ class _One:
     def __init__(self, param: torch.nn.Parameter, expert: bool, counted: bool):
         self.params = [param]
         self.master = param if param.dtype == torch.float32 else param.detach().clone().float()
-        self.views = [self.master]
+        self.views, self.offsets = [self.master], [(0, param.numel())]
         self.expert, self.counted = expert, counted
 
     def grad(self) -> torch.Tensor:
@@ -94,12 +94,13 @@ class _Run:
         self.params, self.expert, self.counted = params, expert, counted
         self._grad, self._ptr = g0.as_strided((total,), (1,), g0.storage_offset()), g0.data_ptr()
         self.master = torch.empty(total, dtype=torch.float32, device=g0.device)
-        self.views, o = [], 0
+        self.views, self.offsets, o = [], [], 0  # each parameter's master and its (offset, numel) in the run
         with torch.no_grad():
             for p in params:
                 v = self.master[o : o + p.numel()].view(p.shape)
                 v.copy_(p.detach())
                 self.views.append(v)
+                self.offsets.append((o, p.numel()))
                 o += p.numel()
 
     def grad(self) -> torch.Tensor:
@@ -171,7 +172,7 @@ class MixedPrecisionAdamW:
             self.entries.append(row)
         # each parameter's master (a view where it is in a run) and where its Adam state lives: checkpoints
         # keep Megatron's layout of one state a parameter whatever the grouping here
-        where = {id(p): (e, v, o) for row in self.entries for e in row for p, v, o in _offsets(e)}
+        where = {id(p): (e, v, o) for row in self.entries for e in row for p, v, o in zip(e.params, e.views, e.offsets)}
         self.master_groups = [[where[id(p)][1] for p in g] for g in self.model_groups]
         self._slots = [(where[id(p)][0], where[id(p)][2]) for g in self.model_groups for p in g]
         self.has_masters = any(p.dtype != torch.float32 for g in self.model_groups for p in g)
@@ -319,15 +320,6 @@ class MixedPrecisionAdamW:
                     mine["step"].fill_(float(s.item() if torch.is_tensor(s) else s))
         for g, loaded in zip(self.optimizer.param_groups, inner["param_groups"]):
             g.update({k: v for k, v in loaded.items() if k != "params"})
-
-
-def _offsets(e: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor, tuple[int, int]]]:
-    """(parameter, its master view, (offset, numel) in the entry's tensor) for each parameter of an entry."""
-    out, o = [], 0
-    for p, v in zip(e.params, e.views):
-        out.append((p, v, (o, p.numel())))
-        o += p.numel()
-    return out
 
 
 # ---------------------------------------------------------------------- the distributed optimizer
