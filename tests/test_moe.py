@@ -208,14 +208,18 @@ def test_grouped_experts_add_their_gradients_into_ddps_buffers_once(overlap: boo
     buffers themselves (one add a pass) and autograd gets none for them (without overlapped reduction the
     weights are not even inputs of the graph; with it, placeholders fire DDP's hooks): two micro-batches
     accumulate exactly what SequentialMLP's weights accumulate through DDP's own hooks (fp32), and the
-    experts share one storage a layer, which the grouped products view without a copy."""
+    experts share one storage a layer, in the order the dispatcher hands over their tokens (last first,
+    DDP's buffer's order), which the grouped products view without a copy. Without overlap the experts'
+    part of the buffer is not zeroed (``defer_expert_zeroing``, as the assembly sets it): the second step
+    gets the same gradients as the first, not their sum, and a step without a backward pass leaves them
+    zero."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from snakellm.launch import runtime
     from snakellm.models import resolve
     from snakellm.models.build import build_model
-    from snakellm.models.moe import grads_to_buffers_only, stacked, stacked_view
+    from snakellm.models.moe import defer_expert_zeroing, grads_to_buffers_only, stacked, stacked_view
 
     runtime.ensure_single_process("cpu")
     arch = resolve("tiny-qwen3-moe", {"seq_length": 32})
@@ -228,14 +232,22 @@ def test_grouped_experts_add_their_gradients_into_ddps_buffers_once(overlap: boo
         ddp = DDP(tcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap), model)
         for p in ddp.parameters():  # what the assembly sets where DDP overlaps: its hooks must still fire
             p.ddp_hook_needs_grad = overlap
+        deferred = defer_expert_zeroing(ddp)
+        assert deferred == (0 if overlap or kind == "sequential" else 2 * arch["num_layers"])
         ddp.train()
-        ddp.zero_grad_buffer()
-        for ids in batches:
-            ddp(ids, pos, None, labels=ids).mean().backward()
-        ddp.finish_grad_sync()
-        main[kind] = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
-        experts = [e.linear_fc1.weight for e in model.decoder.layers[0].mlp.experts.local_experts]
-        shortcut = "dispatch_postprocess" in vars(model.decoder.layers[0].mlp.token_dispatcher)
+        steps = []
+        for _ in range(2):
+            ddp.zero_grad_buffer()
+            for ids in batches:
+                ddp(ids, pos, None, labels=ids).mean().backward()
+            ddp.finish_grad_sync()
+            steps.append({n: p.main_grad.clone() for n, p in ddp.module.named_parameters()})
+        for n, g in steps[0].items():
+            assert torch.equal(g, steps[1][n]), n
+        main[kind] = steps[0]
+        mlp = model.decoder.layers[0].mlp
+        experts = [e.linear_fc1.weight for e in mlp.experts.local_experts]
+        shortcut = "dispatch_postprocess" in vars(mlp.token_dispatcher)
         assert shortcut == (kind == "grouped")  # one rank: no host copy of the counts, no identity sort
         if kind == "sequential":
             assert not any(w.grad_added_to_main_grad for w in experts)
@@ -243,10 +255,17 @@ def test_grouped_experts_add_their_gradients_into_ddps_buffers_once(overlap: boo
             assert all(w.grad_added_to_main_grad and w.grad is None for w in experts)  # DDP's hook added nothing
             # without overlap the weights are no inputs of the autograd graph (no per-expert backward nodes)
             assert grads_to_buffers_only(torch.ones(1, requires_grad=True), experts) is not overlap
-            view = stacked(experts)
-            assert view.untyped_storage().data_ptr() == experts[0].untyped_storage().data_ptr()
-            grads = stacked_view([w.main_grad for w in experts])
-            assert grads is not None and grads[1]  # DDP's buffer holds them last first: one add, flipped
+            in_order = mlp.experts.in_token_order("linear_fc1")
+            assert in_order == experts[::-1]  # the dispatcher hands the tokens over last expert first
+            view = stacked(in_order)
+            assert view.untyped_storage().data_ptr() == experts[-1].untyped_storage().data_ptr()
+            assert view.data_ptr() == experts[-1].data_ptr()  # a view, no copy
+            grads = stacked_view([w.main_grad for w in in_order])
+            assert grads is not None and not grads[1]  # DDP's buffer holds them last first too: one add, as they are
+        if not overlap:  # (overlapped, DDP refuses a step without a backward pass)
+            ddp.zero_grad_buffer()
+            ddp.finish_grad_sync()  # a step whose experts had no backward pass
+            assert all(not p.main_grad.any() for p in ddp.module.parameters())
     assert main["grouped"].keys() == main["sequential"].keys()
     assert any("local_experts" in n for n in main["grouped"])
     for n, g in main["grouped"].items():

@@ -156,8 +156,8 @@ def _check_fp8(torch: Any, device: str, bf16: bool) -> None:
 def _finish(model: Any, cfg: dict[str, Any], *, moe_experts: str, fp8: str | None, compile_layers: bool) -> None:
     """After the weights are placed: the experts packed, the float8 matmuls (torchao, without TE), compilation."""
     if cfg.get("num_experts") and moe_experts == "grouped":
-        moe.pack_experts(model)  # one storage per layer's experts: the grouped products read it without a copy
-        moe.one_rank_dispatch_where_grouped(model)
+        moe.one_rank_dispatch_where_grouped(model)  # first: it sets the order of the experts' tokens
+        moe.pack_experts(model)  # one storage per layer's experts in that order: the products read it as it is
     if fp8:
         from snakellm.models import fp8 as fp8mod
 

@@ -38,6 +38,7 @@ from snakellm.io import run_tokenizer
 from snakellm.io.log import log
 from snakellm.launch import distributed as distmod
 from snakellm.launch import runtime, watchdog
+from snakellm.models.moe import defer_expert_zeroing
 from snakellm.train.resume import decide_resume, fingerprint
 from snakellm.train.signals import StopPolicy
 from snakellm.train.trainer import EXIT_OK, Batch, Intervals, Trainer
@@ -426,6 +427,8 @@ def _wrap(job: Job, s: Session, parts: Parts) -> tuple[Any, Any, Any]:
     if ddp_cfg.overlap_grad_reduce:  # its hooks mark buckets ready: grouped experts hand them a placeholder
         for p in model.parameters():
             p.ddp_hook_needs_grad = True
+    elif parts.chunks is None:
+        defer_expert_zeroing(model)  # the grouped experts write their first gradients: no zeroing of theirs
     if o.grad_reduce_bf16:
         s.log(
             "megatron-core DDP: gradients reduced in bf16 (its gradient buffers are bf16: micro-batches accumulate in bf16)"
