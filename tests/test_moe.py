@@ -362,3 +362,27 @@ def test_compiled_layers_keep_their_mixture_of_experts_eager():
     assert ta.keys() == tb.keys() and ta and all(torch.equal(ta[k], tb[k]) for k in ta)
     assert all(v.abs().sum() > 0 for v in ta.values())  # the tracker holds each layer's aux loss
     assert ga.keys() == gb.keys() and ga and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_the_permutation_without_host_synchronisation_is_megatrons():
+    """``permute_without_sync`` (``nonzero_static`` where megatron-core's ``permute`` uses ``masked_select``,
+    which waits for the device) gives megatron-core's permuted tokens, probabilities and indices, and the
+    same gradients, for a dropless top-k routing map (k distinct experts a token)."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    from snakellm.models.moe import permute_without_sync
+
+    gen = torch.Generator().manual_seed(3)
+    tokens_n, experts, k, hidden = 37, 8, 3, 5
+    top = torch.rand(tokens_n, experts, generator=gen).topk(k, dim=1).indices
+    routing_map = torch.zeros(tokens_n, experts, dtype=torch.bool).scatter(1, top, True)
+    outs = []
+    for fn in (permute, permute_without_sync):
+        x = torch.randn(tokens_n, hidden, generator=torch.Generator().manual_seed(4), requires_grad=True)
+        probs = torch.rand(tokens_n, experts, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        y, p, idx = fn(x, routing_map, probs=probs, num_out_tokens=tokens_n * k)
+        (y * torch.arange(y.numel()).view_as(y)).sum().backward(retain_graph=True)
+        (p * torch.arange(p.numel())).sum().backward()
+        outs.append((y.detach(), p.detach(), idx, x.grad, probs.grad))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

@@ -232,19 +232,49 @@ def weight_grads(weights: tuple[Any, ...], x: Any, dy: Any, offs: Any) -> list[A
     return out
 
 
+def permute_without_sync(
+    tokens: Any,
+    routing_map: Any,
+    probs: Any = None,
+    num_out_tokens: Any = None,
+    fused: bool = False,
+    drop_and_pad: bool = False,
+) -> tuple[Any, Any, Any]:
+    """megatron-core's ``permute`` (the tokens sorted by expert, then by position; their probabilities; the
+    sorting indices), the same values, without its two ``masked_select``s, each of which waits for the
+    device to learn its output's size (two host synchronisations in every MoE layer's forward pass, after
+    which the host's work on the layer is no longer hidden behind the device's). Where the routing map
+    holds exactly ``num_out_tokens`` routed tokens (dropless top-k routing: every token ``k`` distinct
+    experts) that size is known: ``nonzero_static``. Elsewhere megatron-core's own runs."""
+    import torch
+
+    if fused or drop_and_pad or not isinstance(num_out_tokens, int):
+        from megatron.core.transformer.moe.moe_utils import permute
+
+        return permute(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad)
+    num_tokens = routing_map.shape[0]
+    where = torch.nonzero_static(routing_map.bool().T, size=num_out_tokens)  # (expert, token), expert-major
+    sorted_indices = where[:, 1]
+    permuted_probs = None
+    if probs is not None:
+        permuted_probs = probs.T.reshape(-1).index_select(0, where[:, 0] * num_tokens + sorted_indices)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
 def one_rank_dispatch(dispatcher: Any) -> bool:
     """At one expert-parallel and one tensor-parallel rank, megatron-core's alltoall dispatcher with the
     grouped experts keeps the tokens per expert on the device and skips its chunk sorting.
 
-    There its all-to-alls are identities, but it still copies the tokens per expert to the host and waits
-    for them (a device synchronisation per layer and forward pass), and sorts the tokens by local expert
+    There its all-to-alls are identities (skipped here), but it still copies the tokens per expert to the
+    host and waits for them (a device synchronisation per layer and forward pass), and sorts the tokens by local expert
     and back, which at one rank is the identity permutation (a ``torch.cat`` of 128 chunks of all the
     routed tokens, and its backward: about 10 ms a step at Qwen3-30B-A3B's shape on an H200). The grouped
     experts take the counts on the device. Returns whether the shortcut applies (not with token dropping,
     padding for quantization, shared experts, or more than one rank).
 
-    It also hands the tokens over sorted by expert last first (the routing map's expert columns reversed
-    before megatron-core's permutation; its unpermutation then uses the same map): the order in which
+    Its permutation of the tokens does not wait for the device (:func:`permute_without_sync`). It also
+    hands the tokens over sorted by expert last first (the routing map's expert columns reversed
+    before the permutation; megatron-core's unpermutation then uses the same map): the order in which
     DDP's gradient buffer lays out the experts, so that the weights' gradients go there without
     reversing the routed tokens (:func:`weight_grads`). The experts then take their weights last first
     too (``tokens_last_expert_first``, set by :func:`one_rank_dispatch_where_grouped`).
@@ -262,22 +292,28 @@ def one_rank_dispatch(dispatcher: Any) -> bool:
     ):
         return False
 
-    def keep_on_device(point: str, tokens_per_expert: Any = None) -> Any:
-        return tokens_per_expert
+    def preprocess(hidden_states: Any, routing_map: Any, probs: Any) -> tuple[Any, Any]:
+        """megatron-core's ``dispatch_preprocess`` at one rank (its steps and attributes, for its combine
+        steps), the experts' columns reversed, the counts kept on the device, no synchronisation."""
+        d = dispatcher
+        d.hidden_shape, d.probs, d.routing_map = hidden_states.shape, probs.flip(1), routing_map.flip(1)
+        hidden_states = hidden_states.view(-1, d.hidden_shape[-1])
+        d.tokens_per_expert = d.preprocess(d.routing_map)
+        d.hidden_shape_before_permute = hidden_states.shape
+        tokens, permuted_probs, d.reversed_local_input_permutation_mapping = permute_without_sync(
+            hidden_states, d.routing_map, probs=d.probs, num_out_tokens=d.num_out_tokens
+        )
+        return tokens, permuted_probs
 
     def postprocess(global_input_tokens: Any, global_probs: Any) -> tuple[Any, Any, Any]:
         tokens, dispatcher.tokens_per_expert = dispatcher.tokens_per_expert, None
         return global_input_tokens, tokens, global_probs
 
-    preprocess = dispatcher.dispatch_preprocess
-
-    def last_expert_first(hidden_states: Any, routing_map: Any, probs: Any) -> Any:
-        return preprocess(hidden_states, routing_map.flip(1), probs.flip(1))
-
-    dispatcher._maybe_dtoh_and_synchronize = keep_on_device
-    dispatcher.dispatch_preprocess = last_expert_first
+    dispatcher.dispatch_preprocess = preprocess
+    dispatcher.token_dispatch = lambda tokens, probs: (tokens, probs)  # the all-to-alls of one rank
     dispatcher.dispatch_postprocess = postprocess
     dispatcher.combine_preprocess = lambda hidden_states: hidden_states
+    dispatcher.token_combine = lambda hidden_states, *args, **kwargs: hidden_states
     return True
 
 
