@@ -176,23 +176,33 @@ def compile_each_layer(layers: Any) -> None:
 
 
 def eager_moe(layer: Any) -> None:
-    """A mixture-of-experts layer's MLP (router, token dispatcher, experts) runs eagerly inside its compiled
-    layer: the attention and norms before it and the residual after it are compiled.
+    """What of a mixture-of-experts layer's MLP runs eagerly inside its compiled layer.
 
-    Compiled, it could not be whole: megatron-core's alltoall dispatcher copies the split sizes to the host
-    on a side stream and calls ``Tensor.record_stream``, which Dynamo cannot functionalise (the layer failed
-    to compile on an H200), and the router's aux-loss bookkeeping takes the layer number as a constant (one
-    recompilation per layer, past Dynamo's limit of 8). With those steps as graph breaks, each layer's MLP
-    was about 30 compiled regions whose guards and wrappers cost more host time than the eager operations
-    they replace: 7.3 ms of host time a layer's forward against 4.7 eager, while the GPU waited
-    (Qwen3-30B-A3B's shape on one H200: 21,435 tokens/s with the compiled regions, 23,607 eager).
+    Where the token dispatcher waits for nothing (one rank, :func:`snakellm.models.moe.one_rank_dispatch`),
+    the MLP is compiled with the layer but for three eager steps: the grouped experts (their backward
+    writes into DDP's buffers) and the router's aux-loss and z-loss bookkeeping, which takes the layer's
+    number as a constant (compiled, one recompilation a layer, past Dynamo's limit of 8).
+
+    Elsewhere the whole MLP (router, token dispatcher, experts) is eager: megatron-core's alltoall
+    dispatcher copies the split sizes to the host on a side stream and calls ``Tensor.record_stream``,
+    which Dynamo cannot functionalise (the layer failed to compile on an H200), and with its steps as graph
+    breaks each layer's MLP was about 30 compiled regions whose guards and wrappers cost more host time
+    than the eager operations they replace (7.3 ms of host time a layer's forward against 4.7 eager at
+    Qwen3-30B-A3B's shape on one H200).
     """
     import torch
 
     mlp: Any = getattr(layer, "mlp", None)
-    if getattr(mlp, "token_dispatcher", None) is None or getattr(mlp.forward, "_torchdynamo_disable", False):
+    dispatcher = getattr(mlp, "token_dispatcher", None)
+    if dispatcher is None or getattr(mlp.forward, "_torchdynamo_disable", False):
         return
-    mlp.forward = torch.compiler.disable(mlp.forward)
+    if not getattr(dispatcher, "waits_for_nothing", False):
+        mlp.forward = torch.compiler.disable(mlp.forward)
+        return
+    for name in ("attach_and_log_load_balancing_loss", "apply_z_loss"):
+        step = getattr(mlp.router, name, None)
+        if step is not None and not getattr(step, "_torchdynamo_disable", False):
+            setattr(mlp.router, name, torch.compiler.disable(step))
 
 
 def pass_tp_group() -> None:

@@ -314,6 +314,7 @@ def one_rank_dispatch(dispatcher: Any) -> bool:
     dispatcher.dispatch_postprocess = postprocess
     dispatcher.combine_preprocess = lambda hidden_states: hidden_states
     dispatcher.token_combine = lambda hidden_states, *args, **kwargs: hidden_states
+    dispatcher.waits_for_nothing = True  # its layer may compile it (snakellm.models.build.eager_moe)
     return True
 
 
