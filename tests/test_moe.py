@@ -8,7 +8,6 @@ transformers' logits (fp32, 1e-4), the KV-cached decoder's greedy tokens equal t
 from __future__ import annotations
 
 import functools
-
 from pathlib import Path
 
 import pytest
