@@ -28,8 +28,12 @@ class RouterStats:
         self.sliced = any(r.config.sequence_parallel for r in self.routers)
         self.counts: Any = None
         self.assigned = 0
+        import torch
+
+        # eager inside a compiled layer: traced, its Python counter would recompile the layer at every call
+        seen = torch.compiler.disable(self._seen)
         for r in self.routers:
-            r.register_forward_hook(self._seen)
+            r.register_forward_hook(seen)
 
     def _seen(self, module: Any, args: Any, out: Any) -> None:
         if not module.training:
