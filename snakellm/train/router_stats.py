@@ -27,21 +27,19 @@ class RouterStats:
         # sequence parallelism: each tensor-parallel rank routes its own slice of the sequence
         self.sliced = any(r.config.sequence_parallel for r in self.routers)
         self.counts: Any = None
-        self.assigned = 0
-        import torch
-
-        # eager inside a compiled layer: traced, its Python counter would recompile the layer at every call
-        seen = torch.compiler.disable(self._seen)
+        self.assigned: Any = None
         for r in self.routers:
-            r.register_forward_hook(seen)
+            r.register_forward_hook(self._seen)
 
     def _seen(self, module: Any, args: Any, out: Any) -> None:
         if not module.training:
             return  # validation forwards are not the step's routing
         routing_map = out[1]
+        # device tensors, both: traced into a compiled layer, a Python counter would recompile it at every call
         c = routing_map.sum(dim=0)  # int64 per expert (the layers' counts are summed)
+        n = c.new_full((), routing_map.shape[0] * self.topk)
         self.counts = c if self.counts is None else self.counts + c
-        self.assigned += routing_map.shape[0] * self.topk
+        self.assigned = n if self.assigned is None else self.assigned + n
 
     def take(self) -> dict[str, Any] | None:
         """This step's values (device tensors), and a fresh start for the next; None before any forward."""
@@ -59,7 +57,7 @@ class RouterStats:
 
         out = {
             "counts": self.counts,
-            "assigned": torch.tensor(self.assigned, dtype=torch.long, device=self.counts.device),
+            "assigned": self.assigned,
             "sliced": self.sliced,
             # the losses summed over this rank's layers, and how many layers that is (a pipeline stage's)
             "losses": torch.stack(
@@ -71,7 +69,7 @@ class RouterStats:
             ),
         }
         clear_aux_losses_tracker()
-        self.counts, self.assigned = None, 0
+        self.counts, self.assigned = None, None
         return out
 
 
