@@ -186,6 +186,11 @@ def stacked_view(tensors: list[Any]) -> tuple[Any, bool] | None:
     return lo.as_strided((len(tensors), *first.shape), (abs(step), *first.stride()), lo.storage_offset()), step < 0
 
 
+def in_ddp_buffers(weights: Any) -> bool:
+    """Whether megatron-core DDP gave every one of ``weights`` a ``main_grad`` in its gradient buffers."""
+    return all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad") for w in weights)
+
+
 def weight_grads(weights: tuple[Any, ...], x: Any, dy: Any, offs: Any) -> list[Any]:
     """The experts' weight gradients (``dy^T x`` per expert, a grouped matrix product) added into
     megatron-core DDP's ``main_grad`` buffers where DDP gave the weights one; what autograd then gets.
@@ -209,7 +214,7 @@ def weight_grads(weights: tuple[Any, ...], x: Any, dy: Any, offs: Any) -> list[A
     def product(x: Any, dy: Any, offs: Any) -> Any:
         return torch._grouped_mm(dy.t(), x, offs=offs)  # [E, out, in]; experts with no tokens: zeros
 
-    if not all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad") for w in weights):
+    if not in_ddp_buffers(weights):
         return list(product(x, dy, offs).unbind(0))
     grads = [w.main_grad for w in weights]
     view = _known_view(grads)
@@ -356,9 +361,7 @@ def grads_to_buffers_only(x: Any, weights: list[Any]) -> bool:
     overlapped reduction) and the input carries a gradient, which makes autograd run the backward."""
     ends = (weights[0], weights[-1])
     return bool(
-        x.requires_grad
-        and all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad") for w in ends)
-        and not any(getattr(w, "ddp_hook_needs_grad", False) for w in ends)
+        x.requires_grad and in_ddp_buffers(ends) and not any(getattr(w, "ddp_hook_needs_grad", False) for w in ends)
     )
 
 
@@ -448,9 +451,10 @@ def pack_experts(model: Any) -> int:
 
 
 def defer_expert_zeroing(ddp: Any) -> int:
-    """megatron-core DDP's ``zero_grad_buffer`` without zeroing the grouped experts' gradients: their first
-    pass of a step writes its gradients into the buffer (:func:`weight_grads` copies instead of adding), so
-    the zeroing and the read of the zeros are saved (for Qwen3-30B-A3B's 8 layers, 19 GB of the step's
+    """megatron-core DDP's ``zero_grad_buffer`` without zeroing the grouped experts' gradients (the gradient
+    buffers' ``reset``, which it calls, zeroes the rest of each buffer): their first pass of a step writes
+    its gradients into the buffer (:func:`weight_grads` copies instead of adding), so the zeroing and the
+    read of the zeros are saved (for Qwen3-30B-A3B's 8 layers, 19 GB of the step's
     traffic each). Where a layer's experts had no backward pass by the end of the step, ``finish_grad_sync``
     zeroes their gradients before the reduction. Not where DDP overlaps the reduction with the backward
     pass (a bucket's reduction may start before the step ends). Returns the groups of weights so treated."""
@@ -463,29 +467,15 @@ def defer_expert_zeroing(ddp: Any) -> int:
         if callable(getattr(m, "runs_grouped", None)) and m.runs_grouped():
             for name in ("linear_fc1", "linear_fc2"):
                 weights = m.in_token_order(name)
-                if all(hasattr(w, "main_grad") and hasattr(w, "grad_added_to_main_grad") for w in weights):
+                if in_ddp_buffers(weights):
                     groups.append(weights)
     if not groups:
         return 0
-    deferred = {w for ws in groups for w in ws}
-    to_zero = []  # the rest of every buffer, as the slices between the deferred weights
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
-        at = 0
-        spans = sorted((s, e) for p, (s, e, _) in buffer.param_index_map.items() if p in deferred)
-        for start, end in [*spans, (buffer.grad_data.numel(), buffer.grad_data.numel())]:
-            if start > at:
-                to_zero.append(buffer.grad_data[at:start])
-            at = max(at, end)
+        mine = [ws for ws in groups if any(w in buffer.param_index_map for w in (ws[0], ws[-1]))]
+        if mine:
+            buffer.reset = _reset_around(buffer, mine)
     finish = ddp.finish_grad_sync
-
-    def zero_grad_buffer() -> None:
-        for param in ddp.params_with_grad:
-            param.grad_added_to_main_grad = False
-        torch._foreach_zero_(to_zero)
-        for ws in groups:
-            ws[0].main_grad_unset = True
-        for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-            bucket_group.reset()
 
     def finish_grad_sync(*args: Any, **kwargs: Any) -> Any:
         unset = [w.main_grad for ws in groups if ws[0].main_grad_unset for w in ws]
@@ -495,5 +485,27 @@ def defer_expert_zeroing(ddp: Any) -> int:
             ws[0].main_grad_unset = False
         return finish(*args, **kwargs)
 
-    ddp.zero_grad_buffer, ddp.finish_grad_sync = zero_grad_buffer, finish_grad_sync
+    ddp.finish_grad_sync = finish_grad_sync
     return len(groups)
+
+
+def _reset_around(buffer: Any, groups: list[list[Any]]) -> Callable[[], None]:
+    """A gradient buffer's ``reset`` that zeroes it but for the slices of the ``groups``' weights, and marks
+    the groups unset (:func:`weight_grads` then writes their first gradients)."""
+    import torch
+
+    deferred = {w for ws in groups for w in ws}
+    spans = sorted((s, e) for p, (s, e, _) in buffer.param_index_map.items() if p in deferred)
+    rest, at = [], 0  # the slices between the deferred weights
+    for start, end in [*spans, (buffer.grad_data.numel(), buffer.grad_data.numel())]:
+        if start > at:
+            rest.append(buffer.grad_data[at:start])
+        at = max(at, end)
+
+    def reset() -> None:
+        if rest:
+            torch._foreach_zero_(rest)
+        for ws in groups:
+            ws[0].main_grad_unset = True
+
+    return reset
