@@ -179,9 +179,12 @@ def eager_moe(layer: Any) -> None:
     """What of a mixture-of-experts layer's MLP runs eagerly inside its compiled layer.
 
     Where the token dispatcher waits for nothing (one rank, :func:`snakellm.models.moe.one_rank_dispatch`),
-    the MLP is compiled with the layer but for three eager steps: the grouped experts (their backward
-    writes into DDP's buffers) and the router's aux-loss and z-loss bookkeeping, which takes the layer's
-    number as a constant (compiled, one recompilation a layer, past Dynamo's limit of 8).
+    none of it: the router, the dispatch and the grouped experts compile with the layer, the experts as an
+    operator opaque to the compiler where DDP's buffers take their gradients (:func:`snakellm.models.moe.
+    buffer_ops`; elsewhere they are a graph break: their eager backward writes into DDP's buffers), and
+    the router's aux-loss and z-loss bookkeeping traced without the layer's number as a constant
+    (:func:`snakellm.models.moe.trace_aux_losses`; megatron-core's recompiled once a layer, past Dynamo's
+    limit of 8).
 
     Elsewhere the whole MLP (router, token dispatcher, experts) is eager: megatron-core's alltoall
     dispatcher copies the split sizes to the host on a side stream and calls ``Tensor.record_stream``,
@@ -198,6 +201,8 @@ def eager_moe(layer: Any) -> None:
         return
     if not getattr(dispatcher, "waits_for_nothing", False):
         mlp.forward = torch.compiler.disable(mlp.forward)
+        return
+    if moe.trace_aux_losses(mlp.router):
         return
     for name in ("attach_and_log_load_balancing_loss", "apply_z_loss"):
         step = getattr(mlp.router, name, None)

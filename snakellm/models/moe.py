@@ -20,6 +20,7 @@ Torch-free to import: the config checks and ``snakellm plan`` use the counts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -218,9 +219,7 @@ def weight_grads(weights: tuple[Any, ...], x: Any, dy: Any, offs: Any) -> list[A
         return list(product(x, dy, offs).unbind(0))
     grads = [w.main_grad for w in weights]
     view = _known_view(grads)
-    first = getattr(weights[0], "main_grad_unset", False)  # the buffer holds last step's values: write, not add
-    if first:
-        weights[0].main_grad_unset = False
+    first = _take_unset(weights)  # the buffer holds last step's values: write, not add
     if view is None:
         parts = [g.to(grads[0].dtype) for g in product(x, dy, offs).unbind(0)]
         (torch._foreach_copy_ if first else torch._foreach_add_)(grads, parts)
@@ -228,13 +227,114 @@ def weight_grads(weights: tuple[Any, ...], x: Any, dy: Any, offs: Any) -> list[A
         if view[1]:  # the buffer's order is the experts' last first: so are the tokens, reversed
             counts = torch.diff(offs, prepend=offs.new_zeros(1))
             x, dy, offs = x.flip(0), dy.flip(0), counts.flip(0).cumsum(0).to(offs.dtype)
-        (view[0].copy_ if first else view[0].add_)(product(x, dy, offs))
+        into_buffer(view[0], product(x, dy, offs), first)
     out: list[Any] = []
     for w in weights:
         w.grad_added_to_main_grad = True
         hook = getattr(w, "ddp_hook_needs_grad", False)  # set by the assembly where DDP overlaps its reduction
         out.append(torch.empty(w.shape, dtype=dy.dtype, device=dy.device) if hook else None)
     return out
+
+
+def _take_unset(weights: Any) -> bool:
+    """Whether the experts' part of DDP's buffer is unset this step (:func:`defer_expert_zeroing`: the first
+    pass writes, not adds); it is set from then on. The mark is a host tensor, which a compiled layer's
+    opaque :func:`buffer_ops` read at run time (a Python attribute would be a constant to Dynamo)."""
+    unset = getattr(weights[0], "main_grad_unset", None)
+    if unset is None or not bool(unset):
+        return False
+    unset.fill_(False)
+    return True
+
+
+@functools.cache
+def buffer_ops() -> Any:
+    """``snakellm::experts_linear``: the grouped experts' product (``y = x W_e^T`` per expert, as
+    :func:`_grouped_linear_fn`) where DDP's buffers alone take the weights' gradients, as one operator
+    opaque to ``torch.compile``, so a compiled layer runs it in its graph (no graph break, no eager
+    autograd node). Its inputs are the experts' stacked weights ``w``, their stacked ``main_grad`` view
+    ``grad`` of DDP's buffer and its ``unset`` mark (:func:`buffer_path`); its backward
+    (``experts_linear_backward``) returns the input's gradient and writes (first pass of a step) or adds the
+    weights' gradients into ``grad``, which no other operator of the graph reads: a side effect on a buffer
+    outside the graph, as DDP's own hooks make."""
+    import torch
+
+    forward = "(Tensor x, Tensor offs, Tensor w, Tensor grad, Tensor unset) -> Tensor"
+
+    @torch.library.custom_op("snakellm::experts_linear", mutates_args=(), schema=forward)
+    def experts_linear(x: Any, offs: Any, w: Any, grad: Any, unset: Any) -> Any:
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+    @experts_linear.register_fake
+    def _(x: Any, offs: Any, w: Any, grad: Any, unset: Any) -> Any:
+        return x.new_empty((x.shape[0], w.shape[1]))
+
+    backward_schema = "(Tensor x, Tensor dy, Tensor offs, Tensor w, Tensor grad, Tensor unset) -> Tensor"
+
+    @torch.library.custom_op("snakellm::experts_linear_backward", mutates_args=(), schema=backward_schema)
+    def experts_linear_backward(x: Any, dy: Any, offs: Any, w: Any, grad: Any, unset: Any) -> Any:
+        dy = dy.contiguous()
+        first = bool(unset)
+        if first:
+            unset.fill_(False)
+        into_buffer(grad, torch._grouped_mm(dy.t(), x, offs=offs), first)  # [E, out, in]
+        return torch._grouped_mm(dy, w, offs=offs)
+
+    @experts_linear_backward.register_fake
+    def _(x: Any, dy: Any, offs: Any, w: Any, grad: Any, unset: Any) -> Any:
+        return dy.new_empty((dy.shape[0], w.shape[2]))
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(inputs[0], inputs[1])
+        ctx.rest = inputs[2:]  # not saved for autograd's version checks: the buffer and mark change each pass
+
+    def backward(ctx: Any, dy: Any) -> Any:
+        x, offs = ctx.saved_tensors
+        return experts_linear_backward(x, dy, offs, *ctx.rest), None, None, None, None
+
+    experts_linear.register_autograd(backward, setup_context=setup_context)
+    return experts_linear
+
+
+def buffer_path(experts: Any) -> dict[str, tuple[Any, Any, Any]] | None:
+    """For grouped experts whose weights' gradients go only into DDP's buffers and are deferred
+    (:func:`defer_expert_zeroing`): per ``linear_fc1``/``linear_fc2``, the stacked weights, the stacked
+    ``main_grad`` view and the unset mark that :func:`buffer_ops` take, when both stack as views in the
+    tokens' order (:func:`pack_experts`, DDP's buffer laid out last expert first: the gradients' view is
+    strided, each expert's fc1 and fc2 side by side); else None."""
+    buffer_ops()  # registered
+    out = {}
+    for name in ("linear_fc1", "linear_fc2"):
+        weights = experts.in_token_order(name)
+        if not grads_to_buffers_only_static(weights) or getattr(weights[0], "main_grad_unset", None) is None:
+            return None
+        w, g = stacked_view(weights), stacked_view([p.main_grad for p in weights])
+        if w is None or g is None or w[1] or g[1] or not w[0].is_contiguous():
+            return None
+        out[name] = (w[0], _own_version(g[0]), weights[0].main_grad_unset)
+    return out
+
+
+def _own_version(view: Any) -> Any:
+    """The same memory as ``view``, with a version counter of its own: a compiled layer saves the gradients'
+    view for its backward, and autograd checks that no in-place operation changed a saved tensor since;
+    every expert's gradients are views of one DDP buffer, whose shared counter every write moves."""
+    import torch
+
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    return alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
+def into_buffer(view: Any, product: Any, first: bool) -> None:
+    """The experts' bf16 weight gradients ``product`` ``[E, out, in]`` written (``first``) or added into their
+    fp32 ``main_grad`` ``view``, expert by expert: each expert's slice of DDP's buffer is contiguous, but the
+    view over all of them is strided (each expert's fc1 and fc2 lie side by side), where one copy runs
+    TensorIterator's element-wise kernel at about 1.8 TB/s (16 ms a step at Qwen3-30B-A3B's 8 layers on an
+    H200); the multi-tensor copy over the experts' slices reads and writes with vector loads."""
+    import torch
+
+    dst, src = view.unbind(0), product.unbind(0)
+    (torch._foreach_copy_ if first else torch._foreach_add_)(dst, src)
 
 
 def permute_without_sync(
@@ -264,6 +364,120 @@ def permute_without_sync(
     if probs is not None:
         permuted_probs = probs.T.reshape(-1).index_select(0, where[:, 0] * num_tokens + sorted_indices)
     return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+
+def trace_aux_losses(router: Any) -> bool:
+    """megatron-core's ``TopKRouter`` with its load-balancing loss and z-loss bookkeeping in a form a
+    compiled layer traces once for all layers; returns whether it applies (the ``aux_loss`` balancing type
+    or none, a layer number).
+
+    megatron-core's ``attach_and_log_load_balancing_loss`` and ``apply_z_loss`` save each layer's loss at
+    ``values[layer_number - 1]`` of its aux-loss tracker; traced, the layer's number is a constant to
+    Dynamo, which then compiles the layer once per layer. Here the same values go to the same tracker
+    entries (made beforehand, as megatron-core makes them on a first call) at an index held by a tensor
+    (``snakellm_slot``); the losses and their gradients are megatron-core's (``MoEAuxLossAutoScaler``'s, its
+    scale an input: :func:`_aux_loss_scaler`)."""
+    import types
+
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    cfg = router.config
+    if router.layer_number is None or cfg.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        return False
+    if getattr(router, "snakellm_slot", None) is not None:
+        return True
+    device = router.weight.device
+    tracker = get_moe_layer_wise_logging_tracker()
+    layers = cfg.num_layers + (cfg.mtp_num_layers or 0)
+    names = {"load_balancing_loss": router.tp_cp_group} if router.get_aux_loss_coeff("aux_loss") > 0 else {}
+    if cfg.moe_z_loss_coeff is not None:
+        names["z_loss"] = None
+    for name, group in names.items():
+        entry = tracker.setdefault(name, {})
+        if "values" not in entry:
+            entry["values"] = torch.zeros(layers, device=device)
+        entry.update(reduce_group=group, avg_group=None, reduce_group_has_dp=False)
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    if MoEAuxLossAutoScaler.main_loss_backward_scale is None:  # what its backward makes on a first call
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0, device=device)
+    router.snakellm_aux_scale = MoEAuxLossAutoScaler.main_loss_backward_scale  # set_loss_scale copies into it
+    router.snakellm_slot = torch.tensor([router.layer_number - 1], device=device)
+    router.attach_and_log_load_balancing_loss = types.MethodType(_attach_aux_loss, router)
+    router.apply_z_loss = types.MethodType(_apply_z_loss, router)
+    return True
+
+
+def _track(router: Any, name: str, loss: Any) -> None:
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    values = get_moe_layer_wise_logging_tracker()[name]["values"]
+    values.index_add_(0, router.snakellm_slot, loss.detach().reshape(1).to(values.dtype))
+
+
+@functools.cache
+def _aux_loss_scaler() -> Any:
+    import torch
+
+    class AuxLossScaler(torch.autograd.Function):
+        """megatron-core's ``MoEAuxLossAutoScaler`` (the output as it is; the auxiliary loss's gradient the
+        main loss's backward scale) with that scale an input: megatron-core's backward reads it from a class
+        attribute, which Dynamo does not trace (a graph break in every compiled layer, which then fell apart
+        into nine compiled regions)."""
+
+        @staticmethod
+        def forward(ctx: Any, output: Any, aux_loss: Any, scale: Any) -> Any:
+            ctx.save_for_backward(aux_loss, scale)
+            return output
+
+        @staticmethod
+        def backward(ctx: Any, grad_output: Any) -> Any:
+            aux_loss, scale = ctx.saved_tensors
+            return grad_output, torch.ones_like(aux_loss) * scale, None
+
+    return AuxLossScaler
+
+
+def _scaled(router: Any, activation: Any, aux_loss: Any) -> Any:
+    """(megatron-core's class attribute, read by Dynamo from the router: as the class's it is no tensor to it)"""
+    return _aux_loss_scaler().apply(activation, aux_loss, router.snakellm_aux_scale)
+
+
+def _attach_aux_loss(
+    self: Any,
+    activation: Any,
+    aux_loss_coeff: float,
+    aux_loss: Any,
+    aux_loss_name: str,
+    reduce_group: Any,
+    reduce_group_has_dp: bool = False,
+    valid_token_count: Any = None,
+) -> Any:
+    """megatron-core 0.16.1's ``TopKRouter.attach_and_log_load_balancing_loss`` (:func:`trace_aux_losses`)."""
+    _track(self, aux_loss_name, aux_loss / aux_loss_coeff)
+    if self.calculate_per_token_loss:
+        num_tokens = valid_token_count if valid_token_count is not None else activation.shape[0]
+        return _scaled(self, activation, aux_loss * num_tokens)
+    return _scaled(self, activation, aux_loss)
+
+
+def _apply_z_loss(self: Any, logits: Any, padding_mask: Any = None) -> Any:
+    """megatron-core 0.16.1's ``TopKRouter.apply_z_loss`` (:func:`trace_aux_losses`)."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import z_loss_func
+
+    if self.config.moe_z_loss_coeff is None or not (self.training and torch.is_grad_enabled()):
+        return logits
+    coeff = self.config.moe_z_loss_coeff / self.tp_cp_group.size()
+    z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
+    if self.calculate_per_token_loss:
+        num_tokens = (~padding_mask).sum() if padding_mask is not None else logits.shape[0]
+        logits = _scaled(self, logits, z_loss * num_tokens)
+    else:
+        logits = _scaled(self, logits, z_loss)
+    _track(self, "z_loss", z_loss / coeff)
+    return logits
 
 
 def one_rank_dispatch(dispatcher: Any) -> bool:
@@ -314,6 +528,11 @@ def one_rank_dispatch(dispatcher: Any) -> bool:
         tokens, dispatcher.tokens_per_expert = dispatcher.tokens_per_expert, None
         return global_input_tokens, tokens, global_probs
 
+    # megatron-core's preprocess moves its (here unused) sync point on a first call: made once here, so that a
+    # compiled layer does not recompile for the second call's value
+    import torch
+
+    dispatcher.preprocess(torch.zeros(1, dispatcher.num_experts, dtype=torch.bool))
     dispatcher.dispatch_preprocess = preprocess
     dispatcher.token_dispatch = lambda tokens, probs: (tokens, probs)  # the all-to-alls of one rank
     dispatcher.dispatch_postprocess = postprocess
@@ -359,10 +578,13 @@ def grads_to_buffers_only(x: Any, weights: list[Any]) -> bool:
     """Whether the experts' weights need no autograd gradient: DDP gave them ``main_grad`` buffers (all of a
     layer's experts alike, so the first and last stand for them), its hooks need not fire for them (no
     overlapped reduction) and the input carries a gradient, which makes autograd run the backward."""
+    return bool(x.requires_grad and grads_to_buffers_only_static(weights))
+
+
+def grads_to_buffers_only_static(weights: list[Any]) -> bool:
+    """:func:`grads_to_buffers_only` but for the input: what the model's setup decides."""
     ends = (weights[0], weights[-1])
-    return bool(
-        x.requires_grad and in_ddp_buffers(ends) and not any(getattr(w, "ddp_hook_needs_grad", False) for w in ends)
-    )
+    return in_ddp_buffers(ends) and not any(getattr(w, "ddp_hook_needs_grad", False) for w in ends)
 
 
 def grouped_experts_class() -> Any:
@@ -400,8 +622,11 @@ def grouped_experts_class() -> Any:
                 return super().forward(hidden, tokens_per_expert, probs)
             counts = torch.as_tensor(tokens_per_expert).to(device=hidden.device, dtype=torch.int64)
             offs = counts.cumsum(0).to(torch.int32)
-            fc1, fc2 = self.in_token_order("linear_fc1"), self.in_token_order("linear_fc2")
-            a = apply(hidden, offs, fc1)
+            path = getattr(self, "buffer_path", None)
+            if path is not None:  # an operator the compiled layer keeps in its graph (buffer_ops)
+                a = torch.ops.snakellm.experts_linear(hidden, offs, *path["linear_fc1"])
+            else:
+                a = apply(hidden, offs, self.in_token_order("linear_fc1"))
             if self.config.bias_activation_fusion:  # megatron-core's fused weighted SwiGLU (GPU)
                 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 
@@ -409,7 +634,9 @@ def grouped_experts_class() -> Any:
             else:
                 a1, a2 = a.chunk(2, dim=-1)
                 a = (self.config.activation_func(a1) * a2 * probs.unsqueeze(-1)).to(hidden.dtype)
-            return apply(a, offs, fc2), None
+            if path is not None:
+                return torch.ops.snakellm.experts_linear(a, offs, *path["linear_fc2"]), None
+            return apply(a, offs, self.in_token_order("linear_fc2")), None
 
     return GroupedExperts
 
@@ -462,15 +689,19 @@ def defer_expert_zeroing(ddp: Any) -> int:
 
     if ddp.ddp_config.overlap_grad_reduce:
         return 0
-    groups = []
+    groups, modules = [], []
     for m in ddp.module.modules():
         if callable(getattr(m, "runs_grouped", None)) and m.runs_grouped():
+            modules.append(m)
             for name in ("linear_fc1", "linear_fc2"):
                 weights = m.in_token_order(name)
                 if in_ddp_buffers(weights):
+                    weights[0].main_grad_unset = torch.zeros((), dtype=torch.bool)
                     groups.append(weights)
     if not groups:
         return 0
+    for m in modules:
+        m.buffer_path = buffer_path(m)
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
         mine = [ws for ws in groups if any(w in buffer.param_index_map for w in (ws[0], ws[-1]))]
         if mine:
@@ -478,11 +709,9 @@ def defer_expert_zeroing(ddp: Any) -> int:
     finish = ddp.finish_grad_sync
 
     def finish_grad_sync(*args: Any, **kwargs: Any) -> Any:
-        unset = [w.main_grad for ws in groups if ws[0].main_grad_unset for w in ws]
+        unset = [w.main_grad for ws in groups if _take_unset(ws) for w in ws]
         if unset:
             torch._foreach_zero_(unset)
-        for ws in groups:
-            ws[0].main_grad_unset = False
         return finish(*args, **kwargs)
 
     ddp.finish_grad_sync = finish_grad_sync
@@ -506,6 +735,6 @@ def _reset_around(buffer: Any, groups: list[list[Any]]) -> Callable[[], None]:
         if rest:
             torch._foreach_zero_(rest)
         for ws in groups:
-            ws[0].main_grad_unset = True
+            ws[0].main_grad_unset.fill_(True)
 
     return reset
