@@ -453,8 +453,9 @@ def test_compiled_layers_under_ddp_run_the_experts_and_the_aux_losses_in_their_g
         tracked = {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
         runs.append(({n: p.main_grad.clone() for n, p in model.named_parameters()}, tracked))
         if compiled:
-            breaks = " ".join(torch._dynamo.utils.counters["graph_break"])
-            assert "experts" not in breaks and "apply" not in breaks and "z_loss" not in breaks, breaks
+            breaks = " ".join(torch._dynamo.utils.counters["graph_break"])  # (on the CPU: its shims' few)
+            for what in ("experts", "apply", "z_loss", "disable", "Higher Order", "__build_class__", "mul"):
+                assert what not in breaks, breaks
     (ga, ta), (gb, tb) = runs
     assert any("local_experts" in n for n in ga) and ga.keys() == gb.keys()
     for n in ga:

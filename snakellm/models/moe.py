@@ -403,6 +403,7 @@ def trace_aux_losses(router: Any) -> bool:
     if MoEAuxLossAutoScaler.main_loss_backward_scale is None:  # what its backward makes on a first call
         MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0, device=device)
     router.snakellm_aux_scale = MoEAuxLossAutoScaler.main_loss_backward_scale  # set_loss_scale copies into it
+    router.snakellm_aux_scaler = _aux_loss_scaler()  # made here: a class made in a compiled layer breaks its graph
     router.snakellm_slot = torch.tensor([router.layer_number - 1], device=device)
     router.attach_and_log_load_balancing_loss = types.MethodType(_attach_aux_loss, router)
     router.apply_z_loss = types.MethodType(_apply_z_loss, router)
@@ -441,7 +442,7 @@ def _aux_loss_scaler() -> Any:
 
 def _scaled(router: Any, activation: Any, aux_loss: Any) -> Any:
     """(megatron-core's class attribute, read by Dynamo from the router: as the class's it is no tensor to it)"""
-    return _aux_loss_scaler().apply(activation, aux_loss, router.snakellm_aux_scale)
+    return router.snakellm_aux_scaler.apply(activation, aux_loss, router.snakellm_aux_scale)
 
 
 def _attach_aux_loss(
