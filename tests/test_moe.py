@@ -409,6 +409,7 @@ def test_the_permutation_without_host_synchronisation_is_megatrons():
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # Dynamo compiles two models' layers (10-20 s on 2 cores)
 def test_compiled_layers_under_ddp_run_the_experts_and_the_aux_losses_in_their_graph():
     """At one rank under megatron-core DDP (no overlap, the experts' zeroing deferred, as the assembly sets
     it), a compiled layer keeps the grouped experts (``snakellm::experts_linear``, its backward writing

@@ -167,8 +167,8 @@ def _finish(model: Any, cfg: dict[str, Any], *, moe_experts: str, fp8: str | Non
 
 
 def compile_each_layer(layers: Any) -> None:
-    """``torch.compile`` each transformer layer (static shapes), whole: see :func:`pass_tp_group`; a mixture of
-    experts' MLP stays eager inside it (:func:`eager_moe`)."""
+    """``torch.compile`` each transformer layer (static shapes), whole: see :func:`pass_tp_group`; what of a
+    mixture of experts' MLP stays eager inside it: :func:`eager_moe`."""
     pass_tp_group()
     for layer in layers:
         eager_moe(layer)

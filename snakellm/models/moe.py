@@ -601,7 +601,7 @@ def grouped_experts_class() -> Any:
     import torch
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    # eager inside a compiled layer: its backward writes into DDP's buffers and marks the weights
+    # eager inside a compiled layer where buffer_ops does not serve: its backward writes into DDP's buffers and marks the weights
     grouped = _grouped_linear_fn().apply
 
     @torch.compiler.disable
