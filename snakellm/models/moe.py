@@ -241,7 +241,12 @@ def _take_unset(weights: Any) -> bool:
     pass writes, not adds); it is set from then on. The mark is a host tensor, which a compiled layer's
     opaque :func:`buffer_ops` read at run time (a Python attribute would be a constant to Dynamo)."""
     unset = getattr(weights[0], "main_grad_unset", None)
-    if unset is None or not bool(unset):
+    return unset is not None and _take_mark(unset)
+
+
+def _take_mark(unset: Any) -> bool:
+    """Whether the host tensor ``unset`` is set; it is cleared from then on."""
+    if not bool(unset):
         return False
     unset.fill_(False)
     return True
@@ -274,10 +279,7 @@ def buffer_ops() -> Any:
     @torch.library.custom_op("snakellm::experts_linear_backward", mutates_args=(), schema=backward_schema)
     def experts_linear_backward(x: Any, dy: Any, offs: Any, w: Any, grad: Any, unset: Any) -> Any:
         dy = dy.contiguous()
-        first = bool(unset)
-        if first:
-            unset.fill_(False)
-        into_buffer(grad, torch._grouped_mm(dy.t(), x, offs=offs), first)  # [E, out, in]
+        into_buffer(grad, torch._grouped_mm(dy.t(), x, offs=offs), _take_mark(unset))  # [E, out, in]
         return torch._grouped_mm(dy, w, offs=offs)
 
     @experts_linear_backward.register_fake
@@ -380,7 +382,7 @@ def trace_aux_losses(router: Any) -> bool:
     import types
 
     import torch
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
 
     cfg = router.config
     if router.layer_number is None or cfg.moe_router_load_balancing_type not in ("aux_loss", "none"):
@@ -398,8 +400,6 @@ def trace_aux_losses(router: Any) -> bool:
         if "values" not in entry:
             entry["values"] = torch.zeros(layers, device=device)
         entry.update(reduce_group=group, avg_group=None, reduce_group_has_dp=False)
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
     if MoEAuxLossAutoScaler.main_loss_backward_scale is None:  # what its backward makes on a first call
         MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0, device=device)
     router.snakellm_aux_scale = MoEAuxLossAutoScaler.main_loss_backward_scale  # set_loss_scale copies into it
