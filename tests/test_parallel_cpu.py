@@ -181,7 +181,9 @@ def test_distributed_optimizer_over_many_overlapped_buckets(tmp_path):
     probe = Path(__file__).parent / "distopt_buckets_probe.py"
     res = run_probe([*TORCHRUN[:-1], str(probe)], tmp_path)
     assert res["buckets"] >= 8
-    for precision, (loss_rtol, norm_rtol) in {"fp32": (1e-6, 1e-6), "bf16": (1e-4, 1e-3)}.items():
+    # bf16: the sharded optimizer sums the gradient norm in another order (a float32 rounding in the clip
+    # factor); the few bf16 weights that round the other way (2^-8) move a loss by ~1e-4 of itself in 8 steps
+    for precision, (loss_rtol, norm_rtol) in {"fp32": (1e-6, 1e-6), "bf16": (5e-4, 1e-3)}.items():
         rep, dist = res["steps"][precision]["replicated"], res["steps"][precision]["distributed"]
         for (la, na), (lb, nb) in zip(rep, dist, strict=True):
             assert abs(la - lb) <= loss_rtol * la and abs(na - nb) <= norm_rtol * na, (precision, rep, dist)
