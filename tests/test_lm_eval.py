@@ -79,6 +79,7 @@ def test_the_wikipedia_text_is_held_out_from_the_default_corpus(built):
     assert len(probes) == 360 and not [p for p in probes if p in joined]
 
 
+@pytest.mark.slow  # lm-eval's TaskManager indexes its task registry: ~5 s, the fast tier's 90 s has no room
 def test_lm_eval_loads_the_tasks_from_include_path(built):
     pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager

@@ -332,6 +332,7 @@ def test_lora_adapts_a_moe_models_attention_and_names_what_it_cannot():
     assert len(dict(lora.named_adapters())) == 4  # 2 layers x 2 attention linears
 
 
+@pytest.mark.slow  # torch.compile of two layers on the CPU: 3-9 s apiece, the fast tier's 90 s has no room
 @pytest.mark.parametrize("one_rank", [True, False])
 def test_compiled_layers_keep_what_dynamo_cannot_take_of_the_mixture_of_experts_eager(one_rank: bool):
     """compile_each_layer's eager_moe: where the dispatcher waits for nothing (one rank) the MoE MLP compiles
