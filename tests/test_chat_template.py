@@ -56,6 +56,7 @@ def _trained_text(hf, ids, mask):
     return hf.decode([t for t, m in zip(ids, mask, strict=True) if m])
 
 
+@pytest.mark.slow  # transformers' tokenizers and templates: ~1-2 s each; the fast tier's 90 s has no room
 @pytest.mark.parametrize(
     ("name", "family"), [("qwen2_5", "chatml"), ("llama3", "llama3"), ("chatml", "chatml"), ("mistral", "mistral")]
 )
@@ -90,6 +91,7 @@ def test_render_ids_and_unmarked_mask(tmp_path, name, family):
         assert ct.encode_chat(template, tok, conv, "all")[1] == [1] * len(ids)
 
 
+@pytest.mark.slow  # TRL's and transformers' templates: ~1 s each; the fast tier's 90 s has no room
 @pytest.mark.parametrize(("plain", "marked", "family"), [("llama3", "llama3_training", "llama3"),
                                                          ("qwen2_5", "qwen2_5_training", "chatml")])  # fmt: skip
 def test_marked_templates_match_transformers_and_trl(tmp_path, plain, marked, family):

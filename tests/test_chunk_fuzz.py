@@ -193,6 +193,7 @@ def ref_lines(data: bytes) -> list[bytes]:
 # ----------------------------------------------------------------- the property
 
 
+@pytest.mark.slow  # hypothesis's 150 examples: ~6 s; the fast tier's 90 s has no room
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(shards=st.lists(shard(), min_size=1, max_size=3), fmt=st.sampled_from(["jsonl", "jsonl.zst", "jsonl.gz"]))
 def test_chunk_never_loses_a_line_silently(tmp_path_factory, shards, fmt):

@@ -25,6 +25,7 @@ def gen(request, tmp_path_factory):
 PROMPTS = ["The quick brown fox", "A", "It was the best of times, it was the worst of times"]
 
 
+@pytest.mark.slow  # ~2 s each; the fast tier's 90 s has no room
 def test_cached_greedy_equals_full_forward_greedy(gen):
     from snakellm.serve.generate import SamplingParams
 
@@ -77,6 +78,7 @@ def test_ptuning_prefix_equals_full_forward_with_the_prompt_encoder(gen):
         pt.remove()
 
 
+@pytest.mark.slow  # ~2 s each; the fast tier's 90 s has no room
 def test_sampling_controls(gen):
     from snakellm.serve.generate import GenerationError, SamplingParams
 

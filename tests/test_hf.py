@@ -41,6 +41,7 @@ EXPORT_CASES = {
 }
 
 
+@pytest.mark.slow  # transformers' model and generate: ~1-2 s each; the fast tier's 90 s has no room
 @pytest.mark.parametrize("case", list(EXPORT_CASES))
 def test_export_loads_in_transformers_with_same_logits_and_greedy(case, tmp_path, spm_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer

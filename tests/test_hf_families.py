@@ -97,6 +97,7 @@ def _save(config, src: Path, spm: Path):
     return save_random_hf(config, src, spm, {"eos_token": "</s>", "chat_template": TEMPLATE})
 
 
+@pytest.mark.slow  # transformers' model and generate for each family; the fast tier's 90 s has no room
 @pytest.mark.parametrize("case", list(_configs()))
 def test_family_import_generate_export_against_transformers(case, tmp_path, spm_model):
     from transformers import AutoModelForCausalLM

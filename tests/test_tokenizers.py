@@ -68,6 +68,7 @@ def test_gpt2_ids_identical_to_openai_reference_bpe_on_corpus(gpt2, texts):
     assert 50256 not in ours[len(all_documents()) + 1]  # "<|endoftext|>" in text is not the EOD id
 
 
+@pytest.mark.slow  # three tokenizers over the corpus: ~3 s; the fast tier's 90 s has no room
 def test_gpt2_ids_identical_to_tokenizers_and_transformers(gpt2, texts):
     hf = HFTokenizer(models.BPE.from_file(str(GPT2_VOCAB), str(GPT2_MERGES)))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -125,6 +126,7 @@ def chunk_files(tmp_path_factory):
     ]
 
 
+@pytest.mark.slow  # trains and runs sentencepiece models: ~2 s each; the fast tier's 90 s has no room
 @pytest.mark.parametrize(
     "settings",
     [dict(model_type="bpe", vocab_size=2000), dict(model_type="unigram", vocab_size=1000, byte_fallback=True)],
