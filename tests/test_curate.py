@@ -110,6 +110,7 @@ def test_each_filter_names_the_rule_a_document_fails():
         filters.build({"filters": {"gopher_quality": {"min_words": 3}}})
 
 
+@pytest.mark.slow  # datatrove's filters: ~2 s; the fast tier's 90 s has no room
 def test_the_judge_gives_datatrove_filters_own_verdicts():
     from datatrove.data import Document
 

@@ -457,6 +457,7 @@ def test_simpo_equals_trl_cpotrainer(tiny, tmp_path):
     assert abs(stats["rewards/margins"].item() - (chosen_r - rejected_r).mean().item()) < 1e-6
 
 
+@pytest.mark.slow  # ~2 s; the fast tier's 90 s has no room
 def test_the_fine_tune_page_draws_the_preference_metrics_only_for_dpo(tmp_path):
     """A DPO fine-tune's report page: reward accuracy and margins per step, chosen and rejected rewards, the
     held-out test metrics, and the base-vs-tuned table of its comparison where given; an SFT fine-tune's page has

@@ -103,6 +103,7 @@ def test_requests_join_mid_flight_and_get_their_tokens_alone(gen, pipelined):
     assert sorted(eng.free) == [0, 1] and not eng.running
 
 
+@pytest.mark.slow  # ~0.5 s each; the fast tier's 90 s has no room
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_greedy_controls_equal_eager(gen, pipelined):
     """Repetition penalty, min_new_tokens with EOD, end strings: the eager decoder's tokens and reasons

@@ -64,6 +64,7 @@ def save_tiny(config, src: Path, spm: Path):
     return save_random_hf(config, src, spm, {"eos_token": "</s>"})
 
 
+@pytest.mark.slow  # transformers' MoE models and generate: ~1 s each; the fast tier's 90 s has no room
 @pytest.mark.parametrize("case", list(_configs()))
 def test_moe_import_generate_export_against_transformers(case, tmp_path, spm_model):
     from transformers import AutoModelForCausalLM

@@ -30,6 +30,7 @@ def _run(*argv: str, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a CLI process a step (31): ~10 s; the fast tier's 90 s has no room
 @pytest.mark.parametrize("step", list(STEPS))
 def test_a_bad_flag_is_a_usage_error(step):
     p = _run(step, "--no-such-flag")
