@@ -454,8 +454,8 @@ def test_lora_finetune_on_an_fp8_base_follows_bf16(tmp_path, parallel, any_devic
 
 
 # ~200 s alone on 2 cores, 235-300 s in CI beside another worker: two real `snakellm finetune` + `snakellm evaluate`
-# runs, the GPU check's own path; the FP8 fine-tune is 85% of it (its bf16 GPT-2 output layer: CI's CPUs have no
-# bf16 matrix units, ~2.5 GFLOP/s against fp32's 28); fewer steps would not memorise the questions it compares
+# runs, the GPU check's own path; the FP8 fine-tune is ~80% of it (its bf16 GPT-2 output layer: this 2-core machine's
+# CPU, AVX2 without bf16 matrix units, ~2.5 GFLOP/s against fp32's 28); fewer steps would not memorise the questions
 @pytest.fixture(scope="module")
 def fp8_lora_smoke(tmp_path_factory):
     """The check script's smoke, run once (a shared fixture: two fine-tunes and two evaluations)."""
