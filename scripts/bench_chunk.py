@@ -9,9 +9,12 @@ megabytes), timed as
 in MB/s of decompressed input.
 
 parquet: FineWeb-shaped files (text, id, dump, url, file_path, language, language_score, token_count; snappy,
-row groups of 1,000 rows; --parquet-mb of text), one core each (pyarrow's CPU pool set to 1 thread), best of 2:
-  1. pyarrow reading the text column into Python strings, file by file (the ceiling: any reader pays it)
-  2. snakellm chunk (every column, validated, written as jsonl, verified, hashed, published atomically)
+row groups of 1,000 rows; --parquet-mb of text), one core each (pyarrow's CPU pool set to 1 thread), CPU
+seconds, best of --repeat (removing the last run's outputs untimed):
+  1. pyarrow reading the text column (memory-mapped) into Python strings, file by file (the ceiling: any
+     reader pays it)
+  2. snakellm chunk (every column, validated, written as jsonl by its C writer, verified, hashed, published
+     atomically), and the same stage on its orjson path (an install without a C compiler)
   3. datatrove's ParquetReader -> JsonlWriter (compression off) on the same files
 in MB/s of text (UTF-8 bytes of the text column).
 
@@ -20,7 +23,7 @@ metadata records, a 404 and a non-HTML response among them: snakellm chunk again
 Trafilatura, in HTML documents per second.
 
 usage: .venv/bin/python scripts/bench_chunk.py [--mb 200] [--shards 16] [--parquet-mb 200] [--pages 2000]
-                                               [--formats jsonl,parquet,warc] [--smoke]
+                                               [--repeat 5] [--formats jsonl,parquet,warc] [--smoke]
 """
 
 from __future__ import annotations
@@ -114,11 +117,13 @@ def bench_jsonl(a: argparse.Namespace, tmp: Path, docs: list[bytes]) -> None:
         )
 
 
-def _best(fn, n: int = 2) -> tuple[float, float]:
+def _best(fn, n: int = 2, setup=None) -> tuple[float, float]:
     """The best of ``n`` runs: (CPU seconds of this process, wall seconds). Per core is CPU time: the machine's
-    other load and the page cache's writeback do not enter it."""
+    other load and the page cache's writeback do not enter it. ``setup`` (untimed) runs before each."""
     times = []
     for _ in range(n):
+        if setup is not None:
+            setup()
         c, t = time.process_time(), time.perf_counter()
         fn()
         times.append((time.process_time() - c, time.perf_counter() - t))
@@ -171,6 +176,7 @@ def bench_parquet(a: argparse.Namespace, tmp: Path, docs: list[bytes]) -> None:
     from datatrove.pipeline.readers import ParquetReader
     from datatrove.pipeline.writers import JsonlWriter
 
+    from snakellm.data import columnar_jsonl
     from snakellm.data.chunk import build_chunk
 
     pa.set_cpu_count(1)  # per core: pyarrow decodes columns on its CPU pool otherwise
@@ -184,32 +190,48 @@ def bench_parquet(a: argparse.Namespace, tmp: Path, docs: list[bytes]) -> None:
     out = tmp / "pq-out"
     out.mkdir()
 
-    def ceiling() -> None:
+    def ceiling() -> None:  # memory-mapped, as the chunk stage reads them
         for p in paths:
-            for b in pq.ParquetFile(p).iter_batches(columns=["text"], use_threads=False):
+            for b in pq.ParquetFile(p, memory_map=True).iter_batches(columns=["text"], use_threads=False):
                 b.column(0).to_pylist()
 
-    def ours() -> None:
+    def clean() -> None:  # the last run's outputs: removing them is no work of the stage
         for f in out.glob("snakellm.*"):
             f.unlink()
+        shutil.rmtree(out / "datatrove", ignore_errors=True)
+
+    def ours() -> None:
         st = build_chunk([str(p) for p in paths], str(out / "snakellm.jsonl"), fmt="parquet", show_progress=False)
         assert st["documents"] == st["lines_read"] > 0
 
     def theirs() -> None:
-        shutil.rmtree(out / "datatrove", ignore_errors=True)
         w = JsonlWriter(str(out / "datatrove"), compression=None)
         for _ in w.run(ParquetReader(str(tmp / "parquet"), glob_pattern="*.parquet").run()):
             pass
 
-    (c_ceil, w_ceil), (c_ours, w_ours), (c_dt, w_dt) = _best(ceiling), _best(ours), _best(theirs)
+    writer = "C writer" if columnar_jsonl.AVAILABLE else "orjson path: snakellm/data/_jsonl.c is not built"
+    (c_ceil, w_ceil), (c_ours, w_ours) = _best(ceiling, a.repeat), _best(ours, a.repeat, clean)
+    c_dt, w_dt = _best(theirs, a.repeat, clean)
+    c_py = None
+    if columnar_jsonl.AVAILABLE:  # the same stage without the C writer: what an install without a compiler gets
+        columnar_jsonl.AVAILABLE = False
+        try:
+            c_py, _ = _best(ours, a.repeat, clean)
+        finally:
+            columnar_jsonl.AVAILABLE = True
     mb = text_bytes / 1e6
     print(
         f"  pyarrow text column -> str  {mb / c_ceil:8.1f} MB/s per core  ({c_ceil:.2f} s CPU, {w_ceil:.2f} s wall; the ceiling)"
     )
     print(
         f"  snakellm chunk -t1          {mb / c_ours:8.1f} MB/s per core  ({c_ours:.2f} s CPU, {w_ours:.2f} s wall; "
-        f"{c_ceil / c_ours:.2f}x pyarrow's read, {c_dt / c_ours:.1f}x datatrove)"
+        f"{c_ceil / c_ours:.2f}x pyarrow's read, {c_dt / c_ours:.1f}x datatrove; {writer})"
     )
+    if c_py is not None:
+        print(
+            f"  snakellm chunk, orjson path {mb / c_py:8.1f} MB/s per core  ({c_py:.2f} s CPU; "
+            f"{c_ceil / c_py:.2f}x pyarrow's read; the C writer is {c_py / c_ours:.2f}x it)"
+        )
     print(f"  datatrove Parquet->Jsonl    {mb / c_dt:8.1f} MB/s per core  ({c_dt:.2f} s CPU, {w_dt:.2f} s wall)")
 
 
@@ -287,6 +309,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=16)
     ap.add_argument("--parquet-mb", type=float, default=200, help="parquet: MB of text (default 200)")
     ap.add_argument("--parquet-files", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=5, help="parquet: best of this many runs of each (default 5)")
     ap.add_argument("--pages", type=int, default=2000, help="warc: response records (default 2000)")
     ap.add_argument("--warc-files", type=int, default=2)
     ap.add_argument("--formats", default="jsonl,parquet,warc", help="which parts to run (default all three)")
@@ -294,6 +317,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.smoke:
         a.mb, a.shards, a.parquet_mb, a.parquet_files, a.pages, a.warc_files = 1.0, 2, 1.0, 2, 40, 1
+        a.repeat = 1
     formats = a.formats.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="snakellm-bench-chunk-"))
     try:

@@ -33,9 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import orjson
 
 from snakellm.config.sections import COLUMNAR_FORMATS, SOURCE_FORMATS
+from snakellm.data import columnar_jsonl as cj
+from snakellm.data.columnar_jsonl import jsonable as _jsonable
 from snakellm.data.planning import describe, shard_identity, split_slice
 from snakellm.errors import DataError, StepFailed
 from snakellm.io.atomic import atomic_group
@@ -272,6 +275,7 @@ class _Tally:
         self.skipped: Counter[str] = Counter()
         self.counts: Counter[str] = Counter()
         self.lines = self.docs = self.bytes_in = self.bytes_out = 0
+        self.buf = bytearray()  # the columnar batches' jsonl, reused batch after batch (columnar_jsonl.records)
 
     def reject(self, lineno: int, reason: str, raw: bytes, **extra: object) -> None:
         self.reasons[reason] += 1
@@ -291,13 +295,6 @@ class _Tally:
         self.reasons[reason] += 1
         rec = {"shard": self.label, **where, "reason": reason, **extra, "content": content}
         self.fr.write(orjson.dumps(rec, default=_jsonable) + b"\n")
-
-
-def _jsonable(v: object) -> object:
-    """A column value orjson has no type for (bytes, Decimal, a time delta ...) as JSON can hold it."""
-    if isinstance(v, bytes | bytearray | memoryview):
-        return bytes(v).decode("utf-8", "backslashreplace")
-    return str(v)
 
 
 def _jsonl_lines(t: _Tally, lines: Iterator[bytes], key: str, fo: BinaryIO) -> None:
@@ -420,52 +417,176 @@ def _columnar_shard(
             )
         has_id = id_key in names
         read = [key, *([id_key] if has_id else []), *keep]
-        first_other = 1 + has_id
-        limit = lim.max_document_bytes
-        dumps, label, write, reject = orjson.dumps, t.label, fo.write, t.reject_at
+        row_of = (lambda unit: c.offsets[unit]) if fmt == "parquet" else None
+        shape = _Shape(fmt, key, read, keep, has_id, lim.max_document_bytes)
         last_unit, row = -1, 0
         for unit, batch in c.batches(read, units):
-            if fmt == "parquet" and unit != last_unit:
-                row, last_unit = c.offsets[unit], unit
+            if row_of is not None and unit != last_unit:
+                row, last_unit = row_of(unit), unit
             t.bytes_in += batch.nbytes
-            cols = [batch.column(j).to_pylist() for j in range(len(read))]
-            texts, ids, others = cols[0], cols[1] if has_id else None, cols[first_other:]
-            for i, text in enumerate(texts):
-                r = row + i
-                t.lines += 1
-                if (
-                    type(text) is not str
-                    or not text
-                    or text.isspace()
-                    or (limit is not None and len(text) * 4 > limit and len(text.encode("utf-8")) > limit)
-                ):
-                    rec_all = {n: v[i] for n, v in zip(read, cols, strict=True)}
-                    where = {"row": r, **({"row_group": unit} if fmt == "parquet" else {"batch": unit})}
-                    if text is None:
-                        reject(where, "null_text", dumps(rec_all, default=_jsonable).decode())
-                    elif type(text) is not str:
-                        reject(where, "not_string", dumps(rec_all, default=_jsonable).decode())
-                    elif not text or text.isspace():
-                        reject(where, "empty_text", dumps(rec_all, default=_jsonable).decode())
-                    else:
-                        size = len(text.encode("utf-8"))
-                        reject(where, "too_long", text[:1024], bytes=size, content_truncated_to=1024)
-                    continue
-                doc_id = ids[i] if ids is not None else None
-                if doc_id is None:
-                    doc_id = f"{label}/{r}"
-                    t.counts["ids_generated"] += 1
-                rec = {key: text, "id": doc_id}
-                for name, v in zip(keep, others, strict=True):
-                    rec[name] = v[i]
-                line = dumps(rec, default=_jsonable, option=orjson.OPT_APPEND_NEWLINE)
-                write(line)
-                t.bytes_out += len(line)
-                t.docs += 1
-            row += len(texts)
+            if not (cj.AVAILABLE and _arrow_batch(t, batch, shape, unit, row, fo)):
+                _python_batch(t, batch, shape, unit, row, fo)
+            row += batch.num_rows
         return {"schema": col.schema_of(c)}
     finally:
         c.close()
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a columnar shard's batches hold: the columns read (text, id, kept) and the record's shape."""
+
+    fmt: str
+    key: str
+    read: list[str]
+    keep: list[str]
+    has_id: bool
+    limit: int | None
+
+
+def _where(shape: _Shape, unit: int, r: int) -> dict:
+    return {"row": r, **({"row_group": unit} if shape.fmt == "parquet" else {"batch": unit})}
+
+
+def _reject_row(t: _Tally, shape: _Shape, where: dict, rec_all: dict, reason: str) -> None:
+    """Quarantine one row that is no document (null, not a string, empty, too long), as both paths do."""
+    text = rec_all[shape.key]
+    if reason == "too_long":
+        size = len(text.encode("utf-8"))
+        t.reject_at(where, "too_long", text[:1024], bytes=size, content_truncated_to=1024)
+    else:
+        t.reject_at(where, reason, orjson.dumps(rec_all, default=_jsonable).decode())
+
+
+def _python_batch(t: _Tally, batch, shape: _Shape, unit: int, row: int, fo: BinaryIO) -> None:
+    """One batch's records through Python values and orjson (no C writer, or a text column of another type)."""
+    read, keep, limit, key = shape.read, shape.keep, shape.limit, shape.key
+    try:
+        cols, bad = [batch.column(j).to_pylist() for j in range(len(read))], {}
+    except UnicodeDecodeError:  # pyarrow does not check UTF-8: find the rows
+        bad = _invalid_utf8_rows(batch, shape)
+        cols = [[None if i in bad else v.as_py() for i, v in enumerate(batch.column(j))] for j in range(len(read))]
+    texts, ids, others = cols[0], cols[1] if shape.has_id else None, cols[1 + shape.has_id :]
+    dumps, label, write = orjson.dumps, t.label, fo.write
+    for i, text in enumerate(texts):
+        r = row + i
+        t.lines += 1
+        if i in bad:
+            _reject_utf8(t, batch, shape, _where(shape, unit, r), i, bad[i])
+            continue
+        if (
+            type(text) is not str
+            or not text
+            or text.isspace()
+            or (limit is not None and len(text) * 4 > limit and len(text.encode("utf-8")) > limit)
+        ):
+            rec_all = {n: v[i] for n, v in zip(read, cols, strict=True)}
+            if text is None:
+                reason = "null_text"
+            elif type(text) is not str:
+                reason = "not_string"
+            elif not text or text.isspace():
+                reason = "empty_text"
+            else:
+                reason = "too_long"
+            _reject_row(t, shape, _where(shape, unit, r), rec_all, reason)
+            continue
+        doc_id = ids[i] if ids is not None else None
+        if doc_id is None:
+            doc_id = f"{label}/{r}"
+            t.counts["ids_generated"] += 1
+        rec = {key: text, "id": doc_id}
+        for name, v in zip(keep, others, strict=True):
+            rec[name] = v[i]
+        line = dumps(rec, default=_jsonable, option=orjson.OPT_APPEND_NEWLINE)
+        write(line)
+        t.bytes_out += len(line)
+        t.docs += 1
+
+
+def _invalid_utf8_rows(batch, shape: _Shape) -> dict[int, str]:
+    """Row -> the first column whose string is not UTF-8 there (pyarrow does not check it)."""
+    bad: dict[int, str] = {}
+    for name, arr in zip(shape.read, batch.columns, strict=True):
+        if cj.strings(arr) is None:
+            continue
+        for i, v in enumerate(arr):
+            if i not in bad:
+                try:
+                    v.as_py()
+                except UnicodeDecodeError:
+                    bad[i] = name
+    return bad
+
+
+def _reject_utf8(t: _Tally, batch, shape: _Shape, where: dict, i: int, name: str) -> None:
+    """Quarantine a row whose string in column ``name`` is not UTF-8, that string's bytes \\xNN-escaped."""
+    import pyarrow as pa
+
+    raw = batch.column(shape.read.index(name)).cast(pa.binary())[i].as_py()
+    t.reject_at(where, "invalid_utf8", raw.decode("utf-8", "backslashreplace"), column=name)
+
+
+def _arrow_batch(t: _Tally, batch, shape: _Shape, unit: int, row: int, fo: BinaryIO) -> bool:
+    """One batch's records by the C writer (:mod:`snakellm.data.columnar_jsonl`), byte for byte what
+    :func:`_python_batch` writes; False (nothing done) when its text column holds no strings."""
+    texts = cj.strings(batch.column(0))
+    if texts is None or shape.key == "id":
+        return False
+    n = batch.num_rows
+    codes = cj.text_codes(texts, shape.limit)
+    names = [shape.key, shape.read[1] if shape.has_id else "id", *shape.keep]
+    first, *rest = [orjson.dumps(k) for k in [shape.key, "id", *shape.keep]]
+    prefixes = [b"{" + first + b":", *(b"," + k + b":" for k in rest)]
+    id_col, generated = _ids(t, batch, shape, row, prefixes[1])
+    columns = [cj.column(prefixes[0], texts), id_col]
+    columns += [cj.column(p, batch.column(1 + shape.has_id + j)) for j, p in enumerate(prefixes[2:])]
+    bad: dict[int, str] = {}
+    while True:
+        try:
+            out = cj.records(n, columns, codes, t.buf)
+            break
+        except cj.InvalidUTF8 as e:  # quarantined below; the batch is written again without that row
+            j, i = e.args
+            bad[i], codes[i] = names[j], 255
+    t.lines += n
+    for i in np.flatnonzero(codes).tolist():
+        where = _where(shape, unit, row + i)
+        if i in bad:
+            _reject_utf8(t, batch, shape, where, i, bad[i])
+            continue
+        try:
+            rec_all = batch.slice(i, 1).to_pylist()[0]
+        except UnicodeDecodeError:  # another of its columns is not UTF-8: that is its reason, as on the other path
+            _reject_utf8(t, batch, shape, where, i, _invalid_utf8_rows(batch.slice(i, 1), shape)[0])
+            continue
+        reason = {cj.NULL: "null_text", cj.EMPTY: "empty_text", cj.TOO_LONG: "too_long"}[int(codes[i])]
+        _reject_row(t, shape, where, rec_all, reason)
+    if generated is not None:
+        t.counts["ids_generated"] += int(np.count_nonzero(generated & (codes == 0)))
+    with out:
+        fo.write(out)
+        t.bytes_out += len(out)
+    t.docs += n - int(np.count_nonzero(codes))
+    return True
+
+
+def _ids(t: _Tally, batch, shape: _Shape, row: int, prefix: bytes) -> tuple[tuple, np.ndarray | None]:
+    """The id column for the C writer, and which rows got a generated ``{shard}/{row}`` id (None: none)."""
+    import pyarrow as pa
+
+    n = batch.num_rows
+    if not shape.has_id:
+        gen = pa.array([f"{t.label}/{row + i}" for i in range(n)], type=pa.string())
+        return cj.column(prefix, gen), np.ones(n, dtype=bool)
+    ids = batch.column(1)
+    if not ids.null_count:
+        return cj.column(prefix, ids), None
+    nulls = ids.is_null().to_numpy(zero_copy_only=False)
+    py = ids.to_pylist()
+    for i in np.flatnonzero(nulls).tolist():
+        py[i] = f"{t.label}/{row + i}"
+    return (prefix, 2, cj.rendered(py, pa.string()), None, None, 0), nulls
 
 
 def _sha256_file(path: str) -> str:
