@@ -17,7 +17,12 @@ TP 4 >= 40%.
     python scripts/bench_train_8b_gpu.py --cases llama8k-fsdp,gpt8b-tp4
     python scripts/bench_train_8b_gpu.py --case 'mine=llama3-8b:8192:--fsdp --micro-batch-size 1'
     python scripts/bench_train_8b_gpu.py --list
+    python scripts/bench_train_8b_gpu.py --nproc 8               # issue 48's cases on 8 GPUs (its bars)
+    python scripts/bench_train_8b_gpu.py --nproc 8 --cases moe   # issue 49: Qwen3-30B-A3B, Mixtral 8x7B at EP 8
     python scripts/bench_train_8b_gpu.py --smoke                 # CPU, tiny models, seconds: the same path
+
+A mixture of experts' MFU counts its active parameters (the router's top-k experts), as
+``snakellm.models.counts.flops_per_token`` does for the training's own MFU.
 """
 
 from __future__ import annotations
@@ -48,6 +53,20 @@ ANCHORS = [
     ("bar: Llama 3.1 8B seq 8192, 50% MFU on 4 x 80 GB", None),
     ("bar: GPT 8B (slimpajama-gpt-8b.yaml) TP 4, 40% MFU", None),
 ]
+
+
+# issue 48 (8 GPUs, Llama 3.1 8B at sequence 8192, tokens/s per GPU) and issue 49 (Qwen3-30B-A3B, sequence 4096)
+ANCHORS_8 = [
+    ("NeMo 25.02, 8 x H100, Llama 3.1 8B, bf16 (TE)", 10_682),
+    ("Megatron-Bridge 25.11, 8 x H100, FSDP 8, FP8 current scaling", 14_451),
+    ("torchtitan, 8 x H100, bf16 / Float8", 6_667),
+]
+BARS_8 = [("llama3-8b", 8192, False, 10_682), ("llama3-8b", 8192, True, 13_000)]  # model, seq, fp8, tokens/s/GPU
+ANCHORS_MOE = [
+    ("NeMo AutoModel, 8 x H100, Qwen3-30B-A3B, bf16, EP 8, seq 4096", 12_040),
+    ("Megatron-Bridge 26.06, 16 x H100, FP8, EP 16, seq 4096", 8_826),
+]
+BARS_MOE = [("qwen3-30b-a3b", 4096, False, 12_040)]
 
 
 @dataclass
@@ -222,6 +241,82 @@ CASES = {
             ["--tp", "2", "--sequence-parallel", "--distributed-optimizer", "--micro-batch-size", "1"],
             "issue 29's TP 2 x DP 2 + distributed optimizer (29.3% on H200s)",
         ),
+        # issue 48: 8 GPUs (an H200's 141 GB holds FSDP 8's ~16 GB of states a rank and the activations unrecomputed)
+        Case(
+            "llama8k-fsdp-compile-bf16rs",
+            "llama3-8b",
+            8192,
+            [*FSDP1, "--compile", "--grad-reduce-dtype", "bf16"],
+            "FSDP2 over the ranks without recomputation, compiled, gradients reduce-scattered in bf16",
+            if_oom="llama8k-fsdp-rc8-compile-bf16rs",
+            timeout=200,
+        ),
+        Case(
+            "llama8k-fsdp-fp8ag-compile-bf16rs",
+            "llama3-8b",
+            8192,
+            [*FSDP1, "--compile", "--precision", "fp8", "--fp8-all-gather", "--grad-reduce-dtype", "bf16"],
+            "the same in FP8 (float8 all-gather of the weights)",
+            if_oom="llama8k-fsdp-rc8-fp8ag-compile-bf16rs",
+            timeout=200,
+        ),
+        Case(
+            "gpt8b-tp4-dp2",
+            "gpt-8b",
+            2048,
+            ["--tp", "4", "--sequence-parallel", "--micro-batch-size", "8", "--loss", "compiled"],
+            "the recipe's TP 4, data-parallel over the other 4 ranks (TP 4 x DP 2 on 8 GPUs)",
+            gbs=32,
+        ),
+        # issue 49: mixtures of experts with expert parallelism (dropless routing, megatron-core's alltoall dispatcher)
+        Case(
+            "qwen3moe-ep8",
+            "qwen3-30b-a3b",
+            4096,
+            ["--ep", "8", "--micro-batch-size", "1", "--loss", "compiled", "--compile"],
+            "Qwen3-30B-A3B, 16 of 128 experts a rank, the dense part replicated over the 8 ranks",
+            if_oom="qwen3moe-ep8-distopt",
+            timeout=240,
+        ),
+        Case(
+            "qwen3moe-ep8-distopt",
+            "qwen3-30b-a3b",
+            4096,
+            ["--ep", "8", "--distributed-optimizer", "--micro-batch-size", "1", "--loss", "compiled", "--compile"],
+            "the same with the optimizer states sharded (megatron-core's distributed optimizer)",
+            timeout=240,
+        ),
+        Case(
+            "qwen3moe-ep8-fp8",
+            "qwen3-30b-a3b",
+            4096,
+            ["--ep", "8", "--micro-batch-size", "1", "--loss", "compiled", "--compile", "--precision", "fp8"],
+            "qwen3moe-ep8 with float8 matmuls (torchao, tensorwise): issue 49's FP8 faster than bf16",
+            if_oom="qwen3moe-ep8-distopt-fp8",
+            timeout=240,
+        ),
+        Case(
+            "qwen3moe-ep8-distopt-fp8",
+            "qwen3-30b-a3b",
+            4096,
+            [
+                *["--ep", "8", "--distributed-optimizer", "--micro-batch-size", "1", "--loss", "compiled"],
+                *["--compile", "--precision", "fp8"],
+            ],
+            "qwen3moe-ep8-distopt in FP8",
+            timeout=240,
+        ),
+        Case(
+            "mixtral-ep8",
+            "mixtral-8x7b",
+            4096,
+            [
+                *["--ep", "8", "--distributed-optimizer", "--micro-batch-size", "1", "--loss", "compiled"],
+                *["--compile", *RC8],
+            ],
+            "Mixtral 8x7B, one expert a rank, optimizer states sharded, the first 8 of 32 layers recomputed",
+            timeout=240,
+        ),
     ]
 }
 # measured 2026-11-26/27 on 4 H200s (docs/benchmarks.md): llama8k-fsdp 55.2% MFU at 86.2 GiB (too much for 80 GB),
@@ -238,6 +333,15 @@ CASES = {
 # The default run (about 9 minutes): the two bars in 80 GB layouts (the Llama shape with 8 layers recomputed, which
 # fits an H100 since the GPU runs megatron-core's fused SwiGLU, 5 GiB less; TP 4 with micro batch 8 and 4 micro-batches
 # a step), then FP8 in the Llama layout (eager, with the kernel table of step 4, and compiled) and bf16 compiled
+# issue 48's run on 8 GPUs (--nproc 8 without --cases): its two bars first, then the GPT 8B's two layouts
+DEFAULT_8 = [
+    "llama8k-fsdp-compile-bf16rs",
+    "llama8k-fsdp-fp8ag-compile-bf16rs",
+    "gpt8b-tp4-dp2",
+    "gpt8b-fsdp",
+]
+# --cases moe: issue 49's (the OOM fallbacks run only when needed)
+MOE = ["qwen3moe-ep8", "qwen3moe-ep8-fp8", "mixtral-ep8"]
 DEFAULT = [
     "llama8k-fsdp-rc8",
     "gpt8b-tp4-mbs8-gbs32",
@@ -247,7 +351,12 @@ DEFAULT = [
 ]
 
 # --smoke: the same cases on CPU (gloo, fp32), tiny models, 2 ranks
-SMOKE_MODELS = {"llama3-8b": "tiny-llama", "gpt-8b": "tiny-llama"}
+SMOKE_MODELS = {
+    "llama3-8b": "tiny-llama",
+    "gpt-8b": "tiny-llama",
+    "qwen3-30b-a3b": "tiny-qwen3-moe",
+    "mixtral-8x7b": "tiny-mixtral",
+}
 
 
 def gpt8b_model_flags() -> list[str]:
@@ -282,7 +391,11 @@ def vocab_of(model: str, smoke: bool) -> int:
         return 256
     if model == "gpt-8b":
         return 50257  # the recipe's GPT-2 BPE tokenizer
-    return 128256 if model.startswith("llama3") else models.resolve(model, {}).get("vocab_size", 50257)
+    if model.startswith("llama3"):
+        return 128256
+    return models.resolve(model, {}).get("vocab_size") or {"qwen3-30b-a3b": 151936, "mixtral-8x7b": 32000}.get(
+        model, 50257
+    )
 
 
 def run_case(c: Case, args, out: Path) -> dict:
@@ -307,7 +420,7 @@ def run_case(c: Case, args, out: Path) -> dict:
     if args.smoke:  # CPU: no compiled code (no compiler needed, seconds), fp32
         flags = [f for f in flags if f != "--compile"]
         flags = [("eager" if f == "compiled" else f) for f in flags]
-        flags = [(str(min(int(f), nproc)) if prev == "--tp" else f) for prev, f in zip(["", *flags], flags)]
+        flags = [(str(min(int(f), nproc)) if prev in ("--tp", "--ep") else f) for prev, f in zip(["", *flags], flags)]
         flags = [
             (str(min(int(f), 2)) if prev in ("--recompute-num-layers", "--micro-batch-size") else f)
             for prev, f in zip(["", *flags], flags)
@@ -421,11 +534,13 @@ def table(results: list[dict], args) -> str:
     rows = [
         f"\n{args.nproc} x {dev}, torch {torch.__version__}, bf16, {args.tokens_per_gpu} tokens per GPU and step, "
         f"{args.steps} measured steps after {args.warmup}; MFU = tokens/s/GPU x (6N + 12 L h s) / {args.peak_tflops}e12",
-        f"{'case':28s} {'model':10s} {'seq':>5s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} "
+        f"{'case':28s} {'model':13s} {'seq':>5s} {'tok/s/GPU':>10s} {'MFU':>6s} {'peak GiB':>9s} "
         f"{'loss first':>10s} {'last':>8s}  layout",
     ]
-    for name, tps in ANCHORS:
-        rows.append(f"{'[anchor] ' + name:28s}" if tps is None else f"{'[anchor]':28s} {'':10s} {8192:>5d} {tps:>10,d}")
+    moe = any(r["model"] in MOE_MODELS for r in results)
+    for name, tps in anchors_of(results, args):
+        seq = 4096 if "seq 4096" in name else 8192
+        rows.append(f"{'[anchor] ' + name:28s}" if tps is None else f"{'[anchor]':28s} {'':13s} {seq:>5d} {tps:>10,d}")
         if tps is not None:
             rows[-1] += f" {'':>6s} {'':>9s} {'':>10s} {'':>8s}  {name}"
         else:
@@ -435,16 +550,60 @@ def table(results: list[dict], args) -> str:
         if r.get("tokens_per_s_per_gpu"):
             peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "n/a"
             rows.append(
-                f"{r['case']:28s} {r['model']:10s} {r['seq']:>5d} {r['tokens_per_s_per_gpu']:>10,.0f} "
+                f"{r['case']:28s} {r['model']:13s} {r['seq']:>5d} {r['tokens_per_s_per_gpu']:>10,.0f} "
                 f"{r['mfu']:>6.1%} {peak:>9s} {r['first_loss']:>10.4f} {r['last_loss']:>8.4f}  {layout}"
             )
         else:
             why = "OOM" if str(r.get("error", "")).startswith("OUT OF MEMORY") else f"rc={r.get('rc')}"
-            rows.append(f"{r['case']:28s} {r['model']:10s} {r['seq']:>5d} {'failed':>10s} {why:>6s}  {layout}")
-    ratios = fp8_ratios(results)
+            rows.append(f"{r['case']:28s} {r['model']:13s} {r['seq']:>5d} {'failed':>10s} {why:>6s}  {layout}")
+    ratios = fp8_ratios(results, bar=1.0 if moe else 1.25)
     if ratios:
         rows += ["FP8 against bf16 in the same layout, this run:", *("  " + x for x in ratios)]
+    verdicts = bar_verdicts(results, args)
+    if verdicts:
+        rows += [f"bars at {args.nproc} GPUs, this run:", *("  " + x for x in verdicts)]
     return "\n".join(rows)
+
+
+MOE_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")
+
+
+def anchors_of(results: list[dict], args) -> list[tuple[str, int | None]]:
+    """The anchors beside what ran: issue 49's for a mixture of experts, issue 48's at 8 GPUs, else issue 29's."""
+    moe = any(r["model"] in MOE_MODELS for r in results)
+    dense = any(r["model"] not in MOE_MODELS for r in results)
+    out: list[tuple[str, int | None]] = []
+    if dense:
+        out += ANCHORS_8 if args.nproc >= 8 else ANCHORS
+    if moe:
+        out += ANCHORS_MOE
+    return out
+
+
+def bar_verdicts(results: list[dict], args) -> list[str]:
+    """Issue 48's and 49's bars (tokens/s per GPU, at 8 GPUs) against the best case of each kind that ran."""
+    if args.nproc < 8 or args.smoke:
+        return []
+    rows = []
+    for model, seq, fp8, bar in [*BARS_8, *BARS_MOE]:
+        done = [
+            r
+            for r in results
+            if r.get("tokens_per_s_per_gpu")
+            and r["model"] == model
+            and r["seq"] == seq
+            and ("fp8" in r["flags"]) == fp8
+        ]
+        if not done:
+            continue
+        best = max(done, key=lambda r: r["tokens_per_s_per_gpu"])
+        x = best["tokens_per_s_per_gpu"]
+        verdict = "PASS" if x >= bar else "FAIL"
+        rows.append(
+            f"{model} seq {seq} {'FP8' if fp8 else 'bf16'}: {x:,.0f} tokens/s/GPU ({best['case']}, MFU {best['mfu']:.1%})"
+            f" against {bar:,} ({verdict})"
+        )
+    return rows
 
 
 FP8_FLAGS = {"--precision": 2, "--fp8-recipe": 2, "--fp8-all-gather": 1, "--profile-steps": 2}
@@ -462,8 +621,9 @@ def bf16_flags(flags: list[str]) -> list[str]:
     return out
 
 
-def fp8_ratios(results: list[dict]) -> list[str]:
-    """Each measured FP8 case against the bf16 case of the same layout in this run (issue 30's bar: 1.25x)."""
+def fp8_ratios(results: list[dict], bar: float = 1.25) -> list[str]:
+    """Each measured FP8 case against the bf16 case of the same layout in this run (issue 30's bar: 1.25x; a
+    mixture of experts, issue 49's: faster than bf16)."""
     done = [r for r in results if r.get("tokens_per_s_per_gpu")]
     rows = []
     for r in done:
@@ -473,8 +633,8 @@ def fp8_ratios(results: list[dict]) -> list[str]:
         base = [b for b in base if bf16_flags(b["flags"]) == bf16_flags(r["flags"])]
         if base:
             x = r["tokens_per_s_per_gpu"] / base[0]["tokens_per_s_per_gpu"]
-            verdict = "PASS" if x >= 1.25 else "FAIL"
-            rows.append(f"{r['case']} / {base[0]['case']}: {x:.3f}x (bar 1.25x: {verdict})")
+            verdict = "PASS" if x >= bar else "FAIL"
+            rows.append(f"{r['case']} / {base[0]['case']}: {x:.3f}x (bar {bar}x: {verdict})")
     return rows
 
 
@@ -490,7 +650,10 @@ def main(argv=None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument(
-        "--cases", default=None, help=f"comma-separated case names (see --list; default {','.join(DEFAULT)})"
+        "--cases",
+        default=None,
+        help=f"comma-separated case names (see --list), or 'moe' for {','.join(MOE)}; default {','.join(DEFAULT)} "
+        f"(--nproc 8: {','.join(DEFAULT_8)}; --smoke: {DEFAULT[0]},{MOE[0]})",
     )
     p.add_argument("--case", action="append", default=[], help="an extra case NAME=MODEL:SEQ:FLAGS (repeatable)")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
@@ -525,9 +688,10 @@ def main(argv=None) -> int:
         for c in cases.values():
             print(f"{c.name:28s} {c.model:10s} seq {c.seq:5d}  {' '.join(c.flags)}   # {c.note}")
         return 0
-    if args.cases is None:  # --smoke: the first case only (FSDP's path; a CPU minute, mostly imports)
-        args.cases = DEFAULT[0] if args.smoke else ",".join(DEFAULT)
-    names = [n for n in args.cases.split(",") if n] + [parse_case(t).name for t in args.case]
+    if args.cases is None:  # --smoke: the first case and the first MoE one (FSDP's and expert parallelism's paths)
+        args.cases = f"{DEFAULT[0]},{MOE[0]}" if args.smoke else ",".join(DEFAULT_8 if args.nproc >= 8 else DEFAULT)
+    names = [n for part in args.cases.split(",") if part for n in (MOE if part == "moe" else [part])]
+    names += [parse_case(t).name for t in args.case]
     unknown = [n for n in names if n not in cases]
     if unknown:
         p.error(f"unknown case(s) {unknown}; --list shows them")

@@ -1,0 +1,52 @@
+"""scripts/bench_train_8b_gpu.py's 8-GPU cases (issues 48 and 49): which run, and how its bars are judged.
+
+The runs themselves need 8 GPUs of one host; its CPU smoke (tests/test_bench_smoke.py) runs a dense case and
+the first mixture-of-experts case (expert parallelism over 2 gloo ranks) through the real `snakellm train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_train_8b_gpu as bench  # noqa: E402
+
+
+def _result(case: str, tps: float) -> dict:
+    c = bench.CASES[case]
+    return {"case": case, "model": c.model, "seq": c.seq, "flags": c.flags, "tokens_per_s_per_gpu": tps, "mfu": 0.5}
+
+
+def test_every_listed_case_exists_and_moe_cases_split_the_experts_evenly():
+    from snakellm import models
+
+    for name in [*bench.DEFAULT, *bench.DEFAULT_8, *bench.MOE]:
+        assert name in bench.CASES
+    for name in bench.MOE:
+        c = bench.CASES[name]
+        ep = int(c.flags[c.flags.index("--ep") + 1])
+        assert models.resolve(c.model, {})["num_experts"] % ep == 0
+
+
+def test_bars_at_8_gpus_are_judged_on_the_best_case_of_each_kind():
+    args = argparse.Namespace(nproc=8, smoke=False)
+    results = [
+        _result("llama8k-fsdp-compile-bf16rs", 11_000),
+        _result("llama8k-fsdp-fp8ag-compile-bf16rs", 12_500),
+        _result("qwen3moe-ep8", 12_100),
+        _result("qwen3moe-ep8-fp8", 13_000),
+    ]
+    rows = bench.bar_verdicts(results, args)
+    assert rows == [
+        "llama3-8b seq 8192 bf16: 11,000 tokens/s/GPU (llama8k-fsdp-compile-bf16rs, MFU 50.0%) against 10,682 (PASS)",
+        "llama3-8b seq 8192 FP8: 12,500 tokens/s/GPU (llama8k-fsdp-fp8ag-compile-bf16rs, MFU 50.0%) against 13,000 (FAIL)",
+        "qwen3-30b-a3b seq 4096 bf16: 12,100 tokens/s/GPU (qwen3moe-ep8, MFU 50.0%) against 12,040 (PASS)",
+    ]
+    names = [n for n, _ in bench.anchors_of(results, args)]
+    assert names[0].startswith("NeMo 25.02, 8 x H100") and any("AutoModel" in n for n in names)
+    # a mixture of experts' FP8 bar is "faster than bf16 in the same layout"
+    assert bench.fp8_ratios(results[2:], bar=1.0) == ["qwen3moe-ep8-fp8 / qwen3moe-ep8: 1.074x (bar 1.0x: PASS)"]
+    assert bench.bar_verdicts(results, argparse.Namespace(nproc=4, smoke=False)) == []
