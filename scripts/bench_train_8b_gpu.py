@@ -260,14 +260,6 @@ CASES = {
             if_oom="llama8k-fsdp-rc8-fp8ag-compile-bf16rs",
             timeout=200,
         ),
-        Case(
-            "gpt8b-tp4-dp2",
-            "gpt-8b",
-            2048,
-            ["--tp", "4", "--sequence-parallel", "--micro-batch-size", "8", "--loss", "compiled"],
-            "the recipe's TP 4, data-parallel over the other 4 ranks (TP 4 x DP 2 on 8 GPUs)",
-            gbs=32,
-        ),
         # issue 49: mixtures of experts with expert parallelism (dropless routing, megatron-core's alltoall dispatcher)
         Case(
             "qwen3moe-ep8",
@@ -337,7 +329,7 @@ CASES = {
 DEFAULT_8 = [
     "llama8k-fsdp-compile-bf16rs",
     "llama8k-fsdp-fp8ag-compile-bf16rs",
-    "gpt8b-tp4-dp2",
+    "gpt8b-tp4-mbs8-gbs32",  # at 8 ranks: TP 4 x DP 2
     "gpt8b-fsdp",
 ]
 # --cases moe: issue 49's (the OOM fallbacks run only when needed)
