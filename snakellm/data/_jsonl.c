@@ -362,7 +362,16 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jsonl", NULL, -1, m
 PyMODINIT_FUNC PyInit__jsonl(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    InvalidUTF8 = PyErr_NewException("snakellm.data._jsonl.InvalidUTF8", PyExc_ValueError, NULL);
+    /* a snakellm.errors.DataError, as every exception of the package is (tests/test_steps.py) */
+    PyObject *errors = PyImport_ImportModule("snakellm.errors");
+    PyObject *base = errors ? PyObject_GetAttrString(errors, "DataError") : NULL;
+    Py_XDECREF(errors);
+    if (!base) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    InvalidUTF8 = PyErr_NewException("snakellm.data._jsonl.InvalidUTF8", base, NULL);
+    Py_DECREF(base);
     if (!InvalidUTF8 || PyModule_AddObject(m, "InvalidUTF8", InvalidUTF8) < 0) {
         Py_XDECREF(InvalidUTF8);
         Py_DECREF(m);

@@ -17,13 +17,15 @@ from typing import Any
 import numpy as np
 import orjson
 
+from snakellm.errors import DataError
+
 try:
     from snakellm.data import _jsonl
 except ImportError:  # built without a C compiler: the chunk job keeps its orjson path
     _jsonl = None  # type: ignore[assignment]
 
 AVAILABLE = _jsonl is not None
-InvalidUTF8: type[Exception] = _jsonl.InvalidUTF8 if _jsonl is not None else ValueError
+InvalidUTF8: type[Exception] = _jsonl.InvalidUTF8 if _jsonl is not None else DataError
 
 # what the text's checks find (0: a document)
 OK, NULL, EMPTY, TOO_LONG, SPACE = 0, 1, 2, 3, 4  # SPACE: starts with whitespace (str.isspace decides)
