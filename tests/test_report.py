@@ -780,22 +780,34 @@ def _fmt(v: float) -> str:
     return fmt(v)
 
 
-@pytest.mark.slow
-@NEEDS_CHROMIUM
-def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(default_workflow, tmp_path):
-    """The default run plus the fine-tuning example: Evaluation (lm-eval), Fine-tuning (loss, base vs tuned,
-    predictions, settings) and Generation (samples) in the report, each holding the files' real values."""
-    from chromium import Chromium
-
-    root = tmp_path / "ws"
+@pytest.fixture(scope="module")
+def finetuned_report(default_workflow, tmp_path_factory) -> Workspace:
+    """A copy of the default run plus the fine-tuning example's two fine-tunes, their evaluations and the report,
+    built through Snakemake (a shared fixture: two fine-tunes, four evaluations, two lm-eval suites; ~105 s
+    alone, 129 s of CPU in CI, over the 120 s a test has of its own)."""
+    root = tmp_path_factory.mktemp("finetuned-report") / "ws"
     shutil.copytree(default_workflow.root, root, symlinks=True)
     ws = Workspace(root)
     cfg = ws.read_config()
     example = yaml.safe_load(FINETUNE_EXAMPLE.read_text())
     cfg.update(sft_data=example["sft_data"], finetune=example["finetune"])
+    # the report's pages, not the learning (tests/test_finetune.py, test_lora_chain.py): a third of the steps
+    cfg["finetune"]["tiny-counts"]["train"].update(steps=20, eval_interval=10)
+    cfg["finetune"]["tiny-lora"]["train"].update(steps=12, eval_interval=4)
     ws.write_config(cfg)
     ws.run(timeout=1800)
     ws.run("--report", "report.html")
+    return ws
+
+
+@pytest.mark.slow
+@NEEDS_CHROMIUM
+def test_report_shows_evaluation_finetuning_and_generation_in_headless_chromium(finetuned_report, tmp_path):
+    """The default run plus the fine-tuning example: Evaluation (lm-eval), Fine-tuning (loss, base vs tuned,
+    predictions, settings) and Generation (samples) in the report, each holding the files' real values."""
+    from chromium import Chromium
+
+    ws = finetuned_report
     lm = json.loads(ws.path("runs/tiny/lm_eval/default.json").read_text())
     # the learning example (tiny-counts): its base evaluation is shared by the fine-tunes of its data set
     (base_dir,) = ws.path("runs/tiny/eval/base/botchan-counts").iterdir()
