@@ -26,7 +26,10 @@ def planned(out: str) -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
 
 
-def test_chat_example_learns(default_workflow: Workspace) -> None:
+@pytest.fixture(scope="module")
+def chat_example(default_workflow: Workspace) -> Workspace:
+    """The chat example's fine-tune and its base and tuned evaluations, built through Snakemake in the default
+    workflow (a shared fixture: ~105 s alone, 118 s in CI beside the other worker, the 120 s a test has)."""
     root = default_workflow.root
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     extra = yaml.safe_load(EXAMPLE.read_text())
@@ -36,6 +39,12 @@ def test_chat_example_learns(default_workflow: Workspace) -> None:
     ws.config_path = root / "config-chat.yaml"
     ws.write_config(cfg)
     ws.run("runs/tiny/eval/tiny-chat/comparison.json", timeout=1800)
+    return ws
+
+
+def test_chat_example_learns(chat_example: Workspace) -> None:
+    ws = chat_example
+    root = ws.root
     stats = json.loads((root / "data" / "sft" / "botchan-chat" / "stats.json").read_text())
     assert stats["format"] == "messages" and stats["rejected"] == 0
     summary = json.loads((root / "runs" / "tiny" / "finetune" / "tiny-chat" / "finetune_summary.json").read_text())
