@@ -12,7 +12,7 @@ import sys
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-import bench_train_8b_gpu as bench  # noqa: E402
+import bench_train_8b_gpu as bench
 
 
 def _result(case: str, tps: float) -> dict:
