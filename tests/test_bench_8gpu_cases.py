@@ -1,15 +1,19 @@
 """scripts/bench_train_8b_gpu.py's 8-GPU cases (issues 48 and 49): which run, and how its bars are judged.
 
-The runs themselves need 8 GPUs of one host; its CPU smoke (tests/test_bench_smoke.py) runs a dense case and
-the first mixture-of-experts case (expert parallelism over 2 gloo ranks) through the real `snakellm train`.
+The runs themselves need 8 GPUs of one host; its CPU smoke (tests/test_bench_smoke.py) runs the first dense case
+and the test below the first mixture-of-experts case (expert parallelism over 2 gloo ranks), each through the
+real `snakellm train`.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
 import sys
 
-from conftest import REPO
+import pytest
+from conftest import REPO, env_with_venv
 
 sys.path.insert(0, str(REPO / "scripts"))
 import bench_train_8b_gpu as bench
@@ -50,3 +54,21 @@ def test_bars_at_8_gpus_are_judged_on_the_best_case_of_each_kind():
     # a mixture of experts' FP8 bar is "faster than bf16 in the same layout"
     assert bench.fp8_ratios(results[2:], bar=1.0) == ["qwen3moe-ep8-fp8 / qwen3moe-ep8: 1.074x (bar 1.0x: PASS)"]
     assert bench.bar_verdicts(results, argparse.Namespace(nproc=4, smoke=False)) == []
+
+
+@pytest.mark.slow  # two torchrun runs of the real `snakellm train` over 2 ranks (~25 s alone)
+def test_the_moe_cases_smoke_runs_expert_parallelism_over_two_ranks(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_train_8b_gpu.py"), "--smoke", "--cases", "moe"],
+        cwd=tmp_path,
+        env={**env_with_venv(), "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for case in bench.MOE:
+        m = re.search(rf"^{case}: ([\d,]+) tokens/s/GPU, MFU [\d.]+%, .* loss ([\d.]+) -> ([\d.]+)", proc.stdout, re.M)
+        assert m, (case, proc.stdout[-3000:])
+        assert float(m[2]) > 0 and float(m[3]) > 0
+    assert "NeMo AutoModel, 8 x H100, Qwen3-30B-A3B" in proc.stdout  # its anchors beside it
