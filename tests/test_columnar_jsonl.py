@@ -45,6 +45,7 @@ def _orjson(tbl: pa.Table) -> bytes:
 CHARS = st.characters(blacklist_categories=["Cs"])  # every code point a str holds that UTF-8 can write
 
 
+@pytest.mark.slow  # hypothesis / every code point: 0.5-1.5 s, and the fast tier's 90 s has little room
 @pytest.mark.skipif(not cj.AVAILABLE, reason="the C writer is not built")
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.text(CHARS, max_size=40), min_size=1, max_size=8), st.lists(st.text(max_size=5), max_size=3))
@@ -55,6 +56,7 @@ def test_strings_are_escaped_as_orjson_escapes_them(texts, urls):
     assert _lines(big, "text") == _orjson(big)
 
 
+@pytest.mark.slow  # hypothesis / every code point: 0.5-1.5 s, and the fast tier's 90 s has little room
 @pytest.mark.skipif(not cj.AVAILABLE, reason="the C writer is not built")
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=24))
@@ -249,6 +251,7 @@ def test_arrow_stream_shards_through_both_paths(tmp_path, monkeypatch):
     assert os.path.getsize(tmp_path / "oTrue" / "c.jsonl") == len(outs[0][0])
 
 
+@pytest.mark.slow  # hypothesis / every code point: 0.5-1.5 s, and the fast tier's 90 s has little room
 @pytest.mark.skipif(not cj.AVAILABLE, reason="the C writer is not built")
 def test_blank_texts_are_the_ones_str_isspace_calls_blank_over_every_code_point():
     points = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
