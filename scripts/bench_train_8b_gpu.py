@@ -84,6 +84,7 @@ class Case:
 # the layouts worth measuring at 8B on 80 GB cards, most important first: a partial run still has the bars
 RC8 = ["--recompute", "full", "--recompute-method", "block", "--recompute-num-layers", "8"]
 FSDP1 = ["--fsdp", "--micro-batch-size", "1", "--loss", "compiled"]  # FSDP2 over the ranks, micro batch 1
+EP8 = ["--ep", "8", "--micro-batch-size", "1", "--loss", "compiled", "--compile"]  # experts over 8 ranks, compiled
 CASES = {
     c.name: c
     for c in [
@@ -265,7 +266,7 @@ CASES = {
             "qwen3moe-ep8",
             "qwen3-30b-a3b",
             4096,
-            ["--ep", "8", "--micro-batch-size", "1", "--loss", "compiled", "--compile"],
+            EP8,
             "Qwen3-30B-A3B, 16 of 128 experts a rank, the dense part replicated over the 8 ranks",
             if_oom="qwen3moe-ep8-rc",
             timeout=240,
@@ -274,7 +275,7 @@ CASES = {
             "qwen3moe-ep8-rc",
             "qwen3-30b-a3b",
             4096,
-            ["--ep", "8", "--micro-batch-size", "1", "--loss", "compiled", "--compile", "--recompute", "selective"],
+            [*EP8, "--recompute", "selective"],
             "the same with megatron-core's selective recomputation (--ep is not composed with the distributed "
             "optimizer yet: the states stay whole, ~90 GB a rank)",
             timeout=240,
@@ -283,7 +284,7 @@ CASES = {
             "qwen3moe-ep8-fp8",
             "qwen3-30b-a3b",
             4096,
-            ["--ep", "8", "--micro-batch-size", "1", "--loss", "compiled", "--compile", "--precision", "fp8"],
+            [*EP8, "--precision", "fp8"],
             "qwen3moe-ep8 with float8 matmuls (torchao, tensorwise): issue 49's FP8 faster than bf16",
             if_oom="qwen3moe-ep8-rc-fp8",
             timeout=240,
@@ -292,10 +293,7 @@ CASES = {
             "qwen3moe-ep8-rc-fp8",
             "qwen3-30b-a3b",
             4096,
-            [
-                *["--ep", "8", "--micro-batch-size", "1", "--loss", "compiled", "--compile"],
-                *["--recompute", "selective", "--precision", "fp8"],
-            ],
+            [*EP8, "--recompute", "selective", "--precision", "fp8"],
             "qwen3moe-ep8-rc in FP8",
             timeout=240,
         ),

@@ -47,6 +47,22 @@ static int reserve(Out *o, Py_ssize_t need) {
 
 static const char HEX[] = "0123456789abcdef";
 
+/* Arrow's layout, read the same way by records() and text_codes(): whether value `at` of a validity bitmap is
+ * set, and where string `at` starts and ends in its data buffer (32- or 64-bit offsets). */
+static inline int valid_at(const void *bitmap, Py_ssize_t at) {
+    return (((const uint8_t *)bitmap)[at >> 3] >> (at & 7)) & 1;
+}
+
+static inline void span_at(const void *offsets, int large, Py_ssize_t at, int64_t *lo, int64_t *hi) {
+    if (large) {
+        *lo = ((const int64_t *)offsets)[at];
+        *hi = ((const int64_t *)offsets)[at + 1];
+    } else {
+        *lo = ((const int32_t *)offsets)[at];
+        *hi = ((const int32_t *)offsets)[at + 1];
+    }
+}
+
 /* The length of the valid UTF-8 sequence at s (s < e, *s >= 0x80), or 0. */
 static inline int utf8_seq(const uint8_t *s, const uint8_t *e) {
     uint8_t c = s[0];
@@ -239,21 +255,13 @@ static PyObject *records(PyObject *self, PyObject *args) {
             memcpy(o.p + o.len, col->prefix, col->prefix_len);
             o.len += col->prefix_len;
             Py_ssize_t at = col->offset + i;
-            if (col->has_c && !((((const uint8_t *)col->c.buf)[at >> 3] >> (at & 7)) & 1)) {
+            if (col->has_c && !valid_at(col->c.buf, at)) {
                 memcpy(o.p + o.len, "null", 4);
                 o.len += 4;
                 continue;
             }
             int64_t lo, hi;
-            if (col->kind == 0) {
-                const int32_t *off = (const int32_t *)col->b.buf;
-                lo = off[at];
-                hi = off[at + 1];
-            } else {
-                const int64_t *off = (const int64_t *)col->b.buf;
-                lo = off[at];
-                hi = off[at + 1];
-            }
+            span_at(col->b.buf, col->kind == 1, at, &lo, &hi);
             if (lo < 0 || hi < lo || hi > col->a.len) {
                 PyErr_Format(PyExc_ValueError, "column %zd row %zd: offsets outside the data buffer", j, i);
                 goto fail;
@@ -325,15 +333,15 @@ static PyObject *text_codes(PyObject *self, PyObject *args) {
     out = PyBytes_FromStringAndSize(NULL, n);
     if (!out) goto done;
     uint8_t *w = (uint8_t *)PyBytes_AS_STRING(out);
-    const uint8_t *d = (const uint8_t *)data.buf, *bm = (const uint8_t *)valid.buf;
+    const uint8_t *d = (const uint8_t *)data.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t at = offset + i;
-        if (has_valid && !((bm[at >> 3] >> (at & 7)) & 1)) {
+        if (has_valid && !valid_at(valid.buf, at)) {
             w[i] = 1;
             continue;
         }
-        int64_t lo = large ? ((const int64_t *)offs.buf)[at] : ((const int32_t *)offs.buf)[at];
-        int64_t hi = large ? ((const int64_t *)offs.buf)[at + 1] : ((const int32_t *)offs.buf)[at + 1];
+        int64_t lo, hi;
+        span_at(offs.buf, large, at, &lo, &hi);
         if (lo < 0 || hi < lo || hi > data.len) {
             PyErr_Format(PyExc_ValueError, "row %zd: offsets outside the data buffer", i);
             Py_CLEAR(out);

@@ -417,12 +417,11 @@ def _columnar_shard(
             )
         has_id = id_key in names
         read = [key, *([id_key] if has_id else []), *keep]
-        row_of = (lambda unit: c.offsets[unit]) if fmt == "parquet" else None
         shape = _Shape(fmt, key, read, keep, has_id, lim.max_document_bytes)
         last_unit, row = -1, 0
         for unit, batch in c.batches(read, units):
-            if row_of is not None and unit != last_unit:
-                row, last_unit = row_of(unit), unit
+            if fmt == "parquet" and unit != last_unit:
+                row, last_unit = c.offsets[unit], unit
             t.bytes_in += batch.nbytes
             if not (cj.AVAILABLE and _arrow_batch(t, batch, shape, unit, row, fo)):
                 _python_batch(t, batch, shape, unit, row, fo)
@@ -586,7 +585,7 @@ def _ids(t: _Tally, batch, shape: _Shape, row: int, prefix: bytes) -> tuple[tupl
     py = ids.to_pylist()
     for i in np.flatnonzero(nulls).tolist():
         py[i] = f"{t.label}/{row + i}"
-    return (prefix, 2, cj.rendered(py, pa.string()), None, None, 0), nulls
+    return cj.column(prefix, ids, py), nulls
 
 
 def _sha256_file(path: str) -> str:

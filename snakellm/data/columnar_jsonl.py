@@ -11,7 +11,6 @@ does. The lines are byte for byte those of ``orjson.dumps(record, option=OPT_APP
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -71,19 +70,19 @@ def text_codes(texts: Any, limit: int | None) -> np.ndarray:
     return codes
 
 
-def column(prefix: bytes, arr: Any, values: Callable[[Any], list[Any]] | None = None) -> tuple:
+def column(prefix: bytes, arr: Any, py: list[Any] | None = None) -> tuple:
     """The C writer's description of one column: ``prefix`` (``{"text":`` or ``,"url":``) and its values.
 
     Strings go as Arrow's buffers; any other type as orjson's rendering of its Python values, one per line
-    (``values`` replaces ``arr.to_pylist()``: the generated ids)."""
+    (``py``: values to render instead of ``arr``'s, as the ids with generated ones filled in)."""
     pa = _pa()
-    s = strings(arr) if values is None else None
+    s = strings(arr) if py is None else None
     if s is not None:
         validity, offsets, data = s.buffers()[:3]
         kind = 0 if pa.types.is_string(s.type) else 1
         return (prefix, kind, data if data is not None else b"", offsets, validity if s.null_count else None, s.offset)
-    py = values(arr) if values is not None else arr.to_pylist()
-    return (prefix, 2, rendered(py, arr.type), None, None, 0)
+    # filled-in values may mix types (an integer id column, generated string ids): orjson renders each alone
+    return (prefix, 2, rendered(arr.to_pylist(), arr.type) if py is None else rendered(py), None, None, 0)
 
 
 def jsonable(v: object) -> object:
@@ -93,12 +92,13 @@ def jsonable(v: object) -> object:
     return str(v)
 
 
-def rendered(py: list[Any], typ: Any) -> bytes:
-    """orjson's JSON of each value (as ``orjson.dumps(value, default=jsonable)``), each ended by a newline."""
+def rendered(py: list[Any], typ: Any = None) -> bytes:
+    """orjson's JSON of each value (as ``orjson.dumps(value, default=jsonable)``), each ended by a newline;
+    ``typ``, the Arrow type every value has (None: unknown)."""
     pa = _pa()
     if not py:
         return b""
-    if pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ):
+    if typ is not None and (pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ)):
         # one orjson call for the column: numbers, booleans and null hold no comma
         return orjson.dumps(py)[1:-1].replace(b",", b"\n") + b"\n"
     dumps, opt = orjson.dumps, orjson.OPT_APPEND_NEWLINE
