@@ -5,6 +5,10 @@ python tests/nemo_helpers.py make RUN_DIR ARCH.json TOKENIZER.json SEED
     (norms and biases included, so no tensor is trivially 0 or 1)
 python tests/nemo_helpers.py dump RUN_DIR BATCH.pt OUT_DIR
     our model loaded from RUN_DIR's checkpoint: OUT_DIR/state.pt (every tensor) and logits.pt
+python tests/nemo_helpers.py steps STEPS.json
+    a JSON list of [cwd, command, *args], run in order in this one process: command is make, dump or
+    snakellm (``snakellm.cli.main(args)``, the command line's own entry point): one torch and megatron-core
+    import (~10 s here) for every style's steps rather than one a step
 """
 
 from __future__ import annotations
@@ -56,7 +60,28 @@ def dump(run_dir: str, batch: str, out_dir: str) -> None:
     (out / "info.json").write_text(json.dumps(info))
 
 
+def steps(steps_json: str) -> None:
+    import os
+
+    from snakellm import cli
+
+    here = os.getcwd()
+    for cwd, cmd, *args in json.loads(Path(steps_json).read_text()):
+        os.chdir(cwd)
+        try:
+            if cmd == "snakellm":
+                rc = cli.main(args)
+                if rc:
+                    raise SystemExit(f"snakellm {' '.join(args)} (in {cwd}): exit {rc}")
+            else:
+                COMMANDS[cmd](*args)
+        finally:
+            os.chdir(here)
+
+
+COMMANDS = {"make": make, "dump": dump, "steps": steps}
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     cmd, *args = sys.argv[1:]
-    {"make": make, "dump": dump}[cmd](*args)
+    COMMANDS[cmd](*args)

@@ -1,6 +1,7 @@
 """Run inside the NeMo venv (scripts/setup-nemo-env.sh), never in snakellm's: NeMo 2.4.1's own loader.
 
     python tests/nemo_probe.py IN.nemo BATCH.pt OUT_DIR [--resave OUT.nemo --seed N]
+    python tests/nemo_probe.py --jobs JOBS.json   (several files in one process: NeMo's import is ~25 s)
 
 Restores IN.nemo with ``MegatronGPTModel.restore_from`` (NeMo's NLPSaveRestoreConnector,
 DistributedCheckpointIO, tokenizer artifacts) on CPU and writes to OUT_DIR:
@@ -107,67 +108,88 @@ def _logits(module: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return module(input_ids=tokens, position_ids=pos, attention_mask=mask).float()
 
 
+def probe(trainer, nemo: str, batch: str, out_dir: str, resave: str | None = None, seed: int = 0) -> None:
+    """One file: restore_from, its tensors, logits, config and tokenizer into out_dir (then save_to with --resave)."""
+    from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import MegatronGPTModel
+    from nemo.collections.nlp.parts.nlp_overrides import NLPSaveRestoreConnector
+    from omegaconf import OmegaConf
+
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    nemo, batch = str(Path(nemo).resolve()), str(Path(batch).resolve())
+    resave = str(Path(resave).resolve()) if resave else None
+    (out / "gpt2").mkdir(exist_ok=True)  # (i)
+    (out / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (out / "gpt2" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
+    here = os.getcwd()
+    os.chdir(out)
+    try:
+        cfg = MegatronGPTModel.restore_from(
+            nemo, trainer=trainer, return_config=True, save_restore_connector=NLPSaveRestoreConnector()
+        )
+        OmegaConf.set_struct(cfg, False)
+        cfg.use_cpu_initialization = True  # (h)
+        model = MegatronGPTModel.restore_from(
+            nemo, trainer=trainer, override_config_path=cfg, save_restore_connector=NLPSaveRestoreConnector()
+        )
+        model.eval()
+        gpt = model.model
+        tokens = torch.load(batch)
+        torch.save(_tensors(gpt), out / "state.pt")
+        torch.save(_logits(gpt, tokens), out / "logits.pt")
+        (out / "config.json").write_text(json.dumps(OmegaConf.to_container(model.cfg, resolve=True), indent=1))
+        text = "Hello world, this is NeMo reading a snakellm file."
+        ids = model.tokenizer.text_to_ids(text)
+        (out / "tokenizer.json").write_text(
+            json.dumps(
+                {
+                    "class": type(model.tokenizer).__name__,
+                    "text": text,
+                    "ids": ids,
+                    "vocab_size": model.tokenizer.vocab_size,
+                    "eos_id": model.tokenizer.eos_id,
+                    "padded_vocab_size": model.padded_vocab_size,
+                }
+            )
+        )
+        if resave:
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for prm in gpt.parameters():
+                    prm.add_(torch.randn(prm.shape, generator=g, dtype=prm.dtype) * 0.01)
+            torch.save(_tensors(gpt), out / "resaved_state.pt")
+            torch.save(_logits(gpt, tokens), out / "resaved_logits.pt")
+            model.save_to(resave)
+    finally:
+        os.chdir(here)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("nemo")
-    p.add_argument("batch")
-    p.add_argument("out")
+    p.add_argument("nemo", nargs="?")
+    p.add_argument("batch", nargs="?")
+    p.add_argument("out", nargs="?")
     p.add_argument("--resave")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--jobs", help="a JSON list of {nemo, batch, out_dir[, resave, seed]}: several files, one NeMo import"
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     _shims()
     from lightning.pytorch import Trainer
-    from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import MegatronGPTModel
-    from nemo.collections.nlp.parts.nlp_overrides import NLPDDPStrategy, NLPSaveRestoreConnector
-    from omegaconf import OmegaConf
+    from nemo.collections.nlp.parts.nlp_overrides import NLPDDPStrategy
 
-    out = Path(a.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    a.nemo, a.batch = str(Path(a.nemo).resolve()), str(Path(a.batch).resolve())
-    a.resave = str(Path(a.resave).resolve()) if a.resave else None
-    (out / "gpt2").mkdir(exist_ok=True)  # (i)
-    (out / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    (out / "gpt2" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
-    os.chdir(out)
-    trainer = Trainer(strategy=NLPDDPStrategy(), accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    cfg = MegatronGPTModel.restore_from(
-        a.nemo, trainer=trainer, return_config=True, save_restore_connector=NLPSaveRestoreConnector()
-    )
-    OmegaConf.set_struct(cfg, False)
-    cfg.use_cpu_initialization = True  # (h)
-    model = MegatronGPTModel.restore_from(
-        a.nemo, trainer=trainer, override_config_path=cfg, save_restore_connector=NLPSaveRestoreConnector()
-    )
-    model.eval()
-    gpt = model.model
-    tokens = torch.load(a.batch)
-    torch.save(_tensors(gpt), out / "state.pt")
-    torch.save(_logits(gpt, tokens), out / "logits.pt")
-    (out / "config.json").write_text(json.dumps(OmegaConf.to_container(model.cfg, resolve=True), indent=1))
-    text = "Hello world, this is NeMo reading a snakellm file."
-    ids = model.tokenizer.text_to_ids(text)
-    (out / "tokenizer.json").write_text(
-        json.dumps(
-            {
-                "class": type(model.tokenizer).__name__,
-                "text": text,
-                "ids": ids,
-                "vocab_size": model.tokenizer.vocab_size,
-                "eos_id": model.tokenizer.eos_id,
-                "padded_vocab_size": model.padded_vocab_size,
-            }
+    if a.jobs:
+        jobs = json.loads(Path(a.jobs).read_text())
+    else:
+        jobs = [dict(nemo=a.nemo, batch=a.batch, out_dir=a.out, resave=a.resave, seed=a.seed)]
+    for job in jobs:
+        trainer = Trainer(
+            strategy=NLPDDPStrategy(), accelerator="cpu", devices=1, logger=False, enable_checkpointing=False
         )
-    )
-    if a.resave:
-        g = torch.Generator().manual_seed(a.seed)
-        with torch.no_grad():
-            for prm in gpt.parameters():
-                prm.add_(torch.randn(prm.shape, generator=g, dtype=prm.dtype) * 0.01)
-        torch.save(_tensors(gpt), out / "resaved_state.pt")
-        torch.save(_logits(gpt, tokens), out / "resaved_logits.pt")
-        model.save_to(a.resave)
-    print("probe: ok", file=sys.stderr)
+        probe(trainer, **job)
+        print(f"probe: ok: {job['nemo']}", file=sys.stderr)
     return 0
 
 

@@ -2,9 +2,10 @@
 the same code path as the real benchmark) exits 0 and prints its figures, each parsable and positive.
 
 The scripts are found by glob: a new benchmark without ``--smoke`` fails here (argparse rejects the flag),
-and one without an entry in FIGURES must still print a figure. The smokes of a session start together in a
-pool of two threads (module fixture; under pytest-xdist the module is one group, on one worker), and
-the fixture waits for all of them: on 2 cores that overlaps one script's imports with another's work. Every
+and one without an entry in FIGURES must still print a figure. The training benchmarks (TRAINING) run in
+tests/test_bench_smoke_training.py, the rest here. A module's smokes start together in a pool of two threads
+(module fixture; under pytest-xdist a module is one group, on one worker), and the fixture waits for all of
+them: on 2 cores that overlaps one script's imports with another's work. Every
 smoke is marked slow: each starts processes of their own (2-30 s of CPU apiece, ~30 s for the five lightest
 together), which the fast tier's 90 s budget has no room for. SLOW lists the heaviest, started first.
 """
@@ -21,7 +22,20 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import pytest
 from conftest import REPO, env_with_venv
 
-SCRIPTS = sorted(p.stem for p in (REPO / "scripts").glob("bench_*.py"))
+ALL_SCRIPTS = sorted(p.stem for p in (REPO / "scripts").glob("bench_*.py"))
+# the training benchmarks' smokes (~340 s of CPU together) run in tests/test_bench_smoke_training.py, a module
+# of their own: xdist gives it to the other worker beside this one's (~380 s: fp8's numerics, finetune's six
+# runs), and each module's shared fixture stays well inside its budget (one fixture for all: 530-620 s)
+TRAINING = [
+    "bench_convert",
+    "bench_dpo_gpu",
+    "bench_moe_gpu",
+    "bench_parallel_gpu",
+    "bench_pipeline_gpu",
+    "bench_train_8b_gpu",
+    "bench_train_gpu",
+]
+SCRIPTS = [s for s in ALL_SCRIPTS if s not in TRAINING]
 
 NUM = r"([\d,]+(?:\.\d+)?)"
 # script -> patterns that must each match a line of its output; every group is a figure (> 0)
@@ -146,9 +160,10 @@ def run_smoke(script: str) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.monotonic() - t0
 
 
-@pytest.fixture(scope="module")
-def smokes(request: pytest.FixtureRequest):
-    """The smokes this session runs, started together (two at a time, slowest first)."""
+def run_smokes(request: pytest.FixtureRequest):
+    """The smokes of the requesting module's tests this session, started together (two at a time, slowest
+    first), all of them waited for here, in the shared fixture's setup (its own time budget): a test that
+    waited in its call would carry the smokes queued before its own (118 s of wall time for bench_chunk's once)."""
     wanted = {
         item.callspec.params["script"]
         for item in request.session.items
@@ -156,15 +171,11 @@ def smokes(request: pytest.FixtureRequest):
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures: dict[str, Future] = {s: pool.submit(run_smoke, s) for s in sorted(wanted, key=lambda s: s not in SLOW)}
-        # all of them here, in the shared fixture's setup (its own time budget): a test that waited in the
-        # test call would carry the smokes queued before its own (118 s of wall time for bench_chunk's once)
         wait(futures.values())
         yield futures
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_bench_smoke_prints_its_figures(script: str, smokes: dict[str, Future]):
+def check_smoke(script: str, smokes: dict[str, Future]) -> None:
     proc, seconds = smokes[script].result() if script in smokes else run_smoke(script)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{script} --smoke: exit {proc.returncode}\n{out[-4000:]}"
@@ -177,9 +188,21 @@ def test_bench_smoke_prints_its_figures(script: str, smokes: dict[str, Future]):
     print(f"{script} --smoke: {seconds:.1f} s")
 
 
+@pytest.fixture(scope="module")
+def smokes(request: pytest.FixtureRequest):
+    yield from run_smokes(request)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_smoke_prints_its_figures(script: str, smokes: dict[str, Future]):
+    check_smoke(script, smokes)
+
+
 def test_every_bench_script_is_covered():
     """The glob finds the scripts FIGURES knows (a renamed script's entry would silently go unused)."""
-    assert len(SCRIPTS) >= 9 and set(FIGURES) <= set(SCRIPTS), set(FIGURES) - set(SCRIPTS)
+    assert len(ALL_SCRIPTS) >= 9 and set(FIGURES) <= set(ALL_SCRIPTS), set(FIGURES) - set(ALL_SCRIPTS)
+    assert set(TRAINING) <= set(ALL_SCRIPTS), set(TRAINING) - set(ALL_SCRIPTS)
 
 
 @pytest.mark.slow  # ~30 s: two bench_finetune_gpu smokes and a bench_generate_gpu smoke behind the wrapper

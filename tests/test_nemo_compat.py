@@ -13,7 +13,7 @@ with a SentencePiece tokenizer. Checked: every tensor NeMo built is torch.equal 
 NeMo's logits on a batch match ours (max |diff| < 1e-5: NeMo's local spec computes attention
 unfused, ours with SDPA: same math, float rounding only), NeMo's tokenizer gives our ids,
 and NeMo's ``save_to`` output imports with `snakellm import-nemo` to identical tensors.
-Runtime: ~3-5 min on 2 cores, plus the one-time venv setup.
+Runtime: ~2 min on 2 cores (every style's steps in one process a side), plus the one-time venv setup.
 """
 
 from __future__ import annotations
@@ -139,45 +139,73 @@ def _tokenizer(style: str, root: Path) -> dict:
     return tok.info()
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def roundtrip(request, nemo_python: Path, tmp_path_factory) -> dict:
-    """Our checkpoint -> export-nemo -> NeMo restore_from (+ save_to) -> import-nemo, all artefacts kept."""
+@pytest.fixture(scope="module")
+def roundtrips(nemo_python: Path, tmp_path_factory) -> dict[str, dict]:
+    """Every style: our checkpoint -> export-nemo -> NeMo restore_from (+ save_to) -> import-nemo, all artefacts
+    kept. Each side runs once for all styles (our steps in one process of tests/nemo_helpers.py, NeMo's in one
+    process of tests/nemo_probe.py): a process a step cost ~10 s of imports each, 65 s a style."""
     import torch
 
     from snakellm.tokenize import encoders
 
-    style = request.param
-    root = tmp_path_factory.mktemp(f"nemo-{style}")
-    tok = _tokenizer(CASES[style]["style"], root)
-    (root / "arch.json").write_text(json.dumps(CASES[style]))
-    (root / "tok.json").write_text(json.dumps(tok))
-    helpers = str(REPO / "tests" / "nemo_helpers.py")
-    run([sys.executable, helpers, "make", "runs/ours", "arch.json", "tok.json", "7"], root)
-    run([str(BIN / "snakellm"), "export-nemo", "runs/ours", f"out/{style}.nemo", "--threads", "1"], root)
+    out: dict[str, dict] = {}
+    for style in sorted(CASES):
+        root = tmp_path_factory.mktemp(f"nemo-{style}")
+        tok = _tokenizer(CASES[style]["style"], root)
+        (root / "arch.json").write_text(json.dumps(CASES[style]))
+        (root / "tok.json").write_text(json.dumps(tok))
+        t = encoders.load(tok["kind"], **{k: v for k, v in tok["files"].items()})
+        ids = t.encode(TEXT)
+        torch.save(torch.tensor([ids[:24], ids[-24:]]), root / "batch.pt")
+        out[style] = {"style": style, "root": root, "tok": tok, "ids": ids}
+    work = tmp_path_factory.mktemp("nemo-steps")
 
-    t = encoders.load(tok["kind"], **{k: v for k, v in tok["files"].items()})
-    ids = t.encode(TEXT)
-    tokens = torch.tensor([ids[:24], ids[-24:]])
-    torch.save(tokens, root / "batch.pt")
-    run(
+    def ours(name: str, steps: list[list[str]]) -> None:
+        (work / f"{name}.json").write_text(json.dumps(steps))
+        run([sys.executable, str(REPO / "tests" / "nemo_helpers.py"), "steps", f"{name}.json"], work)
+
+    roots = {style: str(r["root"]) for style, r in out.items()}
+    ours(
+        "export",
         [
-            str(nemo_python),
-            str(REPO / "tests" / "nemo_probe.py"),
-            f"out/{style}.nemo",
-            "batch.pt",
-            "nemo",
-            "--resave",
-            f"out/{style}-nemo-saved.nemo",
-            "--seed",
-            "3",
+            step
+            for style, root in roots.items()
+            for step in (
+                [root, "make", "runs/ours", "arch.json", "tok.json", "7"],
+                [root, "snakellm", "export-nemo", "runs/ours", f"out/{style}.nemo", "--threads", "1"],
+            )
         ],
-        root,
-        timeout=1800,
     )
-    run([sys.executable, helpers, "dump", "runs/ours", "batch.pt", "ours"], root)
-    run([str(BIN / "snakellm"), "import-nemo", f"out/{style}-nemo-saved.nemo", "runs/imported"], root)
-    run([sys.executable, helpers, "dump", "runs/imported", "batch.pt", "imported"], root)
-    return {"style": style, "root": root, "tok": tok, "ids": ids}
+    jobs = [
+        {
+            "nemo": f"{root}/out/{style}.nemo",
+            "batch": f"{root}/batch.pt",
+            "out_dir": f"{root}/nemo",
+            "resave": f"{root}/out/{style}-nemo-saved.nemo",
+            "seed": 3,
+        }
+        for style, root in roots.items()
+    ]
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    run([str(nemo_python), str(REPO / "tests" / "nemo_probe.py"), "--jobs", "jobs.json"], work, timeout=1800)
+    ours(
+        "import",
+        [
+            step
+            for style, root in roots.items()
+            for step in (
+                [root, "dump", "runs/ours", "batch.pt", "ours"],
+                [root, "snakellm", "import-nemo", f"out/{style}-nemo-saved.nemo", "runs/imported"],
+                [root, "dump", "runs/imported", "batch.pt", "imported"],
+            )
+        ],
+    )
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def roundtrip(request, roundtrips: dict[str, dict]) -> dict:
+    return roundtrips[request.param]
 
 
 def _load(path: Path):

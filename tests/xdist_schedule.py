@@ -25,6 +25,7 @@ FIRST = ["slurm", "default-workflow", "test_docs.py"]
 LONG = [
     "test_nemo_compat.py",
     "test_bench_smoke.py",
+    "test_bench_smoke_training.py",
     "test_engine_kernels.py",
     "test_lora_chain.py",
     "test_dpo.py",
