@@ -275,9 +275,9 @@ CASES = {
             "qwen3moe-ep8-rc",
             "qwen3-30b-a3b",
             4096,
-            [*EP8, "--recompute", "selective"],
-            "the same with megatron-core's selective recomputation (--ep is not composed with the distributed "
-            "optimizer yet: the states stay whole, ~90 GB a rank)",
+            [*EP8, "--distributed-optimizer", "--recompute", "selective"],
+            "the same with megatron-core's selective recomputation and the dense part's Adam states sharded over "
+            "the 8 ranks (the experts' stay whole: one rank a set of experts, expert data-parallel size 1)",
             timeout=240,
         ),
         Case(
@@ -293,9 +293,23 @@ CASES = {
             "qwen3moe-ep8-rc-fp8",
             "qwen3-30b-a3b",
             4096,
-            [*EP8, "--recompute", "selective", "--precision", "fp8"],
+            [*EP8, "--distributed-optimizer", "--recompute", "selective", "--precision", "fp8"],
             "qwen3moe-ep8-rc in FP8",
             timeout=240,
+        ),
+        # issue 49's third point: Mixtral 8x7B at EP 8, one expert of each layer a rank (~7.2B parameters: 5.6B of
+        # experts, 1.6B dense). snakellm.models.memory at sequence 4096, micro batch 1: 154 GiB with the optimizer
+        # replicated and the layers' activations kept, 138 GiB with the dense part's Adam states sharded (the
+        # distributed optimizer), 108.5 GiB with full recomputation too: the one layout of the three that fits
+        # an H200's 141 GB
+        Case(
+            "mixtral-ep8-do-rc",
+            "mixtral-8x7b",
+            4096,
+            [*EP8, "--distributed-optimizer", "--recompute", "full"],
+            "Mixtral 8x7B, one expert of each layer a rank, the dense part's Adam states sharded, every layer "
+            "recomputed",
+            timeout=300,
         ),
     ]
 }
@@ -320,10 +334,8 @@ DEFAULT_8 = [
     "gpt8b-tp4-mbs8-gbs32",  # at 8 ranks: TP 4 x DP 2
     "gpt8b-fsdp",
 ]
-# --cases moe: issue 49's (the OOM fallbacks run only when needed)
-# (Mixtral 8x7B at EP 8 is not among them: one expert a rank still leaves ~7.2B parameters, ~130 GB of states
-# with Adam, and --ep is not composed with the distributed optimizer yet)
-MOE = ["qwen3moe-ep8", "qwen3moe-ep8-fp8"]
+# --cases moe: issue 49's (the OOM fallbacks run only when needed), Mixtral 8x7B's shape last
+MOE = ["qwen3moe-ep8", "qwen3moe-ep8-fp8", "mixtral-ep8-do-rc"]
 DEFAULT = [
     "llama8k-fsdp-rc8",
     "gpt8b-tp4-mbs8-gbs32",
@@ -337,6 +349,7 @@ SMOKE_MODELS = {
     "llama3-8b": "tiny-llama",
     "gpt-8b": "tiny-llama",
     "qwen3-30b-a3b": "tiny-qwen3-moe",
+    "mixtral-8x7b": "tiny-mixtral",
 }
 
 
@@ -374,7 +387,9 @@ def vocab_of(model: str, smoke: bool) -> int:
         return 50257  # the recipe's GPT-2 BPE tokenizer
     if model.startswith("llama3"):
         return 128256
-    return models.resolve(model, {}).get("vocab_size") or {"qwen3-30b-a3b": 151936}.get(model, 50257)
+    return models.resolve(model, {}).get("vocab_size") or {"qwen3-30b-a3b": 151936, "mixtral-8x7b": 32000}.get(
+        model, 50257
+    )
 
 
 def run_case(c: Case, args, out: Path) -> dict:

@@ -19,6 +19,7 @@ in one process. The two ``ep`` runs are a module fixture the layout tests reuse 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,55 @@ def test_ep2_gives_the_losses_of_ep1_and_its_checkpoint_resumes_at_ep1(ep_runs):
 
 
 @pytest.mark.slow
+def test_ep2_with_the_distributed_optimizer_gives_the_losses_of_ep1_and_resumes_without_it(ep_runs):
+    """``--ep 2 --distributed-optimizer`` on 2 ranks (the dense weights' Adam states split over both, each rank's
+    experts' whole on it: expert data-parallel size 1): the EP 1 run's losses and gradient norms; its checkpoint
+    of step 10 resumes at EP 1 with the replicated optimizer on the same steps, the first one exactly."""
+    root = ep_runs
+    proc = train(root, "ep2-do", "--ep", "2", "--distributed-optimizer")
+    held = [int(n.replace(",", "")) for n in re.findall(r"holds the Adam states of ([\d,]+) of", proc.stderr)]
+    total = int(re.search(r"holds the Adam states of [\d,]+ of ([\d,]+) parameters", proc.stderr)[1].replace(",", ""))
+    assert held and all(n < total for n in held), proc.stderr[-2000:]
+    b = records(root, "ep2-do")
+    assert_same(b, records(root, "ep1"), range(1, 21))
+    c, _ = resume_at(root, "ep2-do", "ep2-do-to-ep1", 10, "--ep", "1")
+    assert c[11]["loss"] == b[11]["loss"]
+    assert_same(c, b, range(11, 21))
+
+
+@pytest.mark.slow
+def test_ep2_of_4_ranks_shards_the_experts_adam_states_over_their_2_expert_data_parallel_ranks(ep_runs):
+    """4 ranks at ``--ep 2 --distributed-optimizer`` (micro batch 2: one a rank): each expert on 2 ranks, its
+    Adam states split between them. Its first loss is the EP 1 run's (the same weights and batch); its checkpoint
+    of step 10 resumes at EP 2 on 4 ranks with the replicated optimizer and gives the same steps 11..20, the
+    first one exactly."""
+    root = ep_runs
+
+    def four(run: str, *extra: str) -> subprocess.CompletedProcess:
+        cmd = [*TORCHRUN[:2], "--nproc-per-node=4", *TORCHRUN[3:], str(BIN / "snakellm"), "train"]
+        cmd += ["--blend", "data/tokens/synth/blend.json", "--run-dir", f"runs/{run}", *MOE, *STEPS]
+        cmd += ["--micro-batch-size", "2", "--ep", "2", *extra]
+        proc = subprocess.run(cmd, cwd=root, env=env_with_venv(), capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    proc = four("ep2-do4", "--distributed-optimizer")
+    held = [int(n.replace(",", "")) for n in re.findall(r"holds the Adam states of ([\d,]+) of", proc.stderr)]
+    assert held, proc.stderr[-2000:]
+    b = records(root, "ep2-do4")
+    assert sorted(b) == list(range(1, 21))
+    ref = records(root, "ep1")[1]
+    assert abs(b[1]["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (b[1], ref)
+    shutil.copytree(root / "runs" / "ep2-do4", root / "runs" / "ep2-do4-to-replicated")
+    (root / "runs" / "ep2-do4-to-replicated" / "checkpoints/latest_checkpointed_iteration.txt").write_text("10\n")
+    err = four("ep2-do4-to-replicated").stderr
+    assert "resumed from runs/ep2-do4-to-replicated/checkpoints/iter_0000010" in err
+    c = records(root, "ep2-do4-to-replicated")
+    assert c[11]["loss"] == b[11]["loss"]
+    assert_same(c, b, range(11, 21))
+
+
+@pytest.mark.slow
 def test_tp2_gives_the_losses_of_tp1_and_its_checkpoint_loads_and_resumes_at_tp1(ep_runs):
     """tp 2 (each expert split over both ranks, the sequence too) against the tp 1 run (ep1: tp 1 x dp 2)."""
     root = ep_runs
@@ -153,8 +203,24 @@ def test_ep_checks_name_the_setting(root):
     assert moe.check_ep(mixtral, 3) == "num_experts 4 is not divisible by ep 3"
     assert "expert parallelism needs a mixture-of-experts model" in moe.check_ep(resolve("tiny"), 2)
     assert "ep 4 must divide the data-parallel size (world 2" in moe.check_ep(mixtral, 4, world=2)
-    why = architecture.parallel_conflict({"ep": 2, "distributed_optimizer": True})
-    assert why is not None and why[0] == "ep"
+    assert architecture.parallel_conflict({"ep": 2, "distributed_optimizer": True}) is None  # composed
+    why = architecture.parallel_conflict({"ep": 2, "fsdp": True})
+    assert why is not None and why[0] == "ep" and "not composed with fsdp" in why[1]
+
+
+def test_the_distributed_optimizer_shards_the_experts_over_the_expert_data_parallel_ranks():
+    """The memory estimate: at ep 2 of dp 4 the experts' Adam states are split over 2 ranks, the rest over 4."""
+    from snakellm.models import memory, moe, resolve
+
+    arch = resolve("mixtral-8x7b")
+    kw = dict(tp=1, pp=1, micro_batch_size=1, num_micro_batches=1, sequence_parallel=False)
+    experts = arch["num_layers"] * arch["num_experts"] // 2 * moe.expert_params(arch)  # on one rank at ep 2
+    plain = memory.estimate(arch, 32000, dp=4, ep=2, distributed_optimizer=False, **kw)
+    sharded = memory.estimate(arch, 32000, dp=4, ep=2, distributed_optimizer=True, **kw)
+    assert plain.optimizer == plain.params * 12
+    assert sharded.optimizer == pytest.approx((plain.params - experts) * 12 / 4 + experts * 12 / 2)
+    lines = memory.report(arch, 32000, dp=4, ep=2, distributed_optimizer=False, **kw)
+    assert any("parallel.distributed_optimizer: true would make it" in ln for ln in lines), lines
 
 
 def test_a_moe_model_at_tp2_needs_sequence_parallelism_and_says_so(tmp_path):

@@ -268,12 +268,12 @@ def parallel_conflict(par: dict[str, Any], name: Callable[[str], str] = str) -> 
             f"casts each FSDP shard to float8 before FSDP's all-gather: it needs {name('fsdp')}",
         )
     ep = par.get("ep", 1)
-    if ep > 1 and (par.get("fsdp") or distopt):
-        key = "fsdp" if par.get("fsdp") else "distributed_optimizer"
+    if ep > 1 and par.get("fsdp"):
         return (
             "ep",
-            f"expert parallelism is not composed with {name(key)} yet (the experts' gradients and Adam states "
-            f"live on their expert-parallel ranks): use {name('ep')} 1 or drop {name(key)}",
+            f"expert parallelism is not composed with {name('fsdp')} yet (the experts' gradients and Adam states "
+            f"live on their expert-parallel ranks): use {name('ep')} 1, or {name('distributed_optimizer')} "
+            f"instead of {name('fsdp')}",
         )
     if par.get("fsdp") and pp > 1:
         return "fsdp", f"shards over the data-parallel ranks of one pipeline stage: it needs {name('pp')} 1 (got {pp})"

@@ -261,9 +261,11 @@ def estimate(
     stage = first if pp == 1 else max(first, last, key=lambda st: st[0] * (18 if bf16 else 16) + st[1])
     params, activations = stage
 
+    experts = stage_layers * _expert_params_per_layer(arch, tp, ep)
     weights, grads, optimizer = _state_bytes(
-        params, e, sharded + replicated, head, dp, bf16, grad_reduce_in_fp32, distributed_optimizer, fsdp
-    )
+        params, e, sharded + replicated, head, dp, bf16, grad_reduce_in_fp32, distributed_optimizer, fsdp,
+        experts=experts, ep=ep,
+    )  # fmt: skip
     fields = (weights, grads, optimizer, activations, tp, pp, dp, b, distributed_optimizer, sp, recompute)
     return MemoryEstimate(int(round(params)), *fields, virtual_pp, fsdp, ep)
 
@@ -294,9 +296,13 @@ def _state_bytes(
     grad_reduce_in_fp32: bool,
     distributed_optimizer: bool,
     fsdp: bool,
+    experts: float = 0.0,
+    ep: int = 1,
 ) -> tuple[float, float, float]:
     """Bytes of the weights, gradients and optimizer states of ``params`` parameters (``layer``, ``head``:
-    the parameters of one layer and of the output layer, the units FSDP gathers)."""
+    the parameters of one layer and of the output layer, the units FSDP gathers; ``experts``: how many of
+    ``params`` are a mixture of experts' experts, which the distributed optimizer shards over the expert
+    data-parallel ranks, ``dp / ep``)."""
     if fsdp:
         unit = max(layer, head)  # the largest unit gathered at a time
         gathered = (2 * layer + head) * e if bf16 else 0.0
@@ -304,8 +310,19 @@ def _state_bytes(
         return params * 4 / dp + gathered, params * 4 / dp + unit * (e + reduced), params * 8 / dp
     weights = params * e
     grads = params * (4 if grad_reduce_in_fp32 or not bf16 else 2)
-    opt_states = params * (12 if bf16 else 8)  # fp32 master + exp_avg + exp_avg_sq (no master in fp32)
-    return weights, grads, opt_states / dp if distributed_optimizer else opt_states
+    per = 12 if bf16 else 8  # fp32 master + exp_avg + exp_avg_sq (no master in fp32)
+    if not distributed_optimizer:
+        return weights, grads, params * per
+    return weights, grads, (params - experts) * per / dp + experts * per / max(1, dp // ep)
+
+
+def _expert_params_per_layer(arch: dict[str, Any], tp: int, ep: int) -> float:
+    """The experts' parameters of one MoE layer on one rank (``num_experts / ep`` experts, each split over tp)."""
+    if not arch.get("num_experts"):
+        return 0.0
+    from snakellm.models.moe import expert_params
+
+    return arch["num_experts"] // ep * expert_params(arch) / tp
 
 
 def report(
@@ -365,8 +382,8 @@ def report(
     ]
     out.append(f"  (activations with parallel.recompute {', '.join(other)})")
     more_sp = tp > 1 and not sequence_parallel
-    # (expert parallelism is not composed with either yet: parallel_conflict refuses them)
-    more_do = dp > 1 and not distributed_optimizer and not fsdp and ep == 1
+    # (expert parallelism is not composed with FSDP yet: parallel_conflict refuses the pair)
+    more_do = dp > 1 and not distributed_optimizer and not fsdp
     if dp > 1 and not fsdp and ep == 1:
         sharded = est(sequence_parallel, False, sharded=True)
         out.append(

@@ -375,6 +375,9 @@ class DistributedAdamW:
     buffer afterwards. This optimizer keeps fp32 masters and Adam moments only for
     the parameters (or parts of them) inside this rank's slices: 12 bytes a
     parameter become ``12 / dp``, as with megatron-core's ``DistributedOptimizer``.
+    A mixture of experts split over ``ep`` expert-parallel ranks has its experts' buffers sharded over
+    the expert data-parallel ranks (``dp / ep``), as megatron-core DDP reduce-scatters them: an expert
+    parameter's 12 bytes become ``12 / (dp / ep)`` on each of the ``ep``-th of the ranks that hold it.
     That class itself cannot run here: it accepts only ``torch.cuda.*Tensor``
     parameters (optimizer/distrib_optimizer.py) and allocates on ``device='cuda'``
     (optimizer.py, clip_grads.py), so it would leave the CPU tests blind; this one
@@ -408,7 +411,6 @@ class DistributedAdamW:
         self.clip_grad = clip_grad
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         decay: list[torch.nn.Parameter] = []
         no_decay: list[torch.nn.Parameter] = []
         for _name, p in model.named_parameters():
@@ -420,12 +422,16 @@ class DistributedAdamW:
         index = {id(p): i for i, p in enumerate(self.params)}
         wds = [weight_decay, 0.0] if (decay and no_decay) else ([weight_decay] if decay else [0.0])
 
-        # this rank's slice of every bucket, intersected with the parameters in it
+        # this rank's slice of every bucket, intersected with the parameters in it. A buffer is sharded over its
+        # own group: the dense weights' over the data-parallel ranks, a mixture of experts' over the expert
+        # data-parallel ones (the ranks holding the same experts: dp / ep of them), as megatron-core's DDP
+        # reduce-scatters them
         owned: dict[int, tuple[int, int]] = {}
         for buffer in model.buffers + model.expert_parallel_buffers:
+            size_of, rank = buffer.data_parallel_world_size, buffer.data_parallel_group.rank()
             for bucket in buffer.buckets:
-                size = bucket.grad_data.numel() // self.dp_size
-                s_lo = bucket.offset + dp_rank * size
+                size = bucket.grad_data.numel() // size_of
+                s_lo = bucket.offset + rank * size
                 s_hi = s_lo + size
                 for p in bucket.params_list:
                     start, end, _ = buffer.param_index_map[p]
@@ -479,6 +485,9 @@ class DistributedAdamW:
             if norm_grads
             else torch.zeros((), device=self.device)
         )
+        # over the data-parallel ranks: each dense element is in one rank's slice, and each expert element in
+        # one slice of the expert data-parallel ranks that hold its expert (their groups partition the
+        # data-parallel ranks, one a set of experts): one sum counts every element of the model once
         if self.dp_size > 1:
             torch.distributed.all_reduce(sq, group=self.dp_group)
         _sum_over_model_parallel(sq)
