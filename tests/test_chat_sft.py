@@ -71,6 +71,7 @@ def _encoder(tmp_path, template="chatml", seq=512):
     return conv.chat_encoder(tok.info(), tok, None, seq, "all_assistant"), d
 
 
+@pytest.mark.slow  # 2.1 s of CPU, among the fast tier's slowest (the tier ran 76-89 s of its 90 s budget)
 def test_long_conversations_drop_whole_turns_from_the_oldest_keeping_the_system_prompt(tmp_path):
     enc, _ = _encoder(tmp_path)
     turns = [{"role": "system", "content": "SYSTEM PROMPT"}]

@@ -177,6 +177,7 @@ def test_unlocatable_turn_is_refused_never_all_ones(tmp_path):
         t2.assistant_spans(CONVERSATIONS[2])
 
 
+@pytest.mark.slow  # 1.5 s of CPU, among the fast tier's slowest (the tier ran 76-89 s of its 90 s budget)
 def test_tokenizer_without_tokenizer_json(tmp_path):
     """GPT-2 BPE files (no tokenizer.json): control tokens split out, offsets from decoding; the same ids and mask."""
     from chat_helpers import CONTROL, GPT2

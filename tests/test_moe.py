@@ -279,6 +279,7 @@ def test_grouped_experts_add_their_gradients_into_ddps_buffers_once(overlap: boo
         assert torch.allclose(g, main["sequential"][n], rtol=1e-4, atol=1e-6), n
 
 
+@pytest.mark.slow  # 2.0 s of CPU, among the fast tier's slowest (the tier ran 76-89 s of its 90 s budget)
 def test_the_training_page_draws_router_health_only_for_a_mixture_of_experts(tmp_path):
     from snakellm.report.train import router_figure, summary_page
 

@@ -59,6 +59,7 @@ def gpt2():
     )
 
 
+@pytest.mark.slow  # 2.1 s of CPU, among the fast tier's slowest (the tier ran 76-89 s of its 90 s budget)
 def test_gpt2_chunk_is_byte_identical_to_megatron_and_reads_back(tmp_path, wiki_jsonl, gpt2):
     docs = corpus()["wikitext"]
     prefix = str(tmp_path / "out" / "chunk-00000_text_document")

@@ -60,6 +60,7 @@ def test_gpt2_known_ids(gpt2):
     assert gpt2.decode([15496, 995, 50256]) == "Hello world<|endoftext|>"
 
 
+@pytest.mark.slow  # 2.5 s of CPU, among the fast tier's slowest (the tier ran 76-89 s of its 90 s budget)
 def test_gpt2_ids_identical_to_openai_reference_bpe_on_corpus(gpt2, texts):
     ref = openai_gpt2()
     ours = ids_of(gpt2, texts)
@@ -83,6 +84,7 @@ def test_gpt2_ids_identical_to_tokenizers_and_transformers(gpt2, texts):
     assert ours[: len(docs)] == [tr.encode(t, add_special_tokens=False) for t in docs]
 
 
+@pytest.mark.slow  # 2.1 s of CPU, among the fast tier's slowest (the tier ran 76-89 s of its 90 s budget)
 def test_gpt2_tokenizers_backend_gives_the_same_ids(gpt2, texts):
     fallback = T.load("gpt2-bpe", vocab_file=str(GPT2_VOCAB), merges_file=str(GPT2_MERGES), backend="tokenizers")
     assert fallback.backend == "tokenizers"
