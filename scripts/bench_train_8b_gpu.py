@@ -419,6 +419,8 @@ def run_case(c: Case, args, out: Path) -> dict:
             (str(min(int(f), 2)) if prev in ("--recompute-num-layers", "--micro-batch-size") else f)
             for prev, f in zip(["", *flags], flags)
         ]
+    if args.breakdown and "--profile-steps" not in flags:  # one measured step profiled: where its time goes
+        flags += ["--profile-steps", f"{args.warmup + 2}:{args.warmup + 2}"]
     train = [
         "train",
         "--blend",
@@ -470,6 +472,8 @@ def run_case(c: Case, args, out: Path) -> dict:
     res["wall_s"] = round(time.time() - t0, 1)
     if (run_dir / "profile.txt").exists():  # --profile-steps: the kernel table beside the log
         (out / f"{c.name}.profile.txt").write_text((run_dir / "profile.txt").read_text())
+    if (run_dir / "profile-breakdown.json").exists():  # and the step's time split (snakellm.train.step_breakdown)
+        res["breakdown"] = json.loads((run_dir / "profile-breakdown.json").read_text())
     res.update(read_metrics(run_dir, args, seq, gbs))
     if res["rc"] != 0:
         text = log.read_text(errors="replace")
@@ -509,6 +513,15 @@ def read_metrics(run_dir: Path, args, seq: int, gbs: int) -> dict:
         out["mfu"] = per_gpu * out["flops_per_token"] / (args.peak_tflops * 1e12)
         out["step_s"] = gbs * seq / tps
     return out
+
+
+def breakdown_lines(r: dict) -> list[str]:
+    """Rank 0's profiled step of the case (``--breakdown``), as snakellm.train.step_breakdown prints it."""
+    from snakellm.train.step_breakdown import Breakdown
+
+    b = dict(r["breakdown"])
+    b.pop("idle_s", None)
+    return [f"  {ln}" for ln in Breakdown(**b).lines()]
 
 
 def line(r: dict) -> str:
@@ -671,9 +684,18 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="per-GPU dense bf16 peak for MFU")
     p.add_argument("--workdir", default="/tmp/snakellm-bench-8b")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="profile one measured step of each case and print where its time goes (compute, exposed "
+        "communication, optimizer, recomputation, idle; default: on at --nproc 8, issue 48's breakdown)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, 2 ranks, 3 steps: the same code path")
     p.add_argument("--smoke-seq", type=int, default=64, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.breakdown is None:
+        args.breakdown = args.nproc >= 8 and not args.smoke
     cases = dict(CASES)
     for text in args.case:
         c = parse_case(text)
@@ -711,6 +733,8 @@ def main(argv=None) -> int:
         r = run_case(cases[name], case_args, out)
         results.append(r)
         print(line(r), flush=True)
+        if r.get("breakdown"):
+            print("\n".join(breakdown_lines(r)), flush=True)
         if r.get("error"):
             print("  " + r["error"][-1200:].replace("\n", "\n  "), flush=True)
         (out / "bench_8b.json").write_text(json.dumps(results, indent=2))

@@ -59,7 +59,7 @@ def test_bars_at_8_gpus_are_judged_on_the_best_case_of_each_kind():
 @pytest.mark.slow  # two torchrun runs of the real `snakellm train` over 2 ranks (~25 s alone)
 def test_the_moe_cases_smoke_runs_expert_parallelism_over_two_ranks(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_train_8b_gpu.py"), "--smoke", "--cases", "moe"],
+        [sys.executable, str(REPO / "scripts" / "bench_train_8b_gpu.py"), "--smoke", "--cases", "moe", "--breakdown"],
         cwd=tmp_path,
         env={**env_with_venv(), "OUT": str(tmp_path)},
         capture_output=True,
@@ -72,3 +72,6 @@ def test_the_moe_cases_smoke_runs_expert_parallelism_over_two_ranks(tmp_path):
         assert m, (case, proc.stdout[-3000:])
         assert float(m[2]) > 0 and float(m[3]) > 0
     assert "NeMo AutoModel, 8 x H100, Qwen3-30B-A3B" in proc.stdout  # its anchors beside it
+    # --breakdown (the default at --nproc 8): each case's profiled step split into its parts, below its line
+    assert proc.stdout.count("step breakdown (CPU, mean of 1 profiled step):") == len(bench.MOE), proc.stdout[-3000:]
+    assert re.search(r"^ +exposed communication +[\d.]+ ms", proc.stdout, re.M)

@@ -1,10 +1,13 @@
 """``--profile-steps A:B``: torch.profiler over a range of steps, the kernel table to a file and the timeline
 as a gzipped Chrome trace beside it (``profile-trace.json.gz``: Perfetto or ``chrome://tracing`` open it; the
-step's phases are named ranges: zero_grad, forward, backward, finalize_grads, optimizer)."""
+step's phases are named ranges: zero_grad, forward, backward, finalize_grads, optimizer), and the step's time
+split into compute, exposed communication, optimizer, recomputation and idle (snakellm.train.step_breakdown)
+at the table's end and in ``profile-breakdown.json``."""
 
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import shutil
@@ -13,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from snakellm.io.atomic import write_text
+from snakellm.train import step_breakdown
 
 
 def parse_range(text: str | None) -> tuple[int, int] | None:
@@ -51,20 +55,32 @@ class StepProfiler:
             key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
             table = self.prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90)
             n = self.steps[1] - self.steps[0] + 1
-            write_text(self.path, f"torch.profiler over {n} steps, sorted by {key}\n{table}\n")
-            self.write_trace()
+            timeline = self.write_trace()
+            found = step_breakdown.breakdown(timeline, n)
+            lines = found.lines() if found else []
+            write_text(self.path, f"torch.profiler over {n} steps, sorted by {key}\n{table}\n" + "".join(
+                f"{ln}\n" for ln in lines
+            ))  # fmt: skip
+            if found:
+                write_text(self.path.with_name("profile-breakdown.json"), json.dumps(found.as_dict(), indent=1) + "\n")
             print(table, file=sys.stderr, flush=True)
+            for ln in lines:
+                print(ln, file=sys.stderr, flush=True)
         self.prof = None
 
-    def write_trace(self) -> None:
-        """The profiled steps' timeline, gzipped, next to the table (written to a temporary name, then renamed)."""
+    def write_trace(self) -> dict:
+        """The profiled steps' timeline, gzipped, next to the table (written to a temporary name, then renamed);
+        returns it."""
         trace = self.path.with_name("profile-trace.json.gz")
         raw = trace.with_name(f".{trace.name}.{os.getpid()}.json")
         try:
             self.prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src:
+                timeline = json.load(src)
             with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb", compresslevel=3) as dst:
                 shutil.copyfileobj(src, dst)
             os.replace(f"{raw}.gz", trace)
+            return timeline
         finally:
             for leftover in (raw, f"{raw}.gz"):
                 if os.path.exists(leftover):
