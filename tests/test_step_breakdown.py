@@ -42,7 +42,8 @@ def test_a_gpu_trace_splits_into_its_parts():
     """One step of 1,000 us (the phases' span): compute kernels 0-300 and 400-700 on stream 7, an all-gather 200-500
     on stream 9 (exposed 300-400 only), a reduce-scatter 800-900 with nothing beside it (exposed); two optimizer
     kernels 720-780 and 950-1000 inside the optimizer range; a kernel 100-150 on stream 8 launched from inside
-    CheckpointFunctionBackward (its launch's correlation id): recomputation, hidden under the first gemm."""
+    CheckpointFunctionBackward (its launch's correlation id): recomputation, hidden under the first gemm; one
+    150-250 launched from the nested backward inside that window: backward, not recomputation."""
     ev = [
         _x("forward", "gpu_user_annotation", 0, 400),
         _x("backward", "gpu_user_annotation", 400, 300),
@@ -54,8 +55,15 @@ def test_a_gpu_trace_splits_into_its_parts():
         _x("multi_tensor_apply_kernel", "kernel", 720, 60, correlation=5),
         _x("multi_tensor_apply_kernel", "kernel", 950, 50, correlation=6),
         _x("flash_fwd_kernel", "kernel", 100, 50, tid=8, correlation=7),
+        _x("sm90_gemm_bwd", "kernel", 150, 100, tid=8, correlation=8),
+        _x("autograd::engine::evaluate_function: CheckpointFunctionBackward", "cpu_op", 9_990, 120, tid=1),
         _x("CheckpointFunctionBackward", "cpu_op", 10_000, 100, tid=1),
-        *(_x("cudaLaunchKernel", "cuda_runtime", t, 1, tid=1, correlation=c) for c, t in [(1, 0), (2, 5), (7, 10_050)]),
+        # the nested backward of the recomputed layers: its kernel is backward, not recomputation
+        _x("autograd::engine::evaluate_function: MmBackward0", "cpu_op", 10_060, 30, tid=1),
+        *(
+            _x("cudaLaunchKernel", "cuda_runtime", t, 1, tid=1, correlation=c)
+            for c, t in [(1, 0), (2, 5), (7, 10_050), (8, 10_070)]
+        ),
     ]
     b = sb.breakdown({"traceEvents": ev}, steps=1)
     assert b is not None and b.device == "GPU"

@@ -6,8 +6,8 @@ The step's wall time (from the first phase range's start to the last one's end, 
 - ``exposed communication``: the time communication kernels run while no compute kernel does (what overlap did
   not hide); ``communication`` is their whole time, hidden or not;
 - ``optimizer``: the compute inside the step's ``optimizer`` range (the Adam step and its gradient norm);
-- ``recomputation``: the compute launched from inside megatron-core's recomputation backward
-  (``CheckpointFunctionBackward``: the layers' forward run again in the backward pass);
+- ``recomputation``: the compute of the layers' forward run again in the backward pass (launched from inside
+  megatron-core's ``CheckpointFunctionBackward``, outside its nested backward of those layers);
 - ``idle``: the rest (the device waiting on the host: launches, data, synchronisation).
 
 On a GPU the intervals are the trace's kernels (``cat: kernel``; NCCL's are ``nccl*``) and the ranges are the
@@ -158,7 +158,7 @@ def breakdown(trace: dict | list, steps: int) -> Breakdown | None:
     comm = union([_iv(e) for e in comm_ops])
     compute = minus(union([_iv(e) for e in compute_ops]), [] if gpu else comm)
     optimizer = union([_iv(e) for e in phases if e["name"] == "optimizer"])
-    recompute_windows = union([_iv(e) for e in xs if e.get("cat") == "cpu_op" and RECOMPUTE in e.get("name", "")])
+    recompute_windows = _recomputation_windows([e for e in xs if e.get("cat") == "cpu_op"])
     if gpu:  # kernels launched from inside a recomputation's backward (by the launch's correlation id)
         recomputed = union(
             [
@@ -181,6 +181,20 @@ def breakdown(trace: dict | list, steps: int) -> Breakdown | None:
         optimizer_s=length(within(compute, optimizer)) / n,
         recomputation_s=length(recomputed) / n,
     )
+
+
+def _recomputation_windows(cpu_ops: list[dict]) -> list[Interval]:
+    """When the host ran a recomputed forward: inside ``CheckpointFunctionBackward`` (which recomputes the
+    layers' forward, then runs their backward through a nested autograd call), outside the nested call's
+    ``autograd::engine::evaluate_function`` operators (the backward of the recomputed layers)."""
+    windows = union([_iv(e) for e in cpu_ops if e.get("name") == RECOMPUTE])
+    nested = [
+        iv
+        for e in cpu_ops
+        if e.get("name", "").startswith("autograd::engine::evaluate_function")
+        and any(a < (iv := _iv(e))[0] and iv[1] <= b for a, b in windows)
+    ]
+    return minus(windows, union(nested))
 
 
 def _main_thread(xs: list[dict]) -> tuple[Any, Any]:
