@@ -147,7 +147,8 @@ def breakdown(trace: dict | list, steps: int) -> Breakdown | None:
         launches = {
             e["args"]["correlation"]: _iv(e)
             for e in xs
-            if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+            # cudaLaunchKernel, and the driver's cuLaunchKernel(Ex) by which cuBLAS and Triton launch theirs
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
         }
     else:
         main = _main_thread(xs)
