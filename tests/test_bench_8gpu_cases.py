@@ -1,13 +1,14 @@
 """scripts/bench_train_8b_gpu.py's 8-GPU cases (issues 48 and 49): which run, and how its bars are judged.
 
 The runs themselves need 8 GPUs of one host; its CPU smoke (tests/test_bench_smoke.py) runs the first dense case
-and the test below the first mixture-of-experts case (expert parallelism over 2 gloo ranks), each through the
-real `snakellm train`.
+and the test below the mixture-of-experts cases (expert parallelism over 2 gloo ranks), each through the
+real `snakellm train`; scripts/check_moe_ep_gpu.py's smoke (EP 2 against EP 1, EP 2 -> EP 1) runs here too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
@@ -75,3 +76,33 @@ def test_the_moe_cases_smoke_runs_expert_parallelism_over_two_ranks(tmp_path):
     # --breakdown (the default at --nproc 8): each case's profiled step split into its parts, below its line
     assert proc.stdout.count("step breakdown (CPU, mean of 1 profiled step):") == len(bench.MOE), proc.stdout[-3000:]
     assert re.search(r"^ +exposed communication +[\d.]+ ms", proc.stdout, re.M)
+
+
+@pytest.fixture(scope="module")
+def moe_ep_check(tmp_path_factory):
+    """`scripts/check_moe_ep_gpu.py --smoke` (three 2-rank torchrun launches of `snakellm train`, ~80 s of CPU:
+    a shared fixture, outside one test's budget)."""
+    out = tmp_path_factory.mktemp("moe-ep-check")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "check_moe_ep_gpu.py"), "--smoke", "--workdir", str(out / "work")],
+        cwd=out,
+        env={**env_with_venv(), "OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    return proc, out
+
+
+@pytest.mark.slow
+def test_the_ep_check_script_smoke_gives_ep1s_steps_at_ep2_and_after_a_resume_at_ep1(moe_ep_check):
+    """Issue 49's fourth point on the CPU: EP 2 against EP 1 from the same weights and batches, and the EP 2
+    checkpoint resumed at EP 1, through the real `snakellm train` (fp32: the bars are 1e-5)."""
+    proc, out = moe_ep_check
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "EP 2 = EP 1 and EP 2 -> EP 1: PASS" in proc.stdout
+    result = json.loads((out / "moe_ep_check.json").read_text())
+    assert result["pass"] and result["first_step"] <= 1e-5
+    first, resumed = result["checks"]
+    assert [r[0] for r in first["rows"]] == [1, 2, 3, 4] and [r[0] for r in resumed["rows"]] == [3, 4]
+    assert first["max_rel_loss"] <= 1e-5 and resumed["max_rel_loss"] <= 1e-5
