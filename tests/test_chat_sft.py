@@ -89,6 +89,7 @@ def test_long_conversations_drop_whole_turns_from_the_oldest_keeping_the_system_
     assert "1 still too long were skipped (lines 7)" in conv.length_warning("f.jsonl", tiny)
 
 
+@pytest.mark.slow  # 1.2 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_packed_batch_masks_are_the_assistant_spans(tmp_path):
     enc, _ = _encoder(tmp_path)
     exs = enc.encode_all([{**g, "_line": i} for i, g in enumerate(GOOD)], "x")

@@ -161,6 +161,7 @@ def test_template_choice_and_errors(tmp_path):
         mistral.render([{"role": "assistant", "content": "x"}, {"role": "assistant", "content": "y"}])
 
 
+@pytest.mark.slow  # 1.3 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_unlocatable_turn_is_refused_never_all_ones(tmp_path):
     """A template that places text by what comes later (here: the turn count at the top) cannot be split."""
     tricky = (

@@ -141,6 +141,7 @@ def test_verification_failure_publishes_nothing(tmp_path, monkeypatch):
     assert list((tmp_path / "o").iterdir()) == []
 
 
+@pytest.mark.slow  # 1.0 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_killed_job_leaves_no_output_that_looks_complete(tmp_path):
     """SIGKILL in the middle of a large chunk: no .jsonl/.stats.json/.rejected.jsonl appear."""
     line = json.dumps({"text": "x" * 200}).encode() + b"\n"
@@ -241,6 +242,7 @@ def test_truncated_zstd_shard_fails_naming_the_shard(tmp_path, cut):
     assert left == []  # nothing that looks complete
 
 
+@pytest.mark.slow  # 1.8 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_truncated_multi_frame_zstd_and_gzip_fail(tmp_path):
     c = zstandard.ZstdCompressor()
     frames = c.compress(_jsonl(GOOD)) + c.compress(_jsonl(GOOD))

@@ -344,6 +344,7 @@ def test_any_name_a_filesystem_allows_goes_through_the_list_and_the_chunk(tmp_pa
     assert rc == 1 and "shard not found: " + ascii(paths[1]) in err
 
 
+@pytest.mark.slow  # 1.3 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_a_shard_changed_while_read_fails_naming_it(tmp_path, monkeypatch):
     """A shard rewritten during its chunk job: the old documents used to stay in the output."""
     from snakellm.io import readers

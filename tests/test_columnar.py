@@ -232,6 +232,7 @@ def _page(i: int) -> bytes:
     ).encode()
 
 
+@pytest.mark.slow  # 1.5 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_warc_documents_skips_and_datatrove_equality(tmp_path):
     from datatrove.pipeline.extractors import Trafilatura
     from datatrove.pipeline.readers import WarcReader

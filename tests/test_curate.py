@@ -257,6 +257,7 @@ def test_sources_sharing_an_index_must_hash_alike():
         checks.check_curate(cfg)
 
 
+@pytest.mark.slow  # 1.1 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_an_empty_curated_chunk_is_an_empty_dataset_the_blend_leaves_out(tmp_path):
     from conftest import REPO
 

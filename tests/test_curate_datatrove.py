@@ -96,6 +96,7 @@ def _datatrove_removed(chunks: str, work: str, files: int) -> tuple[set[tuple[in
     return removed, cluster
 
 
+@pytest.mark.slow  # 1.6 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_datatrove_scheme_removes_what_datatrove_minhash_dedup_removes(dt_hash, tmp_path):
     docs = _planted(random.Random(0))
     (tmp_path / "chunks").mkdir()

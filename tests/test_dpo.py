@@ -494,6 +494,7 @@ def test_the_fine_tune_page_draws_the_preference_metrics_only_for_dpo(tmp_path):
     assert "Preference metrics" not in sft_page and "base vs tuned" in sft_page
 
 
+@pytest.mark.slow  # 1.9 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_report_finetune_writes_a_dpo_page_without_evaluations(tmp_path):
     """`snakellm report finetune` for a DPO fine-tune: only its metrics and summary (the rule passes no
     --base/--tuned flags for one)."""

@@ -61,6 +61,7 @@ def greedy(n=20, **kw):
     return SamplingParams(max_new_tokens=n, greedy=True, **kw)
 
 
+@pytest.mark.slow  # 2.0 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_greedy_batch_equals_eager(gen):
     """Prompts of different lengths in one batch: the same tokens and log-probs as the eager decoder."""
     params = greedy(20, stop_at_eod=False, logprobs=True)

@@ -68,6 +68,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # 1.3 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_export_errors_before_work(tmp_path):
     p = _cli("export-nemo", "runs/nope", "out.nemo", cwd=tmp_path)
     assert p.returncode == 2 and "runs/nope: no such checkpoint" in p.stderr

@@ -45,6 +45,7 @@ def test_cached_greedy_equals_full_forward_greedy(gen):
     assert alone == [o.ids for o in outs]
 
 
+@pytest.mark.slow  # 3.1 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_ptuning_prefix_equals_full_forward_with_the_prompt_encoder(gen):
     """p-tuning's virtual tokens in the cached engine (what evaluate uses) give the tokens of megatron-core's
     forward with the prompt encoder's embedding hook, in a batch of prompts of different lengths."""

@@ -197,6 +197,7 @@ def _hf_models(spm: Path):
     }
 
 
+@pytest.mark.slow  # 3.4 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 @pytest.mark.parametrize("case", ["gpt2-tied", "gpt2-untied-ffn", "llama-gqa-untied", "llama-mha-tied-rope5e5"])
 def test_import_roundtrip_identical_tensors_and_logits(case, tmp_path, spm_model):
     import shutil
@@ -260,6 +261,7 @@ def test_import_rejects_what_it_cannot_compute(tmp_path):
         arch_from_hf({"model_type": "phi3"})
 
 
+@pytest.mark.slow  # 1.8 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 @pytest.mark.parametrize("model_type", ["bpe", "unigram"])
 def test_a_text_preserving_sentencepiece_exports_with_the_same_ids(tmp_path, model_type):
     """Issue 42: the default trained tokenizer (normalization: preserve) keeps runs of spaces as whitespace-only

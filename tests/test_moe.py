@@ -304,6 +304,7 @@ def test_the_training_page_draws_router_health_only_for_a_mixture_of_experts(tmp
     assert "Router health" not in summary_page("d", dense, {"status": "done"}, str(tmp_path / "s.json"))
 
 
+@pytest.mark.slow  # 1.7 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
 def test_the_engine_generates_the_eager_decoders_tokens_for_moe(preset):
     """The serving engine's decode step (every row's experts, capturable) and prefill give the eager decoder's

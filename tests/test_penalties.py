@@ -85,6 +85,7 @@ def test_engine_and_eager_equal_the_reference(gen):
         assert want != _ref(gen, ids[2], 10, {}), kw  # the settings change the tokens (else this proves nothing)
 
 
+@pytest.mark.slow  # 1.6 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_rows_with_different_penalties_in_one_batch(gen):
     """Requests with different settings decode in one batch; each gets its own penalties (per-row state)."""
     from snakellm.serve.engine import Engine, EngineSettings

@@ -57,6 +57,7 @@ def test_url_to_relpath_is_stable_and_safe():
         plan.url_to_relpath("http://h/../../etc/passwd")
 
 
+@pytest.mark.slow  # 1.0 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_plan_cli_prints_the_default_plan(capsys, monkeypatch):
     from conftest import REPO
 
@@ -70,6 +71,7 @@ def test_plan_cli_prints_the_default_plan(capsys, monkeypatch):
     assert "botchan: 1 shard -> 1 chunk of <= 1" in out
 
 
+@pytest.mark.slow  # 1.5 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_plan_advises_a_layout_and_micro_batch_for_8b_fine_tuning(capsys, tmp_path):
     """`snakellm plan` on the 8B chain example: each fine-tune's memory per GPU (LoRA: no gradients or Adam
     states for the frozen base) and the tp / micro batch that fit 80 GiB; full SFT: FSDP over the 4 GPUs."""

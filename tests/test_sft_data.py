@@ -82,6 +82,7 @@ def test_template_limit_and_jsonl_quarantine(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow  # 1.0 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_bad_squad_records_quarantined_and_cli(tmp_path: Path) -> None:
     bad = {
         "data": [

@@ -32,12 +32,14 @@ def _long_functions(limit: int) -> list[str]:
     return found
 
 
+@pytest.mark.slow  # 2.1 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_no_function_over_100_lines() -> None:
     offenders = _long_functions(MAX_LINES)
     print("\n".join(offenders))
     assert not offenders, f"functions over {MAX_LINES} lines:\n" + "\n".join(offenders)
 
 
+@pytest.mark.slow  # 1.5 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_long_function_walk_finds_functions() -> None:
     """The walk does see functions (a limit of 0 lists every one), so an empty result means something."""
     assert len(_long_functions(0)) > 500

@@ -67,6 +67,7 @@ def _bad_stats(tmp_path):
     return ["blend", str(stats), "-o", str(tmp_path / "b.json")], str(stats)
 
 
+@pytest.mark.slow  # 2.0 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 @pytest.mark.parametrize("make", [_bad_json_chunk, _truncated_shard, _bad_stats], ids=["tokenize", "chunk", "blend"])
 def test_bad_data_is_a_failure_while_working_naming_the_file(make, tmp_path):
     argv, where = make(tmp_path)

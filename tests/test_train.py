@@ -412,6 +412,7 @@ def test_batch_and_parallelism_mismatches_name_the_numbers(synth, monkeypatch, c
     assert not (synth / "runs/never").exists()
 
 
+@pytest.mark.slow  # 0.9 s of CPU, among the fast tier's slowest (the tier ran 90-95 s of its 90 s budget)
 def test_a_real_launch_reports_a_mismatch_with_exit_status_2_before_importing_torch(synth):
     env = {**env_with_venv(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     proc = subprocess.run(
