@@ -491,7 +491,7 @@ def test_default_tiny_settings_learn(default_workflow):
     assert len(vals) == t["steps"] // t["eval_interval"] and vals[-1] < vals[0] - 0.5
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(recs[-1])
     assert s["model_parameters"] == s["params"]  # the MFU formula's N is the model's real parameter count
-    ckpts = synth / "runs/default/checkpoints"
+    ckpts = ws.path("runs/tiny/checkpoints")
     assert (ckpts / f"iter_{t['steps']:07d}").is_dir()
     best = json.loads((ckpts / "best.json").read_text())  # kept besides the last K
     assert best == s["best"] and (ckpts / f"iter_{best['iteration']:07d}").is_dir()
