@@ -10,7 +10,6 @@ import gzip
 import json
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,10 +74,10 @@ class StepProfiler:
         raw = trace.with_name(f".{trace.name}.{os.getpid()}.json")
         try:
             self.prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as src:
-                timeline = json.load(src)
-            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb", compresslevel=3) as dst:
-                shutil.copyfileobj(src, dst)
+            data = raw.read_bytes()  # read once: parsed for the breakdown, compressed as it is
+            timeline = json.loads(data)
+            with gzip.open(f"{raw}.gz", "wb", compresslevel=3) as dst:
+                dst.write(data)
             os.replace(f"{raw}.gz", trace)
             return timeline
         finally:
