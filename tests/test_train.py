@@ -498,7 +498,7 @@ def test_default_tiny_settings_learn(default_workflow):
     assert best["val_loss"] == min(
         vals[i] for i, r in enumerate([r for r in recs if "val_loss" in r]) if r["step"] % t["save_interval"] == 0
     )
-    assert list((synth / "runs/default/tensorboard").glob("events.out.tfevents.*"))
+    assert list(ws.path("runs/tiny/tensorboard").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.slow
