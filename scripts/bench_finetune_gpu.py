@@ -90,8 +90,29 @@ MFU_BAR = 0.5  # full SFT of the Llama 3.1 8B shape on 4 GPUs (issue 31)
 CHAT_BAR = 0.95  # conversations, packed, against the SQuAD examples at the same shape (issue 44)
 
 
-def make_base(root: Path, preset: str, seq: int, device: str) -> Path:
-    """A model-only checkpoint of random weights (what `snakellm finetune --base` reads), made in a subprocess."""
+def small_gpt2(root: Path, merges: int = 1024) -> dict:
+    """GPT-2's BPE cut to its first ``merges`` merges (the 256 byte tokens, those merges' tokens, then
+    <|endoftext|>): a valid BPE of the same kind whose output layer is ~50x smaller, for the CPU smokes (the
+    GPT-2 vocabulary's output layer is most of a tiny model's CPU time, and in bf16 far more: this CPU has no
+    bf16 matrix units). Every id keeps GPT-2's: merge ``i`` makes token ``256 + i``."""
+    src = REPO / "resources/tokenizers/gpt2"
+    vocab = json.loads((src / "vocab.json").read_text(encoding="utf-8"))
+    lines = (src / "merges.txt").read_text(encoding="utf-8").split("\n")
+    kept = {tok: i for tok, i in vocab.items() if i < 256 + merges}
+    eod = len(kept)
+    kept["<|endoftext|>"] = eod
+    d = root / f"gpt2-{merges}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "vocab.json").write_text(json.dumps(kept, ensure_ascii=False), encoding="utf-8")
+    (d / "merges.txt").write_text("\n".join(lines[: merges + 1]) + "\n", encoding="utf-8")
+    files = {"vocab_file": str(d / "vocab.json"), "merges_file": str(d / "merges.txt")}
+    return {**GPT2, "name": f"gpt2-{merges}", "vocab_size": eod + 1, "eod_id": eod, "files": files}
+
+
+def make_base(root: Path, preset: str, seq: int, device: str, tokenizer: dict | None = None) -> Path:
+    """A model-only checkpoint of random weights (what `snakellm finetune --base` reads), made in a subprocess;
+    ``tokenizer``: the base's (default GPT-2's)."""
+    tokenizer = tokenizer or GPT2
     run = root / "base"
     if (run / "checkpoints" / "latest_checkpointed_iteration.txt").exists():
         return run
@@ -105,9 +126,9 @@ from snakellm.models.build import build_model
 if __name__ == "__main__":
     rt = runtime.start({device!r}, 1)
     arch = models.resolve({preset!r}, {{"seq_length": {seq}}})
-    vocab = models.padded_vocab_size(50257, arch)
+    vocab = models.padded_vocab_size({tokenizer["vocab_size"]}, arch)
     gpt, _ = build_model(arch, vocab, device=str(rt.device), bf16=rt.cuda)
-    save_model(gpt, __import__("pathlib").Path({str(run)!r}), arch, vocab, {GPT2!r})
+    save_model(gpt, __import__("pathlib").Path({str(run)!r}), arch, vocab, {tokenizer!r})
     runtime.stop()
 """
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -479,7 +500,9 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    base = make_base(root / a.preset / str(a.seq_length), a.preset, a.seq_length, a.device)
+    tok = small_gpt2(root, 8192) if a.smoke else None  # the smoke: GPT-2's first 8,192 merges (see small_gpt2)
+    base = make_base(root / a.preset / str(a.seq_length) / (tok or {}).get("name", "gpt2"), a.preset, a.seq_length,
+                     a.device, tok)  # fmt: skip
     print(f"base checkpoint ({a.preset}, random weights): {time.time() - t0:.0f} s", flush=True)
     data = make_data(root, max(64, a.global_batch_size * 2))
     chat = make_chat_data(root, max(96, a.global_batch_size * 6), a.seq_length) if a.chat else None

@@ -139,6 +139,7 @@ def make_chain_data(root: Path, tokens: int, vocab: int = VOCAB, seed: int = 0) 
     return blend
 
 
+SMOKE_MERGES = 1024  # the smoke's text data: GPT-2's first 1,024 merges (its bf16 output layer on the CPU: see main)
 TEXT_CONFIG = """\
 # bench_fp8_gpu.py's numerics data: the repository's English text, GPT-2 BPE
 sources:
@@ -155,10 +156,23 @@ runs: {}
 """
 
 
-def make_text_data(root: Path) -> Path:
+def make_text_data(root: Path, merges: int | None = None) -> Path:
     """The repository's English text (``resources/``) tokenized with GPT-2 BPE by the workflow itself, in ``root``
-    (built once); returns a copy of its blend.json with the prefixes made absolute (train runs in the repo)."""
+    (built once); returns a copy of its blend.json with the prefixes made absolute (train runs in the repo).
+    ``merges``: GPT-2's BPE cut to its first ``merges`` merges instead (the smoke's: see
+    ``bench_finetune_gpu.small_gpt2``)."""
     blend = root / "data" / "tokens" / "gpt2" / "blend.json"
+    config = TEXT_CONFIG
+    if merges is not None:
+        from bench_finetune_gpu import small_gpt2
+
+        tok = small_gpt2(root, merges)
+        files = ", ".join(f"{k}: {v}" for k, v in tok["files"].items())  # absolute: train runs in the repo
+        config = config.replace(
+            "vocab_file: resources/tokenizers/gpt2/vocab.json,\n         merges_file: resources/tokenizers/gpt2/"
+            "merges.txt, vocab_size: 50257",
+            f"{files}, vocab_size: {tok['vocab_size']}",
+        )
     if not blend.exists():
         bindir = str(Path(sys.executable).parent)
         snakemake = shutil.which("snakemake", path=os.pathsep.join([bindir, os.environ.get("PATH", "")]))
@@ -169,7 +183,7 @@ def make_text_data(root: Path) -> Path:
                 "(or --data chain)"
             )
         root.mkdir(parents=True, exist_ok=True)
-        (root / "config.yaml").write_text(TEXT_CONFIG)
+        (root / "config.yaml").write_text(config)
         if not (root / "resources").exists():
             (root / "resources").symlink_to(REPO / "resources")
         env = {**os.environ, "PATH": os.pathsep.join([bindir, os.environ.get("PATH", "")])}
@@ -190,7 +204,8 @@ def data_label(args, blend: Path) -> str:
     if args.blend:
         return str(blend)
     if args.data == "text":
-        return f"text data: the repository's English text, {json.loads(blend.read_text())['tokens']:,} GPT-2 tokens"
+        cut = f" (its first {SMOKE_MERGES:,} merges)" if args.smoke and not args.text_data else ""
+        return f"text data: the repository's English text, {json.loads(blend.read_text())['tokens']:,} GPT-2{cut} tokens"
     return f"chain data: entropy {chain_entropy():.3f}"
 
 
@@ -458,7 +473,8 @@ def numerics_data(args) -> Path:
     if args.blend:
         return Path(args.blend)
     if args.data == "text":
-        return make_text_data(Path(args.text_data or Path(args.workdir) / "data-text").resolve())
+        merges = SMOKE_MERGES if args.smoke and not args.text_data else None
+        return make_text_data(Path(args.text_data or Path(args.workdir) / "data-text").resolve(), merges)
     steps, gbs = args.numerics_steps, args.numerics_global_batch_size
     root = Path(args.workdir) / f"data-chain-{args.vocab}"
     return make_chain_data(root, int(steps * gbs * (args.seq_length + 1) * 1.05), vocab=args.vocab)
@@ -865,8 +881,9 @@ def main(argv=None) -> int:
         print(f"{blend}: {json.loads(blend.read_text())['tokens']:,} GPT-2 tokens")
         return 0
     if args.smoke:
-        # seq 64 and the numerics' micro batch 1 of 2: the text runs' GPT-2 output layer in bf16 is most of the CPU's
-        # time (no bf16 matrix units: ~4 s a step of 512 tokens), and the smoke runs five of them
+        # seq 64, the numerics' micro batch 1 of 2 and their text in GPT-2's first 1,024 merges (SMOKE_MERGES): the
+        # text runs' GPT-2 output layer in bf16 was most of the CPU's time (no bf16 matrix units: ~4 s a step of 512
+        # tokens), and the smoke runs five of them
         args.device, args.compile, args.seq_length, args.vocab = "cpu", False, 64, 256
         args.preset = args.preset if args.preset.startswith("tiny") else "tiny-llama"
         args.versus = args.versus and (args.versus if args.versus.startswith("tiny") else "tiny-llama")

@@ -20,6 +20,7 @@ questions), and its last training loss at most 1.1 x bf16's + 0.01 nats. When bf
     python scripts/check_fp8_lora_gpu.py                    # one H100/H200, llama-1b's shape: ~3-4 minutes
     python scripts/check_fp8_lora_gpu.py --preset tiny-llama --lr 1e-2   # a minute
     python scripts/check_fp8_lora_gpu.py --smoke            # CPU, tiny-llama, fp32 vs FP8 emulated on the CPU
+                                                            # (GPT-2's BPE cut to its first 1,024 merges)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_finetune_gpu import make_base  # noqa: E402
+from bench_finetune_gpu import make_base, small_gpt2  # noqa: E402
 from bench_fp8_gpu import ANY_DEVICE_ENV  # noqa: E402
 
 SQUAD = REPO / "resources" / "squad" / "squad-dev-subset.json"
@@ -120,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     root, out = Path(a.workdir), Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    base = make_base(root / a.preset / str(a.seq_length), a.preset, a.seq_length, a.device)
+    # the smoke's base: GPT-2's first 1,024 merges (the FP8 run's output layer is bf16, ~10x slower than fp32 here)
+    tok = small_gpt2(root) if a.smoke else None
+    base = make_base(root / a.preset / str(a.seq_length) / (tok or {}).get("name", "gpt2"), a.preset, a.seq_length,
+                     a.device, tok)  # fmt: skip
     data = questions(root, a.examples, env)
     rows = [run(reference, a, base, data, root, env), run("fp8", a, base, data, root, env)]
     print(f"LoRA (rank 16, four linears + final norm) on {a.examples} SQuAD questions, {a.preset} random base, "

@@ -87,7 +87,7 @@ FIGURES: dict[str, list[str]] = {
         r"first resumed step's loss identical .*; every step identical",
         r"bf16 again \(the same command, GPU visible\): step 8 [\d.]+, \+0\.000% from the first bf16 run",
         r"fp8 again \(the same command, GPU visible\): step 8 [\d.]+, \+0\.000% from the first fp8 run",
-        r"text data: the repository's English text, 988,608 GPT-2 tokens",
+        r"text data: the repository's English text, 1,748,647 GPT-2 \(its first 1,024 merges\) tokens",
         r"two runs a side, their means: step 8 bf16 [\d.]+, fp8 [\d.]+, [-+][\d.]+%; final loss .*: PASS; "
         r"the four cross pairs: step 8 ",
         r"^pooled numerics: 1 result files, 2 bf16 and 2 fp8 runs$",

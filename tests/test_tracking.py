@@ -276,10 +276,16 @@ def test_records_reach_mlflow_and_wandb_and_a_resumed_job_continues_the_same_run
     assert not any(v in json.dumps(mlflow_server.get("runs/get", run_id=run_id)) for v in secrets.values())
 
 
-def _default_run_config(ws: Workspace, tracking_cfg: dict) -> None:
+def _default_run_config(ws: Workspace, tracking_cfg: dict, **train: int) -> None:
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     cfg["tracking"] = tracking_cfg
+    cfg["runs"]["tiny"]["train"].update(train)
     ws.write_config(cfg)
+
+
+# the run without its server: the default run's settings but 40 steps (what it checks holds at any length;
+# its 300 steps cost ~150 s of CPU more)
+SHORT = {"steps": 40, "warmup_steps": 5, "save_interval": 20, "eval_interval": 20}
 
 
 @pytest.fixture(scope="module")
@@ -308,11 +314,12 @@ def tracked_default_run(default_run_data, mlflow_server):
 
 @pytest.fixture(scope="module")
 def run_without_its_server(tracked_default_run, mlflow_server):
-    """The same run again from scratch with the MLflow server stopped (after the tests that read it)."""
+    """The same run again from scratch (40 steps: ``SHORT``) with the MLflow server stopped (after the tests that
+    read it)."""
     ws = tracked_default_run
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WANDB_DIR", str(ws.root / "wandb-files"))
-        _default_run_config(ws, _tracked(mlflow_server.uri))
+        _default_run_config(ws, _tracked(mlflow_server.uri), **SHORT)
         mlflow_server.stop()
         shutil.rmtree(ws.path("runs/tiny"), ignore_errors=True)
         ws.run("runs/tiny/train_summary.json")
@@ -368,7 +375,7 @@ def test_the_default_run_completes_when_the_tracking_server_is_gone(run_without_
     warnings = [line for line in log.splitlines() if "warning: tracking" in line]
     assert len(warnings) == 1 and "mlflow" in warnings[0] and "metrics.jsonl is the record" in warnings[0], log
     recs = [json.loads(line) for line in ws.path("runs/tiny/metrics.jsonl").read_text().splitlines()]
-    assert len([r for r in recs if "loss" in r]) == 300
+    assert len([r for r in recs if "loss" in r]) == SHORT["steps"]
     assert json.loads(ws.path("runs/tiny/train_summary.json").read_text())["status"] == "completed"
 
 
