@@ -205,7 +205,9 @@ def data_label(args, blend: Path) -> str:
         return str(blend)
     if args.data == "text":
         cut = f" (its first {SMOKE_MERGES:,} merges)" if args.smoke and not args.text_data else ""
-        return f"text data: the repository's English text, {json.loads(blend.read_text())['tokens']:,} GPT-2{cut} tokens"
+        return (
+            f"text data: the repository's English text, {json.loads(blend.read_text())['tokens']:,} GPT-2{cut} tokens"
+        )
     return f"chain data: entropy {chain_entropy():.3f}"
 
 
