@@ -36,6 +36,24 @@ def _tracker(tmp_path: Path, settings: TrackingSettings, *, fresh: bool = True, 
     return t, warnings
 
 
+@pytest.mark.slow  # ~6 s of CPU: one process importing megatron-core
+def test_megatron_core_is_imported_without_wandb_and_wandb_still_imports():
+    """snakellm._imports: megatron-core's own module-level ``import wandb`` (logging snakellm never asks for) is
+    refused, so it runs as without wandb; wandb itself, for snakellm's tracking, imports as usual afterwards."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, snakellm, megatron.core.timers as t, megatron.core.inference.contexts.dynamic_context as d\n"
+        "assert 'wandb' not in sys.modules and t.wandb is None and d.HAVE_WANDB is False\n"
+        "import wandb\n"
+        "assert callable(wandb.init) and sys.modules['wandb'] is wandb\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- fast
 
 REQUIRED = [
