@@ -395,41 +395,31 @@ def test_parallel_fp8_training_follows_one_process(fp8_parallel_runs):
 
 # ----------------------------------------------------------------------------- snakellm finetune, LoRA on an fp8 base
 
-GPT2 = {
-    "kind": "gpt2-bpe",
-    "name": "gpt2",
-    "vocab_size": 50257,
-    "eod_id": 50256,
-    "eod_token": "<|endoftext|>",
-    "files": {
-        "vocab_file": "resources/tokenizers/gpt2/vocab.json",
-        "merges_file": "resources/tokenizers/gpt2/merges.txt",
-    },
-}
-
 
 @pytest.mark.slow
 def test_lora_finetune_on_an_fp8_base_follows_bf16(tmp_path, parallel, any_device):
     """`snakellm finetune --method lora --precision fp8` (the frozen base's matmuls in float8, the adapters bf16)
     trains as the bf16 fine-tune does, records fp8 (and its recipe) in its fingerprint, and writes the adapter."""
-    import shutil
-
     from conftest import REPO
 
     from snakellm import models
     from snakellm.finetune.artifacts import save_model
     from snakellm.models.build import build_model
 
-    shutil.copytree(REPO / "resources/tokenizers", tmp_path / "resources/tokenizers")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_finetune_gpu import small_gpt2
+
+    # GPT-2's BPE cut to its first 1,024 merges: the bf16 GPT-2 output layer was most of a CPU step (no bf16
+    # matrix units here)
+    tok = small_gpt2(tmp_path)
     arch = resolve("tiny-llama", {})
-    vocab = models.padded_vocab_size(50257, arch)
+    vocab = models.padded_vocab_size(tok["vocab_size"], arch)
     torch.manual_seed(0)
     gpt, _ = build_model(arch, vocab, fused_loss="eager", use_te=False)
-    tok = GPT2 | {"files": {k: str(tmp_path / v) for k, v in GPT2["files"].items()}}
     save_model(gpt, tmp_path / "base", arch, vocab, tok)
     book = [json.loads(ln)["text"] for ln in (REPO / "resources/corpus/botchan/botchan.jsonl").read_text().splitlines()]
     (tmp_path / "sft").mkdir()
-    # short examples, seq 64, 4 a step: the bf16 GPT-2 output layer is most of a CPU step (no bf16 matrix units)
+    # short examples, seq 64, 4 a step
     recs = [{"input": book[i][:120], "output": f" the answer is {i}"} for i in range(16)]
     for split in ("train", "validation"):
         (tmp_path / "sft" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
