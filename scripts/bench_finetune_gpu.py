@@ -111,9 +111,10 @@ def small_gpt2(root: Path, merges: int = 1024) -> dict:
 
 def make_base(root: Path, preset: str, seq: int, device: str, tokenizer: dict | None = None) -> Path:
     """A model-only checkpoint of random weights (what `snakellm finetune --base` reads), made in a subprocess;
-    ``tokenizer``: the base's (default GPT-2's)."""
+    ``tokenizer``: the base's (default GPT-2's, in ``root/base``; another in ``root/NAME/base``, so that a cached
+    base is never one of another vocabulary)."""
+    run = root / "base" if tokenizer is None else root / tokenizer["name"] / "base"
     tokenizer = tokenizer or GPT2
-    run = root / "base"
     if (run / "checkpoints" / "latest_checkpointed_iteration.txt").exists():
         return run
     code = f"""
@@ -501,8 +502,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     tok = small_gpt2(root, 8192) if a.smoke else None  # the smoke: GPT-2's first 8,192 merges (see small_gpt2)
-    base = make_base(root / a.preset / str(a.seq_length) / (tok or {}).get("name", "gpt2"), a.preset, a.seq_length,
-                     a.device, tok)  # fmt: skip
+    base = make_base(root / a.preset / str(a.seq_length), a.preset, a.seq_length, a.device, tok)
     print(f"base checkpoint ({a.preset}, random weights): {time.time() - t0:.0f} s", flush=True)
     data = make_data(root, max(64, a.global_batch_size * 2))
     chat = make_chat_data(root, max(96, a.global_batch_size * 6), a.seq_length) if a.chat else None

@@ -140,7 +140,10 @@ def make_chain_data(root: Path, tokens: int, vocab: int = VOCAB, seed: int = 0) 
 
 
 SMOKE_MERGES = 1024  # the smoke's text data: GPT-2's first 1,024 merges (its bf16 output layer on the CPU: see main)
-TEXT_CONFIG = """\
+TEXT_TOKENIZER = "vocab_file: resources/tokenizers/gpt2/vocab.json, merges_file: resources/tokenizers/gpt2/merges.txt, \
+vocab_size: 50257"
+TEXT_CONFIG = (
+    """\
 # bench_fp8_gpu.py's numerics data: the repository's English text, GPT-2 BPE
 sources:
   wikipedia: {kind: local, path: resources/wikipedia/enwiki-pages-articles-excerpt.xml.bz2, format: mediawiki,
@@ -149,11 +152,13 @@ sources:
              shards_per_chunk: 16}
   botchan: {kind: local, path: "resources/corpus/botchan/*.jsonl", format: jsonl, shards_per_chunk: 1}
 tokenizers:
-  gpt2: {kind: gpt2-bpe, vocab_file: resources/tokenizers/gpt2/vocab.json,
-         merges_file: resources/tokenizers/gpt2/merges.txt, vocab_size: 50257}
+  gpt2: {kind: gpt2-bpe, """
+    + TEXT_TOKENIZER
+    + """}
 tokenize: {tokenizers: [gpt2]}
 runs: {}
 """
+)
 
 
 def make_text_data(root: Path, merges: int | None = None) -> Path:
@@ -168,11 +173,7 @@ def make_text_data(root: Path, merges: int | None = None) -> Path:
 
         tok = small_gpt2(root, merges)
         files = ", ".join(f"{k}: {v}" for k, v in tok["files"].items())  # absolute: train runs in the repo
-        config = config.replace(
-            "vocab_file: resources/tokenizers/gpt2/vocab.json,\n         merges_file: resources/tokenizers/gpt2/"
-            "merges.txt, vocab_size: 50257",
-            f"{files}, vocab_size: {tok['vocab_size']}",
-        )
+        config = config.replace(TEXT_TOKENIZER, f"{files}, vocab_size: {tok['vocab_size']}")
     if not blend.exists():
         bindir = str(Path(sys.executable).parent)
         snakemake = shutil.which("snakemake", path=os.pathsep.join([bindir, os.environ.get("PATH", "")]))
@@ -200,11 +201,16 @@ def make_text_data(root: Path, merges: int | None = None) -> Path:
     return absolute
 
 
+def text_merges(args) -> int | None:
+    """The merges of GPT-2's BPE the text data is tokenized with: the smoke's few (its own data), else all."""
+    return SMOKE_MERGES if args.smoke and not args.text_data else None
+
+
 def data_label(args, blend: Path) -> str:
     if args.blend:
         return str(blend)
     if args.data == "text":
-        cut = f" (its first {SMOKE_MERGES:,} merges)" if args.smoke and not args.text_data else ""
+        cut = f" (its first {SMOKE_MERGES:,} merges)" if text_merges(args) else ""
         return (
             f"text data: the repository's English text, {json.loads(blend.read_text())['tokens']:,} GPT-2{cut} tokens"
         )
@@ -475,8 +481,7 @@ def numerics_data(args) -> Path:
     if args.blend:
         return Path(args.blend)
     if args.data == "text":
-        merges = SMOKE_MERGES if args.smoke and not args.text_data else None
-        return make_text_data(Path(args.text_data or Path(args.workdir) / "data-text").resolve(), merges)
+        return make_text_data(Path(args.text_data or Path(args.workdir) / "data-text").resolve(), text_merges(args))
     steps, gbs = args.numerics_steps, args.numerics_global_batch_size
     root = Path(args.workdir) / f"data-chain-{args.vocab}"
     return make_chain_data(root, int(steps * gbs * (args.seq_length + 1) * 1.05), vocab=args.vocab)

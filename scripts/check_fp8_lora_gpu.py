@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # the smoke's base: GPT-2's first 1,024 merges (the FP8 run's output layer is bf16, ~10x slower than fp32 here)
     tok = small_gpt2(root) if a.smoke else None
-    base = make_base(root / a.preset / str(a.seq_length) / (tok or {}).get("name", "gpt2"), a.preset, a.seq_length,
-                     a.device, tok)  # fmt: skip
+    base = make_base(root / a.preset / str(a.seq_length), a.preset, a.seq_length, a.device, tok)
     data = questions(root, a.examples, env)
     rows = [run(reference, a, base, data, root, env), run("fp8", a, base, data, root, env)]
     print(f"LoRA (rank 16, four linears + final norm) on {a.examples} SQuAD questions, {a.preset} random base, "
