@@ -36,7 +36,7 @@ def _tracker(tmp_path: Path, settings: TrackingSettings, *, fresh: bool = True, 
     return t, warnings
 
 
-@pytest.mark.slow  # ~6 s of CPU: one process importing megatron-core
+@pytest.mark.slow  # ~8 s: one process importing megatron-core
 def test_megatron_core_is_imported_without_wandb_and_wandb_still_imports():
     """snakellm._imports: megatron-core's own module-level ``import wandb`` (logging snakellm never asks for) is
     refused, so it runs as without wandb; wandb itself, for snakellm's tracking, imports as usual afterwards."""
